@@ -1,0 +1,14 @@
+"""flashcl: exact flash-attention kernels for mobile/desktop GPUs (OpenCL) and CUDA (Triton).
+
+    out = flashcl.prefill(q, k, v, causal=True)
+    out = flashcl.decode(q, k_cache, v_cache, block_table=bt, context_lens=lens)
+
+See README.md and DESIGN.md for shapes and semantics. Nothing here touches a device at import.
+"""
+
+from ._version import __version__
+from .api import decode, merge_states, prefill
+from .errors import FlashCLError, KernelBuildError, KernelLaunchError
+
+__all__ = ["prefill", "decode", "merge_states", "FlashCLError", "KernelBuildError",
+           "KernelLaunchError", "__version__"]

@@ -1,0 +1,296 @@
+"""The public API: validate inputs, pick a backend, dispatch (DESIGN.md §2).
+
+Everything here runs before any kernel: a malformed call raises ValueError/TypeError naming the
+argument, what it received and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
+_BACKENDS = ("auto", "opencl", "triton")
+
+
+# --------------------------------------------------------------------------- input kinds
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "is_cuda")
+
+
+def _is_cl_array(x) -> bool:
+    return type(x).__module__.startswith("pyopencl") and hasattr(x, "queue")
+
+
+def _kind(x, name: str) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if _is_torch(x):
+        return "cuda" if x.is_cuda else "torch-cpu"
+    if _is_cl_array(x):
+        return "cl"
+    raise TypeError(
+        f"{name}: expected a numpy array, a torch tensor or a pyopencl Array, got {type(x).__name__}"
+    )
+
+
+def _dtype_name(x) -> str:
+    if _is_torch(x):
+        return str(x.dtype).replace("torch.", "")
+    return np.dtype(x.dtype).name
+
+
+def _check_head_dim(name: str, d: int) -> None:
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_STEP == 0):
+        raise ValueError(
+            f"{name}: head dim {d} is not supported; expected a multiple of {HEAD_DIM_STEP} "
+            f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
+        )
+
+
+def _common_kind(tensors: dict) -> str:
+    kinds = {name: _kind(x, name) for name, x in tensors.items()}
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n}={k}" for n, k in kinds.items())
+        raise TypeError(f"inputs must all be of one kind (numpy, torch CPU, torch CUDA or pyopencl); got {desc}")
+    return next(iter(kinds.values()))
+
+
+def _common_dtype(tensors: dict, allowed: tuple[str, ...]) -> str:
+    dtypes = {name: _dtype_name(x) for name, x in tensors.items()}
+    first = next(iter(dtypes.values()))
+    if any(d != first for d in dtypes.values()):
+        desc = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise TypeError(f"inputs must share one dtype; got {desc}")
+    if first not in allowed:
+        raise TypeError(f"dtype {first} is not supported by this backend; expected one of {allowed}")
+    return first
+
+
+def _check_scale(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return float(scale)
+
+
+def _choose_backend(backend: str, kind: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if kind == "cuda" else "opencl"
+    if backend == "opencl" and kind == "cuda":
+        raise TypeError("backend='opencl' takes numpy arrays, torch CPU tensors or pyopencl Arrays, "
+                        "not torch CUDA tensors")
+    if backend == "triton":
+        if kind == "torch-cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise TypeError("backend='triton' needs torch CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
+        if kind not in ("cuda", "torch-cpu"):
+            raise TypeError(f"backend='triton' needs torch tensors, got {kind} inputs")
+    return backend
+
+
+# --------------------------------------------------------------------------- prefill
+
+def _prefill_shapes(q, k, v) -> tuple[int, tuple, tuple, tuple]:
+    """Validate (B, H, N, D) / (H, N, D) shapes; return the rank and the 4-D shapes."""
+    ranks = {"q": len(q.shape), "k": len(k.shape), "v": len(v.shape)}
+    if any(r not in (3, 4) for r in ranks.values()) or len(set(ranks.values())) > 1:
+        raise ValueError(f"q, k, v must all be 3-D (H, N, D) or all 4-D (B, H, N, D); got ranks {ranks}")
+    rank = ranks["q"]
+    qs, ks, vs = (tuple(int(s) for s in x.shape) for x in (q, k, v))
+    if rank == 3:
+        qs, ks, vs = (1, *qs), (1, *ks), (1, *vs)
+    (b, h_q, n_q, dk), (bk, h_kv, n_kv, dkk), (bv, h_v, n_v, dv) = qs, ks, vs
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+    if h_kv != h_v:
+        raise ValueError(f"k has {h_kv} heads but v has {h_v}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
+    if dk != dkk:
+        raise ValueError(f"q has head dim {dk} but k has {dkk}")
+    if n_kv != n_v:
+        raise ValueError(f"k has {n_kv} keys but v has {n_v}")
+    if min(b, h_q, n_q, n_kv) == 0:
+        raise ValueError(f"empty input: q shape {qs}, k shape {ks} (every dimension must be >= 1)")
+    _check_head_dim("q/k", dk)
+    _check_head_dim("v", dv)
+    return rank, qs, ks, vs
+
+
+def prefill(q, k, v, *, causal: bool = False, scale=None, device=None, params=None,
+            backend: str = "auto", return_lse: bool = False):
+    """Exact attention of q over k/v (flash-attention prefill).
+
+    q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV), or the same without B.
+    ``causal=True`` is bottom-right aligned (query i sees keys j <= i + N_kv - N_q).
+    Returns out (.., H_q, N_q, DV) in the input's type and dtype, and lse (.., H_q, N_q) float32
+    when ``return_lse``.
+    """
+    kind = _common_kind({"q": q, "k": k, "v": v})
+    chosen = _choose_backend(backend, kind)
+    rank, qs, ks, vs = _prefill_shapes(q, k, v)
+    scale = _check_scale(scale)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if params is not None and not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(qs[3])
+
+    if chosen == "triton":
+        _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"))
+        from .triton import prefill as triton_prefill
+
+        return triton_prefill.prefill(q, k, v, causal=bool(causal), scale=scale,
+                                      return_lse=return_lse, params=params)
+
+    _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"))
+    from .opencl import prefill as cl_prefill
+
+    return cl_prefill.prefill(q, k, v, rank=rank, shapes=(qs, ks, vs), causal=bool(causal),
+                              scale=scale, device=device, params=params, return_lse=return_lse)
+
+
+# --------------------------------------------------------------------------- decode
+
+def _decode_shapes(q, k_cache, v_cache, block_table, context_lens) -> dict:
+    """Validate a decode call; return its geometry. Values of block_table/context_lens are checked
+    by the backends that hold them (a device tensor is not read back here)."""
+    if len(q.shape) != 3:
+        raise ValueError(f"q: expected (B, H_q, DK) for decode, got shape {tuple(q.shape)}")
+    b, h_q, dk = (int(s) for s in q.shape)
+    if len(k_cache.shape) != 4 or len(v_cache.shape) != 4:
+        raise ValueError(f"k_cache/v_cache must be 4-D, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    ks, vs = tuple(int(s) for s in k_cache.shape), tuple(int(s) for s in v_cache.shape)
+    paged = block_table is not None
+    if paged:
+        num_blocks, block_size, h_kv, dkk = ks
+        if vs[:3] != ks[:3]:
+            raise ValueError(f"paged v_cache {vs} must match k_cache {ks} in (num_blocks, block_size, H_kv)")
+        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
+            raise ValueError(f"block_size {block_size} (k_cache.shape[1]) must be a power of two from 1 to 256")
+        if len(block_table.shape) != 2 or int(block_table.shape[0]) != b:
+            raise ValueError(f"block_table: expected (B={b}, max_blocks), got shape {tuple(block_table.shape)}")
+        if _dtype_name(block_table) != "int32":
+            raise TypeError(f"block_table: expected int32, got {_dtype_name(block_table)}")
+        if context_lens is None:
+            raise ValueError("a paged cache (block_table given) needs context_lens (B,) int32")
+        n_max = int(block_table.shape[1]) * block_size
+    else:
+        bk, h_kv, n_max, dkk = ks
+        if vs[:3] != ks[:3]:
+            raise ValueError(f"v_cache {vs} must match k_cache {ks} in (B, H_kv, N_max)")
+        if bk != b:
+            raise ValueError(f"k_cache batch {bk} differs from q batch {b}")
+        block_size = num_blocks = None
+        if n_max == 0:
+            raise ValueError(f"empty cache: k_cache shape {ks}")
+    if context_lens is not None:
+        if tuple(context_lens.shape) != (b,):
+            raise ValueError(f"context_lens: expected shape ({b},), got {tuple(context_lens.shape)}")
+        if _dtype_name(context_lens) != "int32":
+            raise TypeError(f"context_lens: expected int32, got {_dtype_name(context_lens)}")
+    if dkk != dk:
+        raise ValueError(f"q has head dim {dk} but k_cache has {dkk}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
+    if b == 0:
+        raise ValueError("empty batch: q.shape[0] == 0")
+    _check_head_dim("q/k_cache", dk)
+    _check_head_dim("v_cache", vs[3])
+    return {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": vs[3], "paged": paged,
+            "block_size": block_size, "num_blocks": num_blocks, "N_max": n_max}
+
+
+def _check_num_splits(num_splits):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
+        raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits!r}")
+    return int(num_splits)
+
+
+def decode(q, k_cache, v_cache, *, block_table=None, context_lens=None, scale=None,
+           num_splits=None, device=None, params=None, backend: str = "auto", return_lse: bool = False):
+    """One new query token per sequence attending over its KV cache (flash-decoding).
+
+    q (B, H_q, DK). Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
+    optional context_lens (B,) int32. Paged cache (vLLM layout): k_cache (num_blocks, block_size,
+    H_kv, DK), v_cache (num_blocks, block_size, H_kv, DV), block_table (B, max_blocks) int32,
+    context_lens (B,) int32. ``num_splits``: None picks the split-k count, 1 is single pass.
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32.
+    """
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    kind = _common_kind(tensors)
+    for name, x in (("block_table", block_table), ("context_lens", context_lens)):
+        if x is not None and _kind(x, name) != kind:
+            raise TypeError(f"{name} must be the same kind of array as q ({kind}), got {_kind(x, name)}")
+    chosen = _choose_backend(backend, kind)
+    geo = _decode_shapes(q, k_cache, v_cache, block_table, context_lens)
+    scale = _check_scale(scale)
+    num_splits = _check_num_splits(num_splits)
+    if params is not None and not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(geo["DK"])
+
+    if chosen == "triton":
+        _common_dtype(tensors, ("float32", "float16", "bfloat16"))
+        from .triton import decode as triton_decode
+
+        return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
+                                    context_lens=context_lens, scale=scale,
+                                    num_splits=num_splits, return_lse=return_lse)
+
+    _common_dtype(tensors, ("float32", "float16"))
+    from .opencl import decode as cl_decode
+
+    return cl_decode.decode(q, k_cache, v_cache, geo=geo, block_table=block_table,
+                            context_lens=context_lens, scale=scale, num_splits=num_splits,
+                            device=device, params=params, return_lse=return_lse)
+
+
+# --------------------------------------------------------------------------- merge
+
+def merge_states(outs, lses):
+    """Exact merge of normalized partial results over disjoint key sets.
+
+    ``outs[i]`` (..., DV) and ``lses[i]`` (...) from calls with ``return_lse=True``; returns the
+    merged (out, lse). Each part is weighted by exp(lse_i - lse_max); parts with lse -inf (no key
+    seen) contribute nothing, and a row no part saw stays (0, -inf).
+    """
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"merge_states needs equally many outs and lses (>= 1), got {len(outs)} and {len(lses)}")
+    if _is_torch(outs[0]):
+        import torch
+
+        xp_o = torch.stack([o.float() for o in outs])
+        xp_l = torch.stack([l.float() for l in lses])
+        m = xp_l.amax(0)
+        m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+        w = torch.exp(xp_l - m_safe)
+        den = w.sum(0)
+        out = (w[..., None] * xp_o).sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+        lse = torch.where(den > 0, m_safe + torch.log(torch.where(den > 0, den, torch.ones_like(den))),
+                          torch.full_like(den, -float("inf")))
+        return out.to(outs[0].dtype), lse
+    o = np.stack([np.asarray(x, dtype=np.float64) for x in outs])
+    l = np.stack([np.asarray(x, dtype=np.float64) for x in lses])
+    if o.shape[:-1] != l.shape:
+        raise ValueError(f"outs {o.shape[1:]} and lses {l.shape[1:]} shapes do not agree")
+    m = l.max(0)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    w = np.exp(l - m_safe)
+    den = w.sum(0)
+    seen = den > 0
+    out = (w[..., None] * o).sum(0) / np.where(seen, den, 1.0)[..., None]
+    lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
+    return out.astype(np.asarray(outs[0]).dtype), lse.astype(np.float32)

@@ -1,0 +1,79 @@
+"""GPU timing for the CUDA benchmarks (DESIGN.md §6): CUDA-graph replay, inputs rotated past L2,
+median and spread, and the device's copy bandwidth measured in the same run.
+
+Only the benchmarks import this module; it needs torch with CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+
+def l2_bytes(device=None) -> int:
+    props = torch.cuda.get_device_properties(device or torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+
+def rotation_count(bytes_per_input: int, device=None, factor: float = 3.0, cap: int = 64) -> int:
+    """How many input sets make the working set exceed ``factor`` x L2 (at least 1)."""
+    need = int(factor * l2_bytes(device) / max(bytes_per_input, 1)) + 1
+    return max(1, min(cap, need))
+
+
+def time_graph(calls: Sequence[Callable[[], object]], *, warmup: int = 3, reps: int = 20,
+               inner: int | None = None) -> dict:
+    """Time one pass over ``calls`` (each with its own input set) by CUDA-graph replay.
+
+    All calls are captured into one graph, run ``inner`` times per replay so short kernels are not
+    dominated by launch latency. Returns the median/min/max milliseconds of ONE call.
+    """
+    calls = list(calls)
+    inner = inner or 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (and trigger compilation) outside the capture
+        for _ in range(warmup):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            for c in calls:
+                c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    per = len(calls) * inner
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / per)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, device=None) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), graph-timed."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.uint8, device=device or "cuda")
+    dst = torch.empty_like(src)
+    t = time_graph([lambda: dst.copy_(src)], warmup=2, reps=10)
+    return 2 * n / (t["median_ms"] * 1e-3)
+
+
+def device_summary() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+        "driver": f"CUDA {torch.version.cuda}",
+        "torch": torch.__version__,
+    }

@@ -1,0 +1,177 @@
+"""The float64 oracle every flashcl kernel is checked against (NumPy only).
+
+Shapes (SDPA order; a 3-D ``(H, N, D)`` array is treated as batch 1):
+
+    q    (B, H_q,  N_q,  DK)
+    k    (B, H_kv, N_kv, DK)       H_q % H_kv == 0  (MHA, GQA, MQA)
+    v    (B, H_kv, N_kv, DV)       DK and DV independent
+    out  (B, H_q,  N_q,  DV)
+    lse  (B, H_q,  N_q)            natural-log sum-exp of the scaled scores of each row
+
+``causal=True`` is bottom-right aligned: query ``i`` sees keys ``j <= i + N_kv - N_q``. A row that
+sees no key has output 0 and lse ``-inf``.
+
+The attention-state algebra: a partial result over a subset of the keys is the unnormalized state
+
+    m    (B, H_q, N_q)         row max of the visible scaled scores (-inf if none visible)
+    l    (B, H_q, N_q)         sum of exp(s - m)                    (0 if none visible)
+    acc  (B, H_q, N_q, DV)     sum of exp(s - m) * v                (0 if none visible)
+
+Two states over disjoint key sets merge exactly by rescaling both to their shared max; the merge
+is commutative and associative and the empty state ``(-inf, 0, 0)`` is its identity. Split-k
+decode, cascade (shared-prefix) attention and multi-device splits are all this one algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+
+class AttentionState(NamedTuple):
+    m: np.ndarray
+    l: np.ndarray
+    acc: np.ndarray
+
+
+def _as4d(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 3:
+        return x[None]
+    if x.ndim != 4:
+        raise ValueError(f"expected a 3-D (H, N, D) or 4-D (B, H, N, D) array, got shape {x.shape}")
+    return x
+
+
+def _expand_kv_heads(x: np.ndarray, h_q: int) -> np.ndarray:
+    """Repeat each KV head over its GQA group of query heads: (B, H_kv, ...) -> (B, H_q, ...)."""
+    h_kv = x.shape[1]
+    if h_q % h_kv:
+        raise ValueError(f"H_q={h_q} is not a multiple of H_kv={h_kv}")
+    return np.repeat(x, h_q // h_kv, axis=1)
+
+
+def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
+    """Boolean (N_q, N_kv) mask, True where bottom-right-aligned causal attention sees the key."""
+    rows = np.arange(n_q)[:, None]
+    cols = np.arange(n_kv)[None, :]
+    return cols <= rows + (n_kv - n_q)
+
+
+def empty_state(b: int, h: int, n_q: int, dv: int) -> AttentionState:
+    """The identity of ``merge``: a partition that saw no key."""
+    return AttentionState(
+        np.full((b, h, n_q), -np.inf), np.zeros((b, h, n_q)), np.zeros((b, h, n_q, dv))
+    )
+
+
+def attend_partial(q, k, v, *, scale: float | None = None, mask=None) -> AttentionState:
+    """Unnormalized attention state of q over the keys k/v (any subset of the sequence).
+
+    ``mask`` is a boolean array broadcastable to (B, H_q, N_q, N_chunk); False hides a key.
+    """
+    q, k, v = _as4d(q), _as4d(k), _as4d(v)
+    b, h_q, n_q, dk = q.shape
+    if k.shape[2] == 0:
+        return empty_state(b, h_q, n_q, v.shape[3])
+    scale = 1.0 / np.sqrt(dk) if scale is None else float(scale)
+    k = _expand_kv_heads(k, h_q)
+    v = _expand_kv_heads(v, h_q)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1)
+    m_safe = np.where(np.isneginf(m), 0.0, m)  # a fully hidden row: every p becomes exp(-inf) = 0
+    p = np.exp(s - m_safe[..., None])
+    return AttentionState(m, p.sum(axis=-1), np.einsum("bhqk,bhkd->bhqd", p, v))
+
+
+def merge(a: AttentionState, b: AttentionState) -> AttentionState:
+    """Exact merge of two states over disjoint key sets (rescale both to the shared max)."""
+    m = np.maximum(a.m, b.m)
+    m_safe = np.where(np.isneginf(m), 0.0, m)  # both empty: keep (-inf, 0, 0), no inf - inf
+    wa = np.exp(a.m - m_safe)
+    wb = np.exp(b.m - m_safe)
+    return AttentionState(m, a.l * wa + b.l * wb, a.acc * wa[..., None] + b.acc * wb[..., None])
+
+
+def merge_partials(states: Sequence[AttentionState]) -> AttentionState:
+    """Merge any number of states (order does not matter)."""
+    if not states:
+        raise ValueError("merge_partials needs at least one state")
+    out = states[0]
+    for s in states[1:]:
+        out = merge(out, s)
+    return out
+
+
+def finalize(state: AttentionState) -> tuple[np.ndarray, np.ndarray]:
+    """Normalize a state: (out, lse). Rows that saw no key give out 0 and lse -inf."""
+    seen = state.l > 0
+    l_safe = np.where(seen, state.l, 1.0)
+    out = np.where(seen[..., None], state.acc / l_safe[..., None], 0.0)
+    lse = np.where(seen, state.m + np.log(l_safe), -np.inf)
+    return out, lse
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+    """Dense float64 attention; 3-D inputs give 3-D outputs."""
+    squeeze = np.ndim(q) == 3
+    q4, k4 = _as4d(q), _as4d(k)
+    mask = causal_mask(q4.shape[2], k4.shape[2]) if causal else None
+    out, lse = finalize(attend_partial(q4, k4, v, scale=scale, mask=mask))
+    if squeeze:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def partitioned_attention(q, k, v, num_partitions: int, *, causal: bool = False,
+                          scale: float | None = None, return_lse: bool = False):
+    """Attention computed as ``num_partitions`` contiguous key chunks merged together.
+
+    More partitions than keys is allowed: the surplus chunks are empty and merge as no-ops.
+    """
+    q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
+    n_q, n_kv = q4.shape[2], k4.shape[2]
+    full_mask = causal_mask(n_q, n_kv) if causal else None
+    bounds = np.linspace(0, n_kv, num_partitions + 1).round().astype(int)
+    states = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        mask = None if full_mask is None else full_mask[:, lo:hi]
+        states.append(attend_partial(q4, k4[:, :, lo:hi], v4[:, :, lo:hi], scale=scale, mask=mask))
+    out, lse = finalize(merge_partials(states))
+    if np.ndim(q) == 3:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None,
+                     scale: float | None = None, return_lse: bool = False):
+    """Single-token decode against a contiguous or paged cache (see flashcl.decode for layouts).
+
+    q (B, H_q, DK); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
+    paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks).
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q).
+    """
+    q = np.asarray(q, dtype=np.float64)
+    b = q.shape[0]
+    outs, lses = [], []
+    for i in range(b):
+        if block_table is None:
+            n = k_cache.shape[2] if context_lens is None else int(context_lens[i])
+            k = np.asarray(k_cache[i, :, :n], dtype=np.float64)
+            v = np.asarray(v_cache[i, :, :n], dtype=np.float64)
+        else:
+            n = int(context_lens[i])
+            bs = k_cache.shape[1]
+            blocks = np.asarray(block_table[i][: (n + bs - 1) // bs])
+            # (blocks, block_size, H_kv, D) -> (H_kv, tokens, D)
+            k = np.asarray(k_cache[blocks], dtype=np.float64).reshape(-1, *k_cache.shape[2:])[:n]
+            v = np.asarray(v_cache[blocks], dtype=np.float64).reshape(-1, *v_cache.shape[2:])[:n]
+            k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        o, lse = attention(q[i][:, None, :], k, v, scale=scale, return_lse=True)
+        outs.append(o[:, 0])
+        lses.append(lse[:, 0])
+    out, lse = np.stack(outs), np.stack(lses)
+    return (out, lse) if return_lse else out

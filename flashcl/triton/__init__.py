@@ -1,0 +1,1 @@
+"""Triton (CUDA) kernels registered as torch custom ops."""

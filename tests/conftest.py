@@ -1,0 +1,63 @@
+"""Device gating for the whole suite (STYLE.md: in one place, nothing touched at import).
+
+OpenCL tests take the ``cl_device`` fixture, parametrized over every OpenCL device present
+(Oclgrind left out unless asked). Narrow with FLASHCL_TEST_DEVICES=substring[,substring...].
+Triton tests take ``triton_device``: "cuda" when a GPU is present, else "cpu" under
+TRITON_INTERPRET=1, which must be set before triton compiles anything, hence here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_HAS_TORCH = importlib.util.find_spec("torch") is not None
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _cuda_available() -> bool:
+    if not _HAS_TORCH:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if _HAS_TRITON and not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _opencl_devices():
+    """(id, platform index, device index) for every usable OpenCL device, Oclgrind excluded."""
+    try:
+        import pyopencl as cl
+
+        platforms = cl.get_platforms()
+    except Exception:  # no ICD loader or no platform: the OpenCL tests are not collected
+        return []
+    wanted = [w.strip().lower() for w in os.environ.get("FLASHCL_TEST_DEVICES", "").split(",") if w.strip()]
+    found = []
+    for pi, p in enumerate(platforms):
+        for di, d in enumerate(p.get_devices()):
+            name = f"{p.name}:{d.name}"
+            if "oclgrind" in name.lower() and not any("oclgrind" in w for w in wanted):
+                continue
+            if wanted and not any(w in name.lower() for w in wanted):
+                continue
+            found.append((f"{p.name.split()[0]}-{d.name.split()[0]}-{pi}:{di}", f"{pi}:{di}"))
+    return found
+
+
+def pytest_generate_tests(metafunc):
+    if "cl_device" in metafunc.fixturenames:
+        devs = _opencl_devices()
+        metafunc.parametrize("cl_device", [d[1] for d in devs], ids=[d[0] for d in devs])
+
+
+@pytest.fixture
+def triton_device():
+    if not (_HAS_TORCH and _HAS_TRITON):
+        pytest.skip("torch and triton are not installed (pip install .[cuda])")
+    return "cuda" if _cuda_available() else "cpu"

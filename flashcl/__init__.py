@@ -7,8 +7,9 @@ See README.md and DESIGN.md for shapes and semantics. Nothing here touches a dev
 """
 
 from ._version import __version__
+from . import reference
 from .api import decode, merge_states, prefill
 from .errors import FlashCLError, KernelBuildError, KernelLaunchError
 
-__all__ = ["prefill", "decode", "merge_states", "FlashCLError", "KernelBuildError",
+__all__ = ["prefill", "decode", "merge_states", "reference", "FlashCLError", "KernelBuildError",
            "KernelLaunchError", "__version__"]

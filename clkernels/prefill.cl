@@ -1,0 +1,222 @@
+/* flashcl prefill: exact flash attention, one query row per work-item.
+ *
+ *   out[b, h, i, :] = softmax_j(scale * q[b, h, i, :] . k[b, h / G, j, :]) @ v[b, h / G, :, :]
+ *
+ * with G = H_q / H_kv (GQA/MQA), online softmax in float32 (exp2 of log2-scaled scores) and
+ * bottom-right causal alignment: row i sees keys j <= i + N_kv - N_q. A row that sees no key gets
+ * out = 0 and lse = -inf.
+ *
+ * Buffers (element strides; the head dim is contiguous, stride 1):
+ *   q    [B][H_q ][N_q ][HEAD_DK]   at q + q_off + b*q_sb + h*q_sh + i*q_sn
+ *   k    [B][H_kv][N_kv][HEAD_DK]   likewise with k_*
+ *   v    [B][H_kv][N_kv][HEAD_DV]   likewise with v_*
+ *   out  [B][H_q ][N_q ][HEAD_DV]   likewise with o_*
+ *   lse  [B][H_q ][N_q]  float32, contiguous, natural log (written when WRITE_LSE)
+ *
+ * Grid: dim 0 = (query block, DV slice) pairs x BLOCK_M work-items, dim 1 = H_q, dim 2 = B.
+ *
+ *        keys ->  |<- BLOCK_N ->|
+ *              +--------------------+   K tile  (HEAD_DK x BLOCK_N, transposed) in local memory
+ *   BLOCK_M    | s = q.k^T          |   V slice (BLOCK_N x DV_TILE) in local memory
+ *   query rows | (registers, one    |   q row   (HEAD_DK)  private, pre-scaled
+ *   (1 / item) |  row per item)     |   acc     (DV_TILE)  private: the DV slice of out
+ *              +--------------------+
+ *
+ * The output is produced DV_TILE columns at a time so that the accumulator fits in the register
+ * file of small GPUs; each DV slice is its own work-group (they recompute the scores, but run side
+ * by side on a large GPU instead of one pass after another). DV_TILE = HEAD_DV is a single pass.
+ * Causal work-groups stop at the last KV tile their last row can see: tiles wholly above the
+ * diagonal are never loaded.
+ */
+
+/* ---- tunables ------------------------------------------------------------------------------ */
+#ifndef BLOCK_M
+#define BLOCK_M 64        // query rows per work-group = work-group size (one row per work-item)
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 32        // KV rows per local-memory tile (4..128)
+#endif
+#ifndef DV_TILE
+#define DV_TILE HEAD_DV   // output columns accumulated per pass; HEAD_DV means one pass
+#endif
+#ifndef VEC
+#define VEC 4             // SIMD width of score/accumulator vectors: 4 on GPUs, 8 or 16 on CPUs
+#endif
+
+/* ---- problem constants set by the host ------------------------------------------------------ */
+#ifndef HEAD_DK
+#error "HEAD_DK (query/key head dim) must be defined by the host"
+#endif
+#ifndef HEAD_DV
+#error "HEAD_DV (value head dim) must be defined by the host"
+#endif
+#ifndef STORE_HALF
+#define STORE_HALF 0      // 1: q/k/v/out are stored as half (computed in float32)
+#endif
+#ifndef IS_CAUSAL
+#define IS_CAUSAL 0       // 1: bottom-right aligned causal mask
+#endif
+#ifndef WRITE_LSE
+#define WRITE_LSE 0       // 1: also write the per-row log-sum-exp
+#endif
+
+/* ---- derived constants and impossible combinations ------------------------------------------ */
+#define DK4 (HEAD_DK / 4)
+#define DV4 (DV_TILE / 4)
+#define NUM_DV_TILES (HEAD_DV / DV_TILE)
+#define BNV (BLOCK_N / VEC)
+#define DVV (DV_TILE / VEC)
+
+#if HEAD_DK % 4 != 0 || HEAD_DV % 4 != 0
+#error "head dims must be multiples of 4"
+#endif
+#if DV_TILE % 4 != 0 || HEAD_DV % DV_TILE != 0
+#error "DV_TILE must be a multiple of 4 that divides HEAD_DV"
+#endif
+#if VEC != 4 && VEC != 8 && VEC != 16
+#error "VEC must be 4, 8 or 16"
+#endif
+#if BLOCK_M < 1 || BLOCK_N < VEC || BLOCK_N % VEC != 0 || DV_TILE % VEC != 0
+#error "BLOCK_N and DV_TILE must be positive multiples of VEC"
+#endif
+
+#include "storage.h"
+#include "vec.h"
+
+__kernel __attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
+void flash_prefill(__global const store_t *q, __global const store_t *k,
+                   __global const store_t *v, __global store_t *out, __global float *lse,
+                   const int n_q, const int n_kv, const int h_q, const int group,
+                   const float scale_log2,  /* softmax scale * log2(e) */
+                   const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
+                   const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
+                   const ulong v_off, const ulong v_sb, const ulong v_sh, const ulong v_sn,
+                   const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn)
+{
+    __local float k_tile[BLOCK_N * HEAD_DK];
+    __local float v_tile[BLOCK_N * DV_TILE];
+
+    const int lid = get_local_id(0);
+    const int dv_slice = get_group_id(0) % NUM_DV_TILES;
+    const int num_m_blocks = (n_q + BLOCK_M - 1) / BLOCK_M;
+    int m_block = get_group_id(0) / NUM_DV_TILES;
+#if IS_CAUSAL
+    m_block = num_m_blocks - 1 - m_block;  /* longest rows first: shorter tail on the GPU */
+#endif
+    const int head = get_group_id(1);
+    const int batch = get_group_id(2);
+    const int kv_head = head / group;
+    const int row = m_block * BLOCK_M + lid;
+    const bool row_valid = row < n_q;
+    const int dv0 = dv_slice * DV_TILE;
+
+    __global const store_t *q_row = q + q_off + batch * q_sb + head * q_sh + (ulong)min(row, n_q - 1) * q_sn;
+    __global const store_t *k_base = k + k_off + batch * k_sb + kv_head * k_sh;
+    __global const store_t *v_base = v + v_off + batch * v_sb + kv_head * v_sh + dv0;
+
+    /* q row, pre-scaled so that scores are already in the log2 domain */
+    float q_reg[HEAD_DK];
+    for (int c = 0; c < DK4; ++c)
+        vstore4(LOAD4(q_row, c) * scale_log2, c, q_reg);
+
+    /* causal: the last row of this block sees keys < kv_end; later tiles are skipped, not masked */
+    const int offset = n_kv - n_q;
+    int kv_end = n_kv;
+#if IS_CAUSAL
+    const int last_row = min(m_block * BLOCK_M + BLOCK_M, n_q) - 1;
+    kv_end = clamp(last_row + offset + 1, 0, n_kv);
+    const int row_limit = row + offset;  /* this row sees keys j <= row_limit */
+#endif
+
+    float m_i = -INFINITY;  /* running max (log2 domain) */
+    float l_i = 0.0f;       /* running sum of exp2(s - m_i) */
+    floatV acc[DVV];
+    for (int c = 0; c < DVV; ++c)
+        acc[c] = (floatV)(0.0f);
+
+    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+        /* every work-item is done reading the previous tile before it is overwritten */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = lid; i < BLOCK_N * DK4; i += BLOCK_M) {
+            /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as float4
+             * vectors; j varies fastest across work-items, so the local stores do not conflict */
+            const int j = i % BLOCK_N, c = i / BLOCK_N;
+            /* rows past the end are zero, never garbage: p * garbage could be NaN */
+            const float4 x = (n0 + j < n_kv) ? LOAD4(k_base + (ulong)(n0 + j) * k_sn, c) : (float4)(0.0f);
+            k_tile[(4 * c + 0) * BLOCK_N + j] = x.x;
+            k_tile[(4 * c + 1) * BLOCK_N + j] = x.y;
+            k_tile[(4 * c + 2) * BLOCK_N + j] = x.z;
+            k_tile[(4 * c + 3) * BLOCK_N + j] = x.w;
+        }
+        for (int i = lid; i < BLOCK_N * DV4; i += BLOCK_M) {
+            const int j = i / DV4, c = i % DV4;
+            const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
+            vstore4(x, i, v_tile);
+        }
+        /* the whole tile is in local memory before anyone reads it */
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* scores of this row against the tile, VEC keys per vector: sv[jv] = q . k[VEC*jv ..] */
+        floatV sv[BNV];
+        for (int jv = 0; jv < BNV; ++jv)
+            sv[jv] = (floatV)(0.0f);
+        for (int d = 0; d < HEAD_DK; ++d) {
+            const floatV qd = (floatV)(q_reg[d]);
+            for (int jv = 0; jv < BNV; ++jv)
+                sv[jv] = fma(qd, VLOADV(jv, k_tile + d * BLOCK_N), sv[jv]);
+        }
+
+        /* mask the tile edge and the diagonal, then the tile max */
+        floatV maxv = (floatV)(-INFINITY);
+        for (int jv = 0; jv < BNV; ++jv) {
+            const intV col = (intV)(n0 + VEC * jv) + IOTA_V;
+            intV visible = col < (intV)(n_kv);
+#if IS_CAUSAL
+            visible = visible & (col <= (intV)(row_limit));
+#endif
+            sv[jv] = select((floatV)(-INFINITY), sv[jv], visible);
+            maxv = fmax(maxv, sv[jv]);
+        }
+        const float tile_max = HMAX_V(maxv);
+
+        /* rescale acc to the new max; while nothing is visible, exp2 args stay finite */
+        const float m_new = fmax(m_i, tile_max);
+        const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
+        const float alpha = exp2(m_i - m_use);
+        l_i *= alpha;
+        for (int c = 0; c < DVV; ++c)
+            acc[c] *= alpha;
+
+        /* p = exp2(s - m), then acc += p @ v_tile */
+        float p[BLOCK_N];
+        floatV lv = (floatV)(0.0f);
+        for (int jv = 0; jv < BNV; ++jv) {
+            const floatV pv = exp2(sv[jv] - (floatV)(m_use));
+            lv += pv;
+            VSTOREV(pv, jv, p);
+        }
+        l_i += HSUM_V(lv);
+        for (int j = 0; j < BLOCK_N; ++j) {
+            const floatV pj = (floatV)(p[j]);
+            for (int c = 0; c < DVV; ++c)
+                acc[c] = fma(pj, VLOADV(c, v_tile + j * DV_TILE), acc[c]);
+        }
+        m_i = m_new;
+    }
+
+    if (row_valid) {
+        const float inv_l = (l_i > 0.0f) ? 1.0f / l_i : 0.0f;  /* no visible key: zeros, not NaN */
+        __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh + (ulong)row * o_sn + dv0;
+        for (int c = 0; c < DVV; ++c) {
+            float out_v[VEC];
+            VSTOREV(acc[c] * inv_l, 0, out_v);
+            for (int t = 0; t < VEC / 4; ++t)
+                STORE4(vload4(t, out_v), c * (VEC / 4) + t, o_row);
+        }
+#if WRITE_LSE
+        if (dv_slice == 0)
+            lse[((ulong)batch * h_q + head) * n_q + row] =
+                (l_i > 0.0f) ? (m_i + log2(l_i)) * M_LN2_F : -INFINITY;
+#endif
+    }
+}

@@ -1,0 +1,169 @@
+"""Benchmarks of the OpenCL kernels (commands, never tests; DESIGN.md §6).
+
+Prefill: GFLOP/s = FLOPs / median kernel time, with FLOPs = 2·B·H_q·(DK + DV)·(visible query-key
+pairs) — 4·B·H·N²·d for square non-causal attention, about half of it causal. Times come from
+OpenCL profiling events (warm-up first, then ``repeats`` runs, median and spread). The error is
+the relative error against the float64 oracle on batch 0's first KV group (the oracle is too slow
+for the whole problem). On a CPU device torch's CPU SDPA runs in the same process on the same
+inputs, and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyopencl.array as cla
+
+from . import reference
+from ._version import __version__
+from .opencl.prefill import PrefillKernel, PrefillProblem, choose_params
+from .opencl.runtime import DeviceHandle
+
+# (B, H_q, H_kv, N, d, causal); DESIGN.md §6 reference shapes, and what the issues' targets name
+PREFILL_PRESETS = {
+    "reference": [(1, 32, 32, 1024, 128, True), (1, 32, 32, 4096, 128, True), (4, 32, 32, 4096, 128, True),
+                  (1, 32, 32, 4096, 128, False), (8, 12, 12, 1024, 64, True), (16, 12, 12, 512, 64, False),
+                  (1, 32, 8, 2048, 128, True)],
+    "target": [(1, 32, 8, 2048, 128, True), (1, 32, 8, 2048, 64, True)],
+    # the reference shapes scaled to what a 2-core CPU finishes in seconds, plus the PoCL target
+    "cpu": [(1, 8, 2, 512, 128, True), (1, 8, 8, 512, 128, False), (2, 12, 12, 256, 64, True),
+            (1, 8, 2, 1024, 128, True)],
+}
+
+
+@dataclass
+class PrefillRow:
+    shape: str
+    dtype: str
+    causal: bool
+    params: str
+    params_source: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    gflops: float
+    rel_err: float
+    spill: str
+    peer: str = ""
+    peer_gflops: float = float("nan")
+    ratio: float = float("nan")
+
+
+def _time_events(run, repeats: int) -> list[float]:
+    run().wait()  # warm-up (also the first-launch cost of the driver)
+    times = []
+    for _ in range(repeats):
+        ev = run()
+        ev.wait()
+        times.append((ev.profile.end - ev.profile.start) * 1e-6)
+    return times
+
+
+def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
+    try:
+        import torch
+    except ImportError:
+        return None
+    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    kw = {"is_causal": causal, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
+    if causal and q.shape[2] != k.shape[2]:
+        return None  # SDPA's is_causal is top-left aligned; only square causal is comparable
+    f = torch.nn.functional.scaled_dot_product_attention
+    f(qt, kt, vt, **kw)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(qt, kt, vt, **kw)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _spill_text(info: dict) -> str:
+    parts = []
+    if "spill_stores" in info:
+        parts.append(f"ptxas spill st/ld {info['spill_stores']}/{info['spill_loads']} B")
+    if "registers" in info:
+        parts.append(f"{info['registers']} regs")
+    if "private_mem" in info:
+        parts.append(f"private {info['private_mem']} B")
+    return ", ".join(parts) or "no signal"
+
+
+def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repeats: int = 10,
+                  params: dict | None = None, check: bool = True, peer: bool = True, progress=None):
+    rng = np.random.default_rng(0)
+    rows = []
+    for (b, h_q, h_kv, n, d, causal) in shapes:
+        prob = PrefillProblem(b, h_q, h_kv, n, n, d, d, causal, dtype)
+        choice = choose_params(handle, prob, params)
+        kern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia)
+        q = rng.standard_normal((b, h_q, n, d)).astype(dtype)
+        k = rng.standard_normal((b, h_kv, n, d)).astype(dtype)
+        v = rng.standard_normal((b, h_kv, n, d)).astype(dtype)
+        scale = 1.0 / np.sqrt(d)
+        qd, kd, vd = (cla.to_device(handle.queue, x) for x in (q, k, v))
+        out = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+        times = _time_events(lambda: kern(qd, kd, vd, out, None, scale), repeats)
+        med = statistics.median(times)
+        err = float("nan")
+        if check:
+            g = h_q // h_kv
+            ref = reference.attention(q[:1, :g], k[:1, :1], v[:1, :1], causal=causal, scale=scale)
+            got = out.get()[:1, :g].astype(np.float64)
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        row = PrefillRow(
+            shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
+            params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
+            params_source=choice.source, median_ms=med, min_ms=min(times), max_ms=max(times),
+            gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills()))
+        if peer and handle.is_cpu:
+            peer_ms = _torch_cpu_sdpa(q.astype(np.float32) if dtype == "float16" else q,
+                                      k.astype(np.float32) if dtype == "float16" else k,
+                                      v.astype(np.float32) if dtype == "float16" else v,
+                                      causal, scale, max(3, repeats // 2))
+            if peer_ms is not None:
+                import torch
+
+                row.peer = f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads)"
+                row.peer_gflops = prob.flops / (peer_ms * 1e-3) / 1e9
+                row.ratio = row.gflops / row.peer_gflops
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+def conditions(handle: DeviceHandle, command: str) -> dict:
+    return {"device": handle.name, "platform": handle.platform, "driver": handle.driver,
+            "profile": handle.profile.name, "flashcl": __version__,
+            "date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "command": command}
+
+
+def format_prefill(rows, cond: dict) -> str:
+    lines = [f"# flashcl prefill on {cond['device']} ({cond['platform']}, driver {cond['driver']}), "
+             f"flashcl {cond['flashcl']}, {cond['date']}",
+             f"# command: {cond['command']}",
+             "# time: OpenCL profiling events, median of the runs [min-max]; err: relative to float64",
+             f"{'shape (B,Hq/Hkv,N,d)':22} {'causal':6} {'dtype':7} {'params':40} {'ms':>9} {'[min-max]':>17} "
+             f"{'GFLOP/s':>9} {'rel err':>8}  {'peer GFLOP/s':>12} {'ratio':>6}  spill signals"]
+    for r in rows:
+        lines.append(
+            f"{r.shape:22} {str(r.causal):6} {r.dtype:7} {r.params:40} {r.median_ms:9.3f} "
+            f"[{r.min_ms:7.3f}-{r.max_ms:7.3f}] {r.gflops:9.1f} {r.rel_err:8.1e}  "
+            f"{r.peer_gflops:12.1f} {r.ratio:6.2f}  {r.spill}")
+    sources = sorted({r.params_source for r in rows})
+    lines.append("# params from: " + "; ".join(sources))
+    peers = sorted({r.peer for r in rows if r.peer})
+    if peers:
+        lines.append("# peer: " + "; ".join(peers))
+    return "\n".join(lines)
+
+
+def rows_as_dicts(rows):
+    return [asdict(r) for r in rows]

@@ -1,0 +1,180 @@
+"""Host side of the OpenCL prefill kernel (clkernels/prefill.cl)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+
+from .. import tuning
+from .runtime import DeviceHandle, build, get_device, launch, spill_report
+
+KERNEL = "prefill"
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class PrefillProblem:
+    b: int
+    h_q: int
+    h_kv: int
+    n_q: int
+    n_kv: int
+    dk: int
+    dv: int
+    causal: bool
+    dtype: str  # "float32" | "float16"
+
+    @property
+    def flops(self) -> float:
+        """4·B·H·N_q·N_kv·d' with d' = (DK + DV)/2; causal counts only the visible half."""
+        f = 2.0 * self.b * self.h_q * self.n_q * self.n_kv * (self.dk + self.dv)
+        if self.causal:
+            # visible (query, key) pairs under bottom-right alignment, exactly
+            offset = self.n_kv - self.n_q
+            rows = np.arange(self.n_q)
+            visible = np.clip(rows + offset + 1, 0, self.n_kv).sum()
+            f *= visible / (self.n_q * self.n_kv)
+        return f
+
+
+def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | None = None) -> tuning.Choice:
+    """User override, else the tuning database, else the profile default; always validated."""
+    def errors(p):
+        return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
+                                   max_work_group=handle.max_work_group)
+
+    if params is not None:
+        if "VEC" not in params and {"BLOCK_N", "DV_TILE"} <= params.keys():
+            params = dict(params, VEC=tuning.widest_vec(params["BLOCK_N"], params["DV_TILE"], 4))
+        errs = errors(params)
+        if errs:
+            raise ValueError("params: " + "; ".join(errs))
+        return tuning.Choice(dict(params), "params= override")
+    key = tuning.DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor,
+                              handle.profile.name)
+    found = tuning.lookup(KERNEL, key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv, causal=prob.causal,
+                          n=max(prob.n_q, prob.n_kv), validate=errors)
+    if found is not None:
+        return found
+    p = tuning.default_params(KERNEL, handle.profile, prob.dk, prob.dv, local_mem=handle.local_mem,
+                              max_work_group=handle.max_work_group)
+    return tuning.Choice(p, f"profile default ({handle.profile.name})")
+
+
+class PrefillKernel:
+    """The prefill kernel built for one problem class and parameter set on one device."""
+
+    def __init__(self, handle: DeviceHandle, prob: PrefillProblem, params: dict, *,
+                 write_lse: bool = True, verbose: bool = False, extra_options=()):
+        self.handle, self.prob, self.params = handle, prob, dict(params)
+        self.defines = {
+            "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
+            "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
+            "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
+            "VEC": params["VEC"],
+        }
+        self.built = build(handle, "prefill.cl", self.defines, kernel=KERNEL, verbose=verbose,
+                           extra_options=extra_options)
+        self.kernel = self.built.kernel("flash_prefill")
+        kwg = int(self.kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, handle.device))
+        if kwg < params["BLOCK_M"]:
+            raise ValueError(f"params: BLOCK_M={params['BLOCK_M']} exceeds this kernel's max work-group "
+                             f"size {kwg} on {handle.name} (too many registers per work-item); "
+                             f"use a smaller BLOCK_M or DV_TILE")
+
+    def spills(self) -> dict:
+        return spill_report(self.built, self.kernel, self.handle)
+
+    def grid(self) -> tuple[tuple, tuple]:
+        p, bm = self.prob, self.params["BLOCK_M"]
+        num_m = -(-p.n_q // bm)
+        num_dv = p.dv // self.params["DV_TILE"]
+        return (num_m * num_dv * bm, p.h_q, p.b), (bm, 1, 1)
+
+    def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
+        """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""
+        p = self.prob
+        args = [q.base_data, k.base_data, v.base_data, out.base_data,
+                lse.base_data if lse is not None else out.base_data,
+                np.int32(p.n_q), np.int32(p.n_kv), np.int32(p.h_q), np.int32(p.h_q // p.h_kv),
+                np.float32(scale * _LOG2E)]
+        for arr in (q, k, v, out):
+            args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in _elem_strides(arr)[:3]]
+        gsize, lsize = self.grid()
+        return launch(self.handle, self.kernel, gsize, lsize, args, name=KERNEL, params=self.params)
+
+
+def _elem_strides(arr: cla.Array) -> tuple[int, ...]:
+    return tuple(s // arr.dtype.itemsize for s in arr.strides)
+
+
+def _to_device_4d(x, queue, rank: int) -> cla.Array:
+    """numpy / torch CPU / pyopencl Array -> 4-D pyopencl Array with a contiguous head dim."""
+    if isinstance(x, cla.Array):
+        if rank == 3:
+            if not x.flags.c_contiguous:
+                raise ValueError("a 3-D pyopencl Array input must be C-contiguous (it is viewed as 4-D with B=1)")
+            x = x.reshape(1, *x.shape)
+        arr = x
+        if arr.strides[3] != arr.dtype.itemsize and arr.shape[3] > 1:
+            raise ValueError(f"pyopencl Array inputs need a contiguous head dim (stride {arr.dtype.itemsize} "
+                             f"bytes), got strides {arr.strides}; pass arr.copy() or a numpy array")
+        if any(s < 0 or s % arr.dtype.itemsize for s in arr.strides):
+            raise ValueError(f"pyopencl Array strides {arr.strides} must be non-negative multiples of the item size")
+        return arr
+    host = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    host = np.ascontiguousarray(host)
+    if rank == 3:
+        host = host[None]
+    return cla.to_device(queue, host)
+
+
+def _queue_of(tensors) -> cl.CommandQueue | None:
+    for t in tensors:
+        if isinstance(t, cla.Array):
+            return t.queue
+    return None
+
+
+def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
+            return_lse: bool):
+    """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api."""
+    (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
+    is_cl = isinstance(q, cla.Array)
+    if is_cl:
+        queue = _queue_of((q, k, v))
+        if any(t.context != queue.context for t in (k, v)):
+            raise ValueError("q, k and v are pyopencl Arrays of different contexts")
+        if device is not None:
+            raise ValueError("device= cannot be combined with pyopencl Array inputs (they carry their queue)")
+        handle = get_device(queue)
+    else:
+        handle = get_device(device)
+    dtype = np.dtype(str(q.dtype).replace("torch.", "")).name
+    prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype)
+    choice = choose_params(handle, prob, params)
+    kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse)
+
+    queue = handle.queue
+    qd, kd, vd = (_to_device_4d(t, queue, rank) for t in (q, k, v))
+    out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
+    lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
+    kern(qd, kd, vd, out, lse, scale)
+
+    if rank == 3:
+        out = out.reshape(h_q, n_q, dv)
+        lse = lse.reshape(h_q, n_q) if lse is not None else None
+    if is_cl:
+        return (out, lse) if return_lse else out
+    out_h = out.get()
+    lse_h = lse.get() if lse is not None else None
+    if hasattr(q, "detach"):  # torch CPU in, torch out
+        import torch
+
+        out_h = torch.from_numpy(out_h)
+        lse_h = torch.from_numpy(lse_h) if lse_h is not None else None
+    return (out_h, lse_h) if return_lse else out_h

@@ -1,0 +1,274 @@
+"""OpenCL runtime: device selection, context/queue reuse, the program cache, kernel launches.
+
+Contexts and queues are created once per device and reused; programs are cached per
+(context, source + includes, build options, device, driver, flashcl version), so a second call
+with the same parameters never rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pyopencl as cl
+
+from .._resources import kernel_dir
+from .._version import __version__
+from ..errors import KernelBuildError, KernelLaunchError
+from ..profiles import DeviceProfile, profile_for
+
+
+@dataclass
+class DeviceHandle:
+    """One OpenCL device with its reused context and profiling queue."""
+
+    device: cl.Device
+    context: cl.Context
+    queue: cl.CommandQueue
+    programs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.device.name.strip()
+
+    @property
+    def platform(self) -> str:
+        return self.device.platform.name.strip()
+
+    @property
+    def driver(self) -> str:
+        return self.device.driver_version.strip()
+
+    @property
+    def is_cpu(self) -> bool:
+        return bool(self.device.type & cl.device_type.CPU)
+
+    @cached_property
+    def profile(self) -> DeviceProfile:
+        return profile_for(self.device.vendor, self.name, self.device.opencl_c_version,
+                           "cpu" if self.is_cpu else "gpu")
+
+    @property
+    def local_mem(self) -> int:
+        return int(self.device.local_mem_size)
+
+    @property
+    def max_work_group(self) -> int:
+        return int(self.device.max_work_group_size)
+
+    @property
+    def fp16(self) -> bool:
+        return "cl_khr_fp16" in self.device.extensions
+
+    @property
+    def is_nvidia(self) -> bool:
+        return "nvidia" in self.platform.lower()
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.platform}, driver {self.driver})"
+
+
+_handles: dict = {}
+_lock = threading.RLock()
+
+
+def _all_devices():
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:
+        raise RuntimeError(f"no OpenCL platform found ({exc}); install one, e.g. pip install 'flashcl[pocl]'") from exc
+    return [(pi, di, p, d) for pi, p in enumerate(platforms) for di, d in enumerate(p.get_devices())]
+
+
+def _is_oclgrind(p) -> bool:
+    return "oclgrind" in p.name.lower()
+
+
+def _match(spec: str):
+    devices = _all_devices()
+    m = re.fullmatch(r"(\d+):(\d+)", spec.strip())
+    if m:
+        pi, di = int(m.group(1)), int(m.group(2))
+        for P, D, _, d in devices:
+            if (P, D) == (pi, di):
+                return d
+        raise ValueError(f"device={spec!r}: no OpenCL device {pi}:{di}; run `flashcl devices` to list them")
+    want = spec.strip().lower()
+    for _, _, p, d in devices:
+        prof = profile_for(d.vendor, d.name, d.opencl_c_version,
+                           "cpu" if d.type & cl.device_type.CPU else "gpu")
+        if want in p.name.lower() or want in d.name.lower() or want == prof.name or prof.name.startswith(want):
+            return d
+    names = ", ".join(f"{P}:{D} {d.name.strip()}" for P, D, _, d in devices)
+    raise ValueError(f"device={spec!r} matches no OpenCL device (have: {names})")
+
+
+def _default_device():
+    devices = [(p, d) for _, _, p, d in _all_devices() if not _is_oclgrind(p)]
+    if not devices:
+        raise RuntimeError("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'")
+    for p, d in devices:
+        if d.type & cl.device_type.GPU:
+            return d
+    return devices[0][1]
+
+
+def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle:
+    key = (dev.int_ptr, None if context is None else context.int_ptr, None if queue is None else queue.int_ptr)
+    with _lock:
+        h = _handles.get(key)
+        if h is None:
+            ctx = context or (queue.context if queue is not None else cl.Context([dev]))
+            if queue is None:
+                queue = cl.CommandQueue(ctx, dev, properties=cl.command_queue_properties.PROFILING_ENABLE)
+            h = _handles[key] = DeviceHandle(dev, ctx, queue)
+        return h
+
+
+def get_device(spec=None) -> DeviceHandle:
+    """Resolve ``device=`` (DESIGN.md §2) to a cached DeviceHandle.
+
+    None: $FLASHCL_DEVICE, else the first GPU, else the first device. A string: "P:D" indices or a
+    substring of the platform/device name or a profile name ("adreno", "nvidia", "cpu"). Or a
+    pyopencl Device, Context or CommandQueue.
+    """
+    if isinstance(spec, DeviceHandle):
+        return spec
+    if isinstance(spec, cl.CommandQueue):
+        return _handle_for_device(spec.device, queue=spec)
+    if isinstance(spec, cl.Context):
+        return _handle_for_device(spec.devices[0], context=spec)
+    if isinstance(spec, cl.Device):
+        return _handle_for_device(spec)
+    if spec is None:
+        env = os.environ.get("FLASHCL_DEVICE")
+        dev = _match(env) if env else _default_device()
+        return _handle_for_device(dev)
+    if isinstance(spec, str):
+        return _handle_for_device(_match(spec))
+    raise TypeError(f"device: expected None, a string, or a pyopencl Device/Context/CommandQueue; "
+                    f"got {type(spec).__name__}")
+
+
+def list_devices(include_oclgrind: bool = True) -> list[dict]:
+    rows = []
+    for pi, di, p, d in _all_devices():
+        if _is_oclgrind(p) and not include_oclgrind:
+            continue
+        rows.append({
+            "id": f"{pi}:{di}", "platform": p.name.strip(), "device": d.name.strip(),
+            "type": cl.device_type.to_string(d.type), "driver": d.driver_version.strip(),
+            "opencl_c": d.opencl_c_version.strip(), "compute_units": int(d.max_compute_units),
+            "local_mem_kib": int(d.local_mem_size) // 1024, "max_work_group": int(d.max_work_group_size),
+            "fp16": "cl_khr_fp16" in d.extensions,
+            "profile": profile_for(d.vendor, d.name, d.opencl_c_version,
+                                   "cpu" if d.type & cl.device_type.CPU else "gpu").name,
+        })
+    return rows
+
+
+# --------------------------------------------------------------------------- programs
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_with_includes(name: str) -> tuple[str, str]:
+    """The kernel source and a digest covering it and (recursively) its quoted includes."""
+    root = kernel_dir()
+    text = (root / name).read_text()
+    digest = hashlib.sha256(text.encode())
+    seen, todo = set(), _INCLUDE_RE.findall(text)
+    while todo:
+        inc = todo.pop()
+        if inc in seen:
+            continue
+        seen.add(inc)
+        inc_text = (root / inc).read_text()
+        digest.update(inc.encode() + inc_text.encode())
+        todo.extend(_INCLUDE_RE.findall(inc_text))
+    return text, digest.hexdigest()
+
+
+@dataclass
+class BuiltProgram:
+    program: cl.Program
+    log: str
+    options: list
+    kernels: dict = field(default_factory=dict)
+
+    def kernel(self, name: str) -> cl.Kernel:
+        """One Kernel object per name, reused (launches set all arguments every time)."""
+        if name not in self.kernels:
+            self.kernels[name] = cl.Kernel(self.program, name)
+        return self.kernels[name]
+
+
+def build_options(defines: dict, handle: DeviceHandle, verbose: bool = False, extra=()) -> list[str]:
+    opts = [f"-I{kernel_dir()}"]
+    opts += [f"-D{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(defines.items())]
+    if handle.is_nvidia and verbose:
+        opts.append("-cl-nv-verbose")  # ptxas register/spill report in the build log
+    opts += list(extra)
+    return opts
+
+
+def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
+          verbose: bool = False, extra_options=()) -> BuiltProgram:
+    """Build (or fetch from the cache) ``source`` from clkernels/ with ``-D`` defines."""
+    text, digest = _source_with_includes(source)
+    options = build_options(defines, handle, verbose, extra_options)
+    key = (digest, tuple(options), handle.name, handle.driver, __version__)
+    with _lock:
+        cached = handle.programs.get(key)
+    if cached is not None:
+        return cached
+    program = cl.Program(handle.context, text)
+    try:
+        program.build(options=options, devices=[handle.device])
+    except cl.RuntimeError as exc:
+        try:
+            log = program.get_build_info(handle.device, cl.program_build_info.LOG)
+        except cl.Error:
+            log = str(exc)
+        raise KernelBuildError(kernel, defines, handle.describe(), log or str(exc)) from None
+    log = program.get_build_info(handle.device, cl.program_build_info.LOG) or ""
+    built = BuiltProgram(program, log, options)
+    with _lock:
+        handle.programs[key] = built
+    return built
+
+
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def spill_report(built: BuiltProgram, kernel: cl.Kernel, handle: DeviceHandle) -> dict:
+    """Spill signals for one built kernel, strongest first (DESIGN.md §5)."""
+    info = {}
+    m = _PTXAS_SPILL.search(built.log)
+    if m:
+        info["spill_stores"], info["spill_loads"] = int(m.group(1)), int(m.group(2))
+    m = _PTXAS_REGS.search(built.log)
+    if m:
+        info["registers"] = int(m.group(1))
+    wgi = cl.kernel_work_group_info
+    try:
+        info["private_mem"] = int(kernel.get_work_group_info(wgi.PRIVATE_MEM_SIZE, handle.device))
+    except cl.Error:
+        pass
+    info["kernel_max_work_group"] = int(kernel.get_work_group_info(wgi.WORK_GROUP_SIZE, handle.device))
+    info["local_mem"] = int(kernel.get_work_group_info(wgi.LOCAL_MEM_SIZE, handle.device))
+    return info
+
+
+def launch(handle: DeviceHandle, kernel: cl.Kernel, global_size, local_size, args, *,
+           name: str, params: dict) -> cl.Event:
+    try:
+        kernel.set_args(*args)
+        return cl.enqueue_nd_range_kernel(handle.queue, kernel, global_size, local_size)
+    except cl.Error as exc:
+        raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None

@@ -59,6 +59,12 @@
 #ifndef WRITE_LSE
 #define WRITE_LSE 0       // 1: also write the per-row log-sum-exp
 #endif
+#ifndef Q_IN_REGS
+#define Q_IN_REGS 1       // 1: the q row lives in registers; 0: re-read per KV tile (saves HEAD_DK registers)
+#endif
+#ifndef UNROLL_LOOPS
+#define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
+#endif
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
 #define DK4 (HEAD_DK / 4)
@@ -82,6 +88,16 @@
 
 #include "storage.h"
 #include "vec.h"
+
+/* On GPUs every loop over a private array is fully unrolled so that the array lives in
+ * registers: a loop left rolled indexes q_reg/sv/p/acc dynamically, which puts them in (off-chip)
+ * private memory -- CL_KERNEL_PRIVATE_MEM_SIZE > 0 with no spill reported by the compiler. CPU
+ * drivers keep private arrays in cache anyway, and unrolling there multiplies build time ~10x. */
+#if UNROLL_LOOPS
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
 
 __kernel __attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
 void flash_prefill(__global const store_t *q, __global const store_t *k,
@@ -114,10 +130,17 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     __global const store_t *k_base = k + k_off + batch * k_sb + kv_head * k_sh;
     __global const store_t *v_base = v + v_off + batch * v_sb + kv_head * v_sh + dv0;
 
+#if Q_IN_REGS
     /* q row, pre-scaled so that scores are already in the log2 domain */
     float q_reg[HEAD_DK];
+    UNROLL
     for (int c = 0; c < DK4; ++c)
         vstore4(LOAD4(q_row, c) * scale_log2, c, q_reg);
+#define Q_CHUNK(c) vload4((c), q_reg)
+#else
+    /* q is re-read per KV tile (a cache hit after the first tile): HEAD_DK fewer live registers */
+#define Q_CHUNK(c) (LOAD4(q_row, (c)) * scale_log2)
+#endif
 
     /* causal: the last row of this block sees keys < kv_end; later tiles are skipped, not masked */
     const int offset = n_kv - n_q;
@@ -131,6 +154,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     float m_i = -INFINITY;  /* running max (log2 domain) */
     float l_i = 0.0f;       /* running sum of exp2(s - m_i) */
     floatV acc[DVV];
+    UNROLL
     for (int c = 0; c < DVV; ++c)
         acc[c] = (floatV)(0.0f);
 
@@ -158,16 +182,27 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 
         /* scores of this row against the tile, VEC keys per vector: sv[jv] = q . k[VEC*jv ..] */
         floatV sv[BNV];
+        UNROLL
         for (int jv = 0; jv < BNV; ++jv)
             sv[jv] = (floatV)(0.0f);
-        for (int d = 0; d < HEAD_DK; ++d) {
-            const floatV qd = (floatV)(q_reg[d]);
-            for (int jv = 0; jv < BNV; ++jv)
-                sv[jv] = fma(qd, VLOADV(jv, k_tile + d * BLOCK_N), sv[jv]);
+        UNROLL
+        for (int c = 0; c < DK4; ++c) {
+            const float4 qc = Q_CHUNK(c);
+            __local const float *kc = k_tile + 4 * c * BLOCK_N;
+            UNROLL
+            for (int jv = 0; jv < BNV; ++jv) {
+                floatV acc_s = sv[jv];
+                acc_s = fma((floatV)(qc.x), VLOADV(jv, kc), acc_s);
+                acc_s = fma((floatV)(qc.y), VLOADV(jv, kc + BLOCK_N), acc_s);
+                acc_s = fma((floatV)(qc.z), VLOADV(jv, kc + 2 * BLOCK_N), acc_s);
+                acc_s = fma((floatV)(qc.w), VLOADV(jv, kc + 3 * BLOCK_N), acc_s);
+                sv[jv] = acc_s;
+            }
         }
 
         /* mask the tile edge and the diagonal, then the tile max */
         floatV maxv = (floatV)(-INFINITY);
+        UNROLL
         for (int jv = 0; jv < BNV; ++jv) {
             const intV col = (intV)(n0 + VEC * jv) + IOTA_V;
             intV visible = col < (intV)(n_kv);
@@ -184,20 +219,24 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
         const float alpha = exp2(m_i - m_use);
         l_i *= alpha;
+        UNROLL
         for (int c = 0; c < DVV; ++c)
             acc[c] *= alpha;
 
         /* p = exp2(s - m), then acc += p @ v_tile */
         float p[BLOCK_N];
         floatV lv = (floatV)(0.0f);
+        UNROLL
         for (int jv = 0; jv < BNV; ++jv) {
             const floatV pv = exp2(sv[jv] - (floatV)(m_use));
             lv += pv;
             VSTOREV(pv, jv, p);
         }
         l_i += HSUM_V(lv);
+        UNROLL
         for (int j = 0; j < BLOCK_N; ++j) {
             const floatV pj = (floatV)(p[j]);
+            UNROLL
             for (int c = 0; c < DVV; ++c)
                 acc[c] = fma(pj, VLOADV(c, v_tile + j * DV_TILE), acc[c]);
         }
@@ -207,9 +246,11 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     if (row_valid) {
         const float inv_l = (l_i > 0.0f) ? 1.0f / l_i : 0.0f;  /* no visible key: zeros, not NaN */
         __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh + (ulong)row * o_sn + dv0;
+        UNROLL
         for (int c = 0; c < DVV; ++c) {
             float out_v[VEC];
             VSTOREV(acc[c] * inv_l, 0, out_v);
+            UNROLL
             for (int t = 0; t < VEC / 4; ++t)
                 STORE4(vload4(t, out_v), c * (VEC / 4) + t, o_row);
         }

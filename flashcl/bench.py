@@ -83,7 +83,9 @@ def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
     return statistics.median(times)
 
 
-def _spill_text(info: dict) -> str:
+def _spill_text(info: dict, is_cpu: bool) -> str:
+    if is_cpu:  # PoCL reports the same private size for every kernel; CPUs have no register cliff
+        return "n/a (CPU)"
     parts = []
     if "spill_stores" in info:
         parts.append(f"ptxas spill st/ld {info['spill_stores']}/{info['spill_loads']} B")
@@ -120,7 +122,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
             params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
             params_source=choice.source, median_ms=med, min_ms=min(times), max_ms=max(times),
-            gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills()))
+            gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills(), handle.is_cpu))
         if peer and handle.is_cpu:
             peer_ms = _torch_cpu_sdpa(q.astype(np.float32) if dtype == "float16" else q,
                                       k.astype(np.float32) if dtype == "float16" else k,

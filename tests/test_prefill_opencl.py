@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import flashcl
 from flashcl import reference
 from flashcl.opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from flashcl.opencl.runtime import get_device

@@ -10,7 +10,8 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
-from .runtime import DeviceHandle, build, get_device, launch, spill_report
+from .arrays import dtype_name, elem_strides, handle_for_inputs, to_device_4d
+from .runtime import DeviceHandle, build, launch, spill_report
 
 KERNEL = "prefill"
 _LOG2E = 1.0 / math.log(2.0)
@@ -75,7 +76,8 @@ class PrefillKernel:
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
             "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
             "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
-            "VEC": params["VEC"],
+            "VEC": params["VEC"], "Q_IN_REGS": params.get("Q_IN_REGS", 1),
+            "UNROLL_LOOPS": not handle.is_cpu,
         }
         self.built = build(handle, "prefill.cl", self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
@@ -103,41 +105,9 @@ class PrefillKernel:
                 np.int32(p.n_q), np.int32(p.n_kv), np.int32(p.h_q), np.int32(p.h_q // p.h_kv),
                 np.float32(scale * _LOG2E)]
         for arr in (q, k, v, out):
-            args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in _elem_strides(arr)[:3]]
+            args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
         gsize, lsize = self.grid()
         return launch(self.handle, self.kernel, gsize, lsize, args, name=KERNEL, params=self.params)
-
-
-def _elem_strides(arr: cla.Array) -> tuple[int, ...]:
-    return tuple(s // arr.dtype.itemsize for s in arr.strides)
-
-
-def _to_device_4d(x, queue, rank: int) -> cla.Array:
-    """numpy / torch CPU / pyopencl Array -> 4-D pyopencl Array with a contiguous head dim."""
-    if isinstance(x, cla.Array):
-        if rank == 3:
-            if not x.flags.c_contiguous:
-                raise ValueError("a 3-D pyopencl Array input must be C-contiguous (it is viewed as 4-D with B=1)")
-            x = x.reshape(1, *x.shape)
-        arr = x
-        if arr.strides[3] != arr.dtype.itemsize and arr.shape[3] > 1:
-            raise ValueError(f"pyopencl Array inputs need a contiguous head dim (stride {arr.dtype.itemsize} "
-                             f"bytes), got strides {arr.strides}; pass arr.copy() or a numpy array")
-        if any(s < 0 or s % arr.dtype.itemsize for s in arr.strides):
-            raise ValueError(f"pyopencl Array strides {arr.strides} must be non-negative multiples of the item size")
-        return arr
-    host = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-    host = np.ascontiguousarray(host)
-    if rank == 3:
-        host = host[None]
-    return cla.to_device(queue, host)
-
-
-def _queue_of(tensors) -> cl.CommandQueue | None:
-    for t in tensors:
-        if isinstance(t, cla.Array):
-            return t.queue
-    return None
 
 
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
@@ -145,22 +115,14 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api."""
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     is_cl = isinstance(q, cla.Array)
-    if is_cl:
-        queue = _queue_of((q, k, v))
-        if any(t.context != queue.context for t in (k, v)):
-            raise ValueError("q, k and v are pyopencl Arrays of different contexts")
-        if device is not None:
-            raise ValueError("device= cannot be combined with pyopencl Array inputs (they carry their queue)")
-        handle = get_device(queue)
-    else:
-        handle = get_device(device)
-    dtype = np.dtype(str(q.dtype).replace("torch.", "")).name
+    handle = handle_for_inputs({"q": q, "k": k, "v": v}, device)
+    dtype = dtype_name(q)
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype)
     choice = choose_params(handle, prob, params)
     kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse)
 
     queue = handle.queue
-    qd, kd, vd = (_to_device_4d(t, queue, rank) for t in (q, k, v))
+    qd, kd, vd = (to_device_4d(t, queue, rank) for t in (q, k, v))
     out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     kern(qd, kd, vd, out, lse, scale)

@@ -23,54 +23,94 @@ class DeviceProfile:
     max_work_group: int
     fp16: bool              # cl_khr_fp16 (native half arithmetic) present
     simd: int = 4           # vector width a work-item computes with (VEC): 4 on GPUs, SIMD lanes on CPUs
+    reg_file: int = 0       # 32-bit registers one compute unit (SP/SM/core) shares among the
+                            # work-items of a work-group; 0 = the work-group size does not shrink
     sources: tuple[str, ...] = field(default=())
     notes: str = ""
 
+    def kernel_max_work_group(self, regs: int) -> int:
+        """Modeled CL_KERNEL_WORK_GROUP_SIZE of a kernel using ``regs`` registers per work-item:
+        a work-group must be resident on one compute unit (it has barriers), so it is bounded by
+        the register file; rounded down to whole subgroups."""
+        if not self.reg_file or regs <= 0:
+            return self.max_work_group
+        items = self.reg_file // min(regs, self.regs_hard)
+        return max(self.subgroup, min(self.max_work_group, items // self.subgroup * self.subgroup))
+
+
+_MESA_IR3 = ("Mesa freedreno ir3 (src/freedreno/ir3/ir3_ra.h RA_FULL_SIZE = 48 vec4; "
+             "ir3.c ir3_get_reg_dependent_max_waves = reg_size_vec4 / (regs_vec4 * (wave128 ? 2 : 1)) "
+             "* wave_granularity(2)): at most 48 vec4 = 192 full 32-bit registers per fiber, spills "
+             "go to system memory")
+_QCOM_GUIDE = ("Qualcomm Snapdragon Mobile Platform OpenCL General Programming and Optimization guide "
+               "(80-NB295-11): 32 KiB local memory, max work-group 1024, wave64/wave128, private "
+               "memory beyond the register file spills to system memory")
 
 PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile(
+        # 96 vec4 per lane x 128 lanes: 16 waves64 at <=12 vec4, 8 at 24, 6 at 32, 4 at 48 (192 regs),
+        # i.e. 49152 32-bit registers per SP shared by the resident fibers; a work-group of 256
+        # fibers still fits at 192 registers each.
         "adreno", "qualcomm", regs_hard=192, regs_budget=96, local_mem=32 * 1024, subgroup=64,
-        max_work_group=1024, fp16=True,
-        sources=("Mesa freedreno (src/freedreno/ir3): a7xx at most 48 vec4 = 192 full registers per "
-                 "fiber; 96 vec4 per lane per SP, so wave64 occupancy is 16 waves at <=12 vec4, 8 at "
-                 "24, 6 at 32, 4 at 48",
-                 "Qualcomm Snapdragon OpenCL General Programming and Optimization guide: 32 KiB local "
-                 "memory per SP, max work-group 1024, spills go to system memory"),
-        notes="a7xx (Adreno 7xx, e.g. 740/750); budget = 24 vec4, 8 waves of 64 per SP"),
+        max_work_group=1024, fp16=True, reg_file=96 * 4 * 128,
+        sources=(_MESA_IR3,
+                 "Mesa src/freedreno/common/freedreno_devices.py: a7xx reg_size_vec4 = 96",
+                 _QCOM_GUIDE),
+        notes="a7xx (Adreno 7xx, e.g. 730/740/750); budget = 24 vec4 = 8 waves64 per SP"),
     DeviceProfile(
         "adreno-6xx", "qualcomm", regs_hard=192, regs_budget=96, local_mem=32 * 1024, subgroup=64,
-        max_work_group=1024, fp16=True,
-        sources=("Mesa freedreno ir3: the 48-vec4 per-fiber limit is shared by a6xx and a7xx",
-                 "Qualcomm OpenCL optimization guide (Adreno 6xx): 32 KiB local memory"),
-        notes="a6xx (Adreno 6xx); same per-fiber limits as a7xx, fewer SPs"),
+        max_work_group=1024, fp16=True, reg_file=96 * 4 * 128,
+        sources=(_MESA_IR3,
+                 "Mesa freedreno_devices.py: a6xx gen1..gen4 (a615/a618/a630/a640/a650/a660) "
+                 "reg_size_vec4 = 96; the low-end a6xx_gen1_low (a610-class) has 48, i.e. half the "
+                 "occupancy at the same per-fiber limit",
+                 _QCOM_GUIDE),
+        notes="a6xx; same per-fiber limit as a7xx, fewer SPs; a610-class parts have half the register file"),
     DeviceProfile(
         "adreno-8xx", "qualcomm", regs_hard=192, regs_budget=96, local_mem=32 * 1024, subgroup=64,
-        max_work_group=1024, fp16=True,
-        sources=("Mesa freedreno ir3 a8xx support: same 48-vec4 per-fiber register limit",),
-        notes="a8xx; register limits as a7xx until measured otherwise"),
+        max_work_group=1024, fp16=True, reg_file=96 * 4 * 128,
+        sources=(_MESA_IR3,
+                 "Mesa freedreno_devices.py: a8xx_base reg_size_vec4 = 96 (Adreno 830); a later a8xx "
+                 "generation lists 128",),
+        notes="a8xx (Adreno 830); register limits as a7xx until measured otherwise"),
     DeviceProfile(
+        # Valhall/5th gen: up to 64 registers per thread; at most 32 keeps full thread occupancy,
+        # more halves it (the Mali Offline Compiler reports "work registers" and occupancy).
         "mali", "arm", regs_hard=64, regs_budget=32, local_mem=32 * 1024, subgroup=16,
-        max_work_group=512, fp16=True,
-        sources=("Arm Mali GPU Best Practices / Valhall: 64 32-bit registers per thread at full "
-                 "occupancy halves above 32",),
-        notes="Valhall; registers beyond 32 halve the resident threads"),
+        max_work_group=1024, fp16=True, reg_file=32 * 1024,
+        sources=("Arm Mali GPU Best Practices Developer Guide (workgroup sizes): the shader core "
+                 "splits a fixed register file across a variable number of threads",
+                 "Arm Mali Offline Compiler / Valhall: 64 work registers per thread at most, full "
+                 "occupancy (1024 threads per core) at <=32, half above",
+                 "Arm: local memory is ordinary system memory cached in L1; OpenCL reports 32 KiB"),
+        notes="Valhall (Mali-G57..G720); Bifrost max work-group is 384 (the device's own limit wins)"),
     DeviceProfile(
         "apple", "apple", regs_hard=128, regs_budget=64, local_mem=32 * 1024, subgroup=32,
         max_work_group=1024, fp16=True,
-        sources=("Apple Metal feature set tables: 32 KiB threadgroup memory, 1024 threads per group",),
+        sources=("Apple Metal feature set tables: 32 KiB threadgroup memory, 1024 threads per threadgroup",
+                 "Apple WWDC16 'Advanced Metal Shader Optimization': more registers, fewer threads; "
+                 "maxTotalThreadsPerThreadgroup reports the kernel's limit",
+                 "Dougall Johnson, applegpu (G13 ISA notes): 128 32-bit general registers per thread"),
         notes="register numbers are estimates for occupancy; the compiler reports none"),
     DeviceProfile(
-        "intel", "intel", regs_hard=256, regs_budget=128, local_mem=64 * 1024, subgroup=16,
-        max_work_group=1024, fp16=True,
-        sources=("Intel oneAPI GPU optimization guide: 128 GRF x 32 B per thread (256 with large "
-                 "GRF mode), SIMD16 -> 256 B / 4 B per lane",),
-        notes="Xe: 128-register GRF per hardware thread, SIMD16 lanes"),
+        # Xe-LP/Xe-HPG: 128 GRF x 32 B = 4 KiB per hardware thread, shared by the SIMD lanes; the
+        # compiler picks SIMD8 (512 B = 128 floats per work-item), SIMD16 (64) or SIMD32 (32).
+        "intel", "intel", regs_hard=128, regs_budget=64, local_mem=64 * 1024, subgroup=16,
+        max_work_group=512, fp16=True,
+        sources=("Intel oneAPI GPU Optimization Guide: 128 GRF registers per hardware thread (32 B "
+                 "wide on Xe-LP/HPG, 64 B on Xe-HPC; 256 in large-GRF mode), spills go to scratch memory",
+                 "Intel compute-runtime: CL_KERNEL_SPILL_MEM_SIZE_INTEL (0x4109) reports the spill size",
+                 "Intel GPU Occupancy Calculator: 64 KiB SLM per work-group"),
+        notes="Xe-LP integrated GPUs: 128 floats per work-item at SIMD8, 64 at SIMD16; Arc reports max "
+              "work-group 1024 (the device's own limit wins)"),
     DeviceProfile(
         "nvidia", "nvidia", regs_hard=255, regs_budget=128, local_mem=48 * 1024, subgroup=32,
-        max_work_group=1024, fp16=False,
+        max_work_group=1024, fp16=False, reg_file=64 * 1024,
         sources=("CUDA C Programming Guide, compute capabilities table: 255 registers per thread, "
-                 "64 K registers per SM, 48 KiB static shared memory per block",
-                 "NVIDIA OpenCL reports no cl_khr_fp16"),
+                 "64 K 32-bit registers per SM, 48 KiB static shared memory per block",
+                 "CUDA occupancy calculator: 128 registers per thread keeps 16 warps per SM, 255 "
+                 "allows 256 threads per block",
+                 "NVIDIA OpenCL reports no cl_khr_fp16; -cl-nv-verbose prints ptxas spill stores/loads"),
         notes="128 registers per thread keeps 16 warps per SM"),
     DeviceProfile(
         "cpu", "cpu", regs_hard=4096, regs_budget=4096, local_mem=1024 * 1024, subgroup=8,
@@ -80,7 +120,15 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
         notes="PoCL / CPU drivers"),
 )}
 
-ARCH_PROFILE_ALIASES = {"a6": "adreno-6xx", "a7": "adreno", "a8": "adreno-8xx"}
+ARCH_PROFILE_ALIASES = {"a6": "adreno-6xx", "a7": "adreno", "a8": "adreno-8xx",
+                        "adreno-7xx": "adreno", "a6xx": "adreno-6xx", "a7xx": "adreno", "a8xx": "adreno-8xx"}
+
+
+def find_profile(name: str) -> DeviceProfile | None:
+    """A profile by name or alias ("adreno", "a7xx", "adreno-6xx", "nvidia"), else None."""
+    key = name.strip().lower()
+    key = ARCH_PROFILE_ALIASES.get(key, key)
+    return PROFILES.get(key)
 
 
 def adreno_model(text: str) -> int | None:

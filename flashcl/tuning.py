@@ -4,14 +4,25 @@ A database is a folder of JSON files ``{"version": 1, "entries": [...]}``; each 
 
     {"kernel": "prefill", "dtype": "float32", "dk": 128, "dv": 128, "causal": true,
      "bucket": 2048, "device": "NVIDIA H100 80GB HBM3", "arch": null, "vendor": "nvidia",
-     "params": {"BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 64},
-     "provenance": {"driver": "...", "flashcl": "0.1.0", "date": "...", "mode": "measured"}}
+     "profile": "nvidia", "params": {"BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 64, "VEC": 4},
+     "provenance": {"device": "...", "driver": "...", "flashcl": "0.1.0", "date": "...",
+                    "mode": "measured"}}
+
+A *modeled* entry (``flashcl tune`` for a device that is not attached) has no device or arch:
+it is keyed by the profile (``"vendor": "adreno", "profile": "adreno"``) and says
+``"mode": "modeled"``; a measured entry for a device of that profile, written to the same file,
+replaces it.
 
 Lookup (DESIGN.md §5): most specific match first — exact device name, then architecture (for
-Adreno the model from the OpenCL C version string), then vendor — trying the user's folder
-(``$FLASHCL_TUNING_DIR`` or the platform's user cache dir) before the shipped ``tuning/`` at each
-level; else the profile default. Within a level the nearest sequence-length bucket wins. An entry
-whose parameters are invalid for the problem or device is skipped with a warning.
+Adreno the model from the OpenCL C version string), then the profile (modeled entries), then
+vendor — trying the user's folder (``$FLASHCL_TUNING_DIR`` or the platform's user cache dir)
+before the shipped ``tuning/`` at each level; else the profile default. Within a level the
+nearest sequence-length bucket wins, measured before modeled. An entry whose parameters are
+invalid for the problem or device is skipped with a warning naming its file. A file that is not
+valid JSON is an error naming the file (``TuningDatabaseError``).
+
+Writing (``save_entry``) is a locked read-modify-write through a temporary file and
+``os.replace``: concurrent tuners never corrupt a file and readers never see half of one.
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ._resources import shipped_tuning_dir
 from .profiles import DeviceProfile, adreno_model
@@ -33,33 +45,81 @@ DB_VERSION = 1
 
 @dataclass(frozen=True)
 class Constraint:
+    """A named rule a configuration must satisfy, with why it exists.
+
+    ``check(p, dk, dv, limits) -> str | None`` returns the violation as a sentence naming the
+    parameter and the limit, or None. ``limits`` holds ``local_mem`` and ``max_work_group``.
+    """
+
     name: str
     reason: str
-
-
-# The parameters each kernel takes, their candidate values, and the constraints with reasons.
-TUNING_SPACE = {
-    "prefill": {
-        "params": {
-            "BLOCK_M": (16, 32, 64, 128, 256),
-            "BLOCK_N": (8, 16, 32, 64),
-            "DV_TILE": "divisors of DV that are multiples of 4, at least 16 (or DV itself)",
-            "VEC": (4, 8, 16),
-        },
-        "constraints": (
-            Constraint("dv_divisible", "DV must be a multiple of DV_TILE: the passes tile the output exactly"),
-            Constraint("vec_divides", "BLOCK_N and DV_TILE must be multiples of VEC: scores and the "
-                       "accumulator are VEC-wide vectors"),
-            Constraint("local_fits", "K tile + V slice (4 * BLOCK_N * (DK + DV_TILE) bytes) must fit in local memory"),
-            Constraint("work_group_fits", "BLOCK_M work-items must not exceed the device's or kernel's max work-group"),
-        ),
-        "metric": "median kernel time (profiling events); GFLOP/s = 4*B*H*Nq*Nkv*d' / t, causal halves",
-    },
-}
+    check: Callable[[dict, int, int, dict], str | None] = field(compare=False, repr=False, default=None)
 
 
 def dv_tile_candidates(dv: int) -> list[int]:
+    """Divisors of DV that are multiples of 4 and at least 16, and DV itself."""
     return sorted({t for t in range(16, dv + 1, 4) if dv % t == 0} | {dv})
+
+
+def _prefill_local_bytes(p: dict, dk: int) -> int:
+    return 4 * p["BLOCK_N"] * (dk + p["DV_TILE"])
+
+
+_PREFILL_CONSTRAINTS = (
+    Constraint("dv_divisible", "the DV_TILE passes must tile the output exactly",
+               lambda p, dk, dv, lim: None if dv % p["DV_TILE"] == 0 else
+               f"DV_TILE={p['DV_TILE']} must divide DV={dv}"),
+    Constraint("vec_width", "the kernel has float4, float8 and float16 code paths only",
+               lambda p, dk, dv, lim: None if p["VEC"] in (4, 8, 16) else f"VEC={p['VEC']} must be 4, 8 or 16"),
+    Constraint("vec_divides", "scores and the accumulator are VEC-wide vectors, so BLOCK_N and "
+               "DV_TILE must be multiples of VEC",
+               lambda p, dk, dv, lim: None if p["DV_TILE"] % p["VEC"] == 0 and p["BLOCK_N"] % p["VEC"] == 0
+               else f"BLOCK_N={p['BLOCK_N']} and DV_TILE={p['DV_TILE']} must be multiples of VEC={p['VEC']}"),
+    Constraint("local_fits", "the K tile and V slice live in local memory: "
+               "4 * BLOCK_N * (DK + DV_TILE) bytes must fit the device's local memory",
+               lambda p, dk, dv, lim: None if _prefill_local_bytes(p, dk) <= lim["local_mem"] else
+               f"BLOCK_N={p['BLOCK_N']}, DV_TILE={p['DV_TILE']} need {_prefill_local_bytes(p, dk)} bytes of "
+               f"local memory for DK={dk}; the device has {lim['local_mem']}"),
+    Constraint("work_group_fits", "BLOCK_M is the work-group size (one query row per work-item), "
+               "bounded by the device's max work-group",
+               lambda p, dk, dv, lim: None if p["BLOCK_M"] <= lim["max_work_group"] else
+               f"BLOCK_M={p['BLOCK_M']} exceeds the device's max work-group size {lim['max_work_group']}"),
+    Constraint("score_row_bounded", "the scores of one KV tile are unrolled in registers; above 256 "
+               "every device spills",
+               lambda p, dk, dv, lim: None if p["BLOCK_N"] <= 256 else
+               f"BLOCK_N={p['BLOCK_N']} is above 256 (the score row is unrolled in registers)"),
+)
+
+# The tuning space of each kernel as data (CLBlast / kernel_tuner style): the parameters with their
+# candidate values (``values`` for a full sweep, ``quick`` for ``flashcl tune --quick``), the named
+# constraints, the problem the kernel is tuned on, and the metric. A callable value list is
+# evaluated per problem (DV_TILE depends on DV); VEC is derived per device unless listed explicitly.
+TUNING_SPACE = {
+    "prefill": {
+        "params": {
+            "BLOCK_M": {"values": (16, 32, 64, 128, 256), "quick": (32, 64, 128),
+                        "meaning": "query rows per work-group = work-group size"},
+            "BLOCK_N": {"values": (8, 16, 32, 64), "quick": (16, 32),
+                        "meaning": "KV rows per local-memory tile (scores kept in registers)"},
+            "DV_TILE": {"values": dv_tile_candidates,
+                        "quick": lambda dv: sorted({dv, dv // 2} & set(dv_tile_candidates(dv))),
+                        "meaning": "output columns accumulated per pass (accumulator in registers)"},
+            "VEC": {"values": "derived: the widest of 4, 8, 16 not above the profile's SIMD width that "
+                              "divides BLOCK_N and DV_TILE", "quick": "derived",
+                    "meaning": "vector width of the score and accumulator arithmetic"},
+            "Q_IN_REGS": {"values": (1, 0), "quick": (1,),
+                          "meaning": "1: the q row stays in registers; 0: q is re-read from cache per KV "
+                                     "tile, freeing DK registers (optional, default 1)"},
+        },
+        "constraints": _PREFILL_CONSTRAINTS,
+        "problem": "PrefillProblem(B, H_q, H_kv, N_q = N_kv = N, DK = DV = d, causal, dtype); entries are "
+                   "keyed by kernel, dtype, DK, DV, causal and the power-of-two bucket of N",
+        "metric": "median kernel time over >= 5 runs (OpenCL profiling events), lower is better; "
+                  "GFLOP/s = 2*B*H_q*(DK+DV)*(visible query-key pairs) / t (causal counts about half)",
+        "correctness": "relative error against the float64 oracle on a small problem "
+                       "(B=1, H_q=2, H_kv=1, N=261: crosses every tile edge) within the dtype's tolerance",
+    },
+}
 
 
 def widest_vec(block_n: int, dv_tile: int, simd: int) -> int:
@@ -67,54 +127,97 @@ def widest_vec(block_n: int, dv_tile: int, simd: int) -> int:
     return max(w for w in (4, 8, 16) if w <= max(simd, 4) and block_n % w == 0 and dv_tile % w == 0)
 
 
-def candidate_configs(kernel: str, dk: int, dv: int, simd: int = 4) -> list[dict]:
+def _values(spec, dv: int):
+    return list(spec(dv)) if callable(spec) else list(spec)
+
+
+def candidate_configs(kernel: str, dk: int, dv: int, simd: int = 4, *, quick: bool = False,
+                      overrides: dict | None = None) -> list[dict]:
+    """Every combination of the space's candidate values (``overrides`` replaces a parameter's
+    list, e.g. ``{"BLOCK_M": [64]}``); VEC is derived from ``simd`` unless overridden. Not yet
+    filtered by the constraints: see ``check_params``."""
     space = TUNING_SPACE[kernel]["params"]
-    return [{"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": widest_vec(bn, t, simd)}
-            for bm in space["BLOCK_M"] for bn in space["BLOCK_N"] for t in dv_tile_candidates(dv)]
+    which = "quick" if quick else "values"
+    overrides = overrides or {}
+    vals = {p: list(overrides[p]) if p in overrides else _values(space[p][which], dv)
+            for p in ("BLOCK_M", "BLOCK_N", "DV_TILE")}
+    out = []
+    for bm in vals["BLOCK_M"]:
+        for bn in vals["BLOCK_N"]:
+            for t in vals["DV_TILE"]:
+                vecs = overrides.get("VEC")
+                if vecs is None:
+                    try:
+                        vecs = [widest_vec(bn, t, simd)]
+                    except ValueError:   # nothing divides: keep it so the constraint says why
+                        vecs = [4]
+                for vec in vecs:
+                    for q_in_regs in overrides.get("Q_IN_REGS", space["Q_IN_REGS"][which]):
+                        p = {"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": vec}
+                        if not q_in_regs:
+                            p["Q_IN_REGS"] = 0
+                        out.append(p)
+    return out
 
 
 def private_floats(kernel: str, params: dict, dk: int, dv: int) -> int:
     """Register model: 32-bit values each work-item keeps live in the prefill inner loop.
 
-    q row (DK) + the DV slice of the accumulator (DV_TILE) + the scores of one KV tile (BLOCK_N)
-    + about 16 scalars (m, l, indices, pointers, loop counters).
+    q row (DK, or one float4 chunk when Q_IN_REGS=0) + the DV slice of the accumulator (DV_TILE)
+    + the scores of one KV tile (BLOCK_N) + about 48 scalars: m, l, indices, pointers, loop
+    counters, and the addresses and in-flight values of the unrolled local-memory loads. The 48
+    is fitted to ptxas on an H100 (2026-11-21, 116 prefill builds at d=64/128): with 16 the model
+    called 224-float configurations safe that spilled; with 48 it agrees with ptxas on 112 of
+    116 (fitted and checked on the same builds). Half storage does not change it: the kernel
+    computes in float32.
     """
-    return dk + params["DV_TILE"] + params["BLOCK_N"] + 16
+    q = dk if params.get("Q_IN_REGS", 1) else 4
+    return q + params["DV_TILE"] + params["BLOCK_N"] + 48
 
 
 def local_bytes(kernel: str, params: dict, dk: int, dv: int) -> int:
-    return 4 * params["BLOCK_N"] * (dk + params["DV_TILE"])
+    return _prefill_local_bytes(params, dk)
+
+
+def spill_model(kernel: str, params: dict, dk: int, dv: int, profile: DeviceProfile) -> dict:
+    """What the profile's register model predicts for one configuration."""
+    floats = private_floats(kernel, params, dk, dv)
+    return {"floats": floats, "regs_hard": profile.regs_hard, "regs_budget": profile.regs_budget,
+            "spills": floats > profile.regs_hard, "over_budget": floats > profile.regs_budget,
+            "kernel_max_work_group": profile.kernel_max_work_group(floats)}
 
 
 def check_params(kernel: str, params: dict, dk: int, dv: int, *, local_mem: int, max_work_group: int) -> list[str]:
     """Every violated constraint as a sentence naming the parameter and the limit; [] when valid."""
-    errors = []
+    return [msg for _, msg in violations(kernel, params, dk, dv, local_mem=local_mem,
+                                         max_work_group=max_work_group)]
+
+
+def violations(kernel: str, params: dict, dk: int, dv: int, *, local_mem: int,
+               max_work_group: int) -> list[tuple[str, str]]:
+    """(constraint name, sentence) for every violated constraint of ``kernel``."""
     need = ("BLOCK_M", "BLOCK_N", "DV_TILE", "VEC")
+    optional = ("Q_IN_REGS",)
+    if not isinstance(params, dict):
+        return [("well_formed", f"params must be a dict, got {type(params).__name__}")]
     missing = [p for p in need if p not in params]
-    unknown = [p for p in params if p not in need]
+    unknown = [p for p in params if p not in need + optional]
     if missing or unknown:
-        return [f"params must set exactly {need}; missing {missing}, unknown {unknown}"]
-    for p in need:
-        if isinstance(params[p], bool) or not isinstance(params[p], int) or params[p] < 1:
-            errors.append(f"{p}={params[p]!r} must be a positive int")
-    if errors:
-        return errors
-    t, vec = params["DV_TILE"], params["VEC"]
-    if vec not in (4, 8, 16):
-        errors.append(f"VEC={vec} must be 4, 8 or 16")
-    if dv % t:
-        errors.append(f"DV_TILE={t} must divide DV={dv}")
-    if t % vec or params["BLOCK_N"] % vec:
-        errors.append(f"BLOCK_N={params['BLOCK_N']} and DV_TILE={t} must be multiples of VEC={vec}")
-    lb = local_bytes(kernel, params, dk, dv)
-    if lb > local_mem:
-        errors.append(f"BLOCK_N={params['BLOCK_N']}, DV_TILE={t} need {lb} bytes of local memory "
-                      f"for DK={dk}; the device has {local_mem}")
-    if params["BLOCK_M"] > max_work_group:
-        errors.append(f"BLOCK_M={params['BLOCK_M']} exceeds the device's max work-group size {max_work_group}")
-    if params["BLOCK_N"] > 256:
-        errors.append(f"BLOCK_N={params['BLOCK_N']} is above 256 (the score row is unrolled in registers)")
-    return errors
+        return [("well_formed", f"params must set {need} (optionally {optional}); "
+                                f"missing {missing}, unknown {unknown}")]
+    if params.get("Q_IN_REGS", 1) not in (0, 1) or isinstance(params.get("Q_IN_REGS"), bool):
+        return [("well_formed", f"Q_IN_REGS={params['Q_IN_REGS']!r} must be 0 or 1")]
+    bad = [("well_formed", f"{p}={params[p]!r} must be a positive int") for p in need
+           if isinstance(params[p], bool) or not isinstance(params[p], int) or params[p] < 1]
+    if bad:
+        return bad
+    limits = {"local_mem": local_mem, "max_work_group": max_work_group}
+    out = []
+    for c in TUNING_SPACE[kernel]["constraints"]:
+        msg = c.check(params, dk, dv, limits)
+        if msg:
+            out.append((c.name, msg))
+    return out
 
 
 def default_params(kernel: str, profile: DeviceProfile, dk: int, dv: int, *, local_mem: int,
@@ -159,6 +262,8 @@ def load_file(path: Path) -> list[dict]:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:
         raise TuningDatabaseError(f"tuning database {path} is not valid JSON ({exc}); fix or delete it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TuningDatabaseError(f"tuning database {path} cannot be read ({exc}); fix or delete it") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise TuningDatabaseError(f"tuning database {path} has no 'entries' list; fix or delete it")
     return [dict(e, _file=str(path)) for e in data["entries"] if isinstance(e, dict)]
@@ -175,7 +280,9 @@ def _entries(folder: Path) -> list[dict]:
 
 @dataclass(frozen=True)
 class DeviceKey:
-    """What the database matches on for one device."""
+    """What the database matches on for one device: its exact name, its architecture (Adreno:
+    "adreno-740" from the OpenCL C version string), its profile ("adreno-6xx") and vendor
+    ("adreno", the profile family)."""
 
     name: str
     arch: str | None
@@ -188,6 +295,11 @@ class DeviceKey:
         arch = f"adreno-{model}" if model else None
         return DeviceKey(name.strip(), arch, profile.split("-")[0] if profile else vendor, profile)
 
+    @staticmethod
+    def modeled(profile: DeviceProfile) -> "DeviceKey":
+        """The key of a profile standing in for an absent device (model mode)."""
+        return DeviceKey("", None, profile.name.split("-")[0], profile.name)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -196,31 +308,116 @@ class Choice:
     entry: dict | None = None
 
 
+# Match levels, most specific first (DESIGN.md §5). The profile level holds modeled entries (a
+# profile's vendor and name, no device): "adreno-6xx" must not borrow the a7xx model's tiles.
+_LEVELS = (
+    ("device", lambda e, d: bool(d.name) and e.get("device") == d.name),
+    ("arch", lambda e, d: d.arch is not None and e.get("arch") == d.arch and not e.get("device")),
+    ("profile", lambda e, d: e.get("profile") == d.profile and not e.get("device") and not e.get("arch")),
+    ("vendor", lambda e, d: e.get("vendor") == d.vendor and not e.get("device") and not e.get("arch")
+     and not e.get("profile")),
+)
+
+_PROBLEM_FIELDS = ("kernel", "dtype", "dk", "dv", "causal", "bucket")
+
+
 def lookup(kernel: str, dev: DeviceKey, *, dtype: str, dk: int, dv: int, causal: bool, n: int,
            validate=None) -> Choice | None:
-    """The best database entry for this call, or None. ``validate(params) -> [errors]``."""
+    """The best database entry for this call, or None. ``validate(params) -> [errors]``.
+
+    An entry whose parameters fail ``validate`` (a hand-edited file, a database from another
+    device) is skipped with a warning naming the file; the next match or the defaults are used.
+    """
     folders = [user_tuning_dir(), shipped_tuning_dir()]
     entries_by_folder = [_entries(f) for f in folders]
     bucket = seq_bucket(n)
-    levels = (("device", lambda e: e.get("device") == dev.name),
-              ("arch", lambda e: dev.arch is not None and e.get("arch") == dev.arch),
-              ("vendor", lambda e: e.get("vendor") == dev.vendor and not e.get("device") and not e.get("arch")))
-    for level, match in levels:
+    for level, match in _LEVELS:
         for entries in entries_by_folder:
             cands = [e for e in entries if e.get("kernel") == kernel and e.get("dtype") == dtype
                      and e.get("dk") == dk and e.get("dv") == dv and bool(e.get("causal")) == causal
-                     and match(e)]
+                     and match(e, dev)]
             # nearest bucket; at equal distance a measured entry beats a modeled one
-            cands.sort(key=lambda e: (abs(math.log2(max(e.get("bucket", bucket), 1)) - math.log2(bucket)),
-                                      e.get("provenance", {}).get("mode") != "measured"))
+            cands.sort(key=lambda e: (abs(math.log2(max(_as_int(e.get("bucket"), bucket), 1)) - math.log2(bucket)),
+                                      (e.get("provenance") or {}).get("mode") != "measured"))
             for e in cands:
                 params = e.get("params")
                 errs = validate(params) if validate and isinstance(params, dict) else (
                     [] if isinstance(params, dict) else ["params is not a dict"])
                 if errs:
-                    warnings.warn(f"ignoring tuning entry in {e['_file']} for {kernel} on {dev.name}: "
+                    warnings.warn(f"ignoring tuning entry in {e['_file']} for {kernel} on {dev.name or dev.profile}: "
                                   f"{'; '.join(errs)}; using the next match or the defaults", stacklevel=3)
                     continue
-                mode = e.get("provenance", {}).get("mode", "measured")
+                mode = (e.get("provenance") or {}).get("mode", "measured")
                 return Choice(dict(params), f"tuned {e['_file']} ({level}, bucket {e.get('bucket')}, {mode})", e)
     return None
+
+
+def _as_int(x, default: int) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else default
+
+
+# --------------------------------------------------------------------------- writing
+
+def make_entry(kernel: str, dev: DeviceKey, *, dtype: str, dk: int, dv: int, causal: bool, n: int,
+               params: dict, provenance: dict) -> dict:
+    """A database entry; ``provenance`` holds device, driver, flashcl, date, mode (measured|modeled)
+    and whatever else explains the choice (time, metric, command)."""
+    return {"kernel": kernel, "dtype": dtype, "dk": dk, "dv": dv, "causal": bool(causal), "bucket": seq_bucket(n),
+            "device": dev.name or None, "arch": dev.arch, "vendor": dev.vendor, "profile": dev.profile,
+            "params": dict(params), "provenance": dict(provenance)}
+
+
+def _same_slot(a: dict, b: dict) -> bool:
+    return all(a.get(f) == b.get(f) for f in _PROBLEM_FIELDS + ("device", "arch", "vendor", "profile"))
+
+
+def _superseded(old: dict, new: dict) -> bool:
+    """A measured entry replaces the modeled entry of its profile for the same problem."""
+    return ((new.get("provenance") or {}).get("mode") == "measured"
+            and (old.get("provenance") or {}).get("mode") == "modeled"
+            and all(old.get(f) == new.get(f) for f in _PROBLEM_FIELDS)
+            and old.get("profile") == new.get("profile") and not old.get("device"))
+
+
+def default_db_file(dev: DeviceKey, folder: Path | None = None) -> Path:
+    """Where ``flashcl tune`` writes by default: one file per device (or modeled profile) in the
+    user tuning dir, so databases can be shared and removed per device."""
+    import re
+
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", dev.name).strip("-").lower() if dev.name else f"model-{dev.profile}"
+    return Path(folder or user_tuning_dir()) / f"{stem or 'device'}.json"
+
+
+def save_entry(entry: dict, path: Path) -> list[dict]:
+    """Insert ``entry`` into the database file ``path`` (created if missing) and return the
+    entries it replaced. Concurrent writers are serialized by an exclusive lock on
+    ``path.lock``; the file is rewritten through a temporary file and ``os.replace``, so a reader
+    never sees half a file and a crash leaves the old one intact. A corrupt file is an error
+    naming it, never silently overwritten."""
+    import fcntl
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            old = [{k: v for k, v in e.items() if k != "_file"} for e in load_file(path)] if path.exists() else []
+            replaced = [e for e in old if _same_slot(e, entry) or _superseded(e, entry)]
+            kept = [e for e in old if not (_same_slot(e, entry) or _superseded(e, entry))]
+            data = {"version": DB_VERSION, "entries": kept + [entry]}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=2)
+                    f.write("\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return replaced

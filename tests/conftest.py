@@ -61,3 +61,25 @@ def triton_device():
     if not (_HAS_TORCH and _HAS_TRITON):
         pytest.skip("torch and triton are not installed (pip install .[cuda])")
     return "cuda" if _cuda_available() else "cpu"
+
+
+@pytest.fixture
+def cpu_device():
+    """The first OpenCL CPU device (PoCL), for tests that need a real compiler and runtime."""
+    for dev_id, spec in _opencl_devices():
+        import pyopencl as cl
+
+        pi, di = (int(x) for x in spec.split(":"))
+        if cl.get_platforms()[pi].get_devices()[di].type & cl.device_type.CPU:
+            return spec
+    pytest.skip("no OpenCL CPU device (pip install 'flashcl[pocl]')")
+
+
+@pytest.fixture(autouse=True)
+def tuning_dir(tmp_path, monkeypatch):
+    """A fresh, empty user tuning database ($FLASHCL_TUNING_DIR) for every test, so that what a
+    developer tuned on this machine never changes what the tests run; the shipped one still
+    applies."""
+    d = tmp_path / "tuning"
+    monkeypatch.setenv("FLASHCL_TUNING_DIR", str(d))
+    return d

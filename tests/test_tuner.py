@@ -1,0 +1,256 @@
+"""The tuner's pieces: profiles and matching, the tuning space as data, the spill verdicts, the
+database writer (atomic, locked, measured replaces modeled), resume after Ctrl-C, the worker
+timeout, and the pickup of a tuned entry by flashcl.prefill's parameter choice."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import warnings
+
+import pytest
+
+from flashcl import profiles, tuner, tuning
+
+
+
+# --------------------------------------------------------------------------- profiles
+
+@pytest.mark.parametrize("name,version,want", [
+    ("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 740", "adreno"),
+    ("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 640", "adreno-6xx"),
+    ("QUALCOMM Adreno(TM) 830", "OpenCL C 3.0 Adreno(TM) 830", "adreno-8xx"),
+    ("Mali-G715", "OpenCL C 3.0 v1.r38p1", "mali"),
+    ("NVIDIA H100 80GB HBM3", "OpenCL C 1.2 ", "nvidia"),
+    ("Intel(R) UHD Graphics 770", "OpenCL C 1.2 ", "intel"),
+])
+def test_profile_matching(name, version, want):
+    vendor = name.split()[0]
+    assert profiles.profile_for(vendor, name, version).name == want
+
+
+def test_profiles_have_sources_and_adreno_facts():
+    for p in profiles.PROFILES.values():
+        assert p.sources, f"profile {p.name} cites no source"
+        assert p.regs_budget <= p.regs_hard
+    a = profiles.PROFILES["adreno"]
+    assert (a.regs_hard, a.local_mem, a.max_work_group, a.subgroup) == (192, 32 * 1024, 1024, 64)
+    # Mesa ir3: 96 vec4 per lane; 4 waves64 at 48 vec4 -> a 256-fiber work-group still fits
+    assert a.kernel_max_work_group(192) == 256
+    assert a.kernel_max_work_group(48) == 1024
+    assert profiles.find_profile("a6xx").name == "adreno-6xx"
+    assert profiles.find_profile("nope") is None
+
+
+# --------------------------------------------------------------------------- the tuning space
+
+def test_space_is_data_with_reasons():
+    space = tuning.TUNING_SPACE["prefill"]
+    assert {"params", "constraints", "problem", "metric"} <= space.keys()
+    assert all(c.reason and c.name for c in space["constraints"])
+    cands = tuning.candidate_configs("prefill", 128, 128, 4)
+    assert len(cands) == 5 * 4 * 4 * 2  # BLOCK_M x BLOCK_N x DV_TILE (16, 32, 64, 128) x Q_IN_REGS
+    quick = tuning.candidate_configs("prefill", 64, 64, 16, quick=True)
+    assert 0 < len(quick) <= 12
+    only = tuning.candidate_configs("prefill", 64, 64, 4, overrides={"BLOCK_M": [32], "DV_TILE": [64]})
+    assert {p["BLOCK_M"] for p in only} == {32} and {p["DV_TILE"] for p in only} == {64}
+
+
+def test_violations_name_the_constraint():
+    v = tuning.violations("prefill", {"BLOCK_M": 2048, "BLOCK_N": 64, "DV_TILE": 128, "VEC": 4}, 128, 128,
+                          local_mem=32 * 1024, max_work_group=1024)
+    names = {n for n, _ in v}
+    assert names == {"local_fits", "work_group_fits"}
+    assert any("65536 bytes of local memory" in m for _, m in v)
+
+
+def _target(profile="adreno", mode="modeled"):
+    p = profiles.PROFILES[profile]
+    return tuner.Target(p, tuning.DeviceKey.modeled(p), mode, "0:0", "test", "drv", p.local_mem,
+                        p.max_work_group, False)
+
+
+def test_spill_verdict_strongest_signal_first():
+    t = _target("nvidia", "measured")
+    params = {"BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 128, "VEC": 4}
+    model = tuning.spill_model("prefill", params, 128, 128, t.profile)
+    assert tuner.spill_verdict({"spill_stores": 8, "spill_loads": 8, "private_mem": 0}, model, params, t) == (
+        True, "ptxas: 8/8 B spill st/ld")
+    assert tuner.spill_verdict({"private_mem": 64}, model, params, t)[1].startswith("CL_KERNEL_PRIVATE_MEM_SIZE")
+    assert tuner.spill_verdict({"kernel_max_work_group": 32}, model, params, t)[0] is True
+    assert tuner.spill_verdict({}, model, params, t)[1].startswith("model")
+    # model mode: only the model speaks, even if the compiler device reports something
+    tm = _target("adreno")
+    m2 = tuning.spill_model("prefill", params, 128, 128, tm.profile)
+    assert tuner.spill_verdict({"spill_stores": 0, "spill_loads": 0}, m2, params, tm) == (
+        True, "model: 336 floats > 192 regs")
+
+
+def test_model_mode_plan_prunes_by_profile_limits():
+    configs, pruned = tuner.plan(_target("adreno"), (1, 32, 8, 2048, 128, True))
+    assert configs and pruned
+    for p in configs:
+        assert tuning.local_bytes("prefill", p, 128, 128) <= 32 * 1024
+    assert all(v for _, v in pruned)
+
+
+# --------------------------------------------------------------------------- database
+
+def _entry(mode, bucket_n=2048, device="", params=None, profile="adreno"):
+    prof = profiles.PROFILES[profile]
+    key = tuning.DeviceKey(device, "adreno-740" if device else None, "adreno", prof.name) if device else \
+        tuning.DeviceKey.modeled(prof)
+    return tuning.make_entry("prefill", key, dtype="float16", dk=128, dv=128, causal=True, n=bucket_n,
+                             params=params or {"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4},
+                             provenance={"mode": mode, "device": device or "model", "driver": "x",
+                                         "flashcl": "0", "date": "today"})
+
+
+def test_measured_entry_replaces_modeled(tmp_path):
+    f = tmp_path / "db.json"
+    tuning.save_entry(_entry("modeled"), f)
+    tuning.save_entry(_entry("modeled"), f)             # same slot: replaced, not duplicated
+    assert len(tuning.load_file(f)) == 1
+    replaced = tuning.save_entry(_entry("measured", device="QUALCOMM Adreno(TM)"), f)
+    assert len(replaced) == 1 and replaced[0]["provenance"]["mode"] == "modeled"
+    entries = tuning.load_file(f)
+    assert [e["provenance"]["mode"] for e in entries] == ["measured"]
+
+
+def test_modeled_entry_is_found_for_its_profile_only(tuning_dir):
+    tuning.save_entry(_entry("modeled"), tuning_dir / "m.json")
+    key740 = tuning.DeviceKey.of("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 740", "QUALCOMM", "adreno")
+    key640 = tuning.DeviceKey.of("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 640", "QUALCOMM", "adreno-6xx")
+    kw = dict(dtype="float16", dk=128, dv=128, causal=True, n=2048)
+    found = tuning.lookup("prefill", key740, **kw)
+    assert found is not None and "(profile, bucket 2048, modeled)" in found.source
+    assert tuning.lookup("prefill", key640, **kw) is None
+
+
+def _writer(path, i):
+    tuning.save_entry(_entry("measured", bucket_n=16 << i, device=f"dev{i}"), path)
+
+
+def test_concurrent_writers_do_not_corrupt(tmp_path):
+    f = tmp_path / "db.json"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(f, i)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    entries = tuning.load_file(f)
+    assert sorted(e["device"] for e in entries) == sorted(f"dev{i}" for i in range(8))
+
+
+def test_corrupt_database_names_the_file(tuning_dir):
+    tuning_dir.mkdir(parents=True)
+    bad = tuning_dir / "broken.json"
+    bad.write_text("{ not json")
+    key = tuning.DeviceKey("x", None, "cpu", "cpu")
+    with pytest.raises(tuning.TuningDatabaseError, match="broken.json"):
+        tuning.lookup("prefill", key, dtype="float32", dk=64, dv=64, causal=True, n=256)
+    with pytest.raises(tuning.TuningDatabaseError, match="broken.json"):
+        tuning.save_entry(_entry("modeled"), bad)
+    assert bad.read_text() == "{ not json"          # never overwritten
+
+
+# --------------------------------------------------------------------------- on a device
+
+def _prob():
+    from flashcl.opencl.prefill import PrefillProblem
+
+    return PrefillProblem(1, 4, 2, 256, 256, 64, 64, True, "float32")
+
+
+def test_hand_edited_bad_entry_is_rejected_with_warning(cpu_device, tuning_dir):
+    from flashcl.opencl.prefill import choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    default = choose_params(h, _prob())
+    key = tuning.DeviceKey.of(h.name, h.device.opencl_c_version, h.device.vendor, h.profile.name)
+    tuning_dir.mkdir(parents=True)
+    e = tuning.make_entry("prefill", key, dtype="float32", dk=64, dv=64, causal=True, n=256,
+                          params={"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 48, "VEC": 4},
+                          provenance={"mode": "measured"})
+    (tuning_dir / "hand.json").write_text(json.dumps({"version": 1, "entries": [e]}))
+    with pytest.warns(UserWarning, match=r"hand\.json.*DV_TILE=48 must divide DV=64"):
+        got = choose_params(h, _prob())
+    assert got.params == default.params and got.source.startswith("profile default")
+
+
+def test_tuned_entry_is_picked_up_by_prefill(cpu_device, tuning_dir):
+    """Tune with a candidate list that excludes the default: the next call's parameters change
+    and name the database file; flashcl.prefill runs with them and stays exact."""
+    import numpy as np
+
+    import flashcl
+    from flashcl import reference
+    from flashcl.opencl.prefill import choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    before = choose_params(h, _prob())
+    target = tuner.resolve_target(cpu_device)
+    assert target.mode == "measured"
+    over = {"BLOCK_M": [32], "BLOCK_N": [16], "DV_TILE": [32, 64]}
+    over = {k: [x for x in v if x != before.params[k]] or v for k, v in over.items()}
+    report = tuner.run_sweep(target, (1, 4, 2, 256, 64, True), "float32", overrides=over, repeats=5,
+                             isolate=False)
+    assert report.winner is not None and report.winner.status == "ok" and report.winner.runs >= 5
+    path = tuner.save(report)
+    after = choose_params(h, _prob())
+    assert after.params == report.winner.params != before.params
+    assert str(path) in after.source and "measured" in after.source
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((4, 256, 64), (2, 256, 64), (2, 256, 64)))
+    out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)
+    ref = reference.attention(q, k, v, causal=True)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_interrupt_keeps_results_and_resume_continues(cpu_device):
+    target = tuner.resolve_target(cpu_device)
+    over = {"BLOCK_M": [32, 64], "BLOCK_N": [16], "DV_TILE": [64], "Q_IN_REGS": [1]}
+    seen = []
+
+    def stop_after_first(r):
+        seen.append(r)
+        raise KeyboardInterrupt
+
+    shape = (1, 2, 1, 128, 64, True)
+    rep = tuner.run_sweep(target, shape, "float32", overrides=over, repeats=5, isolate=False,
+                          on_result=stop_after_first)
+    assert rep.interrupted and len(rep.results) == 1
+    starts = []
+    rep2 = tuner.run_sweep(target, shape, "float32", overrides=over, repeats=5, isolate=False, resume=True,
+                           on_start=lambda todo, done: starts.append((todo, done)))
+    assert starts == [(1, 1)] and not rep2.interrupted and len(rep2.results) == 2
+    assert not list((tuning.user_tuning_dir() / "resume").glob("*.json"))  # finished: removed
+
+
+def test_hung_configuration_costs_only_itself(cpu_device):
+    """A worker that does not answer within the timeout is killed and the config marked failed."""
+    setup = tuner.Setup(cpu_device, (1, 2, 1, 128, 64, True), "float32", "modeled", 5, False)
+    runner = tuner.IsolatedRunner(setup, timeout=1e-3)
+    try:
+        res = runner.evaluate({"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 16})
+    finally:
+        runner.close()
+    assert res["status"] == "failed" and res["error"].startswith("timeout")
+
+
+def test_model_mode_sweep_builds_and_chooses_largest_non_spilling(cpu_device):
+    target = tuner.resolve_target("adreno")
+    assert target.mode == "modeled" and target.key.vendor == "adreno"
+    over = {"BLOCK_M": [64], "BLOCK_N": [16, 32], "DV_TILE": [16, 32, 64]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = tuner.run_sweep(target, (1, 32, 8, 2048, 128, True), "float32", overrides=over, isolate=False)
+    assert all(r.status == "ok" and r.signal.startswith("model") for r in rep.results)
+    safe = [r for r in rep.results if not r.spills]
+    assert rep.winner is rep.largest and rep.winner in safe
+    assert rep.winner.model_floats == max(r.model_floats for r in safe)
+    assert any(r.spills for r in rep.results)  # d=128: the wider tiles exceed 192 registers

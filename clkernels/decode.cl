@@ -1,0 +1,444 @@
+/* flashcl decode: flash-decoding, one new query token per sequence over its KV cache.
+ *
+ *   out[b, h, :] = softmax_j(scale * q[b, h, :] . k[b, h / G, j, :]) @ v[b, h / G, :, :],  j < ctx[b]
+ *
+ * G = GROUP = H_q / H_kv. One work-group serves one (sequence, KV head, split) and the WHOLE GQA
+ * group of G query heads, so every K/V row is read from global memory once per group. Keys are
+ * cut into num_splits contiguous chunks (whole BLOCK_N tiles); a split that starts past the end
+ * of its sequence is the empty state (-inf, 0, 0).
+ *
+ *   flash_decode        num_splits == 1: normalizes and writes out and lse itself (single pass)
+ *   flash_decode_split  writes the unnormalized float32 state (m in log2 units, l, acc) per split
+ *   flash_decode_merge  rescales the splits to their shared max and writes out and lse
+ *
+ * Buffers (element offsets and strides from the host; the head dim is contiguous):
+ *   q        [B][H_q][HEAD_DK]                        at q + q_off + b*q_sb + h*q_sh
+ *   k, v     contiguous: [B][H_kv][N_max][D]           row j at b*k_s0 + kvh*k_sh + j*k_s1
+ *            paged:      [num_blocks][block_size][H_kv][D]
+ *                        row j at block_table[b][j >> block_shift]*k_s0 + (j & mask)*k_s1 + kvh*k_sh
+ *            K/V offsets and strides are in units of 16-byte chunks (raw_t) and every row starts
+ *            16-byte aligned (the host checks), so rows are read with whole 16-byte loads.
+ *   out      [B][H_q][HEAD_DV]                        at out + o_off + b*o_sb + h*o_sh
+ *   lse      [B][H_q] float32, natural log, contiguous
+ *   part_m, part_l  [B][H_q][num_splits] float32; part_acc [B][H_q][num_splits][HEAD_DV] float32
+ *   block_table [B][bt_stride] int32; context_lens [B] int32
+ *
+ * Work-group of WG = LANES x ROWS x NHT work-items (lane fastest):
+ *
+ *     key tile (BLOCK_N = ROWS*UNROLL keys)        16-byte chunk c of a row = dims [VW*c, VW*c+VW)
+ *        row r  | lane 0 | lane 1 | ... | lane LANES-1 |   <- consecutive work-items read
+ *        row r+1| lane 0 | lane 1 | ...                   consecutive chunks of one K/V row
+ *
+ *   per work-item (lane, row, head tile ht): q chunk and acc chunk of HEAD_TILE query heads
+ *   (registers), its own online-softmax state (m, l) for the keys of its row slot.
+ *   local memory: partial dot products [GROUP][BLOCK_N][LANES] -> scores [GROUP][BLOCK_N];
+ *   with several head tiles (NHT > 1) the K/V tile itself, so that each chunk is still loaded
+ *   from global memory once and then read from local memory by every head tile.
+ *   Each iteration prefetches the next tile into registers before computing on the current one.
+ *   At the end the ROWS row-slot states are merged in local memory (rescale to the shared max).
+ */
+
+/* ---- tunables ------------------------------------------------------------------------------ */
+#ifndef ROWS
+#define ROWS 8            // key rows read side by side: work-items along the key axis (1..64)
+#endif
+#ifndef UNROLL
+#define UNROLL 1          // keys per work-item per iteration: loads in flight per work-item (1..8)
+#endif
+#ifndef HEAD_TILE
+#define HEAD_TILE 4       // query heads whose q/acc chunks one work-item keeps in registers
+#endif
+#ifndef MERGE_WG
+#define MERGE_WG 64       // work-items of the merge kernel (power of two, 16..1024)
+#endif
+
+/* ---- problem constants set by the host ------------------------------------------------------ */
+#ifndef HEAD_DK
+#error "HEAD_DK (query/key head dim) must be defined by the host"
+#endif
+#ifndef HEAD_DV
+#error "HEAD_DV (value head dim) must be defined by the host"
+#endif
+#ifndef GROUP
+#error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
+#endif
+#ifndef STORE_HALF
+#define STORE_HALF 0      // 1: q/k/v/out are stored as half (computed in float32)
+#endif
+#ifndef PAGED
+#define PAGED 0           // 1: paged cache addressed through block_table, 0: contiguous cache
+#endif
+
+/* ---- derived constants and impossible combinations ------------------------------------------ */
+#if STORE_HALF
+#define VW 8              // elements per 16-byte chunk
+typedef uint4 raw_t;      // a chunk as loaded; converted to float8 with vload_half8
+typedef half store_t;
+#else
+#define VW 4
+typedef float4 raw_t;
+typedef float store_t;
+#endif
+#define FLASHCL_CAT_(a, b) a##b
+#define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
+#define floatW FLASHCL_CAT(float, VW)
+
+#define CK (HEAD_DK / VW)                 // chunks per K row
+#define CV (HEAD_DV / VW)                 // chunks per V row
+#define LANES (CK > CV ? CK : CV)         // work-items per row
+#define NHT (GROUP / HEAD_TILE)           // head tiles per work-group
+#define WG (LANES * ROWS * NHT)           // work-group size
+#define BLOCK_N (ROWS * UNROLL)           // keys per iteration
+#define STAGED (NHT > 1)                  // K/V tile staged in local memory for several head tiles
+#define TILE_CHUNKS (BLOCK_N * (CK + CV))
+#define LOADS ((TILE_CHUNKS + WG - 1) / WG)  // chunks each work-item loads per tile when STAGED
+#define PSTRIDE (LANES + 1)               // padded: the reducers read rows without bank conflicts
+
+#if HEAD_DK % VW != 0 || HEAD_DV % VW != 0
+#error "head dims must be multiples of 8 (half) or 4 (float): rows are read in 16-byte chunks"
+#endif
+#if GROUP < 1 || HEAD_TILE < 1 || GROUP % HEAD_TILE != 0
+#error "HEAD_TILE must divide GROUP"
+#endif
+#if ROWS < 1 || UNROLL < 1
+#error "ROWS and UNROLL must be positive"
+#endif
+#if MERGE_WG < 1 || (MERGE_WG & (MERGE_WG - 1)) != 0
+#error "MERGE_WG must be a power of two (tree reduction)"
+#endif
+
+#if VW == 8
+#define HSUM_W(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
+#define LOAD_W(p, i) vload_half8((i), (p))
+#define STORE_W(x, i, p) vstore_half8_rte((x), (i), (p))
+#else
+#define HSUM_W(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))
+#define LOAD_W(p, i) vload4((i), (p))
+#define STORE_W(x, i, p) vstore4((x), (i), (p))
+#endif
+
+static inline floatW to_float(raw_t r)
+{
+#if STORE_HALF
+    return vload_half8(0, (const __private half *)&r);
+#else
+    return r;
+#endif
+}
+
+/* chunk offset (in raw_t units) of key j's row, relative to the (batch, KV head) base */
+static inline ulong row_offset(const int j, __global const int *bt_row, const int block_shift,
+                               const ulong s0, const ulong s1)
+{
+#if PAGED
+    const int block = bt_row[j >> block_shift];
+    return (ulong)block * s0 + (ulong)(j & ((1 << block_shift) - 1)) * s1;
+#else
+    return (ulong)j * s1;
+#endif
+}
+
+/* The split's attention state of HEAD_TILE query heads; written normalized (final) or raw. */
+static inline void decode_body(
+    __global const store_t *q, __global const raw_t *k, __global const raw_t *v,
+    __global store_t *out, __global float *lse,
+    __global float *part_m, __global float *part_l, __global float *part_acc,
+    __global const int *block_table, __global const int *context_lens,
+    const int h_q, const int num_splits, const int bt_stride, const int block_shift,
+    const float scale_log2,
+    const ulong q_off, const ulong q_sb, const ulong q_sh,
+    const ulong k_off, const ulong k_s0, const ulong k_sh, const ulong k_s1,
+    const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,
+    const ulong o_off, const ulong o_sb, const ulong o_sh,
+    const bool partial,
+    __local float *partials, __local float *scores, __local raw_t *tile,
+    __local float *red_m, __local float *red_l, __local float *red_acc)
+{
+    const int tid = get_local_id(0);
+    const int lane = tid % LANES;
+    const int row = (tid / LANES) % ROWS;
+    const int ht = tid / (LANES * ROWS);
+    const int split = get_group_id(0);
+    const int kv_head = get_group_id(1);
+    const int batch = get_group_id(2);
+    const int head0 = kv_head * GROUP + ht * HEAD_TILE;  /* first query head of this work-item */
+
+    /* this split's keys [k0, k1): whole tiles, so that only the sequence's last tile is partial */
+    const int n = context_lens[batch];
+    const int per_split = (n + num_splits - 1) / num_splits;
+    const int chunk = (per_split + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    const int k0 = min(split * chunk, n);
+    const int k1 = min(k0 + chunk, n);
+
+    __global const int *bt_row = block_table + (ulong)batch * bt_stride;
+#if PAGED
+    __global const raw_t *k_base = k + k_off + kv_head * k_sh;
+    __global const raw_t *v_base = v + v_off + kv_head * v_sh;
+#else
+    __global const raw_t *k_base = k + k_off + batch * k_s0 + kv_head * k_sh;
+    __global const raw_t *v_base = v + v_off + batch * v_s0 + kv_head * v_sh;
+#endif
+
+    /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros */
+    floatW qv[HEAD_TILE], acc[HEAD_TILE];
+    float m[HEAD_TILE], l[HEAD_TILE];
+    for (int i = 0; i < HEAD_TILE; ++i) {
+        __global const store_t *q_row = q + q_off + batch * q_sb + (head0 + i) * q_sh;
+        qv[i] = (lane < CK) ? LOAD_W(q_row, lane) * scale_log2 : (floatW)(0.0f);
+        acc[i] = (floatW)(0.0f);
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+
+    /* keys past k1 are never loaded: their chunks stay zero (p * garbage could be NaN) */
+#if STAGED
+    raw_t pre[LOADS];
+#define FETCH_TILE(t0)                                                                      \
+    for (int c_ = 0; c_ < LOADS; ++c_) {                                                    \
+        const int c = tid + c_ * WG;                                                        \
+        const int key = c / (CK + CV), part = c % (CK + CV), j = (t0) + key;                \
+        pre[c_] = (raw_t)(0);                                                               \
+        if (c < TILE_CHUNKS && j < k1)                                                      \
+            pre[c_] = (part < CK) ? k_base[row_offset(j, bt_row, block_shift, k_s0, k_s1) + part] \
+                                  : v_base[row_offset(j, bt_row, block_shift, v_s0, v_s1) + part - CK]; \
+    }
+#else
+    raw_t kn[UNROLL], vn[UNROLL];
+#define FETCH_TILE(t0)                                                                      \
+    for (int u = 0; u < UNROLL; ++u) {                                                      \
+        const int j = (t0) + u * ROWS + row;                                                \
+        kn[u] = (raw_t)(0);                                                                 \
+        vn[u] = (raw_t)(0);                                                                 \
+        if (j < k1) {                                                                       \
+            if (lane < CK) kn[u] = k_base[row_offset(j, bt_row, block_shift, k_s0, k_s1) + lane]; \
+            if (lane < CV) vn[u] = v_base[row_offset(j, bt_row, block_shift, v_s0, v_s1) + lane]; \
+        }                                                                                   \
+    }
+#endif
+
+    FETCH_TILE(k0)
+    for (int t0 = k0; t0 < k1; t0 += BLOCK_N) {
+        raw_t kc[UNROLL], vc[UNROLL];
+#if STAGED
+        for (int c_ = 0; c_ < LOADS; ++c_)
+            if (tid + c_ * WG < TILE_CHUNKS)
+                tile[tid + c_ * WG] = pre[c_];
+        if (t0 + BLOCK_N < k1) {
+            FETCH_TILE(t0 + BLOCK_N)  /* next tile in flight while this one is computed */
+        }
+        /* the tile is complete before any head tile reads it */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int u = 0; u < UNROLL; ++u) {
+            const int base = (u * ROWS + row) * (CK + CV);
+            kc[u] = (lane < CK) ? tile[base + lane] : (raw_t)(0);
+            vc[u] = (lane < CV) ? tile[base + CK + lane] : (raw_t)(0);
+        }
+#else
+        for (int u = 0; u < UNROLL; ++u) {
+            kc[u] = kn[u];
+            vc[u] = vn[u];
+        }
+        if (t0 + BLOCK_N < k1) {
+            FETCH_TILE(t0 + BLOCK_N)  /* next tile in flight while this one is computed */
+        }
+#endif
+
+        /* partial dot products over this lane's VW dims, for every head of the tile */
+        for (int u = 0; u < UNROLL; ++u) {
+            const floatW kf = to_float(kc[u]);
+            for (int i = 0; i < HEAD_TILE; ++i)
+                partials[((ht * HEAD_TILE + i) * BLOCK_N + u * ROWS + row) * PSTRIDE + lane] =
+                    HSUM_W(qv[i] * kf);
+        }
+        /* all partials are written before they are summed (also: everyone has read the K/V
+         * tile, so the next iteration may overwrite it) */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int x = tid; x < GROUP * BLOCK_N; x += WG) {
+            float s = 0.0f;
+            for (int c = 0; c < CK; ++c)
+                s += partials[x * PSTRIDE + c];
+            scores[x] = (t0 + x % BLOCK_N < k1) ? s : -INFINITY;  /* the tail of the last tile */
+        }
+        /* scores complete before they are read; the next write to them is after the next
+         * iteration's first barrier, which every work-item reaches only after reading them */
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* online softmax of this row slot's keys: rescale acc to the new max, add p @ v */
+        floatW vf[UNROLL];
+        for (int u = 0; u < UNROLL; ++u)
+            vf[u] = to_float(vc[u]);
+        for (int i = 0; i < HEAD_TILE; ++i) {
+            float s[UNROLL];
+            float tile_max = -INFINITY;
+            for (int u = 0; u < UNROLL; ++u) {
+                s[u] = scores[(ht * HEAD_TILE + i) * BLOCK_N + u * ROWS + row];
+                tile_max = fmax(tile_max, s[u]);
+            }
+            const float m_new = fmax(m[i], tile_max);
+            const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* nothing seen: no inf - inf */
+            const float alpha = exp2(m[i] - m_use);
+            l[i] *= alpha;
+            acc[i] *= alpha;
+            for (int u = 0; u < UNROLL; ++u) {
+                const float p = exp2(s[u] - m_use);
+                l[i] += p;
+                acc[i] = fma((floatW)(p), vf[u], acc[i]);
+            }
+            m[i] = m_new;
+        }
+    }
+#undef FETCH_TILE
+
+    /* merge the ROWS row-slot states: shared max per head, then sum l and acc over the rows */
+    for (int i = 0; i < HEAD_TILE; ++i)
+        if (lane == 0)
+            red_m[row * GROUP + ht * HEAD_TILE + i] = m[i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float m_all[HEAD_TILE], l_all[HEAD_TILE];
+    for (int i = 0; i < HEAD_TILE; ++i) {
+        float mx = -INFINITY;
+        for (int r = 0; r < ROWS; ++r)
+            mx = fmax(mx, red_m[r * GROUP + ht * HEAD_TILE + i]);
+        const float w = exp2(m[i] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty slot: w = 0 */
+        acc[i] *= w;
+        l[i] *= w;
+        m_all[i] = mx;
+        if (lane == 0)
+            red_l[row * GROUP + ht * HEAD_TILE + i] = l[i];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int i = 0; i < HEAD_TILE; ++i) {
+        float sum = 0.0f;
+        for (int r = 0; r < ROWS; ++r)
+            sum += red_l[r * GROUP + ht * HEAD_TILE + i];
+        l_all[i] = sum;
+    }
+
+    for (int i = 0; i < HEAD_TILE; ++i) {
+        floatW a = acc[i];
+#if ROWS > 1
+        if (lane < CV)
+            FLASHCL_CAT(vstore, VW)(a, 0, red_acc + (row * NHT + ht) * HEAD_DV + lane * VW);
+        /* every row slot's share is in local memory before row 0 sums them */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (row == 0 && lane < CV) {
+            a = (floatW)(0.0f);
+            for (int r = 0; r < ROWS; ++r)
+                a += FLASHCL_CAT(vload, VW)(0, red_acc + (r * NHT + ht) * HEAD_DV + lane * VW);
+        }
+        /* row 0 has read red_acc before the next head overwrites it */
+        barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+        if (row != 0)
+            continue;
+        const int head = head0 + i;
+        const ulong state = ((ulong)batch * h_q + head) * num_splits + split;
+        if (partial) {
+            if (lane < CV)
+                FLASHCL_CAT(vstore, VW)(a, lane, part_acc + state * HEAD_DV);
+            if (lane == 0) {
+                part_m[state] = m_all[i];
+                part_l[state] = l_all[i];
+            }
+        } else {
+            const float inv_l = (l_all[i] > 0.0f) ? 1.0f / l_all[i] : 0.0f;  /* no key: zeros */
+            if (lane < CV)
+                STORE_W(a * inv_l, lane, out + o_off + batch * o_sb + head * o_sh);
+            if (lane == 0)
+                lse[(ulong)batch * h_q + head] =
+                    (l_all[i] > 0.0f) ? (m_all[i] + log2(l_all[i])) * M_LN2_F : -INFINITY;
+        }
+    }
+}
+
+#define DECODE_PARAMS                                                                        \
+    __global const store_t *q, __global const raw_t *k, __global const raw_t *v,             \
+    __global store_t *out, __global float *lse,                                              \
+    __global float *part_m, __global float *part_l, __global float *part_acc,                \
+    __global const int *block_table, __global const int *context_lens,                       \
+    const int h_q, const int num_splits, const int bt_stride, const int block_shift,         \
+    const float scale_log2,                                                                  \
+    const ulong q_off, const ulong q_sb, const ulong q_sh,                                   \
+    const ulong k_off, const ulong k_s0, const ulong k_sh, const ulong k_s1,                 \
+    const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,                 \
+    const ulong o_off, const ulong o_sb, const ulong o_sh
+
+#define DECODE_KERNEL(NAME, IS_PARTIAL)                                                      \
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))                                     \
+void NAME(DECODE_PARAMS)                                                                     \
+{                                                                                            \
+    __local float partials[GROUP * BLOCK_N * PSTRIDE];                                       \
+    __local float scores[GROUP * BLOCK_N];                                                   \
+    __local raw_t tile[STAGED ? TILE_CHUNKS : 1];                                            \
+    __local float red_m[ROWS * GROUP], red_l[ROWS * GROUP];                                  \
+    __local float red_acc[ROWS > 1 ? ROWS * NHT * HEAD_DV : 4];                              \
+    decode_body(q, k, v, out, lse, part_m, part_l, part_acc, block_table, context_lens,      \
+                h_q, num_splits, bt_stride, block_shift, scale_log2, q_off, q_sb, q_sh,      \
+                k_off, k_s0, k_sh, k_s1, v_off, v_s0, v_sh, v_s1, o_off, o_sb, o_sh,         \
+                IS_PARTIAL, partials, scores, tile, red_m, red_l, red_acc);                  \
+}
+
+DECODE_KERNEL(flash_decode, false)
+DECODE_KERNEL(flash_decode_split, true)
+
+/* Merge the num_splits states of one (batch, query head): grid (MERGE_WG * H_q, B).
+ * Work-items stride over the splits for the max and the denominator (lanes past num_splits hold
+ * the empty-state sentinel -inf / 0), then over the DV columns for the weighted sum. */
+__kernel __attribute__((reqd_work_group_size(MERGE_WG, 1, 1)))
+void flash_decode_merge(__global const float *part_m, __global const float *part_l,
+                        __global const float *part_acc, __global store_t *out, __global float *lse,
+                        const int h_q, const int num_splits,
+                        const ulong o_off, const ulong o_sb, const ulong o_sh,
+                        __local float *weights /* num_splits floats */)
+{
+    __local float red[MERGE_WG];
+    const int tid = get_local_id(0);
+    const int head = get_group_id(0);
+    const int batch = get_group_id(1);
+    const ulong state0 = ((ulong)batch * h_q + head) * num_splits;
+
+    float mx = -INFINITY;
+    for (int s = tid; s < num_splits; s += MERGE_WG)
+        mx = fmax(mx, part_m[state0 + s]);
+    red[tid] = mx;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int w = MERGE_WG / 2; w > 0; w /= 2) {
+        if (tid < w)
+            red[tid] = fmax(red[tid], red[tid + w]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float m_all = red[0];
+    const float m_use = (m_all == -INFINITY) ? 0.0f : m_all;  /* every split empty: no inf - inf */
+    /* everyone has read red[0] before it is reused for the denominator */
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    float l_sum = 0.0f;
+    for (int s = tid; s < num_splits; s += MERGE_WG) {
+        const float w = exp2(part_m[state0 + s] - m_use);  /* empty split: exp2(-inf) = 0 */
+        weights[s] = w;
+        l_sum += part_l[state0 + s] * w;
+    }
+    red[tid] = l_sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int w = MERGE_WG / 2; w > 0; w /= 2) {
+        if (tid < w)
+            red[tid] += red[tid + w];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float l_all = red[0];
+    const float inv_l = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
+
+    __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh;
+    for (int d = tid; d < HEAD_DV; d += MERGE_WG) {
+        float a = 0.0f;
+        for (int s = 0; s < num_splits; ++s)
+            a = fma(weights[s], part_acc[(state0 + s) * HEAD_DV + d], a);
+#if STORE_HALF
+        vstore_half_rte(a * inv_l, d, o_row);
+#else
+        o_row[d] = a * inv_l;
+#endif
+    }
+    if (tid == 0)
+        lse[(ulong)batch * h_q + head] = (l_all > 0.0f) ? (m_all + log2(l_all)) * M_LN2_F : -INFINITY;
+}

@@ -1,0 +1,418 @@
+"""Host side of the OpenCL flash-decoding kernels (clkernels/decode.cl).
+
+One work-group per (sequence, KV head, split) serves the whole GQA group; ``num_splits == 1`` is a
+single pass that writes the normalized output itself, more splits write float32 partial states
+that ``flash_decode_merge`` combines exactly. The split count, when not forced, comes from
+:func:`choose_num_splits`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+
+from .. import tuning
+from .arrays import dtype_name, elem_strides, handle_for_inputs, to_device_4d
+from .runtime import DeviceHandle, build, launch, spill_report
+
+KERNEL = "decode"
+_LOG2E = 1.0 / math.log(2.0)
+CHUNK_BYTES = 16  # K/V rows are read in 16-byte chunks: 8 halves or 4 floats per work-item
+
+# The decode tuning space as data (to move into tuning.TUNING_SPACE["decode"]).
+DECODE_SPACE = {
+    "params": {
+        "ROWS": (1, 2, 4, 8, 16),
+        "UNROLL": (1, 2, 4),
+        "HEAD_TILE": "divisors of the GQA group G = H_q / H_kv, at most 8",
+        "MERGE_WG": (32, 64, 128),
+    },
+    "constraints": (
+        tuning.Constraint("head_tile_divides", "HEAD_TILE must divide G: each work-item keeps the "
+                          "q and accumulator chunks of HEAD_TILE heads, the head tiles cover G exactly"),
+        tuning.Constraint("work_group_fits", "LANES * ROWS * G / HEAD_TILE work-items (LANES = "
+                          "max(DK, DV) / chunk elements) must not exceed the device's or kernel's max "
+                          "work-group"),
+        tuning.Constraint("local_fits", "partial dots, scores, the staged K/V tile (G > HEAD_TILE) and "
+                          "the row-slot merge buffer (local_bytes) must fit in local memory"),
+        tuning.Constraint("merge_pow2", "MERGE_WG must be a power of two: the merge reduces by halving"),
+    ),
+    "metric": "median time of decode (+ merge) by profiling events; GB/s = (K+V read + q + out) / t",
+}
+_PARAM_NAMES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")
+
+# Split heuristic constants (see choose_num_splits).
+WAVES = 2               # work-groups per compute unit the split count aims for
+KEYS_PER_SPLIT = 512    # keys one split aims to cover on long contexts
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64         # automatic choice only; a forced num_splits may go up to MAX_FORCED_SPLITS
+MAX_FORCED_SPLITS = 4096  # the merge keeps one weight per split in local memory
+
+
+def chunk_elems(dtype: str) -> int:
+    return CHUNK_BYTES // np.dtype(dtype).itemsize
+
+
+def lanes(dk: int, dv: int, dtype: str) -> int:
+    return max(dk, dv) // chunk_elems(dtype)
+
+
+def work_group_size(params: dict, group: int, dk: int, dv: int, dtype: str) -> int:
+    return lanes(dk, dv, dtype) * params["ROWS"] * (group // params["HEAD_TILE"])
+
+
+def local_bytes(params: dict, group: int, dk: int, dv: int, dtype: str) -> int:
+    """Local memory of the decode kernel (decode.cl's __local arrays), bytes."""
+    ln, rows, nht = lanes(dk, dv, dtype), params["ROWS"], group // params["HEAD_TILE"]
+    block_n = rows * params["UNROLL"]
+    floats = group * block_n * (ln + 1) + group * block_n + 2 * rows * group
+    floats += rows * nht * dv if rows > 1 else 4
+    tile = block_n * (dk + dv) * np.dtype(dtype).itemsize if nht > 1 else CHUNK_BYTES
+    return 4 * floats + tile
+
+
+def private_floats(params: dict, dk: int, dv: int, dtype: str) -> int:
+    """Register model per work-item: q and acc chunks of HEAD_TILE heads, m/l, the current and
+    prefetched K/V chunks (raw, 4 registers each) and their float conversions, ~24 scalars."""
+    w, ht, u = chunk_elems(dtype), params["HEAD_TILE"], params["UNROLL"]
+    return 2 * ht * w + 2 * ht + u * (4 * 4 + 2 * w) + 24
+
+
+def check_params(params: dict, group: int, dk: int, dv: int, dtype: str, *, local_mem: int,
+                 max_work_group: int) -> list[str]:
+    """Every violated constraint as a sentence; [] when valid."""
+    missing = [p for p in _PARAM_NAMES if p not in params]
+    unknown = [p for p in params if p not in _PARAM_NAMES]
+    if missing or unknown:
+        return [f"params must set exactly {_PARAM_NAMES}; missing {missing}, unknown {unknown}"]
+    errors = [f"{p}={params[p]!r} must be a positive int" for p in _PARAM_NAMES
+              if isinstance(params[p], bool) or not isinstance(params[p], int) or params[p] < 1]
+    if errors:
+        return errors
+    if group % params["HEAD_TILE"]:
+        errors.append(f"HEAD_TILE={params['HEAD_TILE']} must divide the GQA group G={group}")
+        return errors
+    if params["MERGE_WG"] & (params["MERGE_WG"] - 1):
+        errors.append(f"MERGE_WG={params['MERGE_WG']} must be a power of two")
+    wg = work_group_size(params, group, dk, dv, dtype)
+    if wg > max_work_group:
+        errors.append(f"ROWS={params['ROWS']}, HEAD_TILE={params['HEAD_TILE']} give a work-group of {wg} "
+                      f"for G={group}, D={max(dk, dv)}; the device allows {max_work_group}")
+    if params["MERGE_WG"] > max_work_group:
+        errors.append(f"MERGE_WG={params['MERGE_WG']} exceeds the device's max work-group {max_work_group}")
+    lb = local_bytes(params, group, dk, dv, dtype)
+    if lb > local_mem:
+        errors.append(f"ROWS={params['ROWS']}, UNROLL={params['UNROLL']}, HEAD_TILE={params['HEAD_TILE']} "
+                      f"need {lb} bytes of local memory for G={group}; the device has {local_mem}")
+    return errors
+
+
+def default_params(profile, group: int, dk: int, dv: int, dtype: str, *, local_mem: int,
+                   max_work_group: int) -> dict:
+    """Working parameters for an untuned device.
+
+    HEAD_TILE: the largest divisor of G up to 4 (8 where the profile has no register cliff, i.e.
+    CPUs): q + acc chunks of 4 heads are 64 registers for half at d=128, within NVIDIA's 128-register
+    occupancy budget. ROWS: enough row slots for a work-group of ~128 work-items (4 warps; 64 on
+    CPUs, where PoCL runs a work-group as loops and barriers are costly). UNROLL: at least 8 keys
+    per iteration, so that barriers and the score reduction are amortized over a tile.
+    """
+    ht_max = 8 if profile.regs_hard >= 1024 else 4
+    ht = max(d for d in range(1, min(group, ht_max) + 1) if group % d == 0)
+    ln, nht = lanes(dk, dv, dtype), group // ht
+    target = 64 if profile.regs_hard >= 1024 else 128
+    rows = 1
+    while rows < 16 and ln * nht * rows * 2 <= min(target, max_work_group):
+        rows *= 2
+    unroll = max(1, min(4, 8 // rows))
+    p = {"ROWS": rows, "UNROLL": unroll, "HEAD_TILE": ht, "MERGE_WG": 64}
+    while check_params(p, group, dk, dv, dtype, local_mem=local_mem, max_work_group=max_work_group):
+        if p["UNROLL"] > 1:
+            p["UNROLL"] //= 2
+        elif p["ROWS"] > 1:
+            p["ROWS"] //= 2
+        elif p["HEAD_TILE"] < group:  # fewer head tiles: a smaller work-group
+            p["HEAD_TILE"] = min(d for d in range(p["HEAD_TILE"] + 1, group + 1) if group % d == 0)
+        else:
+            break
+    p["MERGE_WG"] = min(64, max_work_group)
+    return p
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves: int = WAVES,
+                      keys_per_split: int = KEYS_PER_SPLIT, min_keys: int = MIN_KEYS_PER_SPLIT,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """The split-k count when the caller does not force one.
+
+    Decode is bandwidth bound, so the whole device must be reading, and each work-group must have
+    enough keys in flight to hide memory latency. Two lower bounds, the larger wins:
+
+    * fill the device: B·H_kv work-groups exist without splits; aim for ``waves`` (2) work-groups
+      per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``;
+    * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
+      ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already
+      fills the device (a 2k-key work-group is one long serial chain of loads).
+
+    A split keeps at least ``min_keys`` (256) keys (its partial state and merge share stay small
+    next to 128 KiB of K/V) and there are at most ``max_splits`` (64). Powers of two because the
+    measured optimum always was one: on an H100 3 splits of (32, 32, 8, 2k) took 0.200 ms against
+    0.163 for 2 and 0.167 for 4 (uneven tile counts per split).
+
+    Checked against forced splits {1..64} on the H100 through NVIDIA OpenCL (2026-11-21, fp16,
+    d=128, block_size 16; these constants were chosen on that data): the rule picks 4, 16, 4, 4,
+    8, 4, 16, 64, 64 for the nine reference shapes, each within 5% of the best forced count
+    measured there. ``n_ctx`` is the longest context of the batch.
+    """
+    fill = _pow2_floor(waves * max(1, compute_units) // max(1, batch_heads))
+    if waves * max(1, compute_units) < max(1, batch_heads):
+        fill = 1
+    work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
+    cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
+    return int(max(1, min(max(fill, work), cap)))
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    b: int
+    h_q: int
+    h_kv: int
+    dk: int
+    dv: int
+    paged: bool
+    dtype: str  # "float32" | "float16"
+
+    @property
+    def group(self) -> int:
+        return self.h_q // self.h_kv
+
+    def bytes_moved(self, ctx_total: int) -> int:
+        """Fewest bytes one decode step moves: every K and V row read once per GQA group
+        (ctx_total = Σ_b context_len[b] keys, per KV head), q read and out written once.
+
+            bytes = H_kv · Σ_b ctx_b · (DK + DV) · e  +  B · H_q · (DK + DV) · e
+
+        Block table, context lengths and split-k partials are overhead, not counted."""
+        e = np.dtype(self.dtype).itemsize
+        return self.h_kv * ctx_total * (self.dk + self.dv) * e + self.b * self.h_q * (self.dk + self.dv) * e
+
+
+def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None = None,
+                  n_ctx: int = 0) -> tuning.Choice:
+    """User override, else the tuning database (kernel "decode"), else the default; validated."""
+    def errors(p):
+        return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
+                            max_work_group=handle.max_work_group)
+
+    if params is not None:
+        errs = errors(params)
+        if errs:
+            raise ValueError("params: " + "; ".join(errs))
+        return tuning.Choice(dict(params), "params= override")
+    key = tuning.DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor,
+                              handle.profile.name)
+    found = tuning.lookup(KERNEL, key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv, causal=False,
+                          n=max(n_ctx, 1), validate=errors)
+    if found is not None:
+        return found
+    p = default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
+                       local_mem=handle.local_mem, max_work_group=handle.max_work_group)
+    return tuning.Choice(p, f"profile default ({handle.profile.name})")
+
+
+class DecodeKernel:
+    """The three decode kernels built for one problem class and parameter set on one device."""
+
+    def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
+                 verbose: bool = False, extra_options=()):
+        self.handle, self.prob, self.params = handle, prob, dict(params)
+        self.defines = {
+            "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
+            "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+            **{k: params[k] for k in _PARAM_NAMES},
+        }
+        self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,
+                           extra_options=extra_options)
+        self.kernels = {name: self.built.kernel(name)
+                        for name in ("flash_decode", "flash_decode_split", "flash_decode_merge")}
+        self.wg = work_group_size(params, prob.group, prob.dk, prob.dv, prob.dtype)
+        for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"])):
+            kwg = int(self.kernels[name].get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE,
+                                                             handle.device))
+            if kwg < need:
+                raise ValueError(f"params: {name} needs a work-group of {need} but the kernel allows "
+                                 f"{kwg} on {handle.name} (too many registers per work-item); use a "
+                                 f"smaller ROWS or HEAD_TILE")
+        self._workspaces: dict = {}
+
+    def spills(self) -> dict:
+        """Spill signals per kernel (ptxas lines appear when built with verbose=True on NVIDIA)."""
+        return {name: spill_report(self.built, k, self.handle) for name, k in self.kernels.items()}
+
+    def workspace(self, num_splits: int):
+        """Partial states (m, l, acc) for ``num_splits``, allocated once per split count."""
+        ws = self._workspaces.get(num_splits)
+        if ws is None:
+            p, q = self.prob, self.handle.queue
+            ws = (cla.empty(q, (p.b, p.h_q, num_splits), np.float32),
+                  cla.empty(q, (p.b, p.h_q, num_splits), np.float32),
+                  cla.empty(q, (p.b, p.h_q, num_splits, p.dv), np.float32))
+            self._workspaces[num_splits] = ws
+        return ws
+
+    def __call__(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
+                 wait_for=None) -> list[cl.Event]:
+        """Enqueue on pyopencl Arrays; returns the events (decode, and merge when num_splits > 1).
+
+        q (B, H_q, DK) and out (B, H_q, DV): head dim contiguous. k/v: contiguous (B, H_kv, N_max, D)
+        or paged (num_blocks, block_size, H_kv, D), head dim contiguous, offsets and other strides
+        multiples of 16 bytes. block_table (B, max_blocks) int32 (paged; any int32 array otherwise),
+        context_lens (B,) int32, lse (B, H_q) float32; all contiguous.
+        """
+        p, h = self.prob, self.handle
+        w = chunk_elems(p.dtype)
+        kv_args = []
+        for arr in (k, v):
+            strides = elem_strides(arr)
+            off = arr.offset // arr.dtype.itemsize
+            if p.paged:   # (num_blocks, block_size, H_kv, D): s0 = block, s1 = slot
+                s0, s1, sh = strides[0], strides[1], strides[2]
+            else:         # (B, H_kv, N_max, D): s0 = batch, s1 = token
+                s0, sh, s1 = strides[0], strides[1], strides[2]
+            if any(x % w for x in (off, s0, s1, sh)) or (strides[3] != 1 and arr.shape[3] > 1):
+                raise ValueError(f"k_cache/v_cache: offsets and strides must be multiples of {w} "
+                                 f"elements (16 bytes) with a contiguous head dim; got offset {off}, "
+                                 f"strides {strides}; pass a contiguous copy")
+            kv_args += [np.uint64(off // w), np.uint64(s0 // w), np.uint64(sh // w), np.uint64(s1 // w)]
+        block_size = k.shape[1] if p.paged else 1
+        bt_stride = block_table.shape[1] if p.paged else 0
+        qs, os_ = elem_strides(q), elem_strides(out)
+        common = [np.int32(p.h_q), np.int32(num_splits), np.int32(bt_stride),
+                  np.int32(int(block_size).bit_length() - 1), np.float32(scale * _LOG2E),
+                  np.uint64(q.offset // q.dtype.itemsize), np.uint64(qs[0]), np.uint64(qs[1]),
+                  *kv_args,
+                  np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1])]
+        gsize, lsize = (self.wg * num_splits, p.h_kv, p.b), (self.wg, 1, 1)
+        if num_splits == 1:
+            args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
+                    lse.data, lse.data, lse.data, block_table.data, context_lens.data, *common]
+            return [launch(h, self.kernels["flash_decode"], gsize, lsize, args, name=KERNEL,
+                           params=self.params)]
+        pm, pl, pacc = self.workspace(num_splits)
+        args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
+                pm.data, pl.data, pacc.data, block_table.data, context_lens.data, *common]
+        ev1 = launch(h, self.kernels["flash_decode_split"], gsize, lsize, args, name=KERNEL,
+                     params=self.params)
+        mwg = self.params["MERGE_WG"]
+        margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
+                 np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
+                 np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
+        ev2 = launch(h, self.kernels["flash_decode_merge"], (mwg * p.h_q, p.b), (mwg, 1), margs,
+                     name=KERNEL + "_merge", params=self.params)
+        return [ev1, ev2]
+
+
+# --------------------------------------------------------------------------- host-side checks
+
+def _host_ints(x):
+    """numpy / torch CPU int32 array -> numpy; None for device arrays (not read back)."""
+    if x is None or isinstance(x, cla.Array):
+        return None
+    return _host(x)
+
+
+def check_tables(geo: dict, block_table, context_lens) -> None:
+    """Values of host-side tables: every context length within the cache, every block id a
+    sequence uses within [0, num_blocks). Raises ValueError naming the batch index and value."""
+    lens = _host_ints(context_lens)
+    paged = geo["paged"]
+    if lens is not None:
+        cap = geo["N_max"]
+        where = "max_blocks * block_size" if paged else "N_max"
+        for i, n in enumerate(lens.tolist()):
+            if n < 0:
+                raise ValueError(f"context_lens[{i}] = {n} is negative")
+            if n > cap:
+                raise ValueError(f"context_lens[{i}] = {n} exceeds the cache ({where} = {cap})")
+    table = _host_ints(block_table)
+    if paged and table is not None and lens is not None:
+        bs, nb = geo["block_size"], geo["num_blocks"]
+        for i, n in enumerate(lens.tolist()):
+            used = table[i, : -(-n // bs)]
+            bad = (used < 0) | (used >= nb)
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise ValueError(f"block_table[{i}, {j}] = {int(used[j])} is out of range: sequence {i} "
+                                 f"(context_lens {n}) uses blocks 0..{len(used) - 1}, block ids must be "
+                                 f"in [0, num_blocks={nb})")
+
+
+def _host(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def _int_to_device(x, queue, fill=None, shape=None):
+    if x is None:
+        return cla.to_device(queue, np.full(shape, fill, dtype=np.int32))
+    if isinstance(x, cla.Array):
+        if not x.flags.c_contiguous:
+            raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
+        return x
+    return cla.to_device(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
+
+
+def max_context(geo: dict, context_lens) -> int:
+    """The longest context (from host tables), else the cache's capacity."""
+    lens = _host_ints(context_lens)
+    if lens is not None and len(lens):
+        return int(lens.max())
+    return geo["N_max"]
+
+
+def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
+           device, params, return_lse: bool):
+    """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api."""
+    check_tables(geo, block_table, context_lens)
+    if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
+        raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
+                         f"weight per split in local memory)")
+    is_cl = isinstance(q, cla.Array)
+    handle = handle_for_inputs({"q": q, "k_cache": k_cache, "v_cache": v_cache}, device)
+    dtype = dtype_name(q)
+    b, h_q, h_kv = geo["B"], geo["H_q"], geo["H_kv"]
+    prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype)
+    n_ctx = max_context(geo, context_lens)
+    choice = choose_params(handle, prob, params, n_ctx)
+    kern = DecodeKernel(handle, prob, choice.params)
+    if num_splits is None:
+        num_splits = choose_num_splits(int(handle.device.max_compute_units), b * h_kv, n_ctx)
+
+    queue = handle.queue
+    if is_cl:
+        if q.strides[2] != q.dtype.itemsize:
+            raise ValueError(f"q: a pyopencl Array needs a contiguous head dim, got strides {q.strides}")
+        qd = q
+    else:
+        qd = cla.to_device(queue, np.ascontiguousarray(_host(q)))
+    kd, vd = (to_device_4d(t, queue, 4) for t in (k_cache, v_cache))
+    lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
+    table_d = _int_to_device(block_table, queue, fill=0, shape=(1,)) if geo["paged"] else lens_d
+    out = cla.empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
+    lse = cla.empty(queue, (b, h_q), np.float32)
+    kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits)
+
+    if is_cl:
+        return (out, lse) if return_lse else out
+    out_h, lse_h = out.get(), lse.get()
+    if hasattr(q, "detach"):  # torch CPU in, torch out
+        import torch
+
+        out_h, lse_h = torch.from_numpy(out_h), torch.from_numpy(lse_h)
+    return (out_h, lse_h) if return_lse else out_h

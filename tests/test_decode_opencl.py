@@ -1,0 +1,319 @@
+"""OpenCL flash-decoding against the float64 oracle, on every OpenCL device present (conftest.py).
+
+The kernels run through ``run_poisoned`` (outputs pre-filled with NaN, so an element a kernel
+forgets to write fails); the public ``flashcl.decode`` is checked for input kinds, the cascade use
+of ``merge_states`` and its error messages. Each distinct define set is one program build (about a
+second under PoCL), so the tests share a few problem classes and vary what is a run-time argument:
+split counts, context lengths, block sizes, block tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcl
+from flashcl import reference
+from flashcl.opencl import decode as cl_decode
+from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_num_splits, choose_params
+from flashcl.opencl.runtime import get_device
+
+from ._check import assert_close, naive_attention
+
+cla = pytest.importorskip("pyopencl.array")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _paged(rng, b, h_q, h_kv, dk, dv, lens, block_size, dtype, logit_scale=1.0, spare_blocks=3):
+    """q and a paged cache whose blocks are a random permutation (plus unused blocks, and table
+    entries past each sequence's end that point at garbage ids: they must never be read)."""
+    max_blocks = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = b * max_blocks + spare_blocks
+    q = (rng.standard_normal((b, h_q, dk)) * logit_scale).astype(dtype)
+    k = rng.standard_normal((num_blocks, block_size, h_kv, dk)).astype(dtype)
+    v = rng.standard_normal((num_blocks, block_size, h_kv, dv)).astype(dtype)
+    table = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    lens = np.asarray(lens, dtype=np.int32)
+    for i, n in enumerate(lens):
+        table[i, -(-n // block_size):] = -7  # unused entries: out of range on purpose
+    return q, k, v, table, lens
+
+
+def _contiguous(rng, b, h_q, h_kv, dk, dv, n_max, dtype, logit_scale=1.0):
+    q = (rng.standard_normal((b, h_q, dk)) * logit_scale).astype(dtype)
+    k = rng.standard_normal((b, h_kv, n_max, dk)).astype(dtype)
+    v = rng.standard_normal((b, h_kv, n_max, dv)).astype(dtype)
+    return q, k, v
+
+
+def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None):
+    """Run the decode kernels on out/lse pre-filled with NaN; contiguous caches when table is None
+    (lens None: every sequence is N_max long)."""
+    h = get_device(device)
+    b, h_q, dk = q.shape
+    paged = table is not None
+    h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
+    prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
+    choice = choose_params(h, prob, params)
+    kern = DecodeKernel(h, prob, choice.params)
+    if lens is None:
+        lens = np.full(b, k.shape[2], dtype=np.int32)
+    qd, kd, vd, lens_d = (cla.to_device(h.queue, x) for x in (q, k, v, lens))
+    table_d = cla.to_device(h.queue, table) if paged else lens_d
+    out = cla.to_device(h.queue, np.full((b, h_q, dv), np.nan, dtype=q.dtype))
+    lse = cla.to_device(h.queue, np.full((b, h_q), np.nan, dtype=np.float32))
+    scale = dk ** -0.5 if scale is None else scale
+    for ev in kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits):
+        ev.wait()
+    return out.get(), lse.get(), choice.params
+
+
+def _naive(q, k, v, table, lens, scale):
+    """Plain same-dtype attention per sequence (the fp16 yardstick), gathered like the oracle."""
+    outs = []
+    for i in range(q.shape[0]):
+        n = k.shape[2] if lens is None else int(lens[i])
+        if table is None:
+            ks, vs = k[i][:, :n], v[i][:, :n]
+        else:
+            bs = k.shape[1]
+            blocks = table[i, : -(-n // bs)]
+            ks = k[blocks].reshape(-1, *k.shape[2:])[:n].transpose(1, 0, 2)
+            vs = v[blocks].reshape(-1, *v.shape[2:])[:n].transpose(1, 0, 2)
+        if n == 0:
+            outs.append(np.zeros((q.shape[1], v.shape[-1]), dtype=q.dtype))
+            continue
+        outs.append(naive_attention(q[i][:, None], ks, vs, False, scale, q.dtype)[:, 0])
+    return np.stack(outs)
+
+
+def check(device, q, k, v, table, lens, num_splits, params=None, what=""):
+    out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params)
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
+                                                  return_lse=True)
+    dtype = q.dtype.name
+    lens_txt = None if lens is None else lens.tolist()
+    what = (f"{what} splits={num_splits} params={used} q{q.shape} k{k.shape} v{v.shape} "
+            f"{'paged' if table is not None else 'contiguous'} lens={lens_txt} {dtype}")
+    naive = _naive(q, k, v, table, lens, scale) if dtype == "float16" else None
+    assert_close(out, ref_out, dtype, what, naive=naive)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite), f"{what}: lse finiteness differs"
+    assert np.all(np.isneginf(lse[~finite])), f"{what}: a sequence with no key needs lse = -inf"
+    assert np.all(out[~finite] == 0), f"{what}: a sequence with no key needs out = 0"
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5, err_msg=what)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- split counts, lengths
+
+SPLITS = [1, 2, 3, 7, 32, 200]  # 200 > every sequence's block count: surplus splits are empty
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_split_counts_and_context_lengths(cl_device, dtype):
+    """block_size 16: context 0, 1, bs-1, bs, bs+1 and 1000 in one batch, every split count."""
+    rng = np.random.default_rng(10)
+    lens = [1, 15, 16, 17, 1000, 0]
+    q, k, v, table, lens = _paged(rng, len(lens), 8, 2, 64, 64, lens, 16, dtype)
+    for s in SPLITS:
+        check(cl_device, q, k, v, table, lens, s)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+def test_block_sizes(cl_device, block_size):
+    """Partial last blocks (bs-1, bs+1), one-token blocks, 256-token blocks, permuted tables; GQA 8:1."""
+    rng = np.random.default_rng(block_size)
+    lens = [1, max(1, block_size - 1), block_size, block_size + 1, 300]
+    q, k, v, table, lens = _paged(rng, len(lens), 16, 2, 128, 128, lens, block_size, "float16")
+    for s in (1, 3, None):
+        check(cl_device, q, k, v, table, lens, s or cl_decode.choose_num_splits(
+            int(get_device(cl_device).device.max_compute_units), len(lens) * 2, 300))
+
+
+# (B, H_q, H_kv): MHA, GQA 4:1, GQA 8:1, MQA
+GROUPS = [(2, 4, 4), (2, 8, 2), (1, 16, 2), (2, 16, 1)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("heads", GROUPS, ids=["MHA", "GQA4", "GQA8", "MQA"])
+def test_head_groups_contiguous(cl_device, heads, dtype):
+    b, h_q, h_kv = heads
+    rng = np.random.default_rng(h_q * 10 + h_kv)
+    q, k, v = _contiguous(rng, b, h_q, h_kv, 128, 128, 333, dtype)
+    check(cl_device, q, k, v, None, None, 1, what="N_max")
+    lens = np.array([333, 40][:b], dtype=np.int32)
+    for s in (2, 5):
+        check(cl_device, q, k, v, None, lens, s)
+
+
+@pytest.mark.parametrize("dk,dv", [(80, 80), (192, 128), (96, 64)], ids=["80", "192x128", "96x64"])
+def test_head_dims(cl_device, dk, dv):
+    """Non-power-of-two head dims and DK != DV (lanes past DK or DV idle)."""
+    rng = np.random.default_rng(dk + dv)
+    q, k, v, table, lens = _paged(rng, 2, 8, 2, dk, dv, [77, 16], 16, "float16")
+    for s in (1, 4):
+        check(cl_device, q, k, v, table, lens, s)
+
+
+# Tile configurations: direct loads (HEAD_TILE = G) and a staged K/V tile (HEAD_TILE < G), one
+# row slot and many, several keys per work-item; the work-groups span several subgroups.
+TILES = [
+    dict(ROWS=1, UNROLL=1, HEAD_TILE=4, MERGE_WG=32),
+    dict(ROWS=8, UNROLL=1, HEAD_TILE=4, MERGE_WG=64),
+    dict(ROWS=4, UNROLL=4, HEAD_TILE=2, MERGE_WG=128),
+    dict(ROWS=2, UNROLL=2, HEAD_TILE=1, MERGE_WG=16),
+    dict(ROWS=16, UNROLL=2, HEAD_TILE=1, MERGE_WG=64),
+]
+
+
+@pytest.mark.parametrize("params", TILES, ids=lambda p: "R{ROWS}U{UNROLL}T{HEAD_TILE}M{MERGE_WG}".format(**p))
+def test_tile_parameters(cl_device, params):
+    h = get_device(cl_device)
+    errs = cl_decode.check_params(params, 4, 64, 64, "float32", local_mem=h.local_mem,
+                                  max_work_group=h.max_work_group)
+    if errs:
+        pytest.skip("; ".join(errs))
+    rng = np.random.default_rng(5)
+    q, k, v, table, lens = _paged(rng, 3, 8, 2, 64, 64, [1, 65, 250], 16, "float32")
+    prob = DecodeProblem(3, 8, 2, 64, 64, True, "float32")
+    try:
+        DecodeKernel(h, prob, params)
+    except ValueError as exc:  # the built kernel's register use caps its work-group below ours
+        if "the kernel allows" not in str(exc):
+            raise
+        pytest.skip(str(exc))
+    for s in (1, 3, 40):
+        check(cl_device, q, k, v, table, lens, s, params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_huge_logits(cl_device, dtype):
+    """Logits around +-200: every split and the merge must subtract the max, not overflow."""
+    rng = np.random.default_rng(6)
+    q, k, v, table, lens = _paged(rng, 2, 8, 2, 64, 64, [300, 90], 16, "float64", logit_scale=60.0)
+    s = np.einsum("hd,nd->hn", q[0, :4], k[table[0, :19]].reshape(-1, 2, 64)[:300, 0]) / 8.0
+    assert 150 < np.abs(s).max() < 400
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    for n in (1, 7):
+        check(cl_device, q, k, v, table, lens, n)
+
+
+def test_automatic_split_choice():
+    """The heuristic's documented cases on an H100 (132 CUs) and a 2-core CPU (pure host logic)."""
+    h100 = [choose_num_splits(132, b * h_kv, ctx) for b, h_kv, ctx in [
+        (8, 32, 2048), (8, 32, 8192), (8, 8, 2048), (32, 8, 2048), (4, 8, 2048), (8, 8, 2048),
+        (16, 1, 4096), (1, 8, 32768), (1, 8, 131072)]]
+    assert h100 == [4, 16, 4, 4, 8, 4, 16, 64, 64]
+    assert choose_num_splits(132, 1000, 300) == 1         # device full, short context
+    assert choose_num_splits(132, 8, 100) == 1            # too few keys to split
+    assert choose_num_splits(2, 256, 8192) == 16          # long contexts split even on a full device
+    assert choose_num_splits(132, 1, 10**6) == cl_decode.MAX_SPLITS
+
+
+# --------------------------------------------------------------------------- the public API
+
+def test_input_kinds(cl_device):
+    """numpy in -> numpy out, torch CPU -> torch, pyopencl Arrays -> pyopencl Arrays (on device)."""
+    rng = np.random.default_rng(7)
+    q, k, v, table, lens = _paged(rng, 2, 8, 2, 64, 64, [50, 17], 16, "float32")
+    ref, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
+                                              return_lse=True)
+    out, lse = flashcl.decode(q, k, v, block_table=table, context_lens=lens, device=cl_device,
+                              return_lse=True)
+    assert isinstance(out, np.ndarray) and out.shape == (2, 8, 64) and lse.shape == (2, 8)
+    assert_close(out, ref, "float32", "numpy")
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+    torch = pytest.importorskip("torch")
+    out_t = flashcl.decode(*(torch.from_numpy(x) for x in (q, k, v)), block_table=torch.from_numpy(table),
+                           context_lens=torch.from_numpy(lens), device=cl_device, num_splits=3)
+    assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.float32
+    assert_close(out_t.numpy(), ref, "float32", "torch")
+
+    h = get_device(cl_device)
+    arrs = [cla.to_device(h.queue, x) for x in (q, k, v, table, lens)]
+    out_d, lse_d = flashcl.decode(arrs[0], arrs[1], arrs[2], block_table=arrs[3], context_lens=arrs[4],
+                                  return_lse=True)
+    assert isinstance(out_d, cla.Array)
+    assert_close(out_d.get(), ref, "float32", "pyopencl")
+    np.testing.assert_allclose(lse_d.get(), ref_lse, rtol=1e-5)
+
+    qc, kc, vc = _contiguous(rng, 2, 8, 2, 64, 64, 40, "float32")
+    out_c = flashcl.decode(qc, kc, vc, device=cl_device)  # context_lens None: every row N_max long
+    assert_close(out_c, reference.decode_attention(qc, kc, vc), "float32", "contiguous, no lens")
+
+
+def test_cascade_shared_prefix(cl_device):
+    """A shared prefix attended once for all requests (their block tables all point at the same
+    prefix blocks), each request's own suffix separately, merged per request with merge_states:
+    equal to dense attention over prefix + suffix."""
+    rng = np.random.default_rng(8)
+    reqs, h_q, h_kv, d, bs, prefix, suffixes = 3, 8, 2, 64, 16, 100, [1, 16, 45]
+    pre_blocks = -(-prefix // bs)
+    suf_blocks = max(-(-n // bs) for n in suffixes)
+    num_blocks = pre_blocks + reqs * suf_blocks
+    k = rng.standard_normal((num_blocks, bs, h_kv, d)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, bs, h_kv, d)).astype(np.float32)
+    q = rng.standard_normal((reqs, h_q, d)).astype(np.float32)
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    pre_ids, suf_ids = ids[:pre_blocks], ids[pre_blocks:].reshape(reqs, suf_blocks)
+
+    pre_table = np.tile(pre_ids, (reqs, 1))
+    out_p, lse_p = flashcl.decode(q, k, v, block_table=pre_table,
+                                  context_lens=np.full(reqs, prefix, np.int32), device=cl_device,
+                                  return_lse=True)
+    out_s, lse_s = flashcl.decode(q, k, v, block_table=suf_ids,
+                                  context_lens=np.array(suffixes, np.int32), device=cl_device,
+                                  num_splits=2, return_lse=True)
+    out, lse = flashcl.merge_states([out_p, out_s], [lse_p, lse_s])
+
+    for r in range(reqs):
+        rows = lambda cache, blocks, n: cache[blocks].reshape(-1, h_kv, d)[:n]  # noqa: E731
+        kk = np.concatenate([rows(k, pre_ids, prefix), rows(k, suf_ids[r], suffixes[r])]).transpose(1, 0, 2)
+        vv = np.concatenate([rows(v, pre_ids, prefix), rows(v, suf_ids[r], suffixes[r])]).transpose(1, 0, 2)
+        ref, ref_lse = reference.attention(q[r][:, None], kk, vv, return_lse=True)
+        assert_close(out[r], ref[:, 0], "float32", f"cascade request {r}")
+        np.testing.assert_allclose(lse[r], ref_lse[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_tables_raise(cl_device):
+    rng = np.random.default_rng(9)
+    q, k, v, table, lens = _paged(rng, 2, 4, 2, 64, 64, [20, 33], 16, "float32")
+    num_blocks = k.shape[0]
+
+    def call(**kw):
+        args = dict(block_table=table, context_lens=lens, device=cl_device)
+        args.update(kw)
+        return flashcl.decode(q, k, v, **args)
+
+    bad = table.copy()
+    bad[1, 2] = num_blocks
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\] = %d is out of range" % num_blocks):
+        call(block_table=bad)
+    bad[1, 2] = -1
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\] = -1"):
+        call(block_table=bad)
+    with pytest.raises(ValueError, match=r"context_lens\[0\] = -3 is negative"):
+        call(context_lens=np.array([-3, 5], np.int32))
+    cap = table.shape[1] * 16
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = %d exceeds the cache" % (cap + 1)):
+        call(context_lens=np.array([5, cap + 1], np.int32))
+    with pytest.raises(TypeError, match="block_table: expected int32, got int64"):
+        call(block_table=table.astype(np.int64))
+    with pytest.raises(TypeError, match="context_lens: expected int32, got float32"):
+        call(context_lens=lens.astype(np.float32))
+    with pytest.raises(ValueError, match="needs context_lens"):
+        call(context_lens=None)
+    with pytest.raises(ValueError, match="num_splits"):
+        call(num_splits=0)
+    with pytest.raises(TypeError, match="inputs must share one dtype"):
+        flashcl.decode(q.astype(np.float16), k, v, block_table=table, context_lens=lens, device=cl_device)
+    with pytest.raises(ValueError, match="params: HEAD_TILE=3 must divide"):
+        call(params=dict(ROWS=1, UNROLL=1, HEAD_TILE=3, MERGE_WG=32))
+
+    qc, kc, vc = _contiguous(rng, 2, 4, 2, 64, 64, 30, "float32")
+    with pytest.raises(ValueError, match=r"context_lens\[0\] = 31 exceeds the cache \(N_max = 30\)"):
+        flashcl.decode(qc, kc, vc, context_lens=np.array([31, 2], np.int32), device=cl_device)

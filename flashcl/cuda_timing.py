@@ -59,13 +59,57 @@ def time_graph(calls: Sequence[Callable[[], object]], *, warmup: int = 3, reps: 
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    return _copy
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, device=None) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), graph-timed."""
-    n = nbytes // 2
-    src = torch.empty(n, dtype=torch.uint8, device=device or "cuda")
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), graph-timed.
+
+    The best of the driver's memcpy (``copy_``) and a plain vectorized Triton copy kernel: on an
+    H100 the driver's DtoD memcpy stays near 2.4 TB/s while a copy kernel streams ~3 TB/s, and a
+    ceiling must be what the memory system actually sustains.
+    """
+    n = nbytes // 8  # float32 elements per buffer: two buffers of nbytes / 2
+    src = torch.empty(n, dtype=torch.float32, device=device or "cuda")
     dst = torch.empty_like(src)
-    t = time_graph([lambda: dst.copy_(src)], warmup=2, reps=10)
-    return 2 * n / (t["median_ms"] * 1e-3)
+    best = time_graph([lambda: dst.copy_(src)], warmup=2, reps=10)["median_ms"]
+    try:
+        kernel, block = _copy_kernel(), 4096
+        grid = (triton_cdiv(n, block),)
+        best = min(best, time_graph([lambda: kernel[grid](src, dst, n, BLOCK=block)],
+                                    warmup=2, reps=10)["median_ms"])
+    except Exception as exc:  # the memcpy figure still stands; say why the kernel one is missing
+        import warnings
+
+        warnings.warn(f"copy-kernel bandwidth not measured ({exc}); using the driver memcpy only")
+    return 2 * n * 4 / (best * 1e-3)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def driver_version() -> str:
+    """The NVIDIA driver version as nvidia-smi reports it, plus the CUDA runtime torch uses."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        drv = out[0] if out else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        drv = "unknown"
+    return f"{drv} (CUDA {torch.version.cuda})"
 
 
 def device_summary() -> dict:
@@ -74,6 +118,6 @@ def device_summary() -> dict:
         "device": props.name,
         "sm_count": props.multi_processor_count,
         "capability": f"{props.major}.{props.minor}",
-        "driver": f"CUDA {torch.version.cuda}",
+        "driver": driver_version(),
         "torch": torch.__version__,
     }

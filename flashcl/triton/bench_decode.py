@@ -1,0 +1,256 @@
+"""Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
+
+    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--json]
+
+For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache with a random permutation of its
+blocks, inputs rotated past 3x L2, every call timed by CUDA-graph replay (median and spread).
+flashcl runs with the automatic split count and with forced split counts; torch SDPA runs on the
+same KV as a contiguous (B, H_kv, ctx, d) tensor (enable_gqa for GQA/MQA), same rotation. Reported:
+TB/s over the bytes each call must move, % of the device's copy bandwidth measured in the same
+run, the SDPA ratio, and whether the automatic split count is within 5% of the best forced one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+
+import torch
+
+from .. import __version__
+from .. import cuda_timing
+from . import decode as triton_decode
+
+# (B, H_q, H_kv, ctx), DESIGN.md §6
+REFERENCE_SHAPES = [
+    (8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048), (4, 64, 8, 2048),
+    (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072),
+]
+HEAD_DIM = 128
+AUTO_TOLERANCE = 1.05  # the automatic split count must be within 5% of the best forced one
+
+
+def _bytes_moved(b, h_q, h_kv, ctx, dk, dv, elt) -> int:
+    """Fewest bytes a decode step must move: each K/V row read once for its GQA group, q read,
+    out written. (The block table and the split-k partials are overhead, not counted.)"""
+    return b * h_kv * ctx * (dk + dv) * elt + b * h_q * (dk + dv) * elt
+
+
+def _flops(b, h_q, ctx, dk, dv) -> int:
+    """q.k^T and p.v: 2 * ctx * (DK + DV) per query head (decode is bandwidth bound: ~1 FLOP/B
+    for MHA fp16, G FLOP/B for a GQA group of G)."""
+    return 2 * b * h_q * ctx * (dk + dv)
+
+
+def _make_inputs(shape, dtype, block_size, gen, device):
+    """One input set: q, the contiguous KV (for SDPA) and the same KV in randomly permuted pages."""
+    b, h_q, h_kv, ctx = shape
+    d = HEAD_DIM
+    q = torch.randn((b, h_q, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn((b, h_kv, ctx, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn((b, h_kv, ctx, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
+    blocks_per_seq = triton_decode.triton.cdiv(ctx, block_size)
+    num_blocks = b * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    block_table = perm.view(b, blocks_per_seq).to(torch.int32)
+    pad = blocks_per_seq * block_size - ctx
+
+    def to_pages(x):  # (B, H_kv, ctx, d) -> (num_blocks, block_size, H_kv, d), block j at perm[j]
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x = x.view(b, h_kv, blocks_per_seq, block_size, d).permute(0, 2, 3, 1, 4)
+        pages = torch.empty((num_blocks, block_size, h_kv, d), dtype=dtype, device=device)
+        pages[perm] = x.reshape(num_blocks, block_size, h_kv, d)
+        return pages
+
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    return {"q": q, "k": k, "v": v, "k_pages": to_pages(k), "v_pages": to_pages(v),
+            "block_table": block_table, "context_lens": lens}
+
+
+def _inner_reps(n_calls: int, est_s: float) -> int:
+    """Calls per replay so one replay lasts >= ~1 ms (event resolution, launch gaps amortized)."""
+    return max(1, min(50, int(math.ceil(1e-3 / max(n_calls * est_s, 1e-9)))))
+
+
+def _time(fn, sets, est_s):
+    calls = [(lambda s=s: fn(s)) for s in sets]
+    return cuda_timing.time_graph(calls, warmup=3, reps=20, inner=_inner_reps(len(calls), est_s))
+
+
+def _forced_splits(ctx: int, block_n: int, splits) -> list[int]:
+    if splits is not None:
+        return sorted(set(int(s) for s in splits))
+    n_tiles = triton_decode.triton.cdiv(ctx, block_n)
+    out, s = [], 1
+    while s <= min(n_tiles, 128):
+        out.append(s)
+        s *= 2
+    return out
+
+
+def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, seed: int = 0,
+        on_row=None) -> list[dict]:
+    """Time every shape; one dict per shape (see the module docstring for what is measured).
+    ``on_row(row)`` is called as each shape finishes (progress on long runs)."""
+    torch_dtype = getattr(torch, dtype)
+    device = torch.device("cuda", torch.cuda.current_device())
+    shapes = [tuple(s) for s in (shapes or REFERENCE_SHAPES)]
+    summary = cuda_timing.device_summary()
+    copy_bw = cuda_timing.copy_bandwidth()  # bytes/s, read + write, same run
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    elt = torch.empty((), dtype=torch_dtype).element_size()
+    rows = []
+    for shape in shapes:
+        b, h_q, h_kv, ctx = shape
+        d = HEAD_DIM
+        nbytes = _bytes_moved(b, h_q, h_kv, ctx, d, d, elt)
+        n_rot = cuda_timing.rotation_count(nbytes, device)
+        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device) for _ in range(n_rot)]
+        scale = 1.0 / math.sqrt(d)
+        est_s = nbytes / 2.5e12
+
+        def flashcl_fn(num_splits):
+            return lambda s: triton_decode.decode(
+                s["q"], s["k_pages"], s["v_pages"], block_table=s["block_table"],
+                context_lens=s["context_lens"], scale=scale, num_splits=num_splits)
+
+        def sdpa(s):
+            return torch.nn.functional.scaled_dot_product_attention(
+                s["q"].unsqueeze(2), s["k"], s["v"], scale=scale, enable_gqa=h_q != h_kv)
+
+        tb = lambda t: nbytes / (t["median_ms"] * 1e-3) / 1e12  # noqa: E731
+        t_auto = _time(flashcl_fn(None), sets, est_s)
+        t_sdpa = _time(sdpa, sets, est_s)
+        plan = triton_decode.launch_plan(b, h_q, h_kv, d, d, ctx, elt, device)
+        block_n, auto_splits = plan["config"]["BLOCK_N"], plan["num_splits"]
+        forced = {}
+        for s in _forced_splits(ctx, block_n, splits):
+            forced[s] = _time(flashcl_fn(s), sets, est_s)["median_ms"]
+        best_s = min(forced, key=forced.get)
+        rows.append({
+            "shape": f"({b},{h_q},{h_kv},{ctx // 1024}k)" if ctx % 1024 == 0 else str(shape),
+            "B": b, "H_q": h_q, "H_kv": h_kv, "ctx": ctx, "d": d, "dtype": dtype,
+            "block_size": block_size, "kv_MB": round(b * h_kv * ctx * 2 * d * elt / 1e6, 1),
+            "rotation": n_rot,
+            "auto_splits": auto_splits, "sm_count_plan": plan["sm_count"], "BLOCK_N": block_n,
+            "median_ms": t_auto["median_ms"], "min_ms": t_auto["min_ms"], "max_ms": t_auto["max_ms"],
+            "TB_s": tb(t_auto), "pct_copy_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / copy_bw,
+            "TFLOP_s": _flops(b, h_q, ctx, d, d) / (t_auto["median_ms"] * 1e-3) / 1e12,
+            "sdpa_ms": t_sdpa["median_ms"], "sdpa_TB_s": tb(t_sdpa),
+            "vs_sdpa": t_sdpa["median_ms"] / t_auto["median_ms"],
+            "forced_ms": forced, "best_splits": best_s, "best_forced_ms": forced[best_s],
+            "auto_within_5pct": t_auto["median_ms"] <= AUTO_TOLERANCE * forced[best_s],
+            "copy_bw_TB_s": copy_bw / 1e12,
+            "device": summary["device"], "sm_count": summary["sm_count"],
+            "driver": summary["driver"],
+            "torch": summary["torch"], "triton": triton_decode.triton.__version__,
+            "flashcl": __version__, "date": date,
+        })
+        if on_row is not None:
+            on_row(rows[-1])
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+# tile configurations swept by --sweep-tiles (those over the shared-memory limit fail to launch
+# and are reported as such)
+SWEEP_CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                 for n, w, st in ((32, 4, 3), (32, 4, 5), (64, 4, 2), (64, 4, 3), (64, 4, 4),
+                                  (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3))]
+SWEEP_SHAPES = [(8, 32, 32, 8192), (1, 32, 8, 131072), (16, 32, 1, 4096)]
+
+
+def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: int = 16,
+                seed: int = 0) -> list[dict]:
+    """TB/s of every tile configuration, each at the split count the heuristic gives its BLOCK_N."""
+    torch_dtype = getattr(torch, dtype)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    elt = torch.empty((), dtype=torch_dtype).element_size()
+    rows = []
+    for shape in shapes or SWEEP_SHAPES:
+        b, h_q, h_kv, ctx = shape
+        nbytes = _bytes_moved(b, h_q, h_kv, ctx, HEAD_DIM, HEAD_DIM, elt)
+        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device)
+                for _ in range(cuda_timing.rotation_count(nbytes, device))]
+        for cfg in configs or SWEEP_CONFIGS:
+            ns = triton_decode.launch_plan(b, h_q, h_kv, HEAD_DIM, HEAD_DIM, ctx, elt, device, cfg)["num_splits"]
+            fn = lambda s: triton_decode._launch(  # noqa: E731
+                s["q"], s["k_pages"], s["v_pages"], s["block_table"], s["context_lens"],
+                1.0 / math.sqrt(HEAD_DIM), ns, config=cfg)
+            try:
+                t = _time(fn, sets, nbytes / 2.5e12)["median_ms"]
+                tbs = nbytes / (t * 1e-3) / 1e12
+            except Exception as e:  # out of shared memory and the like: report, go on
+                t, tbs = float("nan"), float("nan")
+                print(f"sweep {shape} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+                torch.cuda.synchronize()
+            rows.append({"shape": str(shape), **cfg, "splits": ns, "median_ms": t, "TB_s": tbs})
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows) -> str:
+    if not rows:
+        return "(no rows)"
+    r0 = rows[0]
+    head = (f"flashcl {r0['flashcl']} decode, {r0['dtype']}, d={r0['d']}, block_size={r0['block_size']} "
+            f"(random block permutation), inputs rotated past 3x L2, CUDA-graph replay, median\n"
+            f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
+            f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s\n"
+            f"command: python -m flashcl.triton.bench_decode\n")
+    cols = ("shape", "KV MB", "splits", "ms", "spread", "TB/s", "%copy", "SDPA TB/s", "xSDPA",
+            "best forced", "auto<=5%")
+    lines = [cols]
+    for r in rows:
+        lines.append((
+            r["shape"], f"{r['kv_MB']:.0f}", str(r["auto_splits"]), f"{r['median_ms']:.4f}",
+            f"{r['min_ms']:.4f}-{r['max_ms']:.4f}", f"{r['TB_s']:.2f}", f"{r['pct_copy_bw']:.0f}",
+            f"{r['sdpa_TB_s']:.2f}", f"{r['vs_sdpa']:.2f}",
+            f"{r['best_splits']}: {r['best_forced_ms']:.4f}", "yes" if r["auto_within_5pct"] else "NO",
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    out = [head]
+    for i, line in enumerate(lines):
+        out.append("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    out.append("\nforced split counts (ms):")
+    for r in rows:
+        out.append(f"  {r['shape']}: " + ", ".join(f"{s}={t:.4f}" for s, t in r["forced_ms"].items()))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--splits", type=int, nargs="*", default=None, help="forced split counts to compare")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--sweep-tiles", action="store_true", help="sweep the tile configurations instead")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.sweep_tiles:
+        rows = sweep_tiles(dtype=args.dtype, block_size=args.block_size)
+        for r in rows:
+            print(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
+                  f"stages={r['num_stages']} splits={r['splits']:<3} {r['median_ms']:.4f} ms {r['TB_s']:.2f} TB/s")
+        return 0
+    progress = lambda r: print(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", file=sys.stderr, flush=True)  # noqa: E731
+    rows = run(dtype=args.dtype, block_size=args.block_size, splits=args.splits, on_row=progress)
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Paged-KV decode (flash-decoding) in Triton, registered as the torch op ``flashcl::decode``.
+
+One new query token per sequence attends over its KV cache. Two cache layouts, one kernel:
+
+    q        (B, H_q, DK)
+    paged    k_cache (num_blocks, PAGE_SIZE, H_kv, DK)   v_cache (num_blocks, PAGE_SIZE, H_kv, DV)
+             block_table (B, max_blocks) int32, context_lens (B,) int32       (vLLM layout)
+    contig.  k_cache (B, H_kv, N_max, DK)                v_cache (B, H_kv, N_max, DV)
+             context_lens (B,) int32 or None (= N_max)
+    out      (B, H_q, DV) in the input dtype          lse (B, H_q) float32, natural log
+
+A contiguous cache is the paged kernel with one "block chain" per sequence: the row of token t of
+sequence b is ``b * stride_kblk + t * stride_kpos`` instead of ``block_table[b, t // PAGE_SIZE] *
+stride_kblk + (t % PAGE_SIZE) * stride_kpos`` -- the same strides, no copy into pages.
+
+Work decomposition (grid = (H_kv, B, splits))::
+
+    program (b, h_kv, s):  Q tile = the GQA group of h_kv, padded to BLOCK_G >= 16 rows for tl.dot
+                           KV tokens [s * chunk, (s + 1) * chunk) of sequence b, BLOCK_N at a time
+         tokens ->   | tile 0 | tile 1 | ... |            chunk = ceil(ctx / splits), whole tiles
+         each K/V row is read once for the whole group (GQA/MQA reuse in registers)
+
+    splits == 1: the program normalizes and writes out/lse itself (single pass).
+    splits  > 1: it writes the unnormalized state (m, l, acc) in fp32 (log2 domain for m), and
+                 ``_reduce_kernel`` (grid (B * H_q,)) merges the splits exactly. A split that lies
+                 past the sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
+
+The split count is chosen on the host from shapes only (max_blocks * PAGE_SIZE bounds the context),
+never from context_lens values: the launch path does no host sync and is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
+
+# --------------------------------------------------------------------------- kernels
+
+
+# num_splits and the context bound vary from call to call: no recompilation for their values
+@triton.jit(do_not_specialize=["n_ctx_max", "num_splits"])
+def _decode_kernel(
+    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc,
+    qk_scale_log2, n_ctx_max, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_kblk, stride_kpos, stride_kh, stride_kd,
+    stride_vblk, stride_vpos, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ob, stride_oh, stride_od,
+    stride_lseb, stride_lseh,
+    stride_pmb, stride_pmh, stride_pms,
+    stride_pab, stride_pah, stride_pas, stride_pad,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, HAS_LENS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
+    tl.static_assert(BLOCK_G >= GROUP)
+    tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert((PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "page size must be a power of two")
+
+    # the KV heads of one sequence are adjacent in launch order: they read the same pages at the
+    # same time (one page holds every head's rows), which keeps DRAM accesses local
+    pid_h = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+
+    if HAS_LENS:
+        n_ctx = tl.load(ContextLens + pid_b)
+    else:
+        n_ctx = n_ctx_max
+    # this split's tokens: ctx cut into num_splits chunks of whole tiles (empty past the end)
+    chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, n_ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_g = offs_g < GROUP
+    heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
+
+    # Q tile: the whole group; padding rows are zeros and are never stored
+    q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
+    if BLOCK_DK == DK:
+        q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    k_base = K + pid_h.to(tl.int64) * stride_kh
+    v_base = V + pid_h.to(tl.int64) * stride_vh
+    bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+
+    # the block-table entries of the first tile; the loop fetches those of the next tile one
+    # iteration ahead, so the K/V addresses do not wait on a load of the same iteration
+    if PAGED:
+        page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < hi, other=0)
+    for start_n in range(lo, hi, BLOCK_N):
+        tok = start_n + offs_n
+        valid = tok < hi
+        # locate each token's row: through the block table, or along the sequence's one chain
+        if PAGED:
+            row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
+            row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
+            nxt = tok + BLOCK_N
+            page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn, mask=nxt < hi, other=0)
+        else:
+            row_k = pid_b.to(tl.int64) * stride_kblk + tok.to(tl.int64) * stride_kpos
+            row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
+        k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
+        v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
+        if BLOCK_DK == DK:
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        if BLOCK_DV == DV:
+            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # scores in the log2 domain; tokens past the end are -inf
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if SPLIT:
+        # unnormalized partial state; an empty split stores (-inf, 0, 0)
+        pm_off = pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh + pid_s * stride_pms
+        tl.store(PartM + pm_off, m_i, mask=mask_g)
+        tl.store(PartL + pm_off, l_i, mask=mask_g)
+        pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
+                   + pid_s * stride_pas + offs_dv[None, :] * stride_pad)
+        tl.store(pa_ptrs, acc, mask=mask_g[:, None] & (offs_dv[None, :] < DV))
+    else:
+        seen = l_i > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        l_safe = tl.where(seen, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv[None, :] < DV))
+        # back from log2 to natural log: lse = (m + log2 l) * ln 2
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(
+    PartM, PartL, PartAcc, Out, Lse,
+    num_splits, num_heads,
+    stride_pmb, stride_pmh, stride_pms,
+    stride_pab, stride_pah, stride_pas, stride_pad,
+    stride_ob, stride_oh, stride_od,
+    stride_lseb, stride_lseh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK_S: tl.constexpr,
+):
+    """Exact merge of the split states of one (sequence, query head): out = sum_s w_s acc_s /
+    sum_s w_s l_s with w_s = exp2(m_s - max m). The split axis is read CHUNK_S at a time, the last
+    chunk padded with the empty-state sentinel (m = -inf, l = 0, acc = 0), so any split count works
+    with bounded registers and one compiled kernel."""
+    tl.static_assert(BLOCK_DV >= DV)
+    tl.static_assert((CHUNK_S & (CHUNK_S - 1)) == 0)
+    pid = tl.program_id(0)
+    pid_b = pid // num_heads
+    pid_h = pid % num_heads
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pm_base = pid_b.to(tl.int64) * stride_pmb + pid_h * stride_pmh
+    pa_base = PartAcc + pid_b.to(tl.int64) * stride_pab + pid_h * stride_pah
+
+    # pass 1: the shared max over all splits
+    m_max = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        s_idx = s0 + offs_c
+        m_max = tl.maximum(m_max, tl.load(PartM + pm_base + s_idx * stride_pms, mask=s_idx < num_splits,
+                                          other=float("-inf")))
+    m_all = tl.max(m_max, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)  # every split empty: no inf - inf
+
+    # pass 2: rescale each split to the shared max and sum
+    l_sum = tl.zeros([CHUNK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        s_idx = s0 + offs_c
+        in_range = s_idx < num_splits
+        w = tl.exp2(tl.load(PartM + pm_base + s_idx * stride_pms, mask=in_range, other=float("-inf")) - m_safe)
+        l_sum += w * tl.load(PartL + pm_base + s_idx * stride_pms, mask=in_range, other=0.0)
+        a = tl.load(pa_base + s_idx[:, None] * stride_pas + offs_dv[None, :] * stride_pad,
+                    mask=in_range[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc += tl.sum(a * w[:, None], 0)
+    l_tot = tl.sum(l_sum, 0)
+
+    seen = l_tot > 0.0
+    l_safe = tl.where(seen, l_tot, 1.0)
+    tl.store(Out + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_dv * stride_od,
+             (acc / l_safe).to(Out.dtype.element_ty), mask=offs_dv < DV)
+    lse = tl.where(seen, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + pid_h * stride_lseh, lse)
+
+
+# --------------------------------------------------------------------------- launch parameters
+
+# Shared memory the K/V software pipeline may take per program: num_stages - 1 K+V tiles in flight
+# (Triton's pipeliner keeps num_stages - 1 buffers). 72 KiB fits sm_89 (99 KiB per block) and
+# lets three programs share an sm_90 SM (228 KiB), two an sm_80 one (164 KiB). A sweep on H100
+# (BLOCK_N 32..128, 4/8 warps, 2..5 stages) moved TB/s by under 3%: this is not the bottleneck.
+_SMEM_BUDGET = 72 * 1024
+_NUM_STAGES = 3
+_NUM_WARPS = 4
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _tile_config(elt_bytes: int, block_dk: int, block_dv: int) -> dict:
+    """BLOCK_N, num_warps, num_stages: the largest KV tile (<= 64 rows) whose pipeline fits the
+    shared-memory budget. 64 rows x d=128 x fp16 = 16 KiB per K tile, 64 KiB of K+V in flight per
+    program: far above what HBM needs per SM (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB)."""
+    block_n = 64
+    while block_n > 16 and (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes > _SMEM_BUDGET:
+        block_n //= 2
+    return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, queried once per device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1 (CPU CI). Its tl.dot multiplies bfloat16 operands as their raw uint16 bits
+    (triton 3.9 interpreter create_dot), so there the bf16 dots run on fp32 copies."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # TRITON_INTERPRET on CPU: any small number exercises the split path
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Split-k heuristic constants (see choose_num_splits).
+_MIN_FILL = 0.75            # below this fraction of the SMs busy, take one more split
+_MIN_TILES_PER_SPLIT = 4    # a split streams >= 4 KV tiles (256 tokens), or the reduce dominates
+_MAX_SPLITS = 128
+_REDUCE_CHUNK = 16          # splits merged per step of the reduce kernel
+
+
+def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
+    """Split-k count from shapes only (never the context_lens values).
+
+    Decode streams the KV cache once, so it runs at HBM speed only when (nearly) every SM streams.
+    One program keeps num_stages - 1 K+V tiles in flight (64 KiB at d=128 fp16), more than an SM
+    needs for its share of HBM (Little's law: ~23 KB on H100), so the target is one program per
+    SM: the largest split count with B * H_kv * splits <= SMs; a program more than the SM count
+    is a second wave on the SMs that take it (they finish last). Only if that leaves more than a
+    quarter of the SMs idle, one split more. Extra splits cost an fp32 (m, l, acc) write + read
+    (G * DV * 4 bytes against 2 * chunk * D * 2 bytes of KV) and a pipeline prologue each.
+
+    Measured on H100 (132 SMs, fp16, d=128, splits forced; bench_decode): B * H_kv = 256 fastest
+    unsplit; 64 at 2 (1 split: -32%); 32 at 4; 16 at 8; 8 at 16 (17 splits, 136 programs: -4..6%,
+    more than 32: -5..20%). A split keeps >= _MIN_TILES_PER_SPLIT tiles.
+    """
+    if batch_heads >= sm_count:
+        return 1
+    n_tiles = triton.cdiv(n_ctx_bound, block_n)
+    max_splits = max(1, min(_MAX_SPLITS, n_tiles // _MIN_TILES_PER_SPLIT))
+    splits = sm_count // batch_heads
+    if batch_heads * splits < _MIN_FILL * sm_count:
+        splits += 1
+    return max(1, min(max_splits, splits))
+
+
+# --------------------------------------------------------------------------- the torch op
+
+
+def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
+                device: torch.device, config: Optional[dict] = None) -> dict:
+    """Tile configuration, padded tile sizes and the automatic split count of one decode shape."""
+    block_g = max(16, _next_pow2(h_q // h_kv))
+    block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
+    cfg = config or _tile_config(elt_bytes, block_dk, block_dv)
+    sms = _device_sms(device)
+    return {"config": cfg, "BLOCK_G": block_g, "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
+            "sm_count": sms, "num_splits": choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)}
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every buffer the launch allocates (tests patch this to hand out NaN-poisoned memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
+            scale: float, num_splits: int, config: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate out/lse (and the split partials) and launch; ``config`` overrides the tile
+    configuration (BLOCK_N, num_warps, num_stages) for benchmark sweeps."""
+    b, h_q, dk = q.shape
+    dv = v_cache.shape[3]
+    paged = block_table is not None
+    if paged:
+        _, page_size, h_kv, _ = k_cache.shape
+        n_ctx_bound = block_table.shape[1] * page_size
+        # (num_blocks, PAGE_SIZE, H_kv, D): block / position-in-block / head / dim
+        sk = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
+        sv = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3))
+        s_bt = (block_table.stride(0), block_table.stride(1))
+    else:
+        _, h_kv, n_ctx_bound, _ = k_cache.shape
+        page_size = 1
+        # (B, H_kv, N_max, D): the sequence is one block chain, so "block" = sequence
+        sk = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
+        sv = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3))
+        s_bt = (0, 0)
+        block_table = q  # never read (PAGED=False); any pointer will do
+    group = h_q // h_kv
+    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config)
+    cfg, block_g, block_dk, block_dv = plan["config"], plan["BLOCK_G"], plan["BLOCK_DK"], plan["BLOCK_DV"]
+    if num_splits <= 0:
+        num_splits = plan["num_splits"]
+
+    out = _empty((b, h_q, dv), q.dtype, q.device)
+    lse = _empty((b, h_q), torch.float32, q.device)
+    split = num_splits > 1
+    if split:
+        part_m = _empty((b, h_q, num_splits), torch.float32, q.device)
+        part_l = _empty((b, h_q, num_splits), torch.float32, q.device)
+        part_acc = _empty((b, h_q, num_splits, dv), torch.float32, q.device)
+    else:
+        part_m = part_l = part_acc = lse  # never written (SPLIT=False)
+    s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
+    s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_acc.stride(3)) if split else (0, 0, 0, 0)
+
+    grid = (h_kv, b, num_splits)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
+        out, lse, part_m, part_l, part_acc,
+        scale * _LOG2E, n_ctx_bound, num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        *sk, *sv, *s_bt,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        *s_pm, *s_pa,
+        GROUP=group, BLOCK_G=block_g,
+        DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
+        PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
+        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        _reduce_kernel[(b * h_q,)](
+            part_m, part_l, part_acc, out, lse,
+            num_splits, h_q,
+            *s_pm, *s_pa,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            DV=dv, BLOCK_DV=block_dv, CHUNK_S=_REDUCE_CHUNK,
+            num_warps=4,
+        )
+    return out, lse
+
+
+@torch.library.custom_op("flashcl::decode", mutates_args=())
+def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
+              scale: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashcl::decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table,
+    Tensor? context_lens, float scale, int num_splits) -> (Tensor out, Tensor lse)
+
+    q (B, H_q, DK); paged (block_table given) or contiguous cache as in the module docstring.
+    num_splits 0 = choose from the shapes and the SM count; out (B, H_q, DV) q.dtype,
+    lse (B, H_q) float32. Inputs are not mutated.
+    """
+    return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits)
+
+
+@decode_op.register_fake
+def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits):
+    b, h_q, _ = q.shape
+    return q.new_empty((b, h_q, v_cache.shape[3])), q.new_empty((b, h_q), dtype=torch.float32)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+           block_table: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
+           scale: float, num_splits: Optional[int] = None, return_lse: bool = False):
+    """Backend entry of ``flashcl.decode`` (inputs already validated there). Traceable by
+    torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device."""
+    out, lse = torch.ops.flashcl.decode(q, k_cache, v_cache, block_table, context_lens,
+                                        float(scale), 0 if num_splits is None else int(num_splits))
+    return (out, lse) if return_lse else out

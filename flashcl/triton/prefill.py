@@ -1,0 +1,529 @@
+r"""Flash-attention forward (prefill) in Triton, registered as the torch op ``flashcl::prefill``.
+
+    q   (B, H_q,  N_q,  DK)      any strides; H_q % H_kv == 0 (MHA, GQA, MQA: K/V are never repeated)
+    k   (B, H_kv, N_kv, DK)      DK, DV independent multiples of 8 in 8..256
+    v   (B, H_kv, N_kv, DV)
+    out (B, H_q,  N_q,  DV)      input dtype (float32, float16, bfloat16), contiguous
+    lse (B, H_q,  N_q)           float32, natural log; -inf where a row sees no key
+
+One program computes BLOCK_M query rows of one (batch, query head) against all the keys it sees,
+streaming K/V in tiles of BLOCK_N rows (FlashAttention-2, online softmax in the exp2 domain):
+
+          keys ->   0        BLOCK_N  ...                         N_kv
+                  +--------+--------+--------+--------+--------+
+    BLOCK_M rows  | full   | full   | full   | diag   |  (skipped: above the diagonal)
+    of queries    |        |        |        |  \     |
+                  +--------+--------+--------+--------+
+                  '--- loop 1: no masks ----''- loop 2: masked (causal diagonal, N_kv tail)
+
+``causal=True`` is bottom-right aligned: query i sees keys j <= i + N_kv - N_q. Tiles wholly above
+the diagonal are never loaded (the loop bounds stop before them); only the tiles the diagonal
+crosses, and the ragged last tile of a non-causal row, go through the masked loop.
+
+Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
+
+Launch order: grid (query blocks, B * H_q); the query blocks of one head run next to each other,
+last block first, so the programs in flight share one head's K/V in L2 and the longest causal rows
+start first. On sm_90+ with 16-byte aligned inputs the autotuner also times configs that move
+tiles with tensor descriptors (TMA); everywhere else the kernel uses plain pointer loads (sm_80+).
+Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, dtypes);
+the candidate configs come from _TILE_SPACE through the named filter _prune_configs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KernelLaunchError
+
+LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
+
+
+# --------------------------------------------------------------------------- kernel
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_dk, offs_dv,
+                 stride_kn, stride_vn, N_KV, causal_shift, qk_scale,
+                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
+
+    k_src/v_src: tensor descriptors (USE_TMA: out-of-bounds rows and padded head dims read as 0
+    by the copy engine) or pointer tiles at key 0 (masked loads do the same)."""
+    offs_kv = start_n + offs_n
+    # -- load K (rows past N_kv only exist on the masked path; padded head dims read as 0)
+    if MASKED:
+        kv_rows = offs_kv[:, None] < N_KV
+    else:
+        kv_rows = offs_kv[:, None] >= 0  # always true, folded away
+    if USE_TMA:
+        k = k_src.load([start_n, 0])
+    elif MASKED or DK != BLOCK_DK:
+        k = tl.load(k_src + start_n * stride_kn, mask=kv_rows & (offs_dk[None, :] < DK), other=0.0)
+    else:
+        k = tl.load(k_src + start_n * stride_kn)
+    if UPCAST_DOTS:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
+    # -- new running max and probabilities (scale * log2(e) folded into one multiply-add)
+    if MASKED:
+        visible = offs_kv[None, :] < N_KV
+        if IS_CAUSAL:
+            visible = visible & (offs_kv[None, :] <= offs_m[:, None] + causal_shift)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(qk - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+    else:
+        # qk_scale >= 0 (the host flips the sign of q otherwise), so max(qk) * scale is the max
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # -- rescale acc to the new max, then add P @ V
+    if USE_TMA:
+        v = v_src.load([start_n, 0])
+    elif MASKED or DV != BLOCK_DV:
+        v = tl.load(v_src + start_n * stride_vn, mask=kv_rows & (offs_dv[None, :] < DV), other=0.0)
+    else:
+        v = tl.load(v_src + start_n * stride_vn)
+    acc = acc * alpha[:, None]
+    p = p.to(v.dtype)  # P is rounded to the storage dtype for the tensor-core dot
+    if UPCAST_DOTS:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "H_Q", "GQA_GROUP", "N_Q", "N_KV",
+                              "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK"])
+def _prefill_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    qk_scale,                      # softmax scale * log2(e), >= 0
+    H_Q, GQA_GROUP, N_Q, N_KV,     # GQA_GROUP = H_q // H_kv query heads per KV head
+    Q_BUCKET, KV_BUCKET,           # sequence-length buckets: autotune keys only, unused here
+    BH_BUCKET,                     # B * H_q bucket (how many programs fill the GPU): autotune key
+    TMA_OK,                        # 1 if tensor descriptors may be used: autotune key only
+    DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,  # head dims padded to powers of two (>= 16)
+    IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,     # interpreter only: it multiplies bfloat16 as raw uint16 bits
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,         # sm_90+: tiles through tensor descriptors (the copy engine)
+):
+    tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV, "head dims must fit their padded blocks")
+    tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs every dimension >= 16")
+
+    # Axis 0 (launched fastest) walks the query blocks of one (batch, head) so that the programs in
+    # flight share that head's K/V in L2; it walks them backwards because causal rows near the end
+    # see the most keys, so the long programs start first and the short ones fill the tail.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H_Q
+    off_h = off_bh % H_Q
+    off_hkv = off_h // GQA_GROUP
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    if USE_TMA:
+        # per-(batch, head) 2-D views; the host checked 16-byte alignment and unit last strides
+        q = tl.make_tensor_descriptor(q_base, shape=[N_Q, DK], strides=[stride_qm, 1],
+                                      block_shape=[BLOCK_M, BLOCK_DK]).load([start_m * BLOCK_M, 0])
+        k_src = tl.make_tensor_descriptor(k_base, shape=[N_KV, DK], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DK])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[N_KV, DV], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
+                    mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
+        k_src = k_base + offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
+        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if UPCAST_DOTS:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # -- key range of this query block: [0, full_end) needs no mask, [full_end, hi) does
+    causal_shift = N_KV - N_Q  # bottom-right alignment: row i sees keys j <= i + causal_shift
+    if IS_CAUSAL:
+        first_row_last_key = start_m * BLOCK_M + causal_shift  # every row of the block sees <= this
+        hi = tl.minimum(N_KV, (start_m + 1) * BLOCK_M + causal_shift)
+        full_end = (tl.maximum(first_row_last_key + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        hi = N_KV
+        full_end = (N_KV // BLOCK_N) * BLOCK_N
+
+    # loop 1: tiles every row sees in full
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n,
+                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, causal_shift,
+                                     qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, IS_CAUSAL, False,
+                                     DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+    # loop 2: tiles crossed by the causal diagonal, or the ragged last tile
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n,
+                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, causal_shift,
+                                     qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, IS_CAUSAL, True,
+                                     DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+
+    # -- normalize; a row that saw no key has l = 0, acc = 0: it stores 0 and lse = -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    if USE_TMA:  # the copy engine clips rows past N_q and padded head dims
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[N_Q, DV], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        o_desc.store([start_m * BLOCK_M, 0], out.to(Out.dtype.element_ty))
+    else:
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty),
+                 mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < DV))
+    if RETURN_LSE:
+        # log2 units -> natural log; -inf (not log2(0)) where no key was seen
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        l_base = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < N_Q)
+
+
+# --------------------------------------------------------------------------- tuning space
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, maxnreg). BLOCK_M 128 x BLOCK_N 64/128 with
+# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100, with tiles moved by the copy
+# engine (TMA) where the GPU has one (sm_90+); capped at 128 registers, the 2-stage 128 x 64 TMA
+# tile (96 KB shared) fits two programs per SM, so one's softmax overlaps the other's MMAs.
+# 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
+# serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
+# (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
+_TILE_SPACE = [
+    (128, 128, 8, 3, False, None),
+    (128, 128, 8, 2, False, None),
+    (128, 64, 8, 3, False, None),
+    (128, 64, 8, 2, False, None),
+    (64, 64, 4, 3, False, None),
+    (128, 128, 8, 3, True, None),
+    (128, 128, 8, 2, True, None),
+    (128, 64, 8, 3, True, None),
+    (128, 64, 8, 2, True, None),
+    (128, 64, 8, 2, True, 128),
+    (128, 32, 8, 2, False, None),
+    (64, 32, 4, 2, False, None),
+    (64, 32, 8, 2, False, None),
+    (32, 32, 8, 2, False, None),
+    (32, 16, 8, 2, False, None),
+]
+_PARAM_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "maxnreg")
+_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s,
+                          maxnreg=mr)
+            for bm, bn, w, s, tma, mr in _TILE_SPACE]
+# The interpreter (TRITON_INTERPRET=1, CPU CI) runs one small config: nothing to time there.
+_INTERPRETER_PARAMS = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "USE_TMA": False,
+                       "maxnreg": None}
+
+# fp32 registers per thread for the accumulator plus the score tile, (BLOCK_M x (BLOCK_DV +
+# BLOCK_N)) / (32 x num_warps), above which ptxas spilled (sm_90, 16-bit inputs: 144 fits,
+# 160 spilled at 4 warps, 192 spilled at 4 warps)
+_MAX_TILE_REGS = 144
+
+
+def _shared_mem_limit(device_index: int) -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(props["max_shared_mem"])
+
+
+def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool, maxnreg, *,
+               elt: int, bdk: int, bdv: int, q_bucket: int, smem: int, wgmma: bool,
+               tma_ok: bool) -> bool:
+    """Whether a tile config can work well; each rule carries its reason.
+
+    - BLOCK_M beyond the query length (bucket) only computes padding rows.
+    - TMA needs sm_90+ and 16-byte aligned bases and strides (``tma_ok``, checked per call);
+      where it is available the pointer-based 128-row tiles are left out but for 128 x 64 x 3
+      stages, the portable baseline (fewer configs to compile and time).
+    - float32 runs IEEE dots on FMA units with both operands in registers: beyond 64 x 32 tiles
+      on 8 warps ptxas spills thousands of registers and compiles for tens of seconds.
+    - 16-bit: wgmma (sm_90) works on 64-row slices per warpgroup, so BLOCK_M >= 64; the
+      accumulator and score tile must fit _MAX_TILE_REGS; BLOCK_N 32 only pays where K/V tiles
+      are large (DK + DV >= 512).
+    - The K/V pipeline, num_stages x BLOCK_N x (DK + DV), plus on sm_90 the Q tile that wgmma
+      reads from shared memory, must fit (sm_89 ~100 KB, A100 ~164 KB, H100 ~227 KB).
+    """
+    if bm > max(64, q_bucket):
+        return False
+    if use_tma and not tma_ok:
+        return False
+    if tma_ok and not use_tma and bm == 128 and bn >= 64 and (bn, num_stages) != (64, 3):
+        return False
+    if elt == 4:
+        if bm * bn > 64 * 32 or num_warps != 8:
+            return False
+    else:
+        if bm < 64 or bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
+            return False
+        if bn < 64 and bdk + bdv < 512:
+            return False
+    q_tile = bm * bdk * elt if wgmma else 0
+    return num_stages * bn * (bdk + bdv) * elt + q_tile <= smem
+
+
+def _device_facts(device) -> dict:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = torch.cuda.get_device_capability(index)[0]
+    return dict(smem=_shared_mem_limit(index), wgmma=major == 9)
+
+
+def _tma_ok(*tensors) -> bool:
+    """Tensor descriptors need sm_90+, unit last strides, 16-byte aligned bases and strides."""
+    t0 = tensors[0]
+    if _interpreting() or t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        elt = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * elt) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _smallest(tiles):
+    return min(tiles, key=lambda t: (t[0] * t[1], t[3]))
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Autotune filter: the configs that pass _tile_fits for this call (at least one survives)."""
+    args = {**named_args, **kwargs}  # positional arguments by name, constexprs as keywords
+    q = args["Q"]
+    facts = dict(elt=q.element_size(), bdk=args["BLOCK_DK"], bdv=args["BLOCK_DV"],
+                 q_bucket=args["Q_BUCKET"], tma_ok=bool(args["TMA_OK"]), **_device_facts(q.device))
+    tiles = {c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
+                 c.kwargs["USE_TMA"], c.maxnreg) for c in configs}
+    kept = [c for c in configs if _tile_fits(*tiles[c], **facts)]
+    if not kept:  # the smallest pointer-based tile is the one most likely to fit
+        small = _smallest([t for t in tiles.values() if not t[4]])
+        kept = [c for c in configs if tiles[c] == small]
+    return kept
+
+
+def candidate_params(dtype, dk: int, dv: int, n_q: int, device=None, tma_ok: bool | None = None) -> list[dict]:
+    """The tile configs the autotuner would time for such a call, as ``params`` dicts.
+
+    ``tma_ok`` defaults to whether the device has TMA (aligned contiguous inputs). Under the
+    interpreter this is the single interpreter config.
+    """
+    if _interpreting():
+        return [dict(_INTERPRETER_PARAMS)]
+    device = torch.device(device if device is not None else "cuda")
+    if tma_ok is None:
+        tma_ok = torch.cuda.get_device_capability(device)[0] >= 9
+    elt = torch.empty((), dtype=dtype).element_size()
+    facts = dict(elt=elt, bdk=_padded_head_dim(dk), bdv=_padded_head_dim(dv),
+                 q_bucket=_seq_bucket(n_q), tma_ok=tma_ok, **_device_facts(device))
+    kept = [t for t in _TILE_SPACE if _tile_fits(*t, **facts)]
+    if not kept:
+        kept = [_smallest([t for t in _TILE_SPACE if not t[4]])]
+    return [dict(zip(_PARAM_KEYS, t)) for t in kept]
+
+
+_prefill_autotuned = triton.autotune(
+    configs=_CONFIGS,
+    # The tensors' dtypes are appended to the key by Triton itself.
+    key=["Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "DK", "DV", "IS_CAUSAL", "TMA_OK"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_prefill_kernel)
+
+
+def _seq_bucket(n: int) -> int:
+    """Autotune bucket of a sequence length: the next power of two, clamped to [64, 16384]."""
+    return min(16384, max(64, triton.next_power_of_2(n)))
+
+
+def _bh_bucket(bh: int) -> int:
+    """Autotune bucket of B * H_q: the next power of two, clamped to [16, 256]."""
+    return min(256, max(16, triton.next_power_of_2(bh)))
+
+
+def _padded_head_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, batch_heads: int,
+                tma_ok: bool = True) -> dict | None:
+    """The config the autotuner picked for this key (None if that key was not tuned yet);
+    ``batch_heads`` is B * H_q."""
+    key = ((_seq_bucket(q_len), _seq_bucket(kv_len), _bh_bucket(batch_heads), dk, dv, causal, int(tma_ok))
+           + (str(dtype),) * 4 + (str(torch.float32),))
+    cfg = _prefill_autotuned.cache.get(key)
+    if cfg is None:
+        return None
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg}
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch Triton asks for at launch to build on-device tensor descriptors."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None):
+    b, h_q, n_q, dk = q.shape
+    h_kv, n_kv, dv = k.shape[1], k.shape[2], v.shape[3]
+    if scale < 0:  # keep the kernel's scale >= 0 (see _attend_tile); negation is exact
+        q, scale = -q, -scale
+    out = torch.empty((b, h_q, n_q, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h_q, n_q) if return_lse else (1, 1, 1), dtype=torch.float32, device=q.device)
+    tma_ok = _tma_ok(q, k, v, out)
+    if tma_ok:
+        triton.set_allocator(_tma_scratch)
+    args = (
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        scale * LOG2E, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
+        _bh_bucket(b * h_q), int(tma_ok),
+    )
+    # bfloat16 products are exact in float32, so the interpreter's upcast changes no result bit
+    # beyond summation order; on GPUs 16-bit dots run on tensor cores with float32 accumulation.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    meta = dict(DK=dk, DV=dv, BLOCK_DK=_padded_head_dim(dk), BLOCK_DV=_padded_head_dim(dv),
+                IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
+
+    def grid(META):
+        return (triton.cdiv(n_q, META["BLOCK_M"]), b * h_q)
+
+    if params is None and _interpreting():
+        params = _INTERPRETER_PARAMS
+    if params is not None and params.get("USE_TMA") and not tma_ok:
+        raise ValueError("params['USE_TMA']: tensor descriptors need an sm_90+ GPU and inputs with "
+                         "unit last strides and 16-byte aligned bases and strides")
+    try:
+        if params is None:
+            _prefill_autotuned[grid](*args, **meta)
+        else:
+            _prefill_kernel[grid](*args, **meta, **params)
+    except triton.runtime.errors.OutOfResources as e:
+        raise KernelLaunchError("_prefill_kernel", {**meta, **(params or {"autotuned": True})},
+                                _device_name(q.device), str(e)) from e
+    return out, lse
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device} (Triton interpreter)"
+
+
+# --------------------------------------------------------------------------- torch op
+
+_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse, "
+           "int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False, "
+           "int maxnreg=0) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("flashcl::prefill", mutates_args=(), schema=_SCHEMA)
+def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                return_lse: bool, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
+                num_stages: int = 0, use_tma: bool = False,
+                maxnreg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashcl::prefill(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse,
+    int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False,
+    int maxnreg=0) -> (Tensor out, Tensor lse)``
+
+    Stable schema. q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV): 4-D, any
+    strides, one dtype of float32/float16/bfloat16. ``scale`` is the softmax scale (no default
+    here). Returns out (B, H_q, N_q, DV) contiguous in the input dtype, and lse (B, H_q, N_q)
+    float32 when ``return_lse``, else an empty float32 tensor of shape (0,). block_m, block_n,
+    num_warps, num_stages all 0: autotuned; all > 0: that tile config, with tiles moved by tensor
+    descriptors when ``use_tma`` (sm_90+, aligned inputs) and registers capped at ``maxnreg``
+    per thread when > 0.
+    """
+    tiles = (block_m, block_n, num_warps, num_stages)
+    params = (dict(zip(_PARAM_KEYS, (*tiles, use_tma, maxnreg or None)))
+              if all(t > 0 for t in tiles) else None)
+    out, lse = _launch(q, k, v, causal, scale, return_lse, params)
+    return out, (lse if return_lse else lse.new_empty((0,)))
+
+
+@_prefill_op.register_fake
+def _prefill_fake(q, k, v, causal, scale, return_lse, block_m=0, block_n=0, num_warps=0,
+                  num_stages=0, use_tma=False, maxnreg=0):
+    b, h_q, n_q, _ = q.shape
+    out = q.new_empty((b, h_q, n_q, v.shape[3]))
+    lse = q.new_empty((b, h_q, n_q) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _tile_params(params: dict | None) -> tuple[int, int, int, int, bool, int]:
+    """Validate a ``params`` dict: BLOCK_M, BLOCK_N, num_warps, num_stages, optionally USE_TMA
+    and maxnreg (a register cap per thread)."""
+    if params is None:
+        return (0, 0, 0, 0, False, 0)
+    unknown = set(params) - set(_PARAM_KEYS)
+    missing = set(_PARAM_KEYS[:4]) - set(params)
+    if unknown or missing:
+        raise ValueError(f"params: the Triton prefill takes the keys {_PARAM_KEYS[:4]} and optionally "
+                         f"'USE_TMA' and 'maxnreg'; got {sorted(params)}")
+    for name in _PARAM_KEYS[:4]:
+        val = params[name]
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"params[{name!r}]: expected a positive int, got {val!r}")
+    for name in ("BLOCK_M", "BLOCK_N"):
+        if params[name] < 16 or params[name] & (params[name] - 1):
+            raise ValueError(f"params[{name!r}]: expected a power of two >= 16, got {params[name]}")
+    use_tma = params.get("USE_TMA", False)
+    if not isinstance(use_tma, bool):
+        raise ValueError(f"params['USE_TMA']: expected a bool, got {use_tma!r}")
+    maxnreg = params.get("maxnreg") or 0
+    if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 0:
+        raise ValueError(f"params['maxnreg']: expected None or a positive int, got {maxnreg!r}")
+    return (*(params[n] for n in _PARAM_KEYS[:4]), use_tma, maxnreg)
+
+
+def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+            params: dict | None = None):
+    """Flash-attention prefill of torch tensors (called by ``flashcl.prefill``, which validates).
+
+    Inputs all 3-D (H, N, D) or all 4-D (B, H, N, D); returns out with the input's rank and dtype,
+    plus lse (..., H_q, N_q) float32 when ``return_lse``. ``params`` forces a tile config
+    ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, optionally "USE_TMA", "maxnreg"); None
+    autotunes.
+    Traceable by torch.compile(fullgraph=True): the kernel runs inside the ``flashcl::prefill`` op.
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _prefill_op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params))
+    if squeeze:
+        out = out.squeeze(0)
+        lse = lse.squeeze(0) if return_lse else lse
+    return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,7 +30,8 @@ class DeviceHandle:
     device: cl.Device
     context: cl.Context
     queue: cl.CommandQueue
-    programs: dict = field(default_factory=dict)
+    # built programs by cache key, least recently used first; bounded by MAX_PROGRAMS (build())
+    programs: OrderedDict = field(default_factory=OrderedDict)
 
     @property
     def name(self) -> str:
@@ -72,7 +74,12 @@ class DeviceHandle:
         return f"{self.name} ({self.platform}, driver {self.driver})"
 
 
-_handles: dict = {}
+# Handles by (device, user's context, user's queue). Handles of devices named by string or
+# Device are one per device; a caller passing a new Context or CommandQueue per call would add
+# one handle (and its program cache) per call, so at most MAX_HANDLES are kept, least recently
+# used dropped first (a later call with that queue simply builds a new handle).
+_handles: OrderedDict = OrderedDict()
+MAX_HANDLES = 16
 _lock = threading.RLock()
 
 
@@ -98,6 +105,10 @@ def _match(spec: str):
                 return d
         raise ValueError(f"device={spec!r}: no OpenCL device {pi}:{di}; run `flashcl devices` to list them")
     want = spec.strip().lower()
+    # A name or profile ("cpu") never selects the Oclgrind simulator, which calls itself a CPU
+    # and is listed first once installed; it must be named ("oclgrind") or given as "P:D".
+    if "oclgrind" not in want:
+        devices = [x for x in devices if not _is_oclgrind(x[2])]
     for _, _, p, d in devices:
         prof = profile_for(d.vendor, d.name, d.opencl_c_version,
                            "cpu" if d.type & cl.device_type.CPU else "gpu")
@@ -126,6 +137,10 @@ def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle
             if queue is None:
                 queue = cl.CommandQueue(ctx, dev, properties=cl.command_queue_properties.PROFILING_ENABLE)
             h = _handles[key] = DeviceHandle(dev, ctx, queue)
+            while len(_handles) > MAX_HANDLES:
+                _handles.popitem(last=False)
+        else:
+            _handles.move_to_end(key)
         return h
 
 
@@ -216,6 +231,15 @@ def build_options(defines: dict, handle: DeviceHandle, verbose: bool = False, ex
     return opts
 
 
+# Programs kept per device. Every distinct problem class (head dims, dtype, causal, GQA group,
+# tile parameters) is its own program, so a long-running server that sees many shapes, or a
+# tuner sweep, would otherwise hold every program it ever built (and its kernels' device code).
+# 64 covers the working set of a model (a few problem classes per layer type) many times over;
+# the least recently used program is dropped beyond it, and PyOpenCL releases it once no
+# PrefillKernel/DecodeKernel still holds it. Rebuilding an evicted one costs one (driver-cached) build.
+MAX_PROGRAMS = 64
+
+
 def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
           verbose: bool = False, extra_options=()) -> BuiltProgram:
     """Build (or fetch from the cache) ``source`` from clkernels/ with ``-D`` defines."""
@@ -224,6 +248,8 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
     key = (digest, tuple(options), handle.name, handle.driver, __version__)
     with _lock:
         cached = handle.programs.get(key)
+        if cached is not None:
+            handle.programs.move_to_end(key)  # most recently used
     if cached is not None:
         return cached
     program = cl.Program(handle.context, text)
@@ -239,6 +265,8 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
     built = BuiltProgram(program, log, options)
     with _lock:
         handle.programs[key] = built
+        while len(handle.programs) > MAX_PROGRAMS:
+            handle.programs.popitem(last=False)  # least recently used
     return built
 
 

@@ -1,11 +1,11 @@
-"""The ``flashcl`` command: ``devices``, ``bench prefill|decode``, ``tune``, ``show-config``.
+"""The ``flashcl`` command: ``devices``, ``bench prefill|decode``, ``tune``, ``show-config``, ``soak``.
 
 Human tables by default, ``--json`` for scripts (progress and notes then go to stderr only).
 
 Exit codes:
   0    success
-  1    a check failed: a benchmark's error above tolerance, or no tuning configuration both
-       built and passed the correctness check
+  1    a check failed: a benchmark's error above tolerance, no tuning configuration both
+       built and passed the correctness check, or ``soak`` saw memory keep growing
   2    bad usage (click's own), or an option the chosen backend cannot take
   3    no usable device: nothing matches --device, no OpenCL platform, or --require-device given
        and the device is not attached
@@ -403,6 +403,46 @@ def show_config(device, kernel, n, d, dv, causal, dtype, as_json):
                f"{model['regs_budget']}): {'spills' if model['spills'] else 'no spill predicted'}"
                f"{', over the occupancy budget' if model['over_budget'] and not model['spills'] else ''}")
     click.echo(f"searched: {info['searched'][0]} (user), then {info['searched'][1]} (shipped)")
+
+
+@main.command()
+@click.option("--device", default=None, help="OpenCL device (name substring, profile or P:D).")
+@click.option("--calls", default=10000, show_default=True, type=click.IntRange(1), help="Calls to make.")
+@click.option("--every", default=250, show_default=True, type=click.IntRange(1),
+              help="Sample memory and cache sizes every N calls.")
+@click.option("--check-every", default=50, show_default=True, type=click.IntRange(1),
+              help="Compare every N-th call against the float64 oracle.")
+@click.option("--max-growth", default=0.10, show_default=True, type=float,
+              help="Fail when the last quarter's mean RSS exceeds the second quarter's by more.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def soak(device, calls, every, check_every, max_growth, as_json):
+    """Many mixed prefill/decode calls in one process; fails (exit 1) if memory keeps growing."""
+    from . import soak as soak_mod
+
+    handle = _handle(device)
+    command = "flashcl " + " ".join(sys.argv[1:])
+    if not as_json:
+        click.echo(f"# {command}\n# device: {handle.describe()}")
+        click.echo(f"{'calls':>7} {'RSS MiB':>8} {'handles':>7} {'programs':>8} {'seconds':>8}")
+
+    def show(s):
+        if not as_json:
+            click.echo(f"{s.call:7d} {s.rss_kib / 1024:8.1f} {s.handles:7d} {s.programs:8d} {s.seconds:8.1f}")
+
+    try:
+        res = soak_mod.run(calls, every=every, device=handle.device, check_every=check_every,
+                           max_growth=max_growth, progress=show)
+    except AssertionError as exc:
+        _fail(str(exc), EXIT_CHECK_FAILED)
+    if as_json:
+        click.echo(json.dumps({"command": command, "device": handle.describe(), "ok": res.ok,
+                               "verdict": res.verdict, "checked": res.checked, "max_err": res.max_err,
+                               "samples": [vars(s) for s in res.samples]}, indent=2))
+    else:
+        click.echo(f"checked {res.checked} calls against the oracle, max relative error {res.max_err:.2e}")
+        click.echo(res.verdict)
+    if not res.ok:
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 if __name__ == "__main__":

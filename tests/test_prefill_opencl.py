@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -68,7 +70,8 @@ def test_prefill_matches_oracle(cl_device, shape, dk, dv, causal, dtype):
     b, h_q, h_kv, n_q, n_kv = shape
     if n_q * n_kv * h_q * (dk + dv) > 3e8:
         pytest.skip("kept small for CPU drivers")  # only (513, 513) x 256: covered at 128
-    rng = np.random.default_rng(hash((shape, dk, dv, causal, dtype)) % 2**32)
+    # a seed fixed per case: hash() of strings changes between processes (PYTHONHASHSEED)
+    rng = np.random.default_rng(zlib.crc32(repr((shape, dk, dv, causal, dtype)).encode()))
     check(cl_device, *_inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype), causal)
 
 

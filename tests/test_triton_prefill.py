@@ -15,6 +15,7 @@ Tolerances, relative error ||out - ref|| / ||ref|| against float64 (DESIGN.md §
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -152,7 +153,7 @@ TINY_CASES = [
 @pytest.mark.parametrize("case", TINY_CASES, ids=lambda c: "b{}h{}x{}n{}x{}d{}x{}{}".format(*c[:7], "c" if c[7] else ""))
 def test_tiny_matches_reference(triton_device, case, dtype_name):
     b, h_q, h_kv, n_q, n_kv, dk, dv, causal = case
-    seed = hash(case) % 1000
+    seed = zlib.crc32(repr(case).encode()) % 1000  # hash() of strings varies per process
     q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, DTYPES[dtype_name], triton_device, seed)
     _check(q, k, v, causal=causal, dtype_name=dtype_name, device=triton_device, seed=seed)
 

@@ -95,8 +95,15 @@
  * drivers keep private arrays in cache anyway, and unrolling there multiplies build time ~10x. */
 #if UNROLL_LOOPS
 #define UNROLL _Pragma("unroll")
+#define PER_ITEM(n) (n)
 #else
 #define UNROLL
+/* PoCL (CPUs) turns each innermost loop whose trip count it can prove uniform across the
+ * work-group into a "horizontal" loop: one iteration for every work-item, then the next, with
+ * each work-item's accumulators and loop counter in memory (~12 instructions per vector FMA,
+ * measured with perf). A trip count that depends on the work-item keeps the loop inside each
+ * work-item, where the accumulators stay in registers. `row > INT_MAX - 1` is never true. */
+#define PER_ITEM(n) ((n) + (row > 0x7ffffffe))
 #endif
 
 __kernel __attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
@@ -183,14 +190,14 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         /* scores of this row against the tile, VEC keys per vector: sv[jv] = q . k[VEC*jv ..] */
         floatV sv[BNV];
         UNROLL
-        for (int jv = 0; jv < BNV; ++jv)
+        for (int jv = 0; jv < PER_ITEM(BNV); ++jv)
             sv[jv] = (floatV)(0.0f);
         UNROLL
         for (int c = 0; c < DK4; ++c) {
             const float4 qc = Q_CHUNK(c);
             __local const float *kc = k_tile + 4 * c * BLOCK_N;
             UNROLL
-            for (int jv = 0; jv < BNV; ++jv) {
+            for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
                 floatV acc_s = sv[jv];
                 acc_s = fma((floatV)(qc.x), VLOADV(jv, kc), acc_s);
                 acc_s = fma((floatV)(qc.y), VLOADV(jv, kc + BLOCK_N), acc_s);
@@ -203,7 +210,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         /* mask the tile edge and the diagonal, then the tile max */
         floatV maxv = (floatV)(-INFINITY);
         UNROLL
-        for (int jv = 0; jv < BNV; ++jv) {
+        for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
             const intV col = (intV)(n0 + VEC * jv) + IOTA_V;
             intV visible = col < (intV)(n_kv);
 #if IS_CAUSAL
@@ -220,14 +227,14 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         const float alpha = exp2(m_i - m_use);
         l_i *= alpha;
         UNROLL
-        for (int c = 0; c < DVV; ++c)
+        for (int c = 0; c < PER_ITEM(DVV); ++c)
             acc[c] *= alpha;
 
         /* p = exp2(s - m), then acc += p @ v_tile */
         float p[BLOCK_N];
         floatV lv = (floatV)(0.0f);
         UNROLL
-        for (int jv = 0; jv < BNV; ++jv) {
+        for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
             const floatV pv = exp2(sv[jv] - (floatV)(m_use));
             lv += pv;
             VSTOREV(pv, jv, p);
@@ -237,7 +244,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         for (int j = 0; j < BLOCK_N; ++j) {
             const floatV pj = (floatV)(p[j]);
             UNROLL
-            for (int c = 0; c < DVV; ++c)
+            for (int c = 0; c < PER_ITEM(DVV); ++c)
                 acc[c] = fma(pj, VLOADV(c, v_tile + j * DV_TILE), acc[c]);
         }
         m_i = m_new;

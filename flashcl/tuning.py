@@ -421,3 +421,21 @@ def save_entry(entry: dict, path: Path) -> list[dict]:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return replaced
+
+
+def resolve(kernel: str, handle, params: dict | None, *, errors, default, dtype: str, dk: int,
+            dv: int, causal: bool, n: int) -> Choice:
+    """The parameters a call runs with: the caller's ``params`` (invalid ones are a ValueError),
+    else the best valid database entry for this device, else ``default()`` -- the profile's.
+    ``errors(params) -> [sentences]`` validates against the kernel's constraints and the device."""
+    if params is not None:
+        errs = errors(params)
+        if errs:
+            raise ValueError("params: " + "; ".join(errs))
+        return Choice(dict(params), "params= override")
+    key = DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor, handle.profile.name)
+    found = lookup(kernel, key, dtype=dtype, dk=dk, dv=dv, causal=causal, n=n, validate=errors)
+    if found is not None:
+        return found
+    return Choice(default(), f"profile default ({handle.profile.name})")
+

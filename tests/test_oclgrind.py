@@ -229,6 +229,23 @@ def test_decode_under_oclgrind(spec, tmp_path):
     _run_case(spec, tmp_path)
 
 
+def _run_snippet(tmp_path, src: str, launch: str) -> str:
+    """Build ``src`` on Oclgrind in a subprocess, run ``launch`` (Python using ``q``, ``prg``,
+    ``np``, ``cla``) and return what Oclgrind reported (log file and stderr); the subprocess
+    itself must succeed."""
+    code = ("import sys, numpy as np, pyopencl as cl, pyopencl.array as cla\n"
+            "import pyopencl.characterize as ch; ch.nv_compute_capability = lambda d: None\n"
+            "d = [p for p in cl.get_platforms() if 'oclgrind' in p.name.lower()][0].get_devices()[0]\n"
+            "ctx = cl.Context([d]); q = cl.CommandQueue(ctx)\n"
+            "prg = cl.Program(ctx, sys.argv[1]).build()\n" + launch)
+    log = tmp_path / "oclgrind.log"
+    env = dict(os.environ, **OCLGRIND_ENV, OCLGRIND_LOG=str(log))
+    proc = subprocess.run([sys.executable, "-c", code, src], env=env, capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    return (log.read_text() if log.exists() else "") + proc.stderr
+
+
 def test_a_race_is_reported(tmp_path):
     """The harness itself: a kernel with a real local-memory race (a missing barrier) is reported
     in the log, so a silent or misconfigured Oclgrind cannot pass the cases above."""
@@ -239,19 +256,9 @@ def test_a_race_is_reported(tmp_path):
         t[i] = i;                                /* no barrier: the read below races */
         out[i] = t[(i + 1) % 64];
     }"""
-    code = ("import sys, numpy as np, pyopencl as cl, pyopencl.array as cla\n"
-            "import pyopencl.characterize as ch; ch.nv_compute_capability = lambda d: None\n"
-            "d = [p for p in cl.get_platforms() if 'oclgrind' in p.name.lower()][0].get_devices()[0]\n"
-            "ctx = cl.Context([d]); q = cl.CommandQueue(ctx)\n"
-            "prg = cl.Program(ctx, sys.argv[1]).build()\n"
-            "out = cla.empty(q, (64,), np.float32)\n"
-            "prg.racy(q, (64,), (64,), out.data); q.finish()\n")
-    log = tmp_path / "oclgrind.log"
-    env = dict(os.environ, **OCLGRIND_ENV, OCLGRIND_LOG=str(log))
-    proc = subprocess.run([sys.executable, "-c", code, src], env=env, capture_output=True,
-                          text=True, timeout=CASE_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr
-    assert "data race" in log.read_text().lower(), f"no race reported:\n{log.read_text()}\n{proc.stderr}"
+    log = _run_snippet(tmp_path, src, "out = cla.empty(q, (64,), np.float32)\n"
+                                      "prg.racy(q, (64,), (64,), out.data); q.finish()\n")
+    assert "data race" in log.lower(), f"no race reported:\n{log}"
 
 
 def test_fmax_of_float16_upper_half_false_positive(tmp_path):
@@ -263,19 +270,10 @@ def test_fmax_of_float16_upper_half_false_positive(tmp_path):
         const float4 y = fmax(x.s89ab, x.s89ab);
         out[0] = (y.s0 > 0.0f) ? 1.0f : 2.0f;
     }"""
-    code = ("import sys, numpy as np, pyopencl as cl, pyopencl.array as cla\n"
-            "import pyopencl.characterize as ch; ch.nv_compute_capability = lambda d: None\n"
-            "d = [p for p in cl.get_platforms() if 'oclgrind' in p.name.lower()][0].get_devices()[0]\n"
-            "ctx = cl.Context([d]); q = cl.CommandQueue(ctx)\n"
-            "prg = cl.Program(ctx, sys.argv[1]).build()\n"
-            "x = cla.to_device(q, np.ones(16, np.float32)); out = cla.empty(q, (1,), np.float32)\n"
-            "prg.upper(q, (1,), (1,), out.data, x.data); q.finish()\n")
-    log = tmp_path / "oclgrind.log"
-    env = dict(os.environ, **OCLGRIND_ENV, OCLGRIND_LOG=str(log))
-    proc = subprocess.run([sys.executable, "-c", code, src], env=env, capture_output=True,
-                          text=True, timeout=CASE_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr
-    assert "uninitialized" in log.read_text().lower(), "Oclgrind no longer reports fmax(x.s89ab): drop NO_UNINIT_CHECK_VEC16"
+    log = _run_snippet(tmp_path, src, "x = cla.to_device(q, np.ones(16, np.float32)); "
+                                      "out = cla.empty(q, (1,), np.float32)\n"
+                                      "prg.upper(q, (1,), (1,), out.data, x.data); q.finish()\n")
+    assert "uninitialized" in log.lower(), "Oclgrind no longer reports fmax(x.s89ab): drop NO_UNINIT_CHECK_VEC16"
 
 
 def test_cases_fit_default_oclgrind_limits():

@@ -211,20 +211,11 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
         return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
                             max_work_group=handle.max_work_group)
 
-    if params is not None:
-        errs = errors(params)
-        if errs:
-            raise ValueError("params: " + "; ".join(errs))
-        return tuning.Choice(dict(params), "params= override")
-    key = tuning.DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor,
-                              handle.profile.name)
-    found = tuning.lookup(KERNEL, key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv, causal=False,
-                          n=max(n_ctx, 1), validate=errors)
-    if found is not None:
-        return found
-    p = default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
-                       local_mem=handle.local_mem, max_work_group=handle.max_work_group)
-    return tuning.Choice(p, f"profile default ({handle.profile.name})")
+    return tuning.resolve(
+        KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
+        causal=False, n=max(n_ctx, 1),
+        default=lambda: default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
+                                       local_mem=handle.local_mem, max_work_group=handle.max_work_group))
 
 
 class DecodeKernel:

@@ -48,22 +48,14 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
         return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
                                    max_work_group=handle.max_work_group)
 
-    if params is not None:
-        if "VEC" not in params and {"BLOCK_N", "DV_TILE"} <= params.keys():
-            params = dict(params, VEC=tuning.widest_vec(params["BLOCK_N"], params["DV_TILE"], 4))
-        errs = errors(params)
-        if errs:
-            raise ValueError("params: " + "; ".join(errs))
-        return tuning.Choice(dict(params), "params= override")
-    key = tuning.DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor,
-                              handle.profile.name)
-    found = tuning.lookup(KERNEL, key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv, causal=prob.causal,
-                          n=max(prob.n_q, prob.n_kv), validate=errors)
-    if found is not None:
-        return found
-    p = tuning.default_params(KERNEL, handle.profile, prob.dk, prob.dv, local_mem=handle.local_mem,
-                              max_work_group=handle.max_work_group)
-    return tuning.Choice(p, f"profile default ({handle.profile.name})")
+    if params is not None and "VEC" not in params and {"BLOCK_N", "DV_TILE"} <= params.keys():
+        params = dict(params, VEC=tuning.widest_vec(params["BLOCK_N"], params["DV_TILE"], 4))
+    return tuning.resolve(
+        KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
+        causal=prob.causal, n=max(prob.n_q, prob.n_kv),
+        default=lambda: tuning.default_params(KERNEL, handle.profile, prob.dk, prob.dv,
+                                              local_mem=handle.local_mem,
+                                              max_work_group=handle.max_work_group))
 
 
 class PrefillKernel:

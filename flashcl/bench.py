@@ -142,7 +142,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
 
 def conditions(handle: DeviceHandle, command: str) -> dict:
     return {"device": handle.name, "platform": handle.platform, "driver": handle.driver,
-            "profile": handle.profile.name, "flashcl": __version__,
+            "profile": handle.profile.name, "is_cpu": handle.is_cpu, "flashcl": __version__,
             "date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
             "command": command}
 
@@ -164,6 +164,8 @@ def format_prefill(rows, cond: dict) -> str:
     peers = sorted({r.peer for r in rows if r.peer})
     if peers:
         lines.append("# peer: " + "; ".join(peers))
+    elif cond.get("is_cpu"):
+        lines.append("# peer: none -- torch is not installed (pip install torch for CPU SDPA beside flashcl)")
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import pyopencl.array as cla
 from . import reference
 from ._version import __version__
 from .opencl.prefill import PrefillKernel, PrefillProblem, choose_params
-from .opencl.runtime import DeviceHandle
+from .opencl.runtime import DeviceHandle, event_times
 
 # (B, H_q, H_kv, N, d, causal); DESIGN.md §6 reference shapes, and what the issues' targets name
 PREFILL_PRESETS = {
@@ -52,16 +52,6 @@ class PrefillRow:
     peer: str = ""
     peer_gflops: float = float("nan")
     ratio: float = float("nan")
-
-
-def _time_events(run, repeats: int) -> list[float]:
-    run().wait()  # warm-up (also the first-launch cost of the driver)
-    times = []
-    for _ in range(repeats):
-        ev = run()
-        ev.wait()
-        times.append((ev.profile.end - ev.profile.start) * 1e-6)
-    return times
 
 
 def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
@@ -110,7 +100,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         scale = 1.0 / np.sqrt(d)
         qd, kd, vd = (cla.to_device(handle.queue, x) for x in (q, k, v))
         out = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
-        times = _time_events(lambda: kern(qd, kd, vd, out, None, scale), repeats)
+        times = event_times(lambda i: kern(qd, kd, vd, out, None, scale), repeats)
         med = statistics.median(times)
         err = float("nan")
         if check:

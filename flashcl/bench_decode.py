@@ -19,16 +19,16 @@ shape runs single pass (num_splits=1), the automatic split count, and every forc
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
 from . import reference
-from .bench import conditions  # noqa: F401  (re-exported: the CLI prints the same conditions)
+from .bench import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
 from .opencl.decode import DecodeKernel, DecodeProblem, choose_num_splits, choose_params
-from .opencl.runtime import DeviceHandle
+from .opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
 AUTO_TOLERANCE = 1.05  # auto must be within 5% of the best forced split count
@@ -68,18 +68,6 @@ class DecodeRow:
     auto_ok: bool            # auto within 5% of the best forced split
     rel_err: float
     forced_ms: dict = field(default_factory=dict)
-
-
-def _time_runs(run, copies: int, repeats: int) -> list[float]:
-    """Milliseconds per run (first event start to last event end), rotating over the copies."""
-    for ev in run(0):
-        ev.wait()  # warm-up (first-launch cost of the driver)
-    times = []
-    for i in range(repeats):
-        evs = run(i % copies)
-        evs[-1].wait()
-        times.append((evs[-1].profile.end - evs[0].profile.start) * 1e-6)
-    return times
 
 
 def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -152,7 +140,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         auto = choose_num_splits(units, b * h_kv, ctx)
         timed = {}
         for s in sorted({1, auto, *splits}):
-            timed[s] = _time_runs(run(s), copies, repeats)
+            timed[s] = event_times(lambda i, go=run(s): go(i % copies), repeats)  # rotate the copies
         med = {s: statistics.median(t) for s, t in timed.items()}
         forced = {s: med[s] for s in sorted({1, *splits})}
         best = min(forced, key=forced.get)
@@ -207,7 +195,3 @@ def format_decode(rows, cond: dict) -> str:
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources) + "; params: " + "; ".join(sorted({r.params for r in rows})))
     return "\n".join(lines)
-
-
-def rows_as_dicts(rows):
-    return [asdict(r) for r in rows]

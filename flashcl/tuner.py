@@ -271,14 +271,10 @@ class Evaluator:
         return res
 
     def _time(self, kern, repeats: int) -> list[float]:
+        from .opencl.runtime import event_times  # lazily, like every OpenCL import here
+
         q, k, v = self.big_io
-        kern(q, k, v, self.big_out, None, self.scale).wait()  # warm-up
-        out = []
-        for _ in range(repeats):
-            ev = kern(q, k, v, self.big_out, None, self.scale)
-            ev.wait()
-            out.append((ev.profile.end - ev.profile.start) * 1e-6)
-        return out
+        return event_times(lambda i: kern(q, k, v, self.big_out, None, self.scale), repeats)
 
     def retime(self, configs: list[dict], repeats: int) -> list[list[float]]:
         """Interleaved re-timing (round robin) so drift in clocks or load hits all alike."""

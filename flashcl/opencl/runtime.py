@@ -300,3 +300,18 @@ def launch(handle: DeviceHandle, kernel: cl.Kernel, global_size, local_size, arg
         return cl.enqueue_nd_range_kernel(handle.queue, kernel, global_size, local_size)
     except cl.Error as exc:
         raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
+
+
+def event_times(run, repeats: int, *, warmup: int = 1) -> list[float]:
+    """Milliseconds of ``repeats`` calls of ``run(i)``, from OpenCL profiling events, after
+    ``warmup`` untimed calls (the driver's first-launch cost). ``run`` returns the event of one
+    kernel or the events of a sequence (timed from the first start to the last end)."""
+    def span(evs):
+        evs = evs if isinstance(evs, (list, tuple)) else [evs]
+        evs[-1].wait()
+        return (evs[-1].profile.end - evs[0].profile.start) * 1e-6
+
+    for i in range(warmup):
+        span(run(i))
+    return [span(run(i)) for i in range(repeats)]
+

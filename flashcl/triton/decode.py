@@ -32,12 +32,13 @@ never from context_lens values: the launch path does no host sync and is CUDA-gr
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from . import interpreting
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 
@@ -252,12 +253,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _interpreting() -> bool:
-    """TRITON_INTERPRET=1 (CPU CI). Its tl.dot multiplies bfloat16 operands as their raw uint16 bits
-    (triton 3.9 interpreter create_dot), so there the bf16 dots run on fp32 copies."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # TRITON_INTERPRET on CPU: any small number exercises the split path
@@ -370,7 +365,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
         PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
-        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(),
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:

@@ -33,13 +33,13 @@ the candidate configs come from _TILE_SPACE through the named filter _prune_conf
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import KernelLaunchError
+from . import interpreting
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
 
@@ -298,7 +298,7 @@ def _device_facts(device) -> dict:
 def _tma_ok(*tensors) -> bool:
     """Tensor descriptors need sm_90+, unit last strides, 16-byte aligned bases and strides."""
     t0 = tensors[0]
-    if _interpreting() or t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+    if interpreting() or t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
         return False
     for t in tensors:
         elt = t.element_size()
@@ -332,7 +332,7 @@ def candidate_params(dtype, dk: int, dv: int, n_q: int, device=None, tma_ok: boo
     ``tma_ok`` defaults to whether the device has TMA (aligned contiguous inputs). Under the
     interpreter this is the single interpreter config.
     """
-    if _interpreting():
+    if interpreting():
         return [dict(_INTERPRETER_PARAMS)]
     device = torch.device(device if device is not None else "cuda")
     if tma_ok is None:
@@ -366,10 +366,6 @@ def _bh_bucket(bh: int) -> int:
 
 def _padded_head_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, batch_heads: int,
@@ -409,7 +405,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     )
     # bfloat16 products are exact in float32, so the interpreter's upcast changes no result bit
     # beyond summation order; on GPUs 16-bit dots run on tensor cores with float32 accumulation.
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and q.dtype == torch.bfloat16
     meta = dict(DK=dk, DV=dv, BLOCK_DK=_padded_head_dim(dk), BLOCK_DV=_padded_head_dim(dv),
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
@@ -417,7 +413,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     def grid(META):
         return (triton.cdiv(n_q, META["BLOCK_M"]), b * h_q)
 
-    if params is None and _interpreting():
+    if params is None and interpreting():
         params = _INTERPRETER_PARAMS
     if params is not None and params.get("USE_TMA") and not tma_ok:
         raise ValueError("params['USE_TMA']: tensor descriptors need an sm_90+ GPU and inputs with "

@@ -65,6 +65,12 @@
 #ifndef UNROLL_LOOPS
 #define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
 #endif
+#ifndef FIXED_WG
+/* 1: declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound (.reqntid), and
+ * ptxas then ignores -cl-nv-maxrregcount; the register-cap check (flashcl tune on a GPU standing
+ * in for a smaller register file) builds with 0. */
+#define FIXED_WG 1
+#endif
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
 #define DK4 (HEAD_DK / 4)
@@ -106,7 +112,10 @@
 #define PER_ITEM(n) ((n) + (row > 0x7ffffffe))
 #endif
 
-__kernel __attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
+__kernel
+#if FIXED_WG
+__attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
+#endif
 void flash_prefill(__global const store_t *q, __global const store_t *k,
                    __global const store_t *v, __global store_t *out, __global float *lse,
                    const int n_q, const int n_kv, const int h_q, const int group,
@@ -116,8 +125,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
                    const ulong v_off, const ulong v_sb, const ulong v_sh, const ulong v_sn,
                    const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn)
 {
-    __local float k_tile[BLOCK_N * HEAD_DK];
-    __local float v_tile[BLOCK_N * DV_TILE];
+    __local float k_tile[BLOCK_N * HEAD_DK] LDS_ALIGNED;  /* offsets below are multiples of VEC */
+    __local float v_tile[BLOCK_N * DV_TILE] LDS_ALIGNED;
 
     const int lid = get_local_id(0);
     const int dv_slice = get_group_id(0) % NUM_DV_TILES;
@@ -199,10 +208,10 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             UNROLL
             for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
                 floatV acc_s = sv[jv];
-                acc_s = fma((floatV)(qc.x), VLOADV(jv, kc), acc_s);
-                acc_s = fma((floatV)(qc.y), VLOADV(jv, kc + BLOCK_N), acc_s);
-                acc_s = fma((floatV)(qc.z), VLOADV(jv, kc + 2 * BLOCK_N), acc_s);
-                acc_s = fma((floatV)(qc.w), VLOADV(jv, kc + 3 * BLOCK_N), acc_s);
+                acc_s = fma((floatV)(qc.x), LDS_LOADV(jv, kc), acc_s);
+                acc_s = fma((floatV)(qc.y), LDS_LOADV(jv, kc + BLOCK_N), acc_s);
+                acc_s = fma((floatV)(qc.z), LDS_LOADV(jv, kc + 2 * BLOCK_N), acc_s);
+                acc_s = fma((floatV)(qc.w), LDS_LOADV(jv, kc + 3 * BLOCK_N), acc_s);
                 sv[jv] = acc_s;
             }
         }
@@ -245,7 +254,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             const floatV pj = (floatV)(p[j]);
             UNROLL
             for (int c = 0; c < PER_ITEM(DVV); ++c)
-                acc[c] = fma(pj, VLOADV(c, v_tile + j * DV_TILE), acc[c]);
+                acc[c] = fma(pj, LDS_LOADV(c, v_tile + j * DV_TILE), acc[c]);
         }
         m_i = m_new;
     }

@@ -1,5 +1,6 @@
 /* Width-generic vector helpers: floatV/intV are VEC-wide (4, 8 or 16) float/int vectors.
  *   VLOADV(i, p) / VSTOREV(x, i, p)   vloadN / vstoreN at p[VEC*i ..]
+ *   LDS_LOADV(i, p)                   floatV at p[VEC*i ..] of a VEC-aligned __local float array
  *   IOTA_V                            (0, 1, ..., VEC-1)
  *   HMAX_V(x) / HSUM_V(x)             horizontal max / sum of a floatV
  */
@@ -12,6 +13,12 @@
 #define intV FLASHCL_CAT(int, VEC)
 #define VLOADV(i, p) FLASHCL_CAT(vload, VEC)((i), (p))
 #define VSTOREV(x, i, p) FLASHCL_CAT(vstore, VEC)((x), (i), (p))
+/* vloadN only promises element alignment, so a compiler may split it into N scalar loads (NVIDIA's
+ * does for local memory: one ld.shared.f32 per FMA instead of one ld.shared.v4 per four). A
+ * vector-typed access says the address is VEC-aligned, which the caller guarantees: the array is
+ * declared LDS_ALIGNED and every offset is a multiple of VEC. */
+#define LDS_LOADV(i, p) (((__local const floatV *)(p))[i])
+#define LDS_ALIGNED __attribute__((aligned(64)))
 
 #define HMAX4(x) fmax(fmax((x).s0, (x).s1), fmax((x).s2, (x).s3))
 #define HSUM4(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))

@@ -177,17 +177,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
         /* every work-item is done reading the previous tile before it is overwritten */
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (int i = lid; i < BLOCK_N * DK4; i += BLOCK_M) {
-            /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as float4
-             * vectors; j varies fastest across work-items, so the local stores do not conflict */
-            const int j = i % BLOCK_N, c = i / BLOCK_N;
-            /* rows past the end are zero, never garbage: p * garbage could be NaN */
-            const float4 x = (n0 + j < n_kv) ? LOAD4(k_base + (ulong)(n0 + j) * k_sn, c) : (float4)(0.0f);
-            k_tile[(4 * c + 0) * BLOCK_N + j] = x.x;
-            k_tile[(4 * c + 1) * BLOCK_N + j] = x.y;
-            k_tile[(4 * c + 2) * BLOCK_N + j] = x.z;
-            k_tile[(4 * c + 3) * BLOCK_N + j] = x.w;
-        }
+        /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as vectors */
+        stage_transposed(k_tile, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, BLOCK_M);
         for (int i = lid; i < BLOCK_N * DV4; i += BLOCK_M) {
             const int j = i / DV4, c = i % DV4;
             const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);

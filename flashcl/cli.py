@@ -206,20 +206,25 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, repeats, as
 # --------------------------------------------------------------------------- tune
 
 def _parse_overrides(items) -> dict:
+    from . import tuning
+
+    names = sorted(tuning.tunable_names("prefill"))
     out = {}
     for item in items:
         name, _, values = item.partition("=")
         name = name.strip().upper()
-        if name not in ("BLOCK_M", "BLOCK_N", "DV_TILE", "VEC", "Q_IN_REGS") or not values:
-            raise click.BadParameter(f"{item!r}: expected NAME=v1,v2,... with NAME one of BLOCK_M, BLOCK_N, "
-                                     f"DV_TILE, VEC, Q_IN_REGS (e.g. --param BLOCK_M=32,64)", param_hint="--param")
+        if name not in names or not values:
+            raise click.BadParameter(f"{item!r}: expected NAME=v1,v2,... with NAME one of {', '.join(names)} "
+                                     f"(e.g. --param BLOCK_M=32,64 or --param VARIANT=tiles)", param_hint="--param")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if name == "VARIANT":
+            out[name] = vals
+            continue
         try:
-            out[name] = [int(v) for v in values.split(",") if v.strip()]
+            out[name] = [int(v) for v in vals]
         except ValueError:
             raise click.BadParameter(f"{item!r}: values must be integers", param_hint="--param") from None
     return out
-
-
 
 
 @main.command()

@@ -25,6 +25,8 @@ class DeviceProfile:
     simd: int = 4           # vector width a work-item computes with (VEC): 4 on GPUs, SIMD lanes on CPUs
     reg_file: int = 0       # 32-bit registers one compute unit (SP/SM/core) shares among the
                             # work-items of a work-group; 0 = the work-group size does not shrink
+    # prefill layouts the tuner sweeps here (tuning.TUNING_SPACE["prefill"]["variants"])
+    prefill_variants: tuple[str, ...] = ("rows", "tiles")
     sources: tuple[str, ...] = field(default=())
     notes: str = ""
 
@@ -114,7 +116,7 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
         notes="128 registers per thread keeps 16 warps per SM"),
     DeviceProfile(
         "cpu", "cpu", regs_hard=4096, regs_budget=4096, local_mem=1024 * 1024, subgroup=8,
-        max_work_group=4096, fp16=False, simd=16,
+        max_work_group=4096, fp16=False, simd=16, prefill_variants=("rows",),
         sources=("PoCL pthread device: local memory is ordinary memory; private arrays live in the "
                  "work-group context, so there is no register cliff",),
         notes="PoCL / CPU drivers"),

@@ -432,8 +432,8 @@ def spill_verdict(info: dict, model: dict, params: dict, target: Target) -> tupl
     if target.profile.vendor in ("qualcomm", "nvidia") and info.get("private_mem", 0) > 0:
         return True, f"CL_KERNEL_PRIVATE_MEM_SIZE {info['private_mem']} B"
     kwg = info.get("kernel_max_work_group")
-    if kwg is not None and kwg < params["BLOCK_M"]:
-        return True, f"kernel work-group {kwg} < BLOCK_M"
+    if kwg is not None and kwg < tuning.work_group_size(KERNEL, params):
+        return True, f"kernel work-group {kwg} < {tuning.work_group_size(KERNEL, params)}"
     return model["spills"], model_text
 
 
@@ -458,8 +458,10 @@ class ConfigResult:
     @property
     def label(self) -> str:
         p = self.params
-        return (f"BLOCK_M={p['BLOCK_M']} BLOCK_N={p['BLOCK_N']} DV_TILE={p['DV_TILE']} VEC={p['VEC']}"
-                f" Q_IN_REGS={p.get('Q_IN_REGS', 1)}")
+        head = f"BLOCK_M={p['BLOCK_M']} BLOCK_N={p['BLOCK_N']} DV_TILE={p['DV_TILE']}"
+        if tuning.variant_of(p) == "tiles":
+            return f"tiles {head} TILE_M={p['TILE_M']} TILE_N={p['TILE_N']} UNROLL_K={p.get('UNROLL_K', 0)}"
+        return f"{head} VEC={p['VEC']} Q_IN_REGS={p.get('Q_IN_REGS', 1)}"
 
 
 def _finish(raw: dict, target: Target, prob, d: int) -> ConfigResult:
@@ -490,8 +492,8 @@ def tile_rank(params: dict, profile: DeviceProfile, d: int):
     barriers), more output columns at a tie, then the largest BLOCK_M that still lets two
     work-groups share a compute unit (one's barrier wait hidden by the other's math)."""
     kwg = profile.kernel_max_work_group(tuning.private_floats(KERNEL, params, d, d))
-    return (params["DV_TILE"] + params["BLOCK_N"], params["DV_TILE"], 2 * params["BLOCK_M"] <= kwg,
-            params["BLOCK_M"])
+    return (params["DV_TILE"] + params["BLOCK_N"], params["DV_TILE"],
+            2 * tuning.work_group_size(KERNEL, params) <= kwg, params["BLOCK_M"])
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -544,14 +546,16 @@ def _shape_text(shape) -> str:
 def plan(target: Target, shape, *, quick: bool = False, overrides: dict | None = None):
     """(configurations to sweep, pruned (params, violations)) for ``target`` and ``shape``."""
     d = shape[4]
-    cands = tuning.candidate_configs(KERNEL, d, d, target.profile.simd, quick=quick, overrides=overrides)
+    cands = tuning.candidate_configs(KERNEL, d, d, target.profile.simd, quick=quick, overrides=overrides,
+                                     variants=target.profile.prefill_variants)
     keep, pruned = [], []
     for p in cands:
         v = tuning.violations(KERNEL, p, d, d, local_mem=target.local_mem, max_work_group=target.max_work_group)
         if target.mode == "modeled" and not v:
             kwg = target.profile.kernel_max_work_group(tuning.private_floats(KERNEL, p, d, d))
-            if p["BLOCK_M"] > kwg:
-                v = [("work_group_fits", f"BLOCK_M={p['BLOCK_M']} exceeds the modeled kernel work-group "
+            wg = tuning.work_group_size(KERNEL, p)
+            if wg > kwg:
+                v = [("work_group_fits", f"a work-group of {wg} exceeds the modeled kernel work-group "
                       f"limit {kwg} at {tuning.private_floats(KERNEL, p, d, d)} registers per work-item")]
         (pruned.append((p, v)) if v else keep.append(p))
     return keep, pruned
@@ -706,6 +710,13 @@ def _fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _layout(p: dict) -> str:
+    """The layout column: "rows v4" (+" q0" when q is re-read), or "tiles 8x2 u4"."""
+    if tuning.variant_of(p) == "tiles":
+        return f"tiles {p['TILE_M']}x{p['TILE_N']} u{p.get('UNROLL_K', 0)}"
+    return f"rows v{p['VEC']}" + ("" if p.get("Q_IN_REGS", 1) else " q0")
+
+
 def format_report(report: Report) -> str:
     t = report.target
     c = report.conditions()
@@ -716,7 +727,7 @@ def format_report(report: Report) -> str:
              "# time: median of OpenCL profiling events (warm-up first; * = re-timed); spill: the "
              "strongest signal present; regs: compiler-reported; model: floats live per work-item"]
     lines = [ln for ln in lines if ln]
-    hdr = (f"{'BLOCK_M':>7} {'BLOCK_N':>7} {'DV_TILE':>7} {'VEC':>3} {'Q_REG':>5}  {'status':6} {'spill':5} "
+    hdr = (f"{'BLOCK_M':>7} {'BLOCK_N':>7} {'DV_TILE':>7} {'layout':>12}  {'status':6} {'spill':5} "
            f"{'signal':34} {'regs':>4} {'model':>5} {'ms':>9} {'GFLOP/s':>8} {'rel err':>8}  ")
     lines.append(hdr)
     for r in report.results:
@@ -729,7 +740,7 @@ def format_report(report: Report) -> str:
         spill = "-" if r.spills is None else ("yes" if r.spills else "no")
         ms = _fmt(r.median_ms, "9.3f") + ("*" if r.retimed else " ")
         lines.append(
-            f"{p['BLOCK_M']:7d} {p['BLOCK_N']:7d} {p['DV_TILE']:7d} {p['VEC']:3d} {p.get('Q_IN_REGS', 1):5d}  "
+            f"{p['BLOCK_M']:7d} {p['BLOCK_N']:7d} {p['DV_TILE']:7d} {_layout(p):>12}  "
             f"{r.status:6} {spill:5} "
             f"{r.signal[:34]:34} {_fmt(r.registers, '4d'):>4} {r.model_floats:5d} {ms:>10} "
             f"{_fmt(r.gflops, '8.1f'):>8} {_fmt(r.rel_err, '8.1e'):>8}  "

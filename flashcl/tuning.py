@@ -27,6 +27,7 @@ Writing (``save_entry``) is a locked read-modify-write through a temporary file 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -90,28 +91,93 @@ _PREFILL_CONSTRAINTS = (
                f"BLOCK_N={p['BLOCK_N']} is above 256 (the score row is unrolled in registers)"),
 )
 
+def _tiles_local_bytes(p: dict, dk: int) -> int:
+    """Q^T, the K^T-then-V buffer, P^T and the row partials of prefill_tiles.cl."""
+    tn = p["BLOCK_N"] // p["TILE_N"]
+    return 4 * (dk * p["BLOCK_M"] + max(dk, p["DV_TILE"]) * p["BLOCK_N"]
+                + p["BLOCK_N"] * (p["BLOCK_M"] + max(p["TILE_M"], 4)) + p["BLOCK_M"] * (tn + 1))
+
+
+def _tiles_dv_split(p: dict, dk: int, dv: int, lim: dict):
+    tn = p["BLOCK_N"] // p["TILE_N"]
+    if p["DV_TILE"] % tn == 0 and (p["DV_TILE"] // tn) % 4 == 0:
+        return None
+    return (f"DV_TILE={p['DV_TILE']} must split into BLOCK_N/TILE_N={tn} column blocks of a multiple "
+            f"of 4 (each work-item owns DV_TILE/{tn} output columns, stored as float4)")
+
+
+_TILES_CONSTRAINTS = (
+    Constraint("micro_tile", "the kernel has 2-, 4- and 8-wide vector paths for its micro-tiles",
+               lambda p, dk, dv, lim: None if p["TILE_M"] in (2, 4, 8) and p["TILE_N"] in (2, 4, 8) else
+               f"TILE_M={p['TILE_M']} and TILE_N={p['TILE_N']} must be 2, 4 or 8"),
+    Constraint("tiles_divide", "the work-items cover the BLOCK_M x BLOCK_N score tile exactly",
+               lambda p, dk, dv, lim: None if p["BLOCK_M"] % p["TILE_M"] == 0 and p["BLOCK_N"] % p["TILE_N"] == 0
+               else f"TILE_M={p['TILE_M']} must divide BLOCK_M={p['BLOCK_M']} and TILE_N={p['TILE_N']} "
+                    f"BLOCK_N={p['BLOCK_N']}"),
+    Constraint("dv_divisible", "the DV_TILE passes must tile the output exactly",
+               lambda p, dk, dv, lim: None if dv % p["DV_TILE"] == 0 else
+               f"DV_TILE={p['DV_TILE']} must divide DV={dv}"),
+    Constraint("dv_split", "the BLOCK_N / TILE_N work-items of a row share the DV slice in float4 columns",
+               _tiles_dv_split),
+    Constraint("local_fits", "Q^T, the K/V buffer and P^T live in local memory",
+               lambda p, dk, dv, lim: None if _tiles_local_bytes(p, dk) <= lim["local_mem"] else
+               f"BLOCK_M={p['BLOCK_M']}, BLOCK_N={p['BLOCK_N']}, DV_TILE={p['DV_TILE']} need "
+               f"{_tiles_local_bytes(p, dk)} bytes of local memory for DK={dk}; the device has {lim['local_mem']}"),
+    Constraint("work_group_fits", "one work-item per TILE_M x TILE_N block: (BLOCK_M/TILE_M)*(BLOCK_N/TILE_N) "
+               "work-items, bounded by the device's max work-group",
+               lambda p, dk, dv, lim: None if work_group_size("prefill", p) <= lim["max_work_group"] else
+               f"a work-group of {work_group_size('prefill', p)} exceeds the device's max {lim['max_work_group']}"),
+    Constraint("unroll_k", "UNROLL_K is an unroll factor of the loops over head dims and keys (0: full)",
+               lambda p, dk, dv, lim: None if p.get("UNROLL_K", 0) in (0, 2, 4, 8, 16) else
+               f"UNROLL_K={p['UNROLL_K']} must be 0, 2, 4, 8 or 16"),
+)
+
 # The tuning space of each kernel as data (CLBlast / kernel_tuner style): the parameters with their
 # candidate values (``values`` for a full sweep, ``quick`` for ``flashcl tune --quick``), the named
 # constraints, the problem the kernel is tuned on, and the metric. A callable value list is
 # evaluated per problem (DV_TILE depends on DV); VEC is derived per device unless listed explicitly.
 TUNING_SPACE = {
     "prefill": {
-        "params": {
-            "BLOCK_M": {"values": (16, 32, 64, 128, 256), "quick": (32, 64, 128),
-                        "meaning": "query rows per work-group = work-group size"},
-            "BLOCK_N": {"values": (8, 16, 32, 64), "quick": (16, 32),
-                        "meaning": "KV rows per local-memory tile (scores kept in registers)"},
-            "DV_TILE": {"values": dv_tile_candidates,
-                        "quick": lambda dv: sorted({dv, dv // 2} & set(dv_tile_candidates(dv))),
-                        "meaning": "output columns accumulated per pass (accumulator in registers)"},
-            "VEC": {"values": "derived: the widest of 4, 8, 16 not above the profile's SIMD width that "
-                              "divides BLOCK_N and DV_TILE", "quick": "derived",
-                    "meaning": "vector width of the score and accumulator arithmetic"},
-            "Q_IN_REGS": {"values": (1, 0), "quick": (1,),
-                          "meaning": "1: the q row stays in registers; 0: q is re-read from cache per KV "
-                                     "tile, freeing DK registers (optional, default 1)"},
+        # Two layouts of the same kernel contract. A configuration of "tiles" carries
+        # "VARIANT": "tiles"; one without VARIANT is "rows".
+        "variants": {
+            "rows": {
+                "source": "prefill.cl",
+                "devices": "every device (the only layout on CPUs)",
+                "params": {
+                    "BLOCK_M": {"values": (16, 32, 64, 128, 256), "quick": (32, 64, 128),
+                                "meaning": "query rows per work-group = work-group size"},
+                    "BLOCK_N": {"values": (8, 16, 32, 64), "quick": (16, 32),
+                                "meaning": "KV rows per local-memory tile (scores kept in registers)"},
+                    "DV_TILE": {"values": dv_tile_candidates,
+                                "quick": lambda dv: sorted({dv, dv // 2} & set(dv_tile_candidates(dv))),
+                                "meaning": "output columns accumulated per pass (accumulator in registers)"},
+                    "VEC": {"values": "derived: the widest of 4, 8, 16 not above the profile's SIMD width "
+                                      "that divides BLOCK_N and DV_TILE", "quick": "derived",
+                            "meaning": "vector width of the score and accumulator arithmetic"},
+                    "Q_IN_REGS": {"values": (1, 0), "quick": (1,),
+                                  "meaning": "1: the q row stays in registers; 0: q is re-read from cache per "
+                                             "KV tile, freeing DK registers (optional, default 1)"},
+                },
+                "constraints": _PREFILL_CONSTRAINTS,
+            },
+            "tiles": {
+                "source": "prefill_tiles.cl",
+                "devices": "GPUs: on PoCL it measured 20-35x slower than rows (1,8/2,512,128 causal: "
+                           "0.8-1.3 against 27 GFLOP/s), so CPU sweeps leave it out",
+                "params": {
+                    "BLOCK_M": {"values": (64, 128), "quick": (64,), "meaning": "query rows per work-group"},
+                    "BLOCK_N": {"values": (16, 32), "quick": (16,), "meaning": "KV rows per local-memory tile"},
+                    "DV_TILE": {"values": dv_tile_candidates, "quick": lambda dv: [dv],
+                                "meaning": "output columns per work-group"},
+                    "TILE_M": {"values": (4, 8), "quick": (8,), "meaning": "query rows per work-item"},
+                    "TILE_N": {"values": (2, 8), "quick": (2,), "meaning": "keys per work-item"},
+                    "UNROLL_K": {"values": (4, 8), "quick": (4,),
+                                 "meaning": "unroll factor of the loops over head dims and keys (0: full)"},
+                },
+                "constraints": _TILES_CONSTRAINTS,
+            },
         },
-        "constraints": _PREFILL_CONSTRAINTS,
         "problem": "PrefillProblem(B, H_q, H_kv, N_q = N_kv = N, DK = DV = d, causal, dtype); entries are "
                    "keyed by kernel, dtype, DK, DV, causal and the power-of-two bucket of N",
         "metric": "median kernel time over >= 5 runs (OpenCL profiling events), lower is better; "
@@ -120,6 +186,23 @@ TUNING_SPACE = {
                        "(B=1, H_q=2, H_kv=1, N=261: crosses every tile edge) within the dtype's tolerance",
     },
 }
+
+# The parameters a configuration of each layout must set, and may set.
+_REQUIRED = {"rows": ("BLOCK_M", "BLOCK_N", "DV_TILE", "VEC"),
+             "tiles": ("BLOCK_M", "BLOCK_N", "DV_TILE", "TILE_M", "TILE_N")}
+_OPTIONAL = {"rows": ("Q_IN_REGS", "VARIANT"), "tiles": ("UNROLL_K", "VARIANT")}
+
+
+def variant_of(params: dict) -> str:
+    return params.get("VARIANT", "rows") if isinstance(params, dict) else "rows"
+
+
+def tunable_names(kernel: str) -> set[str]:
+    """Every parameter name of every layout of ``kernel`` (for --param), plus VARIANT."""
+    names = {"VARIANT"}
+    for spec in TUNING_SPACE[kernel]["variants"].values():
+        names |= set(spec["params"])
+    return names
 
 
 def widest_vec(block_n: int, dv_tile: int, simd: int) -> int:
@@ -132,31 +215,42 @@ def _values(spec, dv: int):
 
 
 def candidate_configs(kernel: str, dk: int, dv: int, simd: int = 4, *, quick: bool = False,
-                      overrides: dict | None = None) -> list[dict]:
-    """Every combination of the space's candidate values (``overrides`` replaces a parameter's
-    list, e.g. ``{"BLOCK_M": [64]}``); VEC is derived from ``simd`` unless overridden. Not yet
-    filtered by the constraints: see ``check_params``."""
-    space = TUNING_SPACE[kernel]["params"]
+                      overrides: dict | None = None, variants=None) -> list[dict]:
+    """Every combination of the space's candidate values, for each layout in ``variants`` (default
+    all; ``overrides["VARIANT"]`` narrows them). ``overrides`` replaces a parameter's list, e.g.
+    ``{"BLOCK_M": [64]}``, in every layout that has it; VEC is derived from ``simd`` unless
+    overridden. Not yet filtered by the constraints: see ``check_params``."""
+    spaces = TUNING_SPACE[kernel]["variants"]
     which = "quick" if quick else "values"
     overrides = overrides or {}
-    vals = {p: list(overrides[p]) if p in overrides else _values(space[p][which], dv)
-            for p in ("BLOCK_M", "BLOCK_N", "DV_TILE")}
+    chosen = [v for v in (variants or spaces) if v in spaces]
+    if "VARIANT" in overrides:
+        chosen = [v for v in chosen if v in overrides["VARIANT"]]
     out = []
-    for bm in vals["BLOCK_M"]:
-        for bn in vals["BLOCK_N"]:
-            for t in vals["DV_TILE"]:
-                vecs = overrides.get("VEC")
-                if vecs is None:
-                    try:
-                        vecs = [widest_vec(bn, t, simd)]
-                    except ValueError:   # nothing divides: keep it so the constraint says why
-                        vecs = [4]
-                for vec in vecs:
-                    for q_in_regs in overrides.get("Q_IN_REGS", space["Q_IN_REGS"][which]):
-                        p = {"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": vec}
-                        if not q_in_regs:
-                            p["Q_IN_REGS"] = 0
-                        out.append(p)
+    for variant in chosen:
+        space = spaces[variant]["params"]
+        vals = {p: list(overrides[p]) if p in overrides else _values(space[p][which], dv)
+                for p in space if not isinstance(space[p][which], str)}
+        if variant == "rows":
+            for bm in vals["BLOCK_M"]:
+                for bn in vals["BLOCK_N"]:
+                    for t in vals["DV_TILE"]:
+                        vecs = overrides.get("VEC")
+                        if vecs is None:
+                            try:
+                                vecs = [widest_vec(bn, t, simd)]
+                            except ValueError:   # nothing divides: keep it so the constraint says why
+                                vecs = [4]
+                        for vec in vecs:
+                            for q_in_regs in vals["Q_IN_REGS"]:
+                                p = {"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": vec}
+                                if not q_in_regs:
+                                    p["Q_IN_REGS"] = 0
+                                out.append(p)
+        else:
+            names = list(vals)
+            for combo in itertools.product(*(vals[n] for n in names)):
+                out.append({"VARIANT": variant, **dict(zip(names, combo))})
     return out
 
 
@@ -171,12 +265,30 @@ def private_floats(kernel: str, params: dict, dk: int, dv: int) -> int:
     116 (fitted and checked on the same builds). Half storage does not change it: the kernel
     computes in float32.
     """
+    if variant_of(params) == "tiles":
+        # scores (reused for P) TILE_M x TILE_N, the accumulator TILE_M x DV_TILE/(BLOCK_N/TILE_N),
+        # m and l per row, one q and one k operand vector, and 60 scalars (indices, addresses and
+        # in-flight local loads). The 60 is fitted to ptxas on the H100 (2026-11-21, UNROLL_K 4/8):
+        # 167-168 registers at 8x2 with 8 columns (model 166), 237-245 at 4x8 with 32 (model 240).
+        tm, tn = params["TILE_M"], params["TILE_N"]
+        rd = params["DV_TILE"] // max(1, params["BLOCK_N"] // tn)
+        return tm * tn + tm * rd + 2 * tm + tm + tn + 60
     q = dk if params.get("Q_IN_REGS", 1) else 4
     return q + params["DV_TILE"] + params["BLOCK_N"] + 48
 
 
 def local_bytes(kernel: str, params: dict, dk: int, dv: int) -> int:
+    if variant_of(params) == "tiles":
+        return _tiles_local_bytes(params, dk)
     return _prefill_local_bytes(params, dk)
+
+
+def work_group_size(kernel: str, params: dict) -> int:
+    """Work-items per work-group: BLOCK_M for the row layout (one query row each); for the
+    micro-tiled layout one work-item per TILE_M x TILE_N block of the BLOCK_M x BLOCK_N scores."""
+    if params.get("VARIANT", "rows") == "tiles":
+        return (params["BLOCK_M"] // params["TILE_M"]) * (params["BLOCK_N"] // params["TILE_N"])
+    return params["BLOCK_M"]
 
 
 def spill_model(kernel: str, params: dict, dk: int, dv: int, profile: DeviceProfile) -> dict:
@@ -196,24 +308,29 @@ def check_params(kernel: str, params: dict, dk: int, dv: int, *, local_mem: int,
 def violations(kernel: str, params: dict, dk: int, dv: int, *, local_mem: int,
                max_work_group: int) -> list[tuple[str, str]]:
     """(constraint name, sentence) for every violated constraint of ``kernel``."""
-    need = ("BLOCK_M", "BLOCK_N", "DV_TILE", "VEC")
-    optional = ("Q_IN_REGS",)
     if not isinstance(params, dict):
         return [("well_formed", f"params must be a dict, got {type(params).__name__}")]
+    variant = params.get("VARIANT", "rows")
+    spaces = TUNING_SPACE[kernel]["variants"]
+    if not isinstance(variant, str) or variant not in spaces:
+        return [("well_formed", f"VARIANT={variant!r} must be one of {sorted(spaces)}")]
+    need, optional = _REQUIRED[variant], _OPTIONAL[variant]
     missing = [p for p in need if p not in params]
     unknown = [p for p in params if p not in need + optional]
     if missing or unknown:
-        return [("well_formed", f"params must set {need} (optionally {optional}); "
+        return [("well_formed", f"params of the {variant!r} layout must set {need} (optionally {optional}); "
                                 f"missing {missing}, unknown {unknown}")]
     if params.get("Q_IN_REGS", 1) not in (0, 1) or isinstance(params.get("Q_IN_REGS"), bool):
         return [("well_formed", f"Q_IN_REGS={params['Q_IN_REGS']!r} must be 0 or 1")]
-    bad = [("well_formed", f"{p}={params[p]!r} must be a positive int") for p in need
-           if isinstance(params[p], bool) or not isinstance(params[p], int) or params[p] < 1]
+    ints = need + tuple(p for p in ("UNROLL_K",) if p in params)
+    bad = [("well_formed", f"{p}={params[p]!r} must be a positive int") for p in ints
+           if isinstance(params[p], bool) or not isinstance(params[p], int)
+           or params[p] < (0 if p == "UNROLL_K" else 1)]
     if bad:
         return bad
     limits = {"local_mem": local_mem, "max_work_group": max_work_group}
     out = []
-    for c in TUNING_SPACE[kernel]["constraints"]:
+    for c in spaces[variant]["constraints"]:
         msg = c.check(params, dk, dv, limits)
         if msg:
             out.append((c.name, msg))

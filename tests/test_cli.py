@@ -81,7 +81,7 @@ def test_isolated_quick_tune_table(cpu_device, tuning_dir):
     assert r.exit_code == 0, r.output
     out = r.stdout
     assert out.startswith("# measured on")
-    assert "BLOCK_M BLOCK_N DV_TILE VEC" in out and "# fastest:" in out and "<- winner" in out
+    assert "BLOCK_M BLOCK_N DV_TILE       layout" in out and "# fastest:" in out and "<- winner" in out
     assert "*" in out  # the top two were re-timed
 
 

@@ -109,6 +109,17 @@ PREFILL_CASES = [
     # the largest work-group of the tuning space, MQA, N_kv = 1
     P("m256-mqa-nkv1-f32", h_q=3, n_q=9, n_kv=1, dk=16, dv=16, causal=False, dtype="float32",
       BLOCK_M=256, BLOCK_N=4, DV_TILE=16, VEC=4),
+    # micro-tiled layout: K^T and V share one local buffer (overwritten between two barriers),
+    # P^T and the row partials are written and read across work-items. Smallest tiles, causal
+    # with rows that see no key, DK != DV, two DV passes
+    P("tiles-2x2-causal-nq-gt-nkv-f32", n_q=12, n_kv=7, dk=16, dv=32, causal=True, dtype="float32",
+      VARIANT="tiles", BLOCK_M=4, BLOCK_N=4, DV_TILE=16, TILE_M=2, TILE_N=2),
+    # 8x8 micro-tiles, work-group of 2 x 8 = 16, partial tiles on both axes, fp16, GQA, unroll 2
+    P("tiles-8x8-partial-f16", h_q=4, h_kv=2, n_q=21, n_kv=70, causal=False, dtype="float16",
+      VARIANT="tiles", BLOCK_M=16, BLOCK_N=64, DV_TILE=32, TILE_M=8, TILE_N=8, UNROLL_K=2),
+    # the H100 winner's shape of tile: 8x2, a work-group of 64 (wider than a warp), chunked causal
+    P("tiles-8x2-wg64-causal-f32", n_q=70, n_kv=90, causal=True, dtype="float32",
+      VARIANT="tiles", BLOCK_M=64, BLOCK_N=16, DV_TILE=32, TILE_M=8, TILE_N=2, UNROLL_K=4),
 ]
 
 

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from flashcl import reference
+from flashcl import reference, tuning
 from flashcl.opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from flashcl.opencl.runtime import get_device
 
@@ -106,6 +106,33 @@ def test_tile_parameters_d128(cl_device, params, causal):
 def test_tile_parameters_d80(cl_device, params):
     rng = np.random.default_rng(2)
     check(cl_device, *_inputs(rng, 2, 3, 1, 33, 71, 80, 80, "float16"), True, params)
+
+
+# The micro-tiled layout (clkernels/prefill_tiles.cl): every micro-tile width, DV passes (DV_TILE
+# < DV), DK != DV, fp16, work-groups from one warp to several, full and partial unrolls.
+TILED = [
+    dict(VARIANT="tiles", BLOCK_M=8, BLOCK_N=8, DV_TILE=32, TILE_M=2, TILE_N=2),
+    dict(VARIANT="tiles", BLOCK_M=64, BLOCK_N=16, DV_TILE=64, TILE_M=8, TILE_N=2, UNROLL_K=4),
+    dict(VARIANT="tiles", BLOCK_M=32, BLOCK_N=32, DV_TILE=32, TILE_M=4, TILE_N=4, UNROLL_K=8),
+    dict(VARIANT="tiles", BLOCK_M=128, BLOCK_N=16, DV_TILE=64, TILE_M=4, TILE_N=8),
+    dict(VARIANT="tiles", BLOCK_M=16, BLOCK_N=64, DV_TILE=64, TILE_M=8, TILE_N=8, UNROLL_K=2),
+]
+TILED_PROBLEMS = [  # (B, H_q, H_kv, N_q, N_kv, DK, DV, dtype)
+    (1, 4, 1, 1, 37, 64, 64, "float32"), (2, 2, 2, 65, 65, 64, 64, "float16"),
+    (1, 4, 2, 33, 100, 128, 64, "float32"), (1, 2, 1, 40, 11, 32, 32, "float32"),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("params", TILED, ids=lambda p: "M{BLOCK_M}N{BLOCK_N}T{DV_TILE}_{TILE_M}x{TILE_N}".format(**p))
+def test_tiled_layout(cl_device, params, causal):
+    h = get_device(cl_device)
+    rng = np.random.default_rng(5)
+    for b, h_q, h_kv, n_q, n_kv, dk, dv, dtype in TILED_PROBLEMS:
+        if tuning.check_params("prefill", params, dk, dv, local_mem=h.local_mem, max_work_group=h.max_work_group):
+            continue  # DV_TILE not a divisor of this DV, or over this device's limits
+        check(cl_device, *_inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype), causal, params,
+              what=f"tiles N={n_q}x{n_kv}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -46,14 +46,40 @@ def test_profiles_have_sources_and_adreno_facts():
 
 def test_space_is_data_with_reasons():
     space = tuning.TUNING_SPACE["prefill"]
-    assert {"params", "constraints", "problem", "metric"} <= space.keys()
-    assert all(c.reason and c.name for c in space["constraints"])
-    cands = tuning.candidate_configs("prefill", 128, 128, 4)
+    assert {"variants", "problem", "metric"} <= space.keys()
+    for variant in space["variants"].values():
+        assert {"params", "constraints", "source", "devices"} <= variant.keys()
+        assert all(c.reason and c.name for c in variant["constraints"])
+    cands = tuning.candidate_configs("prefill", 128, 128, 4, variants=("rows",))
     assert len(cands) == 5 * 4 * 4 * 2  # BLOCK_M x BLOCK_N x DV_TILE (16, 32, 64, 128) x Q_IN_REGS
-    quick = tuning.candidate_configs("prefill", 64, 64, 16, quick=True)
+    tiles = tuning.candidate_configs("prefill", 128, 128, 4, variants=("tiles",))
+    assert len(tiles) == 2 * 2 * 4 * 2 * 2 * 2 and all(p["VARIANT"] == "tiles" for p in tiles)
+    assert len(tuning.candidate_configs("prefill", 128, 128, 4)) == len(cands) + len(tiles)
+    quick = tuning.candidate_configs("prefill", 64, 64, 16, quick=True, variants=("rows",))
     assert 0 < len(quick) <= 12
     only = tuning.candidate_configs("prefill", 64, 64, 4, overrides={"BLOCK_M": [32], "DV_TILE": [64]})
     assert {p["BLOCK_M"] for p in only} == {32} and {p["DV_TILE"] for p in only} == {64}
+    just_tiles = tuning.candidate_configs("prefill", 64, 64, 4, overrides={"VARIANT": ["tiles"]})
+    assert just_tiles and {tuning.variant_of(p) for p in just_tiles} == {"tiles"}
+
+
+def test_tiles_constraints_and_model():
+    good = {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "TILE_M": 8, "TILE_N": 2,
+            "UNROLL_K": 4}
+    assert tuning.violations("prefill", good, 64, 64, local_mem=48 * 1024, max_work_group=1024) == []
+    assert tuning.work_group_size("prefill", good) == 8 * 8
+    # the model was checked against ptxas at this point: 167 registers
+    assert abs(tuning.private_floats("prefill", good, 64, 64) - 167) <= 8
+    bad = dict(good, DV_TILE=48, TILE_N=3, UNROLL_K=5)
+    names = {n for n, _ in tuning.violations("prefill", bad, 64, 96, local_mem=48 * 1024, max_work_group=1024)}
+    assert {"micro_tile", "unroll_k"} <= names
+    big = dict(good, BLOCK_M=128, BLOCK_N=32)
+    assert {n for n, _ in tuning.violations("prefill", big, 256, 256, local_mem=32 * 1024,
+                                            max_work_group=1024)} == {"local_fits"}
+    assert tuning.violations("prefill", dict(good, VARIANT="nope"), 64, 64, local_mem=1 << 16,
+                             max_work_group=1024)[0][0] == "well_formed"
+    assert tuning.violations("prefill", dict(good, VEC=4), 64, 64, local_mem=1 << 16,
+                             max_work_group=1024)[0][0] == "well_formed"
 
 
 def test_violations_name_the_constraint():

@@ -48,7 +48,8 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
         return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
                                    max_work_group=handle.max_work_group)
 
-    if params is not None and "VEC" not in params and {"BLOCK_N", "DV_TILE"} <= params.keys():
+    if (params is not None and params.get("VARIANT", "rows") == "rows" and "VEC" not in params
+            and {"BLOCK_N", "DV_TILE"} <= params.keys()):
         params = dict(params, VEC=tuning.widest_vec(params["BLOCK_N"], params["DV_TILE"], 4))
     return tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
@@ -59,35 +60,47 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
 
 
 class PrefillKernel:
-    """The prefill kernel built for one problem class and parameter set on one device."""
+    """The prefill kernel built for one problem class and parameter set on one device.
+
+    Two layouts (``params["VARIANT"]``): "rows" (clkernels/prefill.cl, the default: one query
+    row per work-item, work-group = BLOCK_M) and "tiles" (clkernels/prefill_tiles.cl: TILE_M x
+    TILE_N micro-tiles per work-item, work-group = (BLOCK_M / TILE_M) x (BLOCK_N / TILE_N))."""
 
     def __init__(self, handle: DeviceHandle, prob: PrefillProblem, params: dict, *,
                  write_lse: bool = True, verbose: bool = False, extra_options=()):
         self.handle, self.prob, self.params = handle, prob, dict(params)
+        self.variant = params.get("VARIANT", "rows")
         self.defines = {
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
             "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
             "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
-            "VEC": params["VEC"], "Q_IN_REGS": params.get("Q_IN_REGS", 1),
             "UNROLL_LOOPS": not handle.is_cpu,
         }
-        self.built = build(handle, "prefill.cl", self.defines, kernel=KERNEL, verbose=verbose,
+        if self.variant == "tiles":
+            self.defines.update(TILE_M=params["TILE_M"], TILE_N=params["TILE_N"],
+                                UNROLL_K=params.get("UNROLL_K", 0))
+            source, entry = "prefill_tiles.cl", "flash_prefill_tiles"
+        else:
+            self.defines.update(VEC=params["VEC"], Q_IN_REGS=params.get("Q_IN_REGS", 1))
+            source, entry = "prefill.cl", "flash_prefill"
+        self.work_group = tuning.work_group_size(KERNEL, params)
+        self.built = build(handle, source, self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
-        self.kernel = self.built.kernel("flash_prefill")
+        self.kernel = self.built.kernel(entry)
         kwg = int(self.kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, handle.device))
-        if kwg < params["BLOCK_M"]:
-            raise ValueError(f"params: BLOCK_M={params['BLOCK_M']} exceeds this kernel's max work-group "
-                             f"size {kwg} on {handle.name} (too many registers per work-item); "
-                             f"use a smaller BLOCK_M or DV_TILE")
+        if kwg < self.work_group:
+            raise ValueError(f"params: a work-group of {self.work_group} exceeds this kernel's max "
+                             f"work-group size {kwg} on {handle.name} (too many registers per "
+                             f"work-item); use smaller tiles")
 
     def spills(self) -> dict:
         return spill_report(self.built, self.kernel, self.handle)
 
     def grid(self) -> tuple[tuple, tuple]:
-        p, bm = self.prob, self.params["BLOCK_M"]
-        num_m = -(-p.n_q // bm)
+        p, wg = self.prob, self.work_group
+        num_m = -(-p.n_q // self.params["BLOCK_M"])
         num_dv = p.dv // self.params["DV_TILE"]
-        return (num_m * num_dv * bm, p.h_q, p.b), (bm, 1, 1)
+        return (num_m * num_dv * wg, p.h_q, p.b), (wg, 1, 1)
 
     def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
         """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""

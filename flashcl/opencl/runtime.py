@@ -254,7 +254,10 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
         return cached
     program = cl.Program(handle.context, text)
     try:
-        program.build(options=options, devices=[handle.device])
+        # A verbose build is one whose compiler report we read (ptxas registers and spills). A
+        # binary from PyOpenCL's on-disk cache comes without that log (flashcl tune on the H100
+        # then fell back to the register model), so verbose builds skip that cache.
+        program.build(options=options, devices=[handle.device], cache_dir=False if verbose else None)
     except cl.RuntimeError as exc:
         try:
             log = program.get_build_info(handle.device, cl.program_build_info.LOG)

@@ -1,0 +1,319 @@
+/* flashcl prefill, micro-tiled: exact flash attention where every work-item owns a TILE_M x
+ * TILE_N block of the score tile and a TILE_M x (DV_TILE / TN) block of the output.
+ *
+ *   out[b, h, i, :] = softmax_j(scale * q[b, h, i, :] . k[b, h / G, j, :]) @ v[b, h / G, :, :]
+ *
+ * Same contract as prefill.cl (bottom-right causal, GQA, DK != DV, float32 or half storage,
+ * online softmax in exp2, a row that sees no key gives zeros and lse = -inf); same buffers,
+ * arguments and grid, except that a work-group is TM x TN work-items.
+ *
+ * Why a second kernel. In prefill.cl each work-item owns one query row: every K or V value it
+ * reads from local memory feeds one FMA. Local memory returns 128 bytes per clock per SM on
+ * NVIDIA GPUs, 32 floats, so that layout tops out near 32 FMAs per clock per SM, a quarter of the
+ * FP32 peak; on an H100 it reaches 24%, with float4 or scalar loads alike. Here a work-item
+ * multiplies a TILE_M-row slice of Q by a TILE_N-key slice of K: TILE_M + TILE_N loads feed
+ * TILE_M * TILE_N FMAs (8x2: 1.6 per load; the P V product reuses more), the register blocking
+ * of a GEMM, with far fewer registers per work-item than a whole q row plus a DV slice (what
+ * small register files want). Measured on the H100, fp32 (1, 32/8, 2048) causal, tuned:
+ * d=64 17.1 TFLOP/s against 14.6 for prefill.cl, d=128 14.4 against 12.0. CPU drivers (PoCL)
+ * run it 20-35x slower than prefill.cl: the tuner leaves it out there.
+ *
+ *   work-item (ty, tx), ty < TM, tx < TN:   rows  ty*TILE_M .. +TILE_M      of the query block
+ *                                           keys  tx*TILE_N .. +TILE_N      of the KV tile
+ *                                           cols  tx*RD     .. +RD          of the DV slice
+ *   BLOCK_M = TM * TILE_M,  BLOCK_N = TN * TILE_N,  DV_TILE = TN * RD
+ *
+ * Local memory (floats): Q^T [DK][BLOCK_M] (loaded once, pre-scaled), one buffer holding K^T
+ * [DK][BLOCK_N] and then V [BLOCK_N][DV_TILE], P^T [BLOCK_N][BLOCK_M + max(TILE_M, 4)] and the
+ * row-max partials [BLOCK_M][TN + 1]. Per KV tile: load K -> S = Q K^T (registers) -> per-row
+ * max over the TN work-items sharing a row (local memory) -> load V over K, P = exp2(S - m) to
+ * local memory -> O = O * alpha + P V. The running
+ * row sum l is kept per work-item over its own keys (every work-item of a row rescales by the
+ * same alpha) and summed across the row once at the end.
+ */
+
+/* ---- tunables ------------------------------------------------------------------------------ */
+#ifndef BLOCK_M
+#define BLOCK_M 64        // query rows per work-group
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 32        // KV rows per local-memory tile
+#endif
+#ifndef DV_TILE
+#define DV_TILE HEAD_DV   // output columns per work-group (HEAD_DV: one pass)
+#endif
+#ifndef TILE_M
+#define TILE_M 4          // query rows per work-item (2, 4 or 8)
+#endif
+#ifndef TILE_N
+#define TILE_N 4          // keys per work-item (2, 4 or 8)
+#endif
+
+/* ---- problem constants set by the host ------------------------------------------------------ */
+#ifndef HEAD_DK
+#error "HEAD_DK (query/key head dim) must be defined by the host"
+#endif
+#ifndef HEAD_DV
+#error "HEAD_DV (value head dim) must be defined by the host"
+#endif
+#ifndef STORE_HALF
+#define STORE_HALF 0
+#endif
+#ifndef IS_CAUSAL
+#define IS_CAUSAL 0
+#endif
+#ifndef WRITE_LSE
+#define WRITE_LSE 0
+#endif
+#ifndef UNROLL_LOOPS
+#define UNROLL_LOOPS 1
+#endif
+#ifndef FIXED_WG
+#define FIXED_WG 1        // 0: no reqd_work_group_size (see prefill.cl)
+#endif
+
+/* ---- derived constants and impossible combinations ------------------------------------------ */
+#define TM (BLOCK_M / TILE_M)             // work-items along the query rows
+#define TN (BLOCK_N / TILE_N)             // work-items along the keys (and the DV slice)
+#define WG (TM * TN)
+#define RD (DV_TILE / TN)                 // output columns per work-item
+#define DV4 (DV_TILE / 4)
+#define NUM_DV_TILES (HEAD_DV / DV_TILE)
+#define P_STRIDE (BLOCK_M + (TILE_M > 4 ? TILE_M : 4))  // padded (P^T rows of different keys start in
+                                  // different banks), still a multiple of TILE_M
+#define R_STRIDE (TN + 1)                 // padded row-max partials
+#define KV_FLOATS (HEAD_DK > DV_TILE ? HEAD_DK * BLOCK_N : DV_TILE * BLOCK_N)
+
+#if HEAD_DK % 4 != 0 || HEAD_DV % 4 != 0
+#error "head dims must be multiples of 4"
+#endif
+#if (TILE_M != 2 && TILE_M != 4 && TILE_M != 8) || (TILE_N != 2 && TILE_N != 4 && TILE_N != 8)
+#error "TILE_M and TILE_N must be 2, 4 or 8"
+#endif
+#if BLOCK_M % TILE_M != 0 || BLOCK_N % TILE_N != 0
+#error "TILE_M must divide BLOCK_M and TILE_N must divide BLOCK_N"
+#endif
+#if HEAD_DV % DV_TILE != 0 || DV_TILE % TN != 0 || RD % 4 != 0
+#error "DV_TILE must divide HEAD_DV and split into TN column blocks of a multiple of 4"
+#endif
+
+#include "storage.h"
+
+#define FLASHCL_CAT_(a, b) a##b
+#define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
+#define floatTM FLASHCL_CAT(float, TILE_M)
+#define floatTN FLASHCL_CAT(float, TILE_N)
+#define vstoreTM FLASHCL_CAT(vstore, TILE_M)
+#define vstoreTN FLASHCL_CAT(vstore, TILE_N)
+
+#ifndef UNROLL_K
+#define UNROLL_K 0        // unroll factor of the loops over head dims and keys (0: full)
+#endif
+#define FLASHCL_PRAGMA(x) _Pragma(#x)
+#if UNROLL_LOOPS
+#define UNROLL _Pragma("unroll")
+#if UNROLL_K
+#define UNROLL_OUTER FLASHCL_PRAGMA(unroll UNROLL_K)
+#else
+#define UNROLL_OUTER _Pragma("unroll")
+#endif
+#else
+#define UNROLL
+#define UNROLL_OUTER
+#endif
+
+/* vector-typed local loads: the arrays are 64-byte aligned and every offset below is a multiple
+ * of the vector width, so these are single wide loads (vloadN only promises element alignment) */
+#define LDS_ALIGNED __attribute__((aligned(64)))
+#define LDS_TM(p) (*(__local const floatTM *)(p))
+#define LDS_TN(p) (*(__local const floatTN *)(p))
+#define LDS_4(p) (*(__local const float4 *)(p))
+
+__kernel
+#if FIXED_WG
+__attribute__((reqd_work_group_size(WG, 1, 1)))
+#endif
+void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
+                         __global const store_t *v, __global store_t *out, __global float *lse,
+                         const int n_q, const int n_kv, const int h_q, const int group,
+                         const float scale_log2,
+                         const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
+                         const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
+                         const ulong v_off, const ulong v_sb, const ulong v_sh, const ulong v_sn,
+                         const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn)
+{
+    __local float q_t[HEAD_DK * BLOCK_M] LDS_ALIGNED;    /* Q^T, pre-scaled: q_t[d][row] */
+    /* K^T of the tile (k_t[d][key]) until the scores are computed, then its V slice
+     * (v_s[key][col]): one buffer, so that larger tiles fit in local memory */
+    __local float kv[KV_FLOATS] LDS_ALIGNED;
+    __local float *k_t = kv, *v_s = kv;
+    __local float p_t[BLOCK_N * P_STRIDE] LDS_ALIGNED;   /* P^T of the tile: p_t[key][row] */
+    __local float row_max[BLOCK_M * R_STRIDE];           /* per-row partial maxima, then sums */
+
+    const int lid = get_local_id(0);
+    const int tx = lid % TN, ty = lid / TN;
+    const int r0 = ty * TILE_M;    /* first row of this work-item within the block */
+    const int j0 = tx * TILE_N;    /* first key within the tile */
+    const int c0 = tx * RD;        /* first column within the DV slice */
+    const int dv_slice = get_group_id(0) % NUM_DV_TILES;
+    const int num_m_blocks = (n_q + BLOCK_M - 1) / BLOCK_M;
+    int m_block = get_group_id(0) / NUM_DV_TILES;
+#if IS_CAUSAL
+    m_block = num_m_blocks - 1 - m_block;  /* longest rows first: shorter tail on the GPU */
+#endif
+    const int head = get_group_id(1);
+    const int batch = get_group_id(2);
+    const int kv_head = head / group;
+    const int row_base = m_block * BLOCK_M;
+    const int dv0 = dv_slice * DV_TILE;
+
+    __global const store_t *q_base = q + q_off + batch * q_sb + head * q_sh;
+    __global const store_t *k_base = k + k_off + batch * k_sb + kv_head * k_sh;
+    __global const store_t *v_base = v + v_off + batch * v_sb + kv_head * v_sh + dv0;
+
+    /* Q^T of the block, pre-scaled; rows past n_q are zero (their results are never stored) */
+    stage_transposed(q_t, q_base, q_sn, row_base, n_q, BLOCK_M, HEAD_DK, scale_log2, lid, WG);
+
+    const int offset = n_kv - n_q;
+    int kv_end = n_kv;
+#if IS_CAUSAL
+    const int last_row = min(row_base + BLOCK_M, n_q) - 1;
+    kv_end = clamp(last_row + offset + 1, 0, n_kv);
+#endif
+
+    float m_i[TILE_M], l_i[TILE_M], acc[TILE_M][RD];
+    UNROLL
+    for (int a = 0; a < TILE_M; ++a) {
+        m_i[a] = -INFINITY;
+        l_i[a] = 0.0f;
+        UNROLL
+        for (int c = 0; c < RD; ++c)
+            acc[a][c] = 0.0f;
+    }
+
+    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+        /* everyone is done with the previous tile's V and P (and Q^T is complete) */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        stage_transposed(k_t, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, WG);
+        /* the K tile is in local memory before anyone reads it */
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* S = Q K^T for this work-item's TILE_M x TILE_N block: an outer product per dim */
+        float s[TILE_M][TILE_N];
+        UNROLL
+        for (int a = 0; a < TILE_M; ++a)
+            UNROLL
+            for (int b = 0; b < TILE_N; ++b)
+                s[a][b] = 0.0f;
+        UNROLL_OUTER
+        for (int d = 0; d < HEAD_DK; ++d) {
+            float qa[TILE_M], kb[TILE_N];
+            vstoreTM(LDS_TM(q_t + d * BLOCK_M + r0), 0, qa);
+            vstoreTN(LDS_TN(k_t + d * BLOCK_N + j0), 0, kb);
+            UNROLL
+            for (int a = 0; a < TILE_M; ++a)
+                UNROLL
+                for (int b = 0; b < TILE_N; ++b)
+                    s[a][b] = fma(qa[a], kb[b], s[a][b]);
+        }
+
+        /* mask the tile edge and the diagonal; this work-item's share of each row's max */
+        UNROLL
+        for (int a = 0; a < TILE_M; ++a) {
+            float mx = -INFINITY;
+            UNROLL
+            for (int b = 0; b < TILE_N; ++b) {
+                const int col = n0 + j0 + b;
+                bool visible = col < n_kv;
+#if IS_CAUSAL
+                visible = visible && col <= row_base + r0 + a + offset;
+#endif
+                s[a][b] = visible ? s[a][b] : -INFINITY;
+                mx = fmax(mx, s[a][b]);
+            }
+            row_max[(r0 + a) * R_STRIDE + tx] = mx;
+        }
+        /* every partial max is written before the rows are reduced, and every work-item is done
+         * with K^T before the V slice overwrites it */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = lid; i < BLOCK_N * DV4; i += WG) {
+            const int j = i / DV4, c = i % DV4;
+            const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
+            *(__local float4 *)(v_s + 4 * i) = x;
+        }
+
+        /* P = exp2(S - m_new); rescale O and l to the new max */
+        float p_col[TILE_N][TILE_M];  /* P^T of this work-item's block */
+        UNROLL
+        for (int a = 0; a < TILE_M; ++a) {
+            float tile_max = -INFINITY;
+            for (int t = 0; t < TN; ++t)
+                tile_max = fmax(tile_max, row_max[(r0 + a) * R_STRIDE + t]);
+            const float m_new = fmax(m_i[a], tile_max);
+            const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* nothing visible yet */
+            const float alpha = exp2(m_i[a] - m_use);
+            float l_add = 0.0f;
+            UNROLL
+            for (int b = 0; b < TILE_N; ++b) {
+                p_col[b][a] = exp2(s[a][b] - m_use);
+                l_add += p_col[b][a];
+            }
+            l_i[a] = l_i[a] * alpha + l_add;
+            UNROLL
+            for (int c = 0; c < RD; ++c)
+                acc[a][c] *= alpha;
+            m_i[a] = m_new;
+        }
+        /* P^T to local memory, one TILE_M-wide vector per key: scalar stores here would hit the
+         * same bank from every work-item of a row of the grid (rows TILE_N * P_STRIDE apart) */
+        UNROLL
+        for (int b = 0; b < TILE_N; ++b)
+            *(__local floatTM *)(p_t + (j0 + b) * P_STRIDE + r0) = FLASHCL_CAT(vload, TILE_M)(0, p_col[b]);
+        /* P and the V slice are complete before the P V product reads them */
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* O += P V for this work-item's TILE_M x RD block */
+        UNROLL_OUTER
+        for (int j = 0; j < BLOCK_N; ++j) {
+            float pa[TILE_M];
+            vstoreTM(LDS_TM(p_t + j * P_STRIDE + r0), 0, pa);
+            UNROLL
+            for (int c4 = 0; c4 < RD / 4; ++c4) {
+                const float4 vv = LDS_4(v_s + j * DV_TILE + c0 + 4 * c4);
+                UNROLL
+                for (int a = 0; a < TILE_M; ++a) {
+                    acc[a][4 * c4 + 0] = fma(pa[a], vv.x, acc[a][4 * c4 + 0]);
+                    acc[a][4 * c4 + 1] = fma(pa[a], vv.y, acc[a][4 * c4 + 1]);
+                    acc[a][4 * c4 + 2] = fma(pa[a], vv.z, acc[a][4 * c4 + 2]);
+                    acc[a][4 * c4 + 3] = fma(pa[a], vv.w, acc[a][4 * c4 + 3]);
+                }
+            }
+        }
+    }
+
+    /* each row's sum l over all its keys: the TN work-items sharing the row add their parts */
+    barrier(CLK_LOCAL_MEM_FENCE);  /* everyone is done reading the last row maxima */
+    UNROLL
+    for (int a = 0; a < TILE_M; ++a)
+        row_max[(r0 + a) * R_STRIDE + tx] = l_i[a];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    UNROLL
+    for (int a = 0; a < TILE_M; ++a) {
+        const int row = row_base + r0 + a;
+        if (row >= n_q)
+            break;
+        float l = 0.0f;
+        for (int t = 0; t < TN; ++t)
+            l += row_max[(r0 + a) * R_STRIDE + t];
+        const float inv_l = (l > 0.0f) ? 1.0f / l : 0.0f;  /* no visible key: zeros, not NaN */
+        __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh + (ulong)row * o_sn + dv0 + c0;
+        UNROLL
+        for (int c4 = 0; c4 < RD / 4; ++c4)
+            STORE4((float4)(acc[a][4 * c4], acc[a][4 * c4 + 1], acc[a][4 * c4 + 2], acc[a][4 * c4 + 3]) * inv_l,
+                   c4, o_row);
+#if WRITE_LSE
+        if (dv_slice == 0 && tx == 0)
+            lse[((ulong)batch * h_q + head) * n_q + row] = (l > 0.0f) ? (m_i[a] + log2(l)) * M_LN2_F : -INFINITY;
+#endif
+    }
+}

@@ -257,13 +257,15 @@ def candidate_configs(kernel: str, dk: int, dv: int, simd: int = 4, *, quick: bo
 def private_floats(kernel: str, params: dict, dk: int, dv: int) -> int:
     """Register model: 32-bit values each work-item keeps live in the prefill inner loop.
 
-    q row (DK, or one float4 chunk when Q_IN_REGS=0) + the DV slice of the accumulator (DV_TILE)
-    + the scores of one KV tile (BLOCK_N) + about 48 scalars: m, l, indices, pointers, loop
-    counters, and the addresses and in-flight values of the unrolled local-memory loads. The 48
-    is fitted to ptxas on an H100 (2026-11-21, 116 prefill builds at d=64/128): with 16 the model
-    called 224-float configurations safe that spilled; with 48 it agrees with ptxas on 112 of
-    116 (fitted and checked on the same builds). Half storage does not change it: the kernel
-    computes in float32.
+    Rows layout: the q row (DK, or one float4 chunk when Q_IN_REGS=0), the DV slice of the
+    accumulator, the scores of one KV tile, and about 40 scalars (m, l, indices, pointers, loop
+    counters). The weights, 1.25 per accumulator column and 0.75 per score, are fitted to ptxas on
+    an H100 (2026-11-21; 148 builds at d=64/128, BLOCK_N 8-64, DV_TILE 16-128, Q_IN_REGS 0/1): the
+    unrolled P V loop keeps V values in flight in proportion to DV_TILE, while scores and
+    probabilities share registers. It agrees with ptxas's spill verdict on 51 of 56 builds capped
+    at Adreno's 192 registers (-cl-nv-maxrregcount=192, FIXED_WG=0) and 87 of 92 at 255; the
+    earlier q + DV_TILE + BLOCK_N + 48 agreed on 48 and 86. Both figures are in-sample. Half
+    storage does not change it: the kernel computes in float32.
     """
     if variant_of(params) == "tiles":
         # scores (reused for P) TILE_M x TILE_N, the accumulator TILE_M x DV_TILE/(BLOCK_N/TILE_N),
@@ -274,7 +276,7 @@ def private_floats(kernel: str, params: dict, dk: int, dv: int) -> int:
         rd = params["DV_TILE"] // max(1, params["BLOCK_N"] // tn)
         return tm * tn + tm * rd + 2 * tm + tm + tn + 60
     q = dk if params.get("Q_IN_REGS", 1) else 4
-    return q + params["DV_TILE"] + params["BLOCK_N"] + 48
+    return q + (5 * params["DV_TILE"] + 3 * params["BLOCK_N"]) // 4 + 40
 
 
 def local_bytes(kernel: str, params: dict, dk: int, dv: int) -> int:

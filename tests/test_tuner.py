@@ -109,7 +109,7 @@ def test_spill_verdict_strongest_signal_first():
     tm = _target("adreno")
     m2 = tuning.spill_model("prefill", params, 128, 128, tm.profile)
     assert tuner.spill_verdict({"spill_stores": 0, "spill_loads": 0}, m2, params, tm) == (
-        True, "model: 336 floats > 192 regs")
+        True, "model: 352 floats > 192 regs")
 
 
 def test_model_mode_plan_prunes_by_profile_limits():

@@ -22,10 +22,14 @@ crosses, and the ragged last tile of a non-causal row, go through the masked loo
 
 Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
 
-Launch order: grid (query blocks, B * H_q); the query blocks of one head run next to each other,
-last block first, so the programs in flight share one head's K/V in L2 and the longest causal rows
-start first. On sm_90+ with 16-byte aligned inputs the autotuner also times configs that move
-tiles with tensor descriptors (TMA); everywhere else the kernel uses plain pointer loads (sm_80+).
+Launch order (a 1-D grid, dispatched in program order): the (batch, query head) pairs are cut into
+sections of HEAD_GROUP heads whose K/V fit in a share of L2 together (head_group()); a section's
+programs run last query block first, the heads of the section interleaved (FlashAttention-3's
+longest-first scheduler with an L2 swizzle). The programs in flight then share a few heads' K/V
+in L2, and the longest causal rows of every head start first, so the short ones fill the tail of
+the launch (HEAD_GROUP = 1 is plain head-by-head order). On sm_90+ with 16-byte aligned inputs the
+autotuner also times configs that move tiles with tensor descriptors (TMA); everywhere else the
+kernel uses plain pointer loads (sm_80+).
 Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, dtypes);
 the candidate configs come from _TILE_SPACE through the named filter _prune_configs.
 """
@@ -47,15 +51,16 @@ LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * l
 # --------------------------------------------------------------------------- kernel
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_dk, offs_dv,
-                 stride_kn, stride_vn, N_KV, causal_shift, qk_scale,
+def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
+                 stride_kn, stride_vn, N_KV, row_last, qk_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
     k_src/v_src: tensor descriptors (USE_TMA: out-of-bounds rows and padded head dims read as 0
-    by the copy engine) or pointer tiles at key 0 (masked loads do the same)."""
+    by the copy engine) or pointer tiles at key 0 (masked loads do the same). MASKED: row i sees
+    the keys j <= row_last[i] (row_last < N_kv folds the causal limit and the ragged end)."""
     offs_kv = start_n + offs_n
     # -- load K (rows past N_kv only exist on the masked path; padded head dims read as 0)
     if MASKED:
@@ -74,10 +79,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d
 
     # -- new running max and probabilities (scale * log2(e) folded into one multiply-add)
     if MASKED:
-        visible = offs_kv[None, :] < N_KV
-        if IS_CAUSAL:
-            visible = visible & (offs_kv[None, :] <= offs_m[:, None] + causal_shift)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        qk = tl.where(offs_kv[None, :] <= row_last[:, None], qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -88,7 +90,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_ij = tl.sum(p, 1)
 
     # -- rescale acc to the new max, then add P @ V
     if USE_TMA:
@@ -102,11 +104,12 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d
     if UPCAST_DOTS:
         p, v = p.to(tl.float32), v.to(tl.float32)
     acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + l_ij  # after the dot, as in Triton's tutorial: shorter live ranges
     return acc, l_i, m_ij
 
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "H_Q", "GQA_GROUP", "N_Q", "N_KV",
-                              "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK"])
+                              "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK", "HEAD_GROUP"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -119,6 +122,7 @@ def _prefill_kernel(
     Q_BUCKET, KV_BUCKET,           # sequence-length buckets: autotune keys only, unused here
     BH_BUCKET,                     # B * H_q bucket (how many programs fill the GPU): autotune key
     TMA_OK,                        # 1 if tensor descriptors may be used: autotune key only
+    HEAD_GROUP,                    # launch order: (batch, head) pairs per L2 section (see above)
     DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,  # head dims padded to powers of two (>= 16)
     IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -130,11 +134,17 @@ def _prefill_kernel(
     tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs every dimension >= 16")
 
-    # Axis 0 (launched fastest) walks the query blocks of one (batch, head) so that the programs in
-    # flight share that head's K/V in L2; it walks them backwards because causal rows near the end
-    # see the most keys, so the long programs start first and the short ones fill the tail.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    off_bh = tl.program_id(1)
+    # Program order: sections of HEAD_GROUP (batch, head) pairs (the last one may be shorter);
+    # inside a section the query blocks go last to first, the section's heads interleaved. Causal
+    # rows near the end see the most keys, so every head's long programs start first and the
+    # short ones fill the tail; the programs in flight read the K/V of one section, kept in L2.
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    first_bh = pid // (HEAD_GROUP * num_m) * HEAD_GROUP
+    heads = tl.minimum(HEAD_GROUP, tl.num_programs(0) // num_m - first_bh)
+    in_section = pid - first_bh * num_m
+    off_bh = first_bh + in_section % heads
+    start_m = num_m - 1 - in_section // heads
     off_b = off_bh // H_Q
     off_h = off_bh % H_Q
     off_hkv = off_h // GQA_GROUP
@@ -177,18 +187,24 @@ def _prefill_kernel(
         hi = N_KV
         full_end = (N_KV // BLOCK_N) * BLOCK_N
 
+    # the last key each row sees: the causal limit, and the end of the keys
+    if IS_CAUSAL:
+        row_last = tl.minimum(offs_m + causal_shift, N_KV - 1)
+    else:
+        row_last = tl.full([BLOCK_M], N_KV - 1, dtype=tl.int32)
+
     # loop 1: tiles every row sees in full
     for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n,
-                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, causal_shift,
-                                     qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, IS_CAUSAL, False,
-                                     DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
+                                     stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV,
+                                     BLOCK_DK, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA)
     # loop 2: tiles crossed by the causal diagonal, or the ragged last tile
     for start_n in range(full_end, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n,
-                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, causal_shift,
-                                     qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, IS_CAUSAL, True,
-                                     DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
+                                     stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV,
+                                     BLOCK_DK, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOTS, USE_TMA)
 
     # -- normalize; a row that saw no key has l = 0, acc = 0: it stores 0 and lse = -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -212,9 +228,12 @@ def _prefill_kernel(
 # --------------------------------------------------------------------------- tuning space
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, maxnreg). BLOCK_M 128 x BLOCK_N 64/128 with
-# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100, with tiles moved by the copy
-# engine (TMA) where the GPU has one (sm_90+); capped at 128 registers, the 2-stage 128 x 64 TMA
-# tile (96 KB shared) fits two programs per SM, so one's softmax overlaps the other's MMAs.
+# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100; on sm_90+ one tile is moved by
+# the copy engine (TMA): capped at 128 registers, the 2-stage 128 x 64 TMA tile (96 KB shared)
+# fits two programs per SM, so one's softmax overlaps the other's MMAs. The other TMA tiles
+# (128 x 128 x 2/3 stages, 128 x 64 x 2/3 stages uncapped, 64 x 64) never won on an H100 sweep of
+# six shapes (2026-11-21: 4-23% behind the best) and only added autotuning noise: the autotuner
+# picked a 405 TFLOP/s tile for (4, 32, 4096, 128) causal where this one gives 470.
 # 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
 # serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
 # (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
@@ -224,10 +243,6 @@ _TILE_SPACE = [
     (128, 64, 8, 3, False, None),
     (128, 64, 8, 2, False, None),
     (64, 64, 4, 3, False, None),
-    (128, 128, 8, 3, True, None),
-    (128, 128, 8, 2, True, None),
-    (128, 64, 8, 3, True, None),
-    (128, 64, 8, 2, True, None),
     (128, 64, 8, 2, True, 128),
     (128, 32, 8, 2, False, None),
     (64, 32, 4, 2, False, None),
@@ -236,8 +251,8 @@ _TILE_SPACE = [
     (32, 16, 8, 2, False, None),
 ]
 _PARAM_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "maxnreg")
-_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s,
-                          maxnreg=mr)
+_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w,
+                          num_stages=s, maxnreg=mr)
             for bm, bn, w, s, tma, mr in _TILE_SPACE]
 # The interpreter (TRITON_INTERPRET=1, CPU CI) runs one small config: nothing to time there.
 _INTERPRETER_PARAMS = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "USE_TMA": False,
@@ -383,11 +398,42 @@ def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, 
 # --------------------------------------------------------------------------- launcher
 
 def _tma_scratch(size: int, alignment: int, stream):
-    """Global scratch Triton asks for at launch to build on-device tensor descriptors."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global scratch Triton asks for at launch to build on-device tensor descriptors. Zeroed:
+    the descriptor builder reads the buffer before it has overwritten every field, and
+    compute-sanitizer's initcheck reported those reads (184,320 on 2026-11-21, all at the
+    make_tensor_descriptor line) although the values read are replaced before use."""
+    return torch.zeros(size, dtype=torch.int8, device="cuda")
 
 
-def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None):
+_L2_SHARE = 0.64  # of L2 for one section's K/V: FlashAttention-3 assumes 32 MB of the H100's 50 MB
+_l2_cache: dict = {}
+
+
+def _l2_bytes(device) -> int:
+    if device.type != "cuda":
+        return 50 * 2**20  # the interpreter: any value works
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _l2_cache:
+        props = torch.cuda.get_device_properties(index)
+        _l2_cache[index] = int(getattr(props, "L2_cache_size", 0)) or 40 * 2**20
+    return _l2_cache[index]
+
+
+def head_group(device, batch_heads: int, gqa_group: int, n_kv: int, dk: int, dv: int, elt: int) -> int:
+    """Launch order: how many (batch, query head) pairs one section of the grid covers.
+
+    The largest power of two of KV heads whose K/V, counted twice (FlashAttention-3's margin for
+    the other data in L2), fit in _L2_SHARE of L2, times the query heads per KV head (those share
+    their K/V anyway); at least 1, at most ``batch_heads``."""
+    kv_head = 2 * max(n_kv, 1) * (dk + dv) * elt
+    fit = max(1, int(_L2_SHARE * _l2_bytes(device)) // kv_head)
+    return max(1, min(batch_heads, (1 << (fit.bit_length() - 1)) * gqa_group))
+
+
+def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None,
+            head_group_override: int | None = None):
+    """Run the kernel; ``params`` forces a config, and
+    ``head_group_override`` replaces head_group()'s launch order (benchmarks compare them)."""
     b, h_q, n_q, dk = q.shape
     h_kv, n_kv, dv = k.shape[1], k.shape[2], v.shape[3]
     if scale < 0:  # keep the kernel's scale >= 0 (see _attend_tile); negation is exact
@@ -397,11 +443,13 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     tma_ok = _tma_ok(q, k, v, out)
     if tma_ok:
         triton.set_allocator(_tma_scratch)
+    group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
+                                              q.element_size())
     args = (
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         scale * LOG2E, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
-        _bh_bucket(b * h_q), int(tma_ok),
+        _bh_bucket(b * h_q), int(tma_ok), max(1, min(int(group), b * h_q)),
     )
     # bfloat16 products are exact in float32, so the interpreter's upcast changes no result bit
     # beyond summation order; on GPUs 16-bit dots run on tensor cores with float32 accumulation.
@@ -410,8 +458,8 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
 
-    def grid(META):
-        return (triton.cdiv(n_q, META["BLOCK_M"]), b * h_q)
+    def grid(META):  # 1-D: the kernel maps program ids to (query block, batch * head) itself
+        return (triton.cdiv(n_q, META["BLOCK_M"]) * b * h_q,)
 
     if params is None and interpreting():
         params = _INTERPRETER_PARAMS

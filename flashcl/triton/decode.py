@@ -17,16 +17,34 @@ Work decomposition (grid = (H_kv, B, splits))::
 
     program (b, h_kv, s):  Q tile = the GQA group of h_kv, padded to BLOCK_G >= 16 rows for tl.dot
                            KV tokens [s * chunk, (s + 1) * chunk) of sequence b, BLOCK_N at a time
-         tokens ->   | tile 0 | tile 1 | ... |            chunk = ceil(ctx / splits), whole tiles
+         tokens ->   | tile 0 | tile 1 | ... |            chunk = ceil(bound / splits), whole tiles,
+                                                          clipped to the sequence's context_len
          each K/V row is read once for the whole group (GQA/MQA reuse in registers)
 
     splits == 1: the program normalizes and writes out/lse itself (single pass).
-    splits  > 1: it writes the unnormalized state (m, l, acc) in fp32 (log2 domain for m), and
-                 ``_reduce_kernel`` (grid (B * H_q,)) merges the splits exactly. A split that lies
-                 past the sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
+    splits  > 1: it writes the unnormalized state (m, l, acc) in fp32 (log2 domain for m), and the
+                 splits are merged exactly, in one of two ways (see "fused_reduce" below): by the
+                 last split program of each (b, h_kv) to finish (fused), or by ``_reduce_kernel``
+                 (grid (B * H_q,)) launched after the decode kernel. A split that lies past the
+                 sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
 
 The split count is chosen on the host from shapes only (max_blocks * PAGE_SIZE bounds the context),
 never from context_lens values: the launch path does no host sync and is CUDA-graph capturable.
+
+Launch knobs (``_KNOBS``: keys of ``launch_plan``'s / ``_launch``'s ``config``, next to BLOCK_N,
+num_warps and num_stages; benchmarks force them on or off, the op uses the defaults):
+
+    early_pages   (default on) the split partition comes from the context bound, so the first
+                  block-table load does not wait for the context_lens load. Off: chunk =
+                  ceil(context_len / splits), the per-sequence length split evenly.
+    fused_reduce  (default: on for 2..4 splits) the last split program of each (b, h_kv) to finish
+                  merges the partials, counted in an int32 workspace per (device, stream) kept
+                  at zero: no second kernel. A workspace first needed inside a CUDA-graph capture
+                  is zeroed by a memset recorded in the graph.
+    pdl           (default: on for 2..4 splits; sm_90+ only) programmatic dependent launch.
+    merge_stages  software-pipeline depth of the fused merge's loop over the splits (3).
+
+``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
 
 from __future__ import annotations
@@ -37,6 +55,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 from . import interpreting
 
@@ -48,7 +67,7 @@ _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log
 # num_splits and the context bound vary from call to call: no recompilation for their values
 @triton.jit(do_not_specialize=["n_ctx_max", "num_splits"])
 def _decode_kernel(
-    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc,
+    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters,
     qk_scale_log2, n_ctx_max, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
@@ -62,6 +81,9 @@ def _decode_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, HAS_LENS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    # the launch knobs (see _KNOBS)
+    EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
 ):
     tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -69,20 +91,15 @@ def _decode_kernel(
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert((PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "page size must be a power of two")
 
+    if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+
     # the KV heads of one sequence are adjacent in launch order: they read the same pages at the
     # same time (one page holds every head's rows), which keeps DRAM accesses local
     pid_h = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
-
-    if HAS_LENS:
-        n_ctx = tl.load(ContextLens + pid_b)
-    else:
-        n_ctx = n_ctx_max
-    # this split's tokens: ctx cut into num_splits chunks of whole tiles (empty past the end)
-    chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, n_ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -90,6 +107,31 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_g = offs_g < GROUP
     heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
+    bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
+
+    if EARLY_PAGES:
+        # the split partition from the context bound, not the length: the first block-table load
+        # is issued without waiting for the context_lens load (one dependent DRAM round trip less
+        # before the K/V stream starts). Same partition when every sequence has the bound length.
+        chunk = tl.cdiv(tl.cdiv(n_ctx_max, num_splits), BLOCK_N) * BLOCK_N
+        lo = pid_s * chunk
+        if PAGED:
+            page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
+                           other=0)
+        if HAS_LENS:
+            n_ctx = tl.load(ContextLens + pid_b)
+        else:
+            n_ctx = n_ctx_max
+        hi = tl.minimum(lo + chunk, n_ctx)
+    else:
+        if HAS_LENS:
+            n_ctx = tl.load(ContextLens + pid_b)
+        else:
+            n_ctx = n_ctx_max
+        # this split's tokens: ctx cut into num_splits chunks of whole tiles (empty past the end)
+        chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = pid_s * chunk
+        hi = tl.minimum(lo + chunk, n_ctx)
 
     # Q tile: the whole group; padding rows are zeros and are never stored
     q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
@@ -102,15 +144,15 @@ def _decode_kernel(
 
     k_base = K + pid_h.to(tl.int64) * stride_kh
     v_base = V + pid_h.to(tl.int64) * stride_vh
-    bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
 
-    # the block-table entries of the first tile; the loop fetches those of the next tile one
-    # iteration ahead, so the K/V addresses do not wait on a load of the same iteration
-    if PAGED:
+    # the block-table entries of the first tile (already loaded with EARLY_PAGES); the loop fetches
+    # those of the next tile one iteration ahead, so the K/V addresses do not wait on a load of the
+    # same iteration
+    if PAGED and not EARLY_PAGES:
         page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < hi, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         tok = start_n + offs_n
@@ -157,6 +199,24 @@ def _decode_kernel(
         pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
                    + pid_s * stride_pas + offs_dv[None, :] * stride_pad)
         tl.store(pa_ptrs, acc, mask=mask_g[:, None] & (offs_dv[None, :] < DV))
+        if FUSED:
+            # Fused reduce: the last split of (b, h_kv) to arrive merges all of them. Ordering (the
+            # CUTLASS semaphore pattern): a CTA barrier orders every thread's partial stores before
+            # the arrive, a gpu-scope acq_rel atomic by one thread (release: publishes this CTA's
+            # stores; acquire: synchronizes with every earlier arrive, so the merger observes all
+            # the other splits' stores); Triton broadcasts its result through shared memory behind
+            # another barrier, which orders the merger's loads after the acquire (PTX causality is
+            # transitive through bar.sync). The merger puts the counter back to 0: the workspace is
+            # zero between launches (stream order), so CUDA-graph replays need no memset.
+            tl.debug_barrier()
+            cnt_ptr = Counters + pid_b * tl.num_programs(0) + pid_h
+            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+                _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, pid_h * GROUP, num_splits,
+                             stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas, stride_pad,
+                             stride_ob, stride_oh, stride_od, stride_lseb, stride_lseh,
+                             GROUP, BLOCK_GM, DV, BLOCK_DV, MERGE_STAGES)
     else:
         seen = l_i > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
         l_safe = tl.where(seen, l_i, 1.0)
@@ -168,6 +228,46 @@ def _decode_kernel(
         tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
 
 
+@triton.jit
+def _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, head0, num_splits,
+                 stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas, stride_pad,
+                 stride_ob, stride_oh, stride_od, stride_lseb, stride_lseh,
+                 GROUP: tl.constexpr, BLOCK_GM: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 MERGE_STAGES: tl.constexpr):
+    """Exact merge of the num_splits partial states of query heads [head0, head0 + GROUP) of
+    sequence pid_b: an online merge, one split per iteration ([GROUP, DV] fp32 tile), the loads
+    software-pipelined MERGE_STAGES deep (independent of the running state)."""
+    offs_gm = tl.arange(0, BLOCK_GM)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_gm = offs_gm < GROUP
+    mask_a = mask_gm[:, None] & (offs_dv[None, :] < DV)
+    heads = head0 + offs_gm
+    pm_ptrs = PartM + pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh
+    pl_ptrs = PartL + pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh
+    pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
+               + offs_dv[None, :] * stride_pad)
+    m = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_GM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_DV], dtype=tl.float32)
+    for s in tl.range(0, num_splits, num_stages=MERGE_STAGES):
+        m_s = tl.load(pm_ptrs + s * stride_pms, mask=mask_gm, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(pl_ptrs + s * stride_pms, mask=mask_gm, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(pa_ptrs + s * stride_pas, mask=mask_a, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: no inf - inf
+        w_old = tl.exp2(m - m_safe)
+        w_s = tl.exp2(m_s - m_safe)
+        l = l * w_old + l_s * w_s
+        acc = acc * w_old[:, None] + a_s * w_s[:, None]
+        m = m_new
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_a)
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_gm)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     PartM, PartL, PartAcc, Out, Lse,
@@ -176,7 +276,7 @@ def _reduce_kernel(
     stride_pab, stride_pah, stride_pas, stride_pad,
     stride_ob, stride_oh, stride_od,
     stride_lseb, stride_lseh,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK_S: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Exact merge of the split states of one (sequence, query head): out = sum_s w_s acc_s /
     sum_s w_s l_s with w_s = exp2(m_s - max m). The split axis is read CHUNK_S at a time, the last
@@ -184,6 +284,9 @@ def _reduce_kernel(
     with bounded registers and one compiled kernel."""
     tl.static_assert(BLOCK_DV >= DV)
     tl.static_assert((CHUNK_S & (CHUNK_S - 1)) == 0)
+    if USE_PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_b = pid // num_heads
     pid_h = pid % num_heads
@@ -294,15 +397,64 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
 # --------------------------------------------------------------------------- the torch op
 
 
+# Launch knobs, keys of the ``config`` dict next to BLOCK_N / num_warps / num_stages. None = chosen
+# by _auto_knobs from the split count; benchmarks force True / False.
+_KNOBS = {
+    # the split partition from the context bound (max_blocks * page_size), not context_lens: the
+    # first block-table load is issued without waiting for the length
+    "early_pages": True,
+    # the last split program of each (b, h_kv) to finish merges the partials itself (no
+    # _reduce_kernel launch); arrival counters in a per-(device, stream) int32 workspace kept at zero
+    "fused_reduce": None,
+    # programmatic dependent launch (sm_90+; ignored elsewhere): the kernels wait
+    # (griddepcontrol.wait) before any global access and let the next kernel in the stream launch
+    # early, which hides launch latency
+    "pdl": None,
+    # software-pipeline depth of the fused merge's loop over the splits
+    "merge_stages": 3,
+}
+
+
+def _auto_knobs(num_splits: int) -> dict:
+    """fused_reduce and pdl for a launch of num_splits splits: on for 2..4 splits, off otherwise.
+
+    Measured on H100 (fp16, d=128, paged block 16, CUDA graph, .lead/td_sweep.py; time ratio vs
+    torch SDPA, > 1 is faster; base = all knobs off, two-kernel merge):
+      1 split:  pdl costs 3-10% ((8,32,32,2k) 0.983 -> 0.884, (32,32,8,2k) 0.972 -> 0.887,
+                (8,32,32,8k) 0.990 -> 0.963); fused does nothing (nothing to merge).
+      2-4:      fused+pdl gains 8-10% ((8,32,8,2k) 2 splits 0.959 -> 1.033, (8,64,8,2k) 2 splits
+                0.925 -> 1.012, (4,64,8,2k) 4 splits 0.917 -> 1.013; with early_pages 1.030..1.041);
+                fused alone +5..7%, pdl alone +1..2%.
+      8-16:     fused costs up to 4% ((16,32,1,4k) 8 splits 0.886 -> 0.850, (1,32,8,32k) 16 splits
+                0.956 -> 0.940, (1,32,8,128k) 16 splits 0.959 -> 0.952: one program merges every
+                split serially); pdl is within 1% either way.
+    early_pages is on for every shape (_KNOBS): -0.1..+4% against base.
+    Only the split count decides, a function of the shapes: no host sync, CUDA-graph capturable.
+    """
+    on = 2 <= num_splits <= 4
+    return {"fused_reduce": on, "pdl": on}
+
+
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
-                device: torch.device, config: Optional[dict] = None) -> dict:
-    """Tile configuration, padded tile sizes and the automatic split count of one decode shape."""
-    block_g = max(16, _next_pow2(h_q // h_kv))
+                device: torch.device, config: Optional[dict] = None, num_splits: int = 0) -> dict:
+    """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
+    decode shape. ``config`` keys override the defaults (tile sizes and _KNOBS); ``num_splits`` > 0
+    overrides the automatic split count (the automatic knobs then follow the given count).
+    ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it."""
+    group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
-    cfg = config or _tile_config(elt_bytes, block_dk, block_dv)
+    cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
+    unknown = set(cfg) - set(_KNOBS) - {"BLOCK_N", "num_warps", "num_stages"}
+    if unknown:
+        raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     sms = _device_sms(device)
-    return {"config": cfg, "BLOCK_G": block_g, "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
-            "sm_count": sms, "num_splits": choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)}
+    auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
+    splits = num_splits if num_splits > 0 else auto_splits
+    for key, on in _auto_knobs(splits).items():
+        cfg[key] = on if cfg[key] is None else bool(cfg[key])
+    cfg["early_pages"] = bool(cfg["early_pages"])
+    return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
+            "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -310,11 +462,39 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# Fused-reduce arrival counters: one int32 per (b, h_kv), zero between launches (each merger puts
+# its counter back). One buffer per (device, stream): launches on one stream run one after the
+# other, so they can share it; launches on two streams may overlap, so they get two buffers.
+# Never freed: a captured CUDA graph keeps the raw pointer. Inside a capture a new buffer is
+# zeroed by a memset that becomes part of the graph (redundant after the first replay, harmless).
+# Left to the caller: replaying two graphs captured on one stream concurrently on two streams.
+_COUNTERS: dict = {}
+_COUNTERS_KEEP: list = []
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n counters private to the current stream of ``device``."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(4096, _next_pow2(n)), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+        _COUNTERS_KEEP.append(buf)
+    return buf
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    return (not interpreting() and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
             scale: float, num_splits: int, config: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate out/lse (and the split partials) and launch; ``config`` overrides the tile
-    configuration (BLOCK_N, num_warps, num_stages) for benchmark sweeps."""
+    configuration (BLOCK_N, num_warps, num_stages) and the _KNOBS for benchmark sweeps.
+    num_splits <= 0: the automatic split count."""
     b, h_q, dk = q.shape
     dv = v_cache.shape[3]
     paged = block_table is not None
@@ -334,10 +514,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         s_bt = (0, 0)
         block_table = q  # never read (PAGED=False); any pointer will do
     group = h_q // h_kv
-    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config)
+    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config, max(0, num_splits))
     cfg, block_g, block_dk, block_dv = plan["config"], plan["BLOCK_G"], plan["BLOCK_DK"], plan["BLOCK_DV"]
-    if num_splits <= 0:
-        num_splits = plan["num_splits"]
+    num_splits = plan["num_splits"]
 
     out = _empty((b, h_q, dv), q.dtype, q.device)
     lse = _empty((b, h_q), torch.float32, q.device)
@@ -351,10 +530,18 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_acc.stride(3)) if split else (0, 0, 0, 0)
 
+    fused = split and bool(cfg["fused_reduce"])
+    counters = _counters(q.device, b * h_kv) if fused else None
+    pdl = cfg["pdl"] and _pdl_ok(q.device)
+    knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
+    if fused:
+        knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
+    launch_opts = {"launch_pdl": True} if pdl else {}
+
     grid = (h_kv, b, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
-        out, lse, part_m, part_l, part_acc,
+        out, lse, part_m, part_l, part_acc, counters if fused else lse,
         scale * _LOG2E, n_ctx_bound, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         *sk, *sv, *s_bt,
@@ -366,9 +553,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
         PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **knobs, **launch_opts,
     )
-    if split:
+    if split and not fused:
         _reduce_kernel[(b * h_q,)](
             part_m, part_l, part_acc, out, lse,
             num_splits, h_q,
@@ -376,7 +563,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             DV=dv, BLOCK_DV=block_dv, CHUNK_S=_REDUCE_CHUNK,
-            num_warps=4,
+            USE_PDL=pdl, num_warps=4, **launch_opts,
         )
     return out, lse
 

@@ -1,0 +1,273 @@
+"""The launch knobs of the Triton decode (flashcl.triton.decode._KNOBS), above all the fused reduce:
+the last split program of each (sequence, KV head) merges the partial states, with per-device
+arrival counters that must be back at zero after every launch. Also the automatic choice of the
+knobs (fused_reduce and pdl on for 2..4 splits, early_pages always).
+
+Small shapes run under TRITON_INTERPRET=1 on CPU (programs run one after another, which exercises
+the counter logic, not its memory ordering); the CUDA-graph tests need a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from flashcl import reference  # noqa: E402
+from flashcl.triton import decode as td  # noqa: E402
+
+from .test_triton_decode import _case, _check, _np  # noqa: E402
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+FUSED = {"fused_reduce": True}
+TWO_KERNEL = {"fused_reduce": False}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the launch allocates starts as NaN (the workspace counters excepted: zeroed)."""
+    monkeypatch.setattr(td, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def _run(c, num_splits, config, lens=None):
+    return td._launch(c["q"], c["k_pages"], c["v_pages"], c["block_table"],
+                      c["lens"] if lens is None else lens, c["scale"], num_splits, config=config)
+
+
+def _counters_zero(device):
+    """Every counter workspace of ``device`` (one per stream that ran a fused launch) is zero."""
+    dev = torch.device(device)
+    return all(int(buf.count_nonzero()) == 0 for key, buf in td._COUNTERS.items()
+               if key[:2] == (dev.type, dev.index))
+
+
+# --------------------------------------------------------------------------- fused reduce
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 64])
+def test_fused_gqa_split_counts(triton_device, num_splits, poison):
+    """GQA 4, contexts 1 / 17 / 40 with block size 16: 3 and 7 (non-powers of two) and 64 splits
+    (most splits empty: past the end of every sequence) all merge exactly once."""
+    c = _case(triton_device, "float16", b=3, h_q=8, h_kv=2, lens=[1, 17, 40], dk=32, block_size=16)
+    out, lse = _run(c, num_splits, FUSED)
+    _check(out, c["ref"], "float16", f"fused splits={num_splits}", c["naive"], lse, c["ref_lse"])
+    assert _counters_zero(triton_device)
+
+
+def test_fused_mqa_mha_and_empty_sequences(triton_device, poison):
+    """MQA (one KV head, group 8) and MHA (group 1), with context_len 0 sequences: out 0, lse -inf."""
+    for h_q, h_kv in ((8, 1), (2, 2)):
+        c = _case(triton_device, "float32", b=3, h_q=h_q, h_kv=h_kv, lens=[0, 23, 0], dk=16, block_size=4, seed=3)
+        out, lse = _run(c, 5, FUSED)
+        o, l = _np(out), _np(lse)
+        assert not np.isnan(o).any() and (o[[0, 2]] == 0).all() and np.isneginf(l[[0, 2]]).all()
+        _check(out[1:2], c["ref"][1:2], "float32", f"fused h_q={h_q} h_kv={h_kv}", lse=lse[1:2],
+               lse_ref=c["ref_lse"][1:2])
+        assert _counters_zero(triton_device)
+
+
+def test_fused_repeated_calls_reuse_zeroed_counters(triton_device, poison):
+    """Many calls with changing split counts and batch sizes reuse one zeroed workspace: a counter
+    left non-zero would make a later call merge early (wrong output) or never (NaN output)."""
+    cases = [_case(triton_device, "float16", b=b, h_q=4, h_kv=2, lens=lens, dk=16, block_size=8, seed=b)
+             for b, lens in ((2, [30, 9]), (3, [5, 64, 33]))]
+    for _ in range(2):
+        for c in cases:
+            for ns in (2, 5, 3):
+                out, lse = _run(c, ns, FUSED)
+                _check(out, c["ref"], "float16", f"repeat splits={ns}", c["naive"], lse, c["ref_lse"])
+                assert _counters_zero(triton_device)
+    assert len({id(t) for t in td._COUNTERS.values()}) == len(td._COUNTERS)
+
+
+def test_fused_matches_two_kernel_path(triton_device):
+    """Fused and two-kernel merges agree to fp32 rounding (same partial states, merged in another order)."""
+    c = _case(triton_device, "float32", b=2, h_q=4, h_kv=1, lens=[50, 13], dk=16, block_size=4, seed=11)
+    ref_out, ref_lse = _run(c, 6, TWO_KERNEL)
+    out, lse = _run(c, 6, FUSED)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6) and torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the other knobs
+
+
+_KNOB_CONFIGS = {
+    "defaults": None,
+    "all-off": {"early_pages": False, "fused_reduce": False, "pdl": False},
+    "early_pages": {"early_pages": True, "fused_reduce": False},
+    "pdl": {"pdl": True},  # a no-op here (interpreter / no sm_90): still exact
+    "fused+early+merge2": {"fused_reduce": True, "early_pages": True, "merge_stages": 2},
+    "fused-late_pages": {"fused_reduce": True, "early_pages": False},
+}
+
+
+@pytest.mark.parametrize("name", list(_KNOB_CONFIGS))
+def test_knobs_exact(triton_device, name, poison):
+    """Each knob setting on ragged contexts (full tiles, a partial tail tile, a one-token sequence,
+    splits past the end): GQA 4 and MHA, single pass and split."""
+    config = _KNOB_CONFIGS[name]
+    for h_q, h_kv in ((8, 2), (2, 2)):
+        c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=[70, 1, 33], dk=32, block_size=16, seed=5)
+        for ns in (1, 3):
+            out, lse = _run(c, ns, config)
+            _check(out, c["ref"], "float16", f"{name} h_q={h_q} splits={ns}", c["naive"], lse, c["ref_lse"])
+    assert _counters_zero(triton_device)
+
+
+def test_early_pages_shorter_than_bound(triton_device, poison):
+    """early_pages partitions by the block-table bound: every sequence much shorter than the bound
+    (most splits empty) is still exact."""
+    c = _case(triton_device, "float32", b=2, h_q=4, h_kv=2, lens=[200, 7], dk=16, block_size=8, seed=6)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=triton_device)
+    ref_out, ref_lse = reference.decode_attention(_np(c["q"]), _np(c["k"]), _np(c["v"]), context_lens=np.array([20, 3]),
+                                                  scale=c["scale"], return_lse=True)
+    for cfg in ({"early_pages": True}, {"early_pages": True, "fused_reduce": True}):
+        out, lse = _run(c, 4, cfg, lens=lens)
+        _check(out, ref_out, "float32", f"{cfg}", lse=lse, lse_ref=ref_lse)
+
+
+def test_plan_knobs():
+    """Unknown config keys are refused; forced knobs win over the automatic choice."""
+    with pytest.raises(KeyError):
+        td.launch_plan(1, 8, 2, 64, 64, 1024, 2, torch.device("cpu"), {"fused": True})
+    for key in ("no_dot", "evict_first", "mask_tail_only"):  # removed knobs
+        with pytest.raises(KeyError):
+            td.launch_plan(1, 8, 2, 64, 64, 1024, 2, torch.device("cpu"), {key: True})
+    default = td.launch_plan(1, 8, 2, 128, 128, 1024, 2, torch.device("cpu"))
+    assert default["config"]["BLOCK_N"] == 64 and default["BLOCK_G"] == 16
+    forced = td.launch_plan(1, 8, 2, 128, 128, 1024, 2, torch.device("cpu"),
+                            {"fused_reduce": False, "pdl": True, "early_pages": False})
+    assert default["num_splits"] == forced["num_splits"] == 2
+    assert forced["config"]["fused_reduce"] is False and forced["config"]["pdl"] is True
+    assert forced["config"]["early_pages"] is False
+
+
+# (B, H_q, H_kv, ctx) -> splits on an H100 (132 SMs), the shapes the knobs were measured on
+_H100_SPLITS = {(8, 32, 32, 2048): 1, (8, 32, 32, 8192): 1, (8, 32, 8, 2048): 2, (32, 32, 8, 2048): 1,
+                (4, 64, 8, 2048): 4, (8, 64, 8, 2048): 2, (16, 32, 1, 4096): 8, (1, 32, 8, 32768): 16,
+                (1, 32, 8, 131072): 16}
+
+
+def test_auto_knobs_follow_split_count(monkeypatch):
+    """The default plan (shapes only): fused_reduce and pdl on exactly for 2..4 splits, early_pages
+    always. pdl here is the plan's request (the launch drops it where the device lacks sm_90)."""
+    cpu = torch.device("cpu")
+    # the CPU plan (4 "SMs"): one KV head of one sequence -> 4 splits; 4 of them -> 1
+    four = td.launch_plan(1, 8, 1, 128, 128, 4096, 2, cpu)
+    one = td.launch_plan(2, 8, 2, 128, 128, 4096, 2, cpu)
+    assert four["num_splits"] == 4 and four["config"]["fused_reduce"] and four["config"]["early_pages"]
+    assert one["num_splits"] == 1 and not one["config"]["fused_reduce"] and one["config"]["early_pages"]
+    assert four["config"]["pdl"] and not one["config"]["pdl"]
+    # the H100 plan of the measured shapes
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
+        plan = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)
+        on = 2 <= splits <= 4
+        assert plan["num_splits"] == plan["auto_splits"] == splits, (b, h_q, h_kv, ctx)
+        assert plan["config"]["fused_reduce"] is on and plan["config"]["pdl"] is on, (b, h_q, h_kv, ctx, splits)
+        assert plan["config"]["early_pages"] is True
+    # an explicit split count: the automatic knobs follow the count launched
+    for ns, on in ((1, False), (2, True), (4, True), (5, False), (16, False)):
+        plan = td.launch_plan(8, 32, 8, 128, 128, 2048, 2, cpu, None, ns)
+        assert plan["auto_splits"] == 2 and plan["num_splits"] == ns
+        assert plan["config"]["fused_reduce"] is on and plan["config"]["pdl"] is on, ns
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records the grid of each launch, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_default_launch_uses_fused_for_few_splits(triton_device, monkeypatch, poison):
+    """The op with no config: a 2..4-split launch merges in the decode kernel (the counter workspace
+    is made and left at zero, no reduce kernel runs); with many splits the reduce kernel merges."""
+    monkeypatch.setattr(td, "_COUNTERS", {})
+    reduce_spy = _LaunchSpy(td._reduce_kernel)
+    monkeypatch.setattr(td, "_reduce_kernel", reduce_spy)
+    # one KV head, 10 tiles of 64: 2 splits on CPU (4 "SMs") and on any GPU (>= 4 tiles a split)
+    c = _case(triton_device, "float16", b=1, h_q=4, h_kv=1, lens=[600], dk=32, block_size=16, seed=12)
+    plan = td.launch_plan(1, 4, 1, 32, 32, c["block_table"].shape[1] * 16, 2, c["q"].device)
+    assert plan["num_splits"] == 2 and plan["config"]["fused_reduce"]
+    out, lse = _run(c, 0, None)
+    _check(out, c["ref"], "float16", "default fused", c["naive"], lse, c["ref_lse"])
+    assert reduce_spy.grids == [] and td._COUNTERS and _counters_zero(triton_device)
+    out, lse = _run(c, 8, None)
+    _check(out, c["ref"], "float16", "8 splits", c["naive"], lse, c["ref_lse"])
+    assert len(reduce_spy.grids) == 1
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [None, FUSED, {**FUSED, "pdl": True}, {"pdl": True},
+                                    {**FUSED, "early_pages": False}])
+def test_cuda_graph_replay(triton_device, config):
+    """Captured once, replayed many times with new context_lens: exact every time, counters at zero."""
+    c = _case(triton_device, "float16", b=3, h_q=8, h_kv=2, lens=[300, 17, 1000], dk=128, seed=8)
+    lens = c["lens"].clone()
+    for ns in (4, 7):
+        _run(c, ns, config, lens=lens)  # compile (and make the workspace) outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, lse = _run(c, ns, config, lens=lens)
+        for new in ([300, 17, 1000], [1, 999, 16], [0, 5, 1000]) * 2:
+            lens.copy_(torch.tensor(new, dtype=torch.int32))
+            g.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = reference.decode_attention(_np(c["q"]), _np(c["k"]), _np(c["v"]),
+                                                          context_lens=np.array(new), scale=c["scale"],
+                                                          return_lse=True)
+            _check(out, ref_out, "float16", f"graph {config} splits={ns} lens={new}", lse=lse, lse_ref=ref_lse)
+            assert _counters_zero(triton_device)
+
+
+@cuda_only
+def test_capture_makes_its_own_workspace(triton_device, monkeypatch):
+    """A first fused call inside a capture zeroes a new workspace (a memset in the graph) and
+    stays fused and exact on every replay."""
+    monkeypatch.setattr(td, "_COUNTERS", {})
+    c = _case(triton_device, "float16", b=2, h_q=8, h_kv=2, lens=[500, 40], dk=128, seed=9)
+    _run(c, 3, TWO_KERNEL)  # compile outside the capture
+    _run(c, 3, FUSED)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(td, "_COUNTERS", {})
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = _run(c, 3, FUSED)
+    assert len(td._COUNTERS) == 1
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out, c["ref"], "float16", "fused in capture", lse=lse, lse_ref=c["ref_lse"])
+        assert _counters_zero(triton_device)
+
+
+@cuda_only
+def test_two_streams_do_not_share_counters(triton_device):
+    """Fused launches on two streams at once: each stream has its own counters, both exact."""
+    cases = [_case(triton_device, "float16", b=4, h_q=8, h_kv=2, lens=[2000, 1500, 999, 3000], dk=128,
+                   seed=s) for s in (10, 11)]
+    for c in cases:
+        _run(c, 3, FUSED)  # compile
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in cases]
+    results = []
+    for _ in range(20):
+        for c, st in zip(cases, streams):
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                results.append((c, _run(c, 3, FUSED)))
+        torch.cuda.synchronize()
+    for c, (out, lse) in results:
+        _check(out, c["ref"], "float16", "two streams", lse=lse, lse_ref=c["ref_lse"])
+    assert _counters_zero(triton_device)

@@ -115,6 +115,10 @@ def test_spill_verdict_strongest_signal_first():
 def test_model_mode_plan_prunes_by_profile_limits():
     configs, pruned = tuner.plan(_target("adreno"), (1, 32, 8, 2048, 128, True))
     assert configs and pruned
+    # only layouts whose register model was checked against a compiler are chosen blind
+    assert {tuning.variant_of(p) for p in configs} <= set(tuner.MODELED_VARIANTS)
+    measured, _ = tuner.plan(_target("adreno", "measured"), (1, 32, 8, 2048, 64, True))
+    assert "tiles" in {tuning.variant_of(p) for p in measured}
     for p in configs:
         assert tuning.local_bytes("prefill", p, 128, 128) <= 32 * 1024
     assert all(v for _, v in pruned)

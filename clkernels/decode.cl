@@ -53,17 +53,9 @@
 #endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
-#ifndef HEAD_DK
-#error "HEAD_DK (query/key head dim) must be defined by the host"
-#endif
-#ifndef HEAD_DV
-#error "HEAD_DV (value head dim) must be defined by the host"
-#endif
+#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
-#endif
-#ifndef STORE_HALF
-#define STORE_HALF 0      // 1: q/k/v/out are stored as half (computed in float32)
 #endif
 #ifndef PAGED
 #define PAGED 0           // 1: paged cache addressed through block_table, 0: contiguous cache

@@ -44,15 +44,7 @@
 #endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
-#ifndef HEAD_DK
-#error "HEAD_DK (query/key head dim) must be defined by the host"
-#endif
-#ifndef HEAD_DV
-#error "HEAD_DV (value head dim) must be defined by the host"
-#endif
-#ifndef STORE_HALF
-#define STORE_HALF 0      // 1: q/k/v/out are stored as half (computed in float32)
-#endif
+#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
 #ifndef IS_CAUSAL
 #define IS_CAUSAL 0       // 1: bottom-right aligned causal mask
 #endif

@@ -50,15 +50,7 @@
 #endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
-#ifndef HEAD_DK
-#error "HEAD_DK (query/key head dim) must be defined by the host"
-#endif
-#ifndef HEAD_DV
-#error "HEAD_DV (value head dim) must be defined by the host"
-#endif
-#ifndef STORE_HALF
-#define STORE_HALF 0
-#endif
+#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
 #ifndef IS_CAUSAL
 #define IS_CAUSAL 0
 #endif

@@ -53,7 +53,7 @@
 #endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
-#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
+#include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
 #endif
@@ -71,8 +71,6 @@ typedef half store_t;
 typedef float4 raw_t;
 typedef float store_t;
 #endif
-#define FLASHCL_CAT_(a, b) a##b
-#define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
 #define floatW FLASHCL_CAT(float, VW)
 
 #define CK (HEAD_DK / VW)                 // chunks per K row
@@ -337,8 +335,7 @@ static inline void decode_body(
             if (lane < CV)
                 STORE_W(a * inv_l, lane, out + o_off + batch * o_sb + head * o_sh);
             if (lane == 0)
-                lse[(ulong)batch * h_q + head] =
-                    (l_all[i] > 0.0f) ? (m_all[i] + log2(l_all[i])) * M_LN2_F : -INFINITY;
+                lse[(ulong)batch * h_q + head] = lse_of_state(m_all[i], l_all[i]);
         }
     }
 }
@@ -432,5 +429,5 @@ void flash_decode_merge(__global const float *part_m, __global const float *part
 #endif
     }
     if (tid == 0)
-        lse[(ulong)batch * h_q + head] = (l_all > 0.0f) ? (m_all + log2(l_all)) * M_LN2_F : -INFINITY;
+        lse[(ulong)batch * h_q + head] = lse_of_state(m_all, l_all);
 }

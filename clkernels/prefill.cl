@@ -43,37 +43,19 @@
 #define VEC 4             // SIMD width of score/accumulator vectors: 4 on GPUs, 8 or 16 on CPUs
 #endif
 
-/* ---- problem constants set by the host ------------------------------------------------------ */
-#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
-#ifndef IS_CAUSAL
-#define IS_CAUSAL 0       // 1: bottom-right aligned causal mask
-#endif
-#ifndef WRITE_LSE
-#define WRITE_LSE 0       // 1: also write the per-row log-sum-exp
-#endif
+/* ---- problem constants set by the host (HEAD_DK, HEAD_DV, STORE_HALF, IS_CAUSAL, WRITE_LSE,
+ *      UNROLL_LOOPS, FIXED_WG: see prefill_common.h) ---------------------------------------- */
+#include "prefill_common.h"
 #ifndef Q_IN_REGS
 #define Q_IN_REGS 1       // 1: the q row lives in registers; 0: re-read per KV tile (saves HEAD_DK registers)
-#endif
-#ifndef UNROLL_LOOPS
-#define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
-#endif
-#ifndef FIXED_WG
-/* 1: declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound (.reqntid), and
- * ptxas then ignores -cl-nv-maxrregcount; the register-cap check (flashcl tune on a GPU standing
- * in for a smaller register file) builds with 0. */
-#define FIXED_WG 1
 #endif
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
 #define DK4 (HEAD_DK / 4)
 #define DV4 (DV_TILE / 4)
-#define NUM_DV_TILES (HEAD_DV / DV_TILE)
 #define BNV (BLOCK_N / VEC)
 #define DVV (DV_TILE / VEC)
 
-#if HEAD_DK % 4 != 0 || HEAD_DV % 4 != 0
-#error "head dims must be multiples of 4"
-#endif
 #if DV_TILE % 4 != 0 || HEAD_DV % DV_TILE != 0
 #error "DV_TILE must be a multiple of 4 that divides HEAD_DV"
 #endif
@@ -121,12 +103,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     __local float v_tile[BLOCK_N * DV_TILE] LDS_ALIGNED;
 
     const int lid = get_local_id(0);
-    const int dv_slice = get_group_id(0) % NUM_DV_TILES;
-    const int num_m_blocks = (n_q + BLOCK_M - 1) / BLOCK_M;
-    int m_block = get_group_id(0) / NUM_DV_TILES;
-#if IS_CAUSAL
-    m_block = num_m_blocks - 1 - m_block;  /* longest rows first: shorter tail on the GPU */
-#endif
+    const int dv_slice = dv_slice_of_group();
+    const int m_block = query_block(n_q);
     const int head = get_group_id(1);
     const int batch = get_group_id(2);
     const int kv_head = head / group;
@@ -150,13 +128,9 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 #define Q_CHUNK(c) (LOAD4(q_row, (c)) * scale_log2)
 #endif
 
-    /* causal: the last row of this block sees keys < kv_end; later tiles are skipped, not masked */
-    const int offset = n_kv - n_q;
-    int kv_end = n_kv;
+    const int kv_end = block_kv_end(m_block * BLOCK_M, n_q, n_kv);
 #if IS_CAUSAL
-    const int last_row = min(m_block * BLOCK_M + BLOCK_M, n_q) - 1;
-    kv_end = clamp(last_row + offset + 1, 0, n_kv);
-    const int row_limit = row + offset;  /* this row sees keys j <= row_limit */
+    const int row_limit = row + n_kv - n_q;  /* this row sees keys j <= row_limit */
 #endif
 
     float m_i = -INFINITY;  /* running max (log2 domain) */
@@ -255,8 +229,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         }
 #if WRITE_LSE
         if (dv_slice == 0)
-            lse[((ulong)batch * h_q + head) * n_q + row] =
-                (l_i > 0.0f) ? (m_i + log2(l_i)) * M_LN2_F : -INFINITY;
+            lse[((ulong)batch * h_q + head) * n_q + row] = lse_of_state(m_i, l_i);
 #endif
     }
 }

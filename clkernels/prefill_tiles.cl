@@ -49,20 +49,8 @@
 #define TILE_N 4          // keys per work-item (2, 4 or 8)
 #endif
 
-/* ---- problem constants set by the host ------------------------------------------------------ */
-#include "problem.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
-#ifndef IS_CAUSAL
-#define IS_CAUSAL 0
-#endif
-#ifndef WRITE_LSE
-#define WRITE_LSE 0
-#endif
-#ifndef UNROLL_LOOPS
-#define UNROLL_LOOPS 1
-#endif
-#ifndef FIXED_WG
-#define FIXED_WG 1        // 0: no reqd_work_group_size (see prefill.cl)
-#endif
+/* ---- problem constants set by the host: see prefill_common.h ----------------------------- */
+#include "prefill_common.h"
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
 #define TM (BLOCK_M / TILE_M)             // work-items along the query rows
@@ -70,15 +58,11 @@
 #define WG (TM * TN)
 #define RD (DV_TILE / TN)                 // output columns per work-item
 #define DV4 (DV_TILE / 4)
-#define NUM_DV_TILES (HEAD_DV / DV_TILE)
 #define P_STRIDE (BLOCK_M + (TILE_M > 4 ? TILE_M : 4))  // padded (P^T rows of different keys start in
                                   // different banks), still a multiple of TILE_M
 #define R_STRIDE (TN + 1)                 // padded row-max partials
 #define KV_FLOATS (HEAD_DK > DV_TILE ? HEAD_DK * BLOCK_N : DV_TILE * BLOCK_N)
 
-#if HEAD_DK % 4 != 0 || HEAD_DV % 4 != 0
-#error "head dims must be multiples of 4"
-#endif
 #if (TILE_M != 2 && TILE_M != 4 && TILE_M != 8) || (TILE_N != 2 && TILE_N != 4 && TILE_N != 8)
 #error "TILE_M and TILE_N must be 2, 4 or 8"
 #endif
@@ -91,8 +75,6 @@
 
 #include "storage.h"
 
-#define FLASHCL_CAT_(a, b) a##b
-#define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
 #define floatTM FLASHCL_CAT(float, TILE_M)
 #define floatTN FLASHCL_CAT(float, TILE_N)
 #define vstoreTM FLASHCL_CAT(vstore, TILE_M)
@@ -114,9 +96,8 @@
 #define UNROLL_OUTER
 #endif
 
-/* vector-typed local loads: the arrays are 64-byte aligned and every offset below is a multiple
- * of the vector width, so these are single wide loads (vloadN only promises element alignment) */
-#define LDS_ALIGNED __attribute__((aligned(64)))
+/* vector-typed local loads (see LDS_ALIGNED in common.h): every offset below is a multiple of the
+ * vector width */
 #define LDS_TM(p) (*(__local const floatTM *)(p))
 #define LDS_TN(p) (*(__local const floatTN *)(p))
 #define LDS_4(p) (*(__local const float4 *)(p))
@@ -147,12 +128,8 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     const int r0 = ty * TILE_M;    /* first row of this work-item within the block */
     const int j0 = tx * TILE_N;    /* first key within the tile */
     const int c0 = tx * RD;        /* first column within the DV slice */
-    const int dv_slice = get_group_id(0) % NUM_DV_TILES;
-    const int num_m_blocks = (n_q + BLOCK_M - 1) / BLOCK_M;
-    int m_block = get_group_id(0) / NUM_DV_TILES;
-#if IS_CAUSAL
-    m_block = num_m_blocks - 1 - m_block;  /* longest rows first: shorter tail on the GPU */
-#endif
+    const int dv_slice = dv_slice_of_group();
+    const int m_block = query_block(n_q);
     const int head = get_group_id(1);
     const int batch = get_group_id(2);
     const int kv_head = head / group;
@@ -167,11 +144,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     stage_transposed(q_t, q_base, q_sn, row_base, n_q, BLOCK_M, HEAD_DK, scale_log2, lid, WG);
 
     const int offset = n_kv - n_q;
-    int kv_end = n_kv;
-#if IS_CAUSAL
-    const int last_row = min(row_base + BLOCK_M, n_q) - 1;
-    kv_end = clamp(last_row + offset + 1, 0, n_kv);
-#endif
+    const int kv_end = block_kv_end(row_base, n_q, n_kv);
 
     float m_i[TILE_M], l_i[TILE_M], acc[TILE_M][RD];
     UNROLL
@@ -305,7 +278,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                    c4, o_row);
 #if WRITE_LSE
         if (dv_slice == 0 && tx == 0)
-            lse[((ulong)batch * h_q + head) * n_q + row] = (l > 0.0f) ? (m_i[a] + log2(l)) * M_LN2_F : -INFINITY;
+            lse[((ulong)batch * h_q + head) * n_q + row] = lse_of_state(m_i[a], l);
 #endif
     }
 }

@@ -7,18 +7,15 @@
 #ifndef FLASHCL_VEC_H
 #define FLASHCL_VEC_H
 
-#define FLASHCL_CAT_(a, b) a##b
-#define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
+#include "common.h"   /* FLASHCL_CAT, LDS_ALIGNED */
+
 #define floatV FLASHCL_CAT(float, VEC)
 #define intV FLASHCL_CAT(int, VEC)
 #define VLOADV(i, p) FLASHCL_CAT(vload, VEC)((i), (p))
 #define VSTOREV(x, i, p) FLASHCL_CAT(vstore, VEC)((x), (i), (p))
-/* vloadN only promises element alignment, so a compiler may split it into N scalar loads (NVIDIA's
- * does for local memory: one ld.shared.f32 per FMA instead of one ld.shared.v4 per four). A
- * vector-typed access says the address is VEC-aligned, which the caller guarantees: the array is
- * declared LDS_ALIGNED and every offset is a multiple of VEC. */
+/* one wide load, not VEC scalar ones (NVIDIA split vloadN from local memory into ld.shared.f32):
+ * the array is declared LDS_ALIGNED and every offset is a multiple of VEC */
 #define LDS_LOADV(i, p) (((__local const floatV *)(p))[i])
-#define LDS_ALIGNED __attribute__((aligned(64)))
 
 #define HMAX4(x) fmax(fmax((x).s0, (x).s1), fmax((x).s2, (x).s3))
 #define HSUM4(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))

@@ -210,6 +210,14 @@ def widest_vec(block_n: int, dv_tile: int, simd: int) -> int:
     return max(w for w in (4, 8, 16) if w <= max(simd, 4) and block_n % w == 0 and dv_tile % w == 0)
 
 
+def _derived_vec(block_n: int, dv_tile: int, simd: int) -> int:
+    """VEC for a candidate; 4 where nothing divides, so that the constraint says why."""
+    try:
+        return widest_vec(block_n, dv_tile, simd)
+    except ValueError:
+        return 4
+
+
 def _values(spec, dv: int):
     return list(spec(dv)) if callable(spec) else list(spec)
 
@@ -232,21 +240,13 @@ def candidate_configs(kernel: str, dk: int, dv: int, simd: int = 4, *, quick: bo
         vals = {p: list(overrides[p]) if p in overrides else _values(space[p][which], dv)
                 for p in space if not isinstance(space[p][which], str)}
         if variant == "rows":
-            for bm in vals["BLOCK_M"]:
-                for bn in vals["BLOCK_N"]:
-                    for t in vals["DV_TILE"]:
-                        vecs = overrides.get("VEC")
-                        if vecs is None:
-                            try:
-                                vecs = [widest_vec(bn, t, simd)]
-                            except ValueError:   # nothing divides: keep it so the constraint says why
-                                vecs = [4]
-                        for vec in vecs:
-                            for q_in_regs in vals["Q_IN_REGS"]:
-                                p = {"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": vec}
-                                if not q_in_regs:
-                                    p["Q_IN_REGS"] = 0
-                                out.append(p)
+            for bm, bn, t in itertools.product(vals["BLOCK_M"], vals["BLOCK_N"], vals["DV_TILE"]):
+                vecs = overrides.get("VEC") or [_derived_vec(bn, t, simd)]
+                for vec, q_in_regs in itertools.product(vecs, vals["Q_IN_REGS"]):
+                    p = {"BLOCK_M": bm, "BLOCK_N": bn, "DV_TILE": t, "VEC": vec}
+                    if not q_in_regs:
+                        p["Q_IN_REGS"] = 0
+                    out.append(p)
         else:
             names = list(vals)
             for combo in itertools.product(*(vals[n] for n in names)):

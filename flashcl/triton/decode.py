@@ -109,29 +109,25 @@ def _decode_kernel(
     heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
     bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
 
+    # this split's tokens [lo, hi): the context cut into num_splits chunks of whole tiles (empty
+    # past the end). EARLY_PAGES cuts the context bound instead of the length, so the first
+    # block-table load is issued without waiting for the context_lens load (one dependent DRAM
+    # round trip less before the K/V stream starts); same partition when every sequence has the
+    # bound length.
     if EARLY_PAGES:
-        # the split partition from the context bound, not the length: the first block-table load
-        # is issued without waiting for the context_lens load (one dependent DRAM round trip less
-        # before the K/V stream starts). Same partition when every sequence has the bound length.
         chunk = tl.cdiv(tl.cdiv(n_ctx_max, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
         if PAGED:
             page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
                            other=0)
-        if HAS_LENS:
-            n_ctx = tl.load(ContextLens + pid_b)
-        else:
-            n_ctx = n_ctx_max
-        hi = tl.minimum(lo + chunk, n_ctx)
+    if HAS_LENS:
+        n_ctx = tl.load(ContextLens + pid_b)
     else:
-        if HAS_LENS:
-            n_ctx = tl.load(ContextLens + pid_b)
-        else:
-            n_ctx = n_ctx_max
-        # this split's tokens: ctx cut into num_splits chunks of whole tiles (empty past the end)
+        n_ctx = n_ctx_max
+    if not EARLY_PAGES:
         chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
-        hi = tl.minimum(lo + chunk, n_ctx)
+    hi = tl.minimum(lo + chunk, n_ctx)
 
     # Q tile: the whole group; padding rows are zeros and are never stored
     q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd

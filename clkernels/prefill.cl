@@ -13,7 +13,8 @@
  *   out  [B][H_q ][N_q ][HEAD_DV]   likewise with o_*
  *   lse  [B][H_q ][N_q]  float32, contiguous, natural log (written when WRITE_LSE)
  *
- * Grid: dim 0 = (query block, DV slice) pairs x BLOCK_M work-items, dim 1 = H_q, dim 2 = B.
+ * Grid: dim 0 = B x H_q x query blocks x DV slices work-groups of BLOCK_M work-items, in the
+ * order of tile_of_group() (prefill_common.h: longest causal blocks first, heads in L2 sections).
  *
  *        keys ->  |<- BLOCK_N ->|
  *              +--------------------+   K tile  (HEAD_DK x BLOCK_N, transposed) in local memory
@@ -92,7 +93,7 @@ __attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
 #endif
 void flash_prefill(__global const store_t *q, __global const store_t *k,
                    __global const store_t *v, __global store_t *out, __global float *lse,
-                   const int n_q, const int n_kv, const int h_q, const int group,
+                   const int n_q, const int n_kv, const int h_q, const int group, const int head_section,
                    const float scale_log2,  /* softmax scale * log2(e) */
                    const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
                    const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
@@ -103,10 +104,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     __local float v_tile[BLOCK_N * DV_TILE] LDS_ALIGNED;
 
     const int lid = get_local_id(0);
-    const int dv_slice = dv_slice_of_group();
-    const int m_block = query_block(n_q);
-    const int head = get_group_id(1);
-    const int batch = get_group_id(2);
+    int batch, head, m_block, dv_slice;
+    tile_of_group(n_q, h_q, head_section, &batch, &head, &m_block, &dv_slice);
     const int kv_head = head / group;
     const int row = m_block * BLOCK_M + lid;
     const bool row_valid = row < n_q;

@@ -15,7 +15,8 @@
  * TILE_M * TILE_N FMAs (8x2: 1.6 per load; the P V product reuses more), the register blocking
  * of a GEMM, with far fewer registers per work-item than a whole q row plus a DV slice (what
  * small register files want). Measured on the H100, fp32 (1, 32/8, 2048) causal, tuned:
- * d=64 17.1 TFLOP/s against 14.6 for prefill.cl, d=128 14.4 against 12.0. CPU drivers (PoCL)
+ * d=64 21.3 TFLOP/s (17.1 before the launch order of prefill_common.h) against 14.6 for
+ * prefill.cl, d=128 14.6 against 12.0. CPU drivers (PoCL)
  * run it 20-35x slower than prefill.cl: the tuner leaves it out there.
  *
  *   work-item (ty, tx), ty < TM, tx < TN:   rows  ty*TILE_M .. +TILE_M      of the query block
@@ -108,7 +109,7 @@ __attribute__((reqd_work_group_size(WG, 1, 1)))
 #endif
 void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                          __global const store_t *v, __global store_t *out, __global float *lse,
-                         const int n_q, const int n_kv, const int h_q, const int group,
+                         const int n_q, const int n_kv, const int h_q, const int group, const int head_section,
                          const float scale_log2,
                          const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
                          const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
@@ -128,10 +129,8 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     const int r0 = ty * TILE_M;    /* first row of this work-item within the block */
     const int j0 = tx * TILE_N;    /* first key within the tile */
     const int c0 = tx * RD;        /* first column within the DV slice */
-    const int dv_slice = dv_slice_of_group();
-    const int m_block = query_block(n_q);
-    const int head = get_group_id(1);
-    const int batch = get_group_id(2);
+    int batch, head, m_block, dv_slice;
+    tile_of_group(n_q, h_q, head_section, &batch, &head, &m_block, &dv_slice);
     const int kv_head = head / group;
     const int row_base = m_block * BLOCK_M;
     const int dv0 = dv_slice * DV_TILE;

@@ -96,6 +96,8 @@ def test_tile_parameters_d128(cl_device, params, causal):
     h = get_device(cl_device)
     if params["BLOCK_M"] > h.max_work_group:
         pytest.skip(f"device max work-group {h.max_work_group}")
+    if tuning.local_bytes("prefill", params, 128, 128) > h.local_mem:
+        pytest.skip(f"device local memory {h.local_mem} B (test_api checks the error message)")
     rng = np.random.default_rng(1)
     for n_q, n_kv in ((1, 37), (65, 130), (130, 130)):
         check(cl_device, *_inputs(rng, 1, 4, 2, n_q, n_kv, 128, 128, "float32"), causal, params,
@@ -133,6 +135,21 @@ def test_tiled_layout(cl_device, params, causal):
             continue  # DV_TILE not a divisor of this DV, or over this device's limits
         check(cl_device, *_inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype), causal, params,
               what=f"tiles N={n_q}x{n_kv}")
+
+
+@pytest.mark.parametrize("section", [1, 3, 5, 16])
+@pytest.mark.parametrize("variant", [None, dict(VARIANT="tiles", BLOCK_M=16, BLOCK_N=8, DV_TILE=16, TILE_M=4,
+                                                TILE_N=2)], ids=["rows", "tiles"])
+def test_launch_order_sections(cl_device, monkeypatch, section, variant):
+    """Every (batch, head, query block, DV slice) is computed once whatever the launch-order
+    section (tile_of_group): sections that do not divide B * H_q leave a short last one; 16 is
+    more than the 6 pairs (one section). Causal and not, two DV passes, GQA 3:1, B = 2."""
+    monkeypatch.setattr(PrefillKernel, "head_section", lambda self: section)
+    params = variant or dict(BLOCK_M=16, BLOCK_N=8, DV_TILE=16, VEC=4)
+    rng = np.random.default_rng(section)
+    for causal in (False, True):
+        check(cl_device, *_inputs(rng, 2, 3, 1, 37, 45, 32, 32, "float32"), causal, params,
+              what=f"section={section}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

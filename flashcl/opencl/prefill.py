@@ -97,10 +97,23 @@ class PrefillKernel:
         return spill_report(self.built, self.kernel, self.handle)
 
     def grid(self) -> tuple[tuple, tuple]:
+        """One dimension of B * H_q * query blocks * DV slices work-groups; the kernel maps a group
+        to its tile (prefill_common.h: tile_of_group)."""
         p, wg = self.prob, self.work_group
         num_m = -(-p.n_q // self.params["BLOCK_M"])
         num_dv = p.dv // self.params["DV_TILE"]
-        return (num_m * num_dv * wg, p.h_q, p.b), (wg, 1, 1)
+        return (p.b * p.h_q * num_m * num_dv * wg, 1, 1), (wg, 1, 1)
+
+    def head_section(self) -> int:
+        """(batch, head) pairs per launch-order section: whole GQA groups whose K/V together
+        fit in the device's global-memory cache (at least one group), so that the work-groups in
+        flight, which run every head of a section at once, re-read K/V from the cache."""
+        p = self.prob
+        elt = 2 if p.dtype == "float16" else 4
+        kv_bytes = max(1, p.n_kv * (p.dk + p.dv) * elt)
+        cache = int(getattr(self.handle.device, "global_mem_cache_size", 0) or 0)
+        kv_heads = max(1, cache // kv_bytes)
+        return int(min(p.b * p.h_q, kv_heads * (p.h_q // p.h_kv)))
 
     def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
         """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""
@@ -108,7 +121,7 @@ class PrefillKernel:
         args = [q.base_data, k.base_data, v.base_data, out.base_data,
                 lse.base_data if lse is not None else out.base_data,
                 np.int32(p.n_q), np.int32(p.n_kv), np.int32(p.h_q), np.int32(p.h_q // p.h_kv),
-                np.float32(scale * _LOG2E)]
+                np.int32(self.head_section()), np.float32(scale * _LOG2E)]
         for arr in (q, k, v, out):
             args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
         gsize, lsize = self.grid()

@@ -44,3 +44,18 @@ def test_program_cache_is_bounded(cpu_device, monkeypatch):
     runtime.build(h, "prefill.cl", defines[2], kernel="prefill")                 # evicts defines[1]
     assert len(h.programs) <= 2
     assert runtime.build(h, "prefill.cl", defines[0], kernel="prefill") is first
+
+
+def test_cuda_soak_short_run():
+    """The CUDA long run (python -m flashcl.triton.soak) on a few calls: flat allocator, exact;
+    without a GPU the command says so and exits 2."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from flashcl.triton import soak as cuda_soak
+
+    if not torch.cuda.is_available():
+        assert cuda_soak.main(["--calls", "1"]) == 2
+        return
+    res = cuda_soak.run(40, every=10, check_every=5)
+    assert res["ok"], res
+    assert [s["call"] for s in res["samples"]] == [10, 20, 30, 40]

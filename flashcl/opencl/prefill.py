@@ -84,6 +84,7 @@ class PrefillKernel:
             self.defines.update(VEC=params["VEC"], Q_IN_REGS=params.get("Q_IN_REGS", 1))
             source, entry = "prefill.cl", "flash_prefill"
         self.work_group = tuning.work_group_size(KERNEL, params)
+        self.section = self.head_section()  # fixed by the problem class: one device query per kernel
         self.built = build(handle, source, self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
         self.kernel = self.built.kernel(entry)
@@ -109,11 +110,9 @@ class PrefillKernel:
         fit in the device's global-memory cache (at least one group), so that the work-groups in
         flight, which run every head of a section at once, re-read K/V from the cache."""
         p = self.prob
-        elt = 2 if p.dtype == "float16" else 4
-        kv_bytes = max(1, p.n_kv * (p.dk + p.dv) * elt)
-        cache = int(getattr(self.handle.device, "global_mem_cache_size", 0) or 0)
-        kv_heads = max(1, cache // kv_bytes)
-        return int(min(p.b * p.h_q, kv_heads * (p.h_q // p.h_kv)))
+        kv_bytes = max(1, p.n_kv * (p.dk + p.dv) * np.dtype(p.dtype).itemsize)
+        kv_heads = max(1, int(self.handle.device.global_mem_cache_size) // kv_bytes)
+        return min(p.b * p.h_q, kv_heads * (p.h_q // p.h_kv))
 
     def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
         """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""
@@ -121,7 +120,7 @@ class PrefillKernel:
         args = [q.base_data, k.base_data, v.base_data, out.base_data,
                 lse.base_data if lse is not None else out.base_data,
                 np.int32(p.n_q), np.int32(p.n_kv), np.int32(p.h_q), np.int32(p.h_q // p.h_kv),
-                np.int32(self.head_section()), np.float32(scale * _LOG2E)]
+                np.int32(self.section), np.float32(scale * _LOG2E)]
         for arr in (q, k, v, out):
             args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
         gsize, lsize = self.grid()

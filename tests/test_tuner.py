@@ -284,3 +284,28 @@ def test_model_mode_sweep_builds_and_chooses_largest_non_spilling(cpu_device):
     assert rep.winner is rep.largest and rep.winner in safe
     assert rep.winner.model_floats == max(r.model_floats for r in safe)
     assert any(r.spills for r in rep.results)  # d=128: the wider tiles exceed 192 registers
+
+
+def test_ptxas_report_per_kernel():
+    """A program with several kernels: each kernel's registers and spills come from its own
+    section of the ptxas report (decode.cl builds three kernels; the first section is not the
+    decode kernel's). Log lines as NVIDIA's OpenCL compiler writes them with -cl-nv-verbose."""
+    from flashcl.opencl.runtime import ptxas_section
+
+    log = (
+        "ptxas info    : 0 bytes gmem\n"
+        "ptxas info    : Compiling entry function 'flash_decode_merge' for 'sm_90a'\n"
+        "ptxas info    : Function properties for flash_decode_merge\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 32 registers, used 1 barriers, 260 bytes smem\n"
+        "ptxas info    : Compiling entry function 'flash_decode_split' for 'sm_90a'\n"
+        "ptxas info    : Function properties for flash_decode_split\n"
+        "ptxas         .     8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads\n"
+        "ptxas info    : Used 185 registers, used 1 barriers, 11584 bytes smem\n"
+    )
+    split = ptxas_section(log, "flash_decode_split")
+    assert "Used 185 registers" in split and "12 bytes spill stores" in split
+    assert "Used 32 registers" in ptxas_section(log, "flash_decode_merge")
+    assert "Used 185" not in ptxas_section(log, "flash_decode_merge")
+    assert ptxas_section(log, "flash_decode") == ""  # a prefix of another name is not a match
+    assert ptxas_section("Used 40 registers", "anything") == "Used 40 registers"  # no sections

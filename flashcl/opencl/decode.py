@@ -4,6 +4,17 @@ One work-group per (sequence, KV head, split) serves the whole GQA group; ``num_
 single pass that writes the normalized output itself, more splits write float32 partial states
 that ``flash_decode_merge`` combines exactly. The split count, when not forced, comes from
 :func:`choose_num_splits`.
+
+Tried on an H100 through NVIDIA's OpenCL and left out (2026-11-21, fp16, (1, 32, 8, 32k), block 16;
+configurations interleaved over 5 rounds after a 2 s warm-up, because one-at-a-time runs drifted
+by up to 25% between runs). The decode kernel alone takes 0.084 ms at 64 splits (54% of the copy
+bandwidth) in every one of these, so the remaining gap is not in the loop's structure:
+  * a "keys" layout (one work-item scores whole K rows against the whole group, q in local memory,
+    one barrier per 128 keys instead of three per 8): 0.114 ms in total against 0.116 (lanes);
+  * a second K/V tile in flight per work-item (two register buffers, 128 registers): 0.0838 ms
+    against 0.0840 for the kernel;
+  * the KV heads of a split adjacent in launch order (pages read together): 0.1149 against 0.1155;
+  * a contiguous (B, H_kv, N, D) cache instead of pages: 0.1137 against 0.1155.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ DECODE_SPACE = {
         "ROWS": (1, 2, 4, 8, 16),
         "UNROLL": (1, 2, 4),
         "HEAD_TILE": "divisors of the GQA group G = H_q / H_kv, at most 8",
-        "MERGE_WG": (32, 64, 128),
+        "MERGE_WG": (32, 64, 128, 256),
     },
     "constraints": (
         tuning.Constraint("head_tile_divides", "HEAD_TILE must divide G: each work-item keeps the "
@@ -45,8 +56,10 @@ DECODE_SPACE = {
 }
 _PARAM_NAMES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")
 
+MERGE_WG = 256          # default work-group of the merge kernel (see default_params)
+
 # Split heuristic constants (see choose_num_splits).
-WAVES = 2               # work-groups per compute unit the split count aims for
+WAVES = 4               # work-groups per compute unit the split count aims for
 KEYS_PER_SPLIT = 512    # keys one split aims to cover on long contexts
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64         # automatic choice only; a forced num_splits may go up to MAX_FORCED_SPLITS
@@ -119,7 +132,9 @@ def default_params(profile, group: int, dk: int, dv: int, dtype: str, *, local_m
     CPUs): q + acc chunks of 4 heads are 64 registers for half at d=128, within NVIDIA's 128-register
     occupancy budget. ROWS: enough row slots for a work-group of ~128 work-items (4 warps; 64 on
     CPUs, where PoCL runs a work-group as loops and barriers are costly). UNROLL: at least 8 keys
-    per iteration, so that barriers and the score reduction are amortized over a tile.
+    per iteration, so that barriers and the score reduction are amortized over a tile. MERGE_WG:
+    256, i.e. 8 groups of splits by 32 float4 columns at DV=128 (H100, (1, 32, 8, 32k) at 64
+    splits: the whole decode 0.0943 ms with a 64-work-item merge, 0.0907 with 256).
     """
     ht_max = 8 if profile.regs_hard >= 1024 else 4
     ht = max(d for d in range(1, min(group, ht_max) + 1) if group % d == 0)
@@ -139,7 +154,7 @@ def default_params(profile, group: int, dk: int, dv: int, dtype: str, *, local_m
             p["HEAD_TILE"] = min(d for d in range(p["HEAD_TILE"] + 1, group + 1) if group % d == 0)
         else:
             break
-    p["MERGE_WG"] = min(64, max_work_group)
+    p["MERGE_WG"] = _pow2_floor(min(MERGE_WG, max_work_group))
     return p
 
 
@@ -155,8 +170,12 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     Decode is bandwidth bound, so the whole device must be reading, and each work-group must have
     enough keys in flight to hide memory latency. Two lower bounds, the larger wins:
 
-    * fill the device: B·H_kv work-groups exist without splits; aim for ``waves`` (2) work-groups
-      per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``;
+    * fill the device: B·H_kv work-groups exist without splits; aim for ``waves`` (4) work-groups
+      per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``.
+      Four is what an NVIDIA SM holds at once of the default work-group (128 work-items at ~124
+      registers): the decode loop's throughput per work-group is fixed by its own chain of
+      barriers and local-memory reductions, so the device streams fastest with every resident
+      slot busy (H100, (1, 32, 8, 32k): 0.136 ms at 2 per SM, 0.091 at 4);
     * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
       ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already
       fills the device (a 2k-key work-group is one long serial chain of loads).
@@ -167,9 +186,11 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     0.163 for 2 and 0.167 for 4 (uneven tile counts per split).
 
     Checked against forced splits {1..64} on the H100 through NVIDIA OpenCL (2026-11-21, fp16,
-    d=128, block_size 16; these constants were chosen on that data): the rule picks 4, 16, 4, 4,
-    8, 4, 16, 64, 64 for the nine reference shapes, each within 5% of the best forced count
-    measured there. ``n_ctx`` is the longest context of the batch.
+    d=128, block_size 16, ``flashcl bench decode --device nvidia --preset reference``; these
+    constants were chosen on that data): the rule picks 4, 16, 8, 4, 8, 8, 16, 64, 64 for the
+    nine reference shapes, each within 4% of the best forced count measured there. With 2 waves
+    (the rule before the merge kernel got faster) it picked 4 for (8, 32, 8, 2k) and (8, 64, 8, 2k),
+    12% and 9% behind 8 and 16 splits. ``n_ctx`` is the longest context of the batch.
     """
     fill = _pow2_floor(waves * max(1, compute_units) // max(1, batch_heads))
     if waves * max(1, compute_units) < max(1, batch_heads):

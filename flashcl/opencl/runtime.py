@@ -275,15 +275,30 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
 
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def ptxas_section(log: str, name: str) -> str:
+    """The part of a ptxas report about kernel ``name``: a program with several kernels reports
+    each after its "Compiling entry function 'name'" line. The whole log if it names no entry."""
+    starts = [(m.start(), m.group(1)) for m in _PTXAS_ENTRY.finditer(log)]
+    if not starts:
+        return log
+    for i, (pos, entry) in enumerate(starts):
+        if entry == name:
+            end = starts[i + 1][0] if i + 1 < len(starts) else len(log)
+            return log[pos:end]
+    return ""
 
 
 def spill_report(built: BuiltProgram, kernel: cl.Kernel, handle: DeviceHandle) -> dict:
     """Spill signals for one built kernel, strongest first (DESIGN.md §5)."""
     info = {}
-    m = _PTXAS_SPILL.search(built.log)
+    section = ptxas_section(built.log, kernel.function_name)
+    m = _PTXAS_SPILL.search(section)
     if m:
         info["spill_stores"], info["spill_loads"] = int(m.group(1)), int(m.group(2))
-    m = _PTXAS_REGS.search(built.log)
+    m = _PTXAS_REGS.search(section)
     if m:
         info["registers"] = int(m.group(1))
     wgi = cl.kernel_work_group_info

@@ -8,7 +8,7 @@ that ``flash_decode_merge`` combines exactly. The split count, when not forced, 
 Tried on an H100 through NVIDIA's OpenCL and left out (2026-11-21, fp16, (1, 32, 8, 32k), block 16;
 configurations interleaved over 5 rounds after a 2 s warm-up, because one-at-a-time runs drifted
 by up to 25% between runs). The decode kernel alone takes 0.084 ms at 64 splits (54% of the copy
-bandwidth) in every one of these, so the remaining gap is not in the loop's structure:
+bandwidth); none of these made it faster, so the remaining gap is not in the loop's structure:
   * a "keys" layout (one work-item scores whole K rows against the whole group, q in local memory,
     one barrier per 128 keys instead of three per 8): 0.114 ms in total against 0.116 (lanes);
   * a second K/V tile in flight per work-item (two register buffers, 128 registers): 0.0838 ms
@@ -175,9 +175,9 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     * fill the device: B·H_kv work-groups exist without splits; aim for ``waves`` (4) work-groups
       per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``.
       Four is what an NVIDIA SM holds at once of the default work-group (128 work-items at ~124
-      registers): the decode loop's throughput per work-group is fixed by its own chain of
-      barriers and local-memory reductions, so the device streams fastest with every resident
-      slot busy (H100, (1, 32, 8, 32k): 0.136 ms at 2 per SM, 0.091 at 4);
+      registers), and the measured optimum (H100, (1, 32, 8, 32k): 0.136 ms at 2 per SM, 0.091
+      at 4, 0.100 at 8, a second wave). A measured constant, not a derived one: more resident
+      work-groups through fewer registers did not help (see the module docstring);
     * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
       ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already
       fills the device (a 2k-key work-group is one long serial chain of loads).

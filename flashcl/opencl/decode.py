@@ -176,7 +176,7 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
       per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``.
       Four is what an NVIDIA SM holds at once of the default work-group (128 work-items at ~124
       registers), and the measured optimum (H100, (1, 32, 8, 32k): 0.136 ms at 2 per SM, 0.091
-      at 4, 0.100 at 8, a second wave). A measured constant, not a derived one: more resident
+      at 4, 0.099 at 8, a second wave). A measured constant, not a derived one: more resident
       work-groups through fewer registers did not help (see the module docstring);
     * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
       ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already

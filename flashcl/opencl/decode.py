@@ -17,6 +17,22 @@ bandwidth); none of these made it faster, so the remaining gap is not in the loo
   * a contiguous (B, H_kv, N, D) cache instead of pages: 0.1137 against 0.1155;
   * each head tile its own work-group (HEAD_TILE 2 or 1: 78 or 55 registers, more work-groups per
     CU, K/V read from L2 by the second): 0.122 and 0.150 against 0.092 (merge 256 in all three).
+A second round (same method; split kernel alone, 0.0842-0.0847 ms as the reference in each run):
+  * the ceiling: a bare read of the same pages on the same grid (16 lanes x 8 rows, 64 splits,
+    the chunks xor-ed, nothing else) takes 0.058 ms (78% of copy), 0.052 with 2-4 keys per
+    work-item (86-89%): neither the pages nor the grid hold the kernel back;
+  * bisection by diagnostic builds (results wrong on purpose): only the loads and their half ->
+    float conversion 0.066; plus the partial dot products 0.070; plus the barriers 0.076; plus the
+    score reduction and the softmax 0.084. Every part adds a little, none dominates;
+  * fewer instructions per key: an FMA chain for the partial dots 0.0836; skipping the rescale of
+    acc when the row max did not move 0.0870; native_exp2 or -cl-mad-enable 0.0841;
+  * the next tile's loads at the top of the iteration, their block-table entries one tile
+    earlier: 0.0870;
+  * each work-item summing its own scores from double-buffered partials (one barrier per tile
+    instead of three): 0.0943;
+  * two tiles in flight (a three-slot register ring, the loop unrolled by three): 0.0926 (128
+    registers, 8 bytes spilled); at (8, 32/32, 2k), 72 registers and no spill, 0.138 against
+    0.105: more loads in flight made it slower, not faster.
 """
 
 from __future__ import annotations

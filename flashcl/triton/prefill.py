@@ -234,15 +234,17 @@ def _prefill_kernel(
 # (128 x 128 x 2/3 stages, 128 x 64 x 2/3 stages uncapped, 64 x 64) never won on an H100 sweep of
 # six shapes (2026-11-21: 4-23% behind the best) and only added autotuning noise: the autotuner
 # picked a 405 TFLOP/s tile for (4, 32, 4096, 128) causal where this one gives 470.
-# _POINTER_TILE_BEHIND_TMA (H100, fp16, d=128, forced configs timed alike: CUDA-graph replay,
-# 5 interleaved rounds, median, 2026-11-21, .lead/tp_lazy.py in two separate runs): the pointer
-# 128 x 64 x 3 tile against the capped TMA one, TFLOP/s
+# Where the TMA tile replaces the pointer baseline too (_tile_fits: 16-bit, head dims padded to 128,
+# N >= 4096). H100, fp16, d=128, forced configs timed alike (CUDA-graph replay, 5 interleaved
+# rounds, median, 2026-11-21, two separate runs): the pointer 128 x 64 x 3 tile against the
+# capped TMA one, TFLOP/s
 #     (4, 32, 4096) causal   413 / 438 and 411 / 459
 #     (1, 32, 4096) full     434 / 450 and 436 / 489
 #     (1, 32, 16384) causal  471 / 480
 # The autotuner's own timings put the two within 1-2% and picked the pointer tile in about half of
 # its runs (flashcl bench prefill: 415 against 441 at (4, 32, 4096) causal). At d=64, N=1024 the
-# pointer tile is far ahead (246 / 179), so the rule is limited to head dims > 64 and N >= 4096.
+# pointer tile is far ahead (246 / 179); d=256 was not measured. So the rule covers head dims
+# 65..128 (padded to 128) and N >= 4096 only.
 # 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
 # serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
 # (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
@@ -287,7 +289,7 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
     - TMA needs sm_90+ and 16-byte aligned bases and strides (``tma_ok``, checked per call);
       where it is available the pointer-based 128-row tiles are left out but for 128 x 64 x 3
       stages, the portable baseline (fewer configs to compile and time); for 16-bit inputs with
-      head dims above 64 and queries from 4096 on, that one too (_POINTER_TILE_BEHIND_TMA).
+      head dims 65..128 and queries from 4096 on, that one too (measured: next to _TILE_SPACE).
     - float32 runs IEEE dots on FMA units with both operands in registers: beyond 64 x 32 tiles
       on 8 warps ptxas spills thousands of registers and compiles for tens of seconds.
     - 16-bit: wgmma (sm_90) works on 64-row slices per warpgroup, so BLOCK_M >= 64; the
@@ -302,8 +304,8 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
         return False
     if tma_ok and not use_tma and bm == 128 and bn >= 64 and (bn, num_stages) != (64, 3):
         return False
-    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk >= 128 and q_bucket >= 4096:
-        return False  # the baseline too, here: see _POINTER_TILE_BEHIND_TMA
+    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk == 128 and q_bucket >= 4096:
+        return False  # the baseline too: measured behind the TMA tile (next to _TILE_SPACE)
     if elt == 4:
         if bm * bn > 64 * 32 or num_warps != 8:
             return False

@@ -51,6 +51,17 @@
 #ifndef MERGE_WG
 #define MERGE_WG 64       // work-items of the merge kernel (power of two, 16..1024)
 #endif
+#ifndef ROW_SHUFFLE
+/* 1: sum a K row's partial dot products with register shuffles inside the warp (NVIDIA inline
+ * PTX; the host sets it where it holds, see row_sum) instead of through local memory and two
+ * barriers per tile. */
+#define ROW_SHUFFLE 0
+#endif
+#ifndef FIXED_WG
+/* 1: declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound (.reqntid), and
+ * ptxas then ignores -cl-nv-maxrregcount; builds with a register cap use 0. */
+#define FIXED_WG 1
+#endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
 #include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
@@ -97,6 +108,10 @@ typedef float store_t;
 #error "MERGE_WG must be a power of two (tree reduction)"
 #endif
 
+#if ROW_SHUFFLE && (STAGED || (LANES & (LANES - 1)) != 0 || LANES > 32 || (WG % 32) != 0)
+#error "ROW_SHUFFLE needs one head tile, LANES a power of two <= 32 and whole warps"
+#endif
+
 #if VW == 8
 #define HSUM_W(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
 #define LOAD_W(p, i) vload_half8((i), (p))
@@ -115,6 +130,21 @@ static inline floatW to_float(raw_t r)
     return r;
 #endif
 }
+
+#if ROW_SHUFFLE
+/* Sum of x over the LANES work-items of one K row: they are consecutive and LANES-aligned in a
+ * 32-wide NVIDIA warp (lane fastest, LANES a power of two), so an xor butterfly inside the warp
+ * reaches exactly them. Every lane ends with the same bits (each step adds the same two values). */
+static inline float row_sum(float x)
+{
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) {
+        float y;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(offset));
+        x += y;
+    }
+    return x;
+}
+#endif
 
 /* chunk offset (in raw_t units) of key j's row, relative to the (batch, KV head) base */
 static inline ulong row_offset(const int j, __global const int *bt_row, const int block_shift,
@@ -233,6 +263,20 @@ static inline void decode_body(
         }
 #endif
 
+#if ROW_SHUFFLE
+        /* scores of this row slot's keys, summed across the row's lanes in registers; keys past
+         * k1 (the tail of the last tile) are -inf */
+        float sc[UNROLL][HEAD_TILE];
+        for (int u = 0; u < UNROLL; ++u) {
+            const floatW kf = to_float(kc[u]);
+            const bool key_ok = t0 + u * ROWS + row < k1;
+            for (int i = 0; i < HEAD_TILE; ++i) {
+                const float s_ = row_sum(HSUM_W(qv[i] * kf));
+                sc[u][i] = key_ok ? s_ : -INFINITY;
+            }
+        }
+#define SCORE(u, i) sc[u][i]
+#else
         /* partial dot products over this lane's VW dims, for every head of the tile */
         for (int u = 0; u < UNROLL; ++u) {
             const floatW kf = to_float(kc[u]);
@@ -253,6 +297,9 @@ static inline void decode_body(
          * iteration's first barrier, which every work-item reaches only after reading them */
         barrier(CLK_LOCAL_MEM_FENCE);
 
+#define SCORE(u, i) scores[(ht * HEAD_TILE + (i)) * BLOCK_N + (u) * ROWS + row]
+#endif
+
         /* online softmax of this row slot's keys: rescale acc to the new max, add p @ v */
         floatW vf[UNROLL];
         for (int u = 0; u < UNROLL; ++u)
@@ -261,7 +308,7 @@ static inline void decode_body(
             float s[UNROLL];
             float tile_max = -INFINITY;
             for (int u = 0; u < UNROLL; ++u) {
-                s[u] = scores[(ht * HEAD_TILE + i) * BLOCK_N + u * ROWS + row];
+                s[u] = SCORE(u, i);
                 tile_max = fmax(tile_max, s[u]);
             }
             const float m_new = fmax(m[i], tile_max);
@@ -276,6 +323,7 @@ static inline void decode_body(
             }
             m[i] = m_new;
         }
+#undef SCORE
     }
 #undef FETCH_TILE
 
@@ -352,12 +400,18 @@ static inline void decode_body(
     const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,                 \
     const ulong o_off, const ulong o_sb, const ulong o_sh
 
+#if FIXED_WG
+#define DECODE_WG_ATTR __attribute__((reqd_work_group_size(WG, 1, 1)))
+#else
+#define DECODE_WG_ATTR
+#endif
+
 #define DECODE_KERNEL(NAME, IS_PARTIAL)                                                      \
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))                                     \
+__kernel DECODE_WG_ATTR                                                                      \
 void NAME(DECODE_PARAMS)                                                                     \
 {                                                                                            \
-    __local float partials[GROUP * BLOCK_N * PSTRIDE];                                       \
-    __local float scores[GROUP * BLOCK_N];                                                   \
+    __local float partials[ROW_SHUFFLE ? 1 : GROUP * BLOCK_N * PSTRIDE];                     \
+    __local float scores[ROW_SHUFFLE ? 1 : GROUP * BLOCK_N];                                 \
     __local raw_t tile[STAGED ? TILE_CHUNKS : 1];                                            \
     __local float red_m[ROWS * GROUP], red_l[ROWS * GROUP];                                  \
     __local float red_acc[ROWS > 1 ? ROWS * NHT * HEAD_DV : 4];                              \

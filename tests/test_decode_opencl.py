@@ -47,7 +47,7 @@ def _contiguous(rng, b, h_q, h_kv, dk, dv, n_max, dtype, logit_scale=1.0):
     return q, k, v
 
 
-def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None):
+def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None, row_shuffle=None):
     """Run the decode kernels on out/lse pre-filled with NaN; contiguous caches when table is None
     (lens None: every sequence is N_max long)."""
     h = get_device(device)
@@ -56,7 +56,7 @@ def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=No
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
     choice = choose_params(h, prob, params)
-    kern = DecodeKernel(h, prob, choice.params)
+    kern = DecodeKernel(h, prob, choice.params, row_shuffle=row_shuffle)
     if lens is None:
         lens = np.full(b, k.shape[2], dtype=np.int32)
     qd, kd, vd, lens_d = (cla.to_device(h.queue, x) for x in (q, k, v, lens))
@@ -88,8 +88,8 @@ def _naive(q, k, v, table, lens, scale):
     return np.stack(outs)
 
 
-def check(device, q, k, v, table, lens, num_splits, params=None, what=""):
-    out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params)
+def check(device, q, k, v, table, lens, num_splits, params=None, what="", row_shuffle=None):
+    out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params, row_shuffle=row_shuffle)
     scale = q.shape[-1] ** -0.5
     ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
                                                   return_lse=True)
@@ -187,6 +187,24 @@ def test_tile_parameters(cl_device, params):
         pytest.skip(str(exc))
     for s in (1, 3, 40):
         check(cl_device, q, k, v, table, lens, s, params)
+
+
+@pytest.mark.parametrize("dk", [64, 128, 256])
+def test_row_shuffle(cl_device, dk):
+    """The NVIDIA warp-shuffle score sums (ROW_SHUFFLE; 8, 16 and 32 lanes per K row in fp16)
+    against the oracle, next to the local-memory sums on the same inputs; elsewhere forcing it
+    is refused."""
+    h = get_device(cl_device)
+    params = dict(ROWS=4, UNROLL=1, HEAD_TILE=4, MERGE_WG=64)
+    rng = np.random.default_rng(dk)
+    q, k, v, table, lens = _paged(rng, 3, 8, 2, dk, dk, [1, 17, 300], 16, "float16", logit_scale=4.0)
+    if not cl_decode.row_shuffle_ok(h, params, 4, dk, dk, "float16"):
+        with pytest.raises(ValueError, match="row_shuffle"):
+            DecodeKernel(h, DecodeProblem(3, 8, 2, dk, dk, True, "float16"), params, row_shuffle=True)
+        return
+    for shuffle in (True, False):
+        for s in (1, 5):
+            check(cl_device, q, k, v, table, lens, s, params, what=f"row_shuffle={shuffle}", row_shuffle=shuffle)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

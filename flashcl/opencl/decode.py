@@ -33,6 +33,15 @@ A second round (same method; split kernel alone, 0.0842-0.0847 ms as the referen
   * two tiles in flight (a three-slot register ring, the loop unrolled by three): 0.0926 (128
     registers, 8 bytes spilled); at (8, 32/32, 2k), 72 registers and no spill, 0.138 against
     0.105: more loads in flight made it slower, not faster.
+A third round (same method):
+  * occupancy: the kernel takes 123 registers (4 work-groups of 128 per SM). Capped at 96, 80 or
+    64 (decode.cl now honours -cl-nv-maxrregcount, built with FIXED_WG=0) it spills 80-272 bytes
+    and takes 0.122-0.163 ms; UNROLL 2 capped at 128 (no spill) 0.0821 against 0.0842;
+  * what landed, ROW_SHUFFLE (row_shuffle_ok): the K row's partial dot products summed by warp
+    shuffles, no local memory and no barrier in the loop: the split kernel 0.0805 against 0.0845,
+    in all (merge included) 0.0871 against 0.0909 (52% of copy); (32, 32/8, 2k) 0.156 against
+    0.164; (8, 32/32, 2k) 0.110 against 0.112; (8, 32/8, 2k) within its noise (0.071-0.072).
+    With it, UNROLL 2 is still slower (0.104-0.111 ms, 144 registers).
 """
 
 from __future__ import annotations
@@ -257,15 +266,37 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
                                        local_mem=handle.local_mem, max_work_group=handle.max_work_group))
 
 
+def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: int, dtype: str) -> bool:
+    """Whether decode.cl's ROW_SHUFFLE path applies: NVIDIA (inline PTX shfl.sync in 32-wide
+    warps), one head tile per work-group, the lanes of a K row a power of two <= 32 and the
+    work-group whole warps.
+
+    H100, fp16, d=128, paged block 16, interleaved rounds (2026-11-21): the split kernel at
+    (1, 32/8, 32k), 64 splits, 0.0805 ms against 0.0845 with the local-memory sums (ROWS 8,
+    UNROLL 1, HEAD_TILE 4); (8, 32/32, 2k) at 4 splits 0.1070 against 0.1096 in all."""
+    ln = lanes(dk, dv, dtype)
+    return (handle.is_nvidia and group // params["HEAD_TILE"] == 1 and ln <= 32 and ln & (ln - 1) == 0
+            and work_group_size(params, group, dk, dv, dtype) % 32 == 0)
+
+
 class DecodeKernel:
-    """The three decode kernels built for one problem class and parameter set on one device."""
+    """The three decode kernels built for one problem class and parameter set on one device.
+
+    ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever row_shuffle_ok (False forces the
+    local-memory sums, for comparisons)."""
 
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
-                 verbose: bool = False, extra_options=()):
+                 verbose: bool = False, extra_options=(), row_shuffle: bool | None = None):
         self.handle, self.prob, self.params = handle, prob, dict(params)
+        shuffle_ok = row_shuffle_ok(handle, params, prob.group, prob.dk, prob.dv, prob.dtype)
+        if row_shuffle and not shuffle_ok:
+            raise ValueError("row_shuffle: needs an NVIDIA device, HEAD_TILE == G, and K rows of a "
+                             "power-of-two number of lanes <= 32 in whole warps")
+        self.row_shuffle = shuffle_ok if row_shuffle is None else bool(row_shuffle)
         self.defines = {
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
             "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+            "ROW_SHUFFLE": self.row_shuffle,
             **{k: params[k] for k in _PARAM_NAMES},
         }
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,

@@ -245,6 +245,12 @@ def _prefill_kernel(
 # its runs (flashcl bench prefill: 415 against 441 at (4, 32, 4096) causal). At d=64, N=1024 the
 # pointer tile is far ahead (246 / 179); d=256 was not measured. So the rule covers head dims
 # 65..128 (padded to 128) and N >= 4096 only.
+# Warp specialization (tl.range(..., warp_specialize=True), Triton 3.6 on sm_90: a TMA producer
+# warpgroup and two consumer warpgroups, with 4 warps per program only) compiles only with a single
+# K/V loop, so the masked tiles must be masked on every tile. Measured (forced configs, same method,
+# 2026-11-21): non-causal (1, 32, 4096) 476 against 453 for the tile below, (1, 32, 1000) 316
+# against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed three
+# different ways), so it is not used.
 # 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
 # serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
 # (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).

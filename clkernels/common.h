@@ -1,5 +1,5 @@
-/* What every flashcl kernel shares: the host-defined problem constants (checked here), token
- * pasting for width-generic vector names, 64-byte aligned local arrays, and the lse formula. */
+/* What every flashcl kernel shares: the host-defined problem constants (checked here), the
+ * work-group size declaration, token pasting for width-generic vector names, 64-byte aligned local arrays, and the lse formula. */
 #ifndef FLASHCL_COMMON_H
 #define FLASHCL_COMMON_H
 
@@ -11,6 +11,18 @@
 #endif
 #ifndef STORE_HALF
 #define STORE_HALF 0      // 1: q/k/v/out are stored as half (computed in float32)
+#endif
+
+#ifndef FIXED_WG
+/* 1: kernels declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound
+ * (.reqntid), and ptxas then ignores -cl-nv-maxrregcount; builds with a register cap (flashcl
+ * tune on a GPU standing in for a smaller register file) use 0. */
+#define FIXED_WG 1
+#endif
+#if FIXED_WG
+#define FLASHCL_REQD_WG(n) __attribute__((reqd_work_group_size((n), 1, 1)))
+#else
+#define FLASHCL_REQD_WG(n)
 #endif
 
 #define FLASHCL_CAT_(a, b) a##b

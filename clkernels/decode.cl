@@ -57,11 +57,6 @@
  * barriers per tile. */
 #define ROW_SHUFFLE 0
 #endif
-#ifndef FIXED_WG
-/* 1: declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound (.reqntid), and
- * ptxas then ignores -cl-nv-maxrregcount; builds with a register cap use 0. */
-#define FIXED_WG 1
-#endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
 #include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
@@ -400,14 +395,8 @@ static inline void decode_body(
     const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,                 \
     const ulong o_off, const ulong o_sb, const ulong o_sh
 
-#if FIXED_WG
-#define DECODE_WG_ATTR __attribute__((reqd_work_group_size(WG, 1, 1)))
-#else
-#define DECODE_WG_ATTR
-#endif
-
 #define DECODE_KERNEL(NAME, IS_PARTIAL)                                                      \
-__kernel DECODE_WG_ATTR                                                                      \
+__kernel FLASHCL_REQD_WG(WG)                                                                 \
 void NAME(DECODE_PARAMS)                                                                     \
 {                                                                                            \
     __local float partials[ROW_SHUFFLE ? 1 : GROUP * BLOCK_N * PSTRIDE];                     \

@@ -45,7 +45,7 @@
 #endif
 
 /* ---- problem constants set by the host (HEAD_DK, HEAD_DV, STORE_HALF, IS_CAUSAL, WRITE_LSE,
- *      UNROLL_LOOPS, FIXED_WG: see prefill_common.h) ---------------------------------------- */
+ *      UNROLL_LOOPS: see prefill_common.h; FIXED_WG: see common.h) --------------------------- */
 #include "prefill_common.h"
 #ifndef Q_IN_REGS
 #define Q_IN_REGS 1       // 1: the q row lives in registers; 0: re-read per KV tile (saves HEAD_DK registers)
@@ -87,10 +87,7 @@
 #define PER_ITEM(n) ((n) + (row > 0x7ffffffe))
 #endif
 
-__kernel
-#if FIXED_WG
-__attribute__((reqd_work_group_size(BLOCK_M, 1, 1)))
-#endif
+__kernel FLASHCL_REQD_WG(BLOCK_M)
 void flash_prefill(__global const store_t *q, __global const store_t *k,
                    __global const store_t *v, __global store_t *out, __global float *lse,
                    const int n_q, const int n_kv, const int h_q, const int group, const int head_section,

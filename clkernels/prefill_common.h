@@ -15,12 +15,6 @@
 #ifndef UNROLL_LOOPS
 #define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
 #endif
-#ifndef FIXED_WG
-/* 1: declare reqd_work_group_size. NVIDIA's compiler turns it into a launch bound (.reqntid), and
- * ptxas then ignores -cl-nv-maxrregcount; the register-cap check (flashcl tune on a GPU standing
- * in for a smaller register file) builds with 0. */
-#define FIXED_WG 1
-#endif
 
 #define NUM_DV_TILES (HEAD_DV / DV_TILE)
 

@@ -103,10 +103,7 @@
 #define LDS_TN(p) (*(__local const floatTN *)(p))
 #define LDS_4(p) (*(__local const float4 *)(p))
 
-__kernel
-#if FIXED_WG
-__attribute__((reqd_work_group_size(WG, 1, 1)))
-#endif
+__kernel FLASHCL_REQD_WG(WG)
 void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                          __global const store_t *v, __global store_t *out, __global float *lse,
                          const int n_q, const int n_kv, const int h_q, const int group, const int head_section,

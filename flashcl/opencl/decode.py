@@ -269,11 +269,7 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
 def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: int, dtype: str) -> bool:
     """Whether decode.cl's ROW_SHUFFLE path applies: NVIDIA (inline PTX shfl.sync in 32-wide
     warps), one head tile per work-group, the lanes of a K row a power of two <= 32 and the
-    work-group whole warps.
-
-    H100, fp16, d=128, paged block 16, interleaved rounds (2026-11-21): the split kernel at
-    (1, 32/8, 32k), 64 splits, 0.0805 ms against 0.0845 with the local-memory sums (ROWS 8,
-    UNROLL 1, HEAD_TILE 4); (8, 32/32, 2k) at 4 splits 0.1070 against 0.1096 in all."""
+    work-group whole warps. Measured against the local-memory sums: the module docstring."""
     ln = lanes(dk, dv, dtype)
     return (handle.is_nvidia and group // params["HEAD_TILE"] == 1 and ln <= 32 and ln & (ln - 1) == 0
             and work_group_size(params, group, dk, dv, dtype) % 32 == 0)

@@ -63,9 +63,6 @@
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
 #endif
-#ifndef PAGED
-#define PAGED 0           // 1: paged cache addressed through block_table, 0: contiguous cache
-#endif
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
 #if STORE_HALF
@@ -117,6 +114,9 @@ typedef float store_t;
 #define STORE_W(x, i, p) vstore4((x), (i), (p))
 #endif
 
+#define DECODE_NV_PTX ROW_SHUFFLE
+#include "decode_common.h"
+
 static inline floatW to_float(raw_t r)
 {
 #if STORE_HALF
@@ -132,42 +132,16 @@ static inline floatW to_float(raw_t r)
  * reaches exactly them. Every lane ends with the same bits (each step adds the same two values). */
 static inline float row_sum(float x)
 {
-    for (int offset = LANES / 2; offset > 0; offset >>= 1) {
-        float y;
-        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(offset));
-        x += y;
-    }
+    for (int offset = LANES / 2; offset > 0; offset >>= 1)
+        x += warp_xor(x, offset);
     return x;
 }
 #endif
 
-/* chunk offset (in raw_t units) of key j's row, relative to the (batch, KV head) base */
-static inline ulong row_offset(const int j, __global const int *bt_row, const int block_shift,
-                               const ulong s0, const ulong s1)
-{
-#if PAGED
-    const int block = bt_row[j >> block_shift];
-    return (ulong)block * s0 + (ulong)(j & ((1 << block_shift) - 1)) * s1;
-#else
-    return (ulong)j * s1;
-#endif
-}
-
 /* The split's attention state of HEAD_TILE query heads; written normalized (final) or raw. */
-static inline void decode_body(
-    __global const store_t *q, __global const raw_t *k, __global const raw_t *v,
-    __global store_t *out, __global float *lse,
-    __global float *part_m, __global float *part_l, __global float *part_acc,
-    __global const int *block_table, __global const int *context_lens,
-    const int h_q, const int num_splits, const int bt_stride, const int block_shift,
-    const float scale_log2,
-    const ulong q_off, const ulong q_sb, const ulong q_sh,
-    const ulong k_off, const ulong k_s0, const ulong k_sh, const ulong k_s1,
-    const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,
-    const ulong o_off, const ulong o_sb, const ulong o_sh,
-    const bool partial,
-    __local float *partials, __local float *scores, __local raw_t *tile,
-    __local float *red_m, __local float *red_l, __local float *red_acc)
+static inline void decode_body(DECODE_PARAMS, const bool partial,
+                               __local float *partials, __local float *scores, __local raw_t *tile,
+                               __local float *red_m, __local float *red_l, __local float *red_acc)
 {
     const int tid = get_local_id(0);
     const int lane = tid % LANES;
@@ -178,21 +152,12 @@ static inline void decode_body(
     const int batch = get_group_id(2);
     const int head0 = kv_head * GROUP + ht * HEAD_TILE;  /* first query head of this work-item */
 
-    /* this split's keys [k0, k1): whole tiles, so that only the sequence's last tile is partial */
-    const int n = context_lens[batch];
-    const int per_split = (n + num_splits - 1) / num_splits;
-    const int chunk = (per_split + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
-    const int k0 = min(split * chunk, n);
-    const int k1 = min(k0 + chunk, n);
+    int k0, k1;  /* this split's keys */
+    split_range(context_lens[batch], num_splits, split, BLOCK_N, &k0, &k1);
 
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;
-#if PAGED
-    __global const raw_t *k_base = k + k_off + kv_head * k_sh;
-    __global const raw_t *v_base = v + v_off + kv_head * v_sh;
-#else
-    __global const raw_t *k_base = k + k_off + batch * k_s0 + kv_head * k_sh;
-    __global const raw_t *v_base = v + v_off + batch * v_s0 + kv_head * v_sh;
-#endif
+    __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
+    __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
 
     /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros */
     floatW qv[HEAD_TILE], acc[HEAD_TILE];
@@ -383,18 +348,6 @@ static inline void decode_body(
     }
 }
 
-#define DECODE_PARAMS                                                                        \
-    __global const store_t *q, __global const raw_t *k, __global const raw_t *v,             \
-    __global store_t *out, __global float *lse,                                              \
-    __global float *part_m, __global float *part_l, __global float *part_acc,                \
-    __global const int *block_table, __global const int *context_lens,                       \
-    const int h_q, const int num_splits, const int bt_stride, const int block_shift,         \
-    const float scale_log2,                                                                  \
-    const ulong q_off, const ulong q_sb, const ulong q_sh,                                   \
-    const ulong k_off, const ulong k_s0, const ulong k_sh, const ulong k_s1,                 \
-    const ulong v_off, const ulong v_s0, const ulong v_sh, const ulong v_s1,                 \
-    const ulong o_off, const ulong o_sb, const ulong o_sh
-
 #define DECODE_KERNEL(NAME, IS_PARTIAL)                                                      \
 __kernel FLASHCL_REQD_WG(WG)                                                                 \
 void NAME(DECODE_PARAMS)                                                                     \
@@ -404,10 +357,7 @@ void NAME(DECODE_PARAMS)                                                        
     __local raw_t tile[STAGED ? TILE_CHUNKS : 1];                                            \
     __local float red_m[ROWS * GROUP], red_l[ROWS * GROUP];                                  \
     __local float red_acc[ROWS > 1 ? ROWS * NHT * HEAD_DV : 4];                              \
-    decode_body(q, k, v, out, lse, part_m, part_l, part_acc, block_table, context_lens,      \
-                h_q, num_splits, bt_stride, block_shift, scale_log2, q_off, q_sb, q_sh,      \
-                k_off, k_s0, k_sh, k_s1, v_off, v_s0, v_sh, v_s1, o_off, o_sb, o_sh,         \
-                IS_PARTIAL, partials, scores, tile, red_m, red_l, red_acc);                  \
+    decode_body(DECODE_ARGS, IS_PARTIAL, partials, scores, tile, red_m, red_l, red_acc);     \
 }
 
 DECODE_KERNEL(flash_decode, false)

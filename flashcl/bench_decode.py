@@ -27,7 +27,7 @@ import pyopencl.array as cla
 
 from . import reference
 from .bench import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
-from .opencl.decode import DecodeKernel, DecodeProblem, choose_num_splits, choose_params
+from .opencl.decode import DecodeKernel, DecodeProblem, choose_params
 from .opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
@@ -68,6 +68,7 @@ class DecodeRow:
     auto_ok: bool            # auto within 5% of the best forced split
     rel_err: float
     forced_ms: dict = field(default_factory=dict)
+    kernel: str = ""         # which decode kernel ran (DecodeKernel.path)
 
 
 def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -111,7 +112,6 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
     dev = handle.device
     cache = int(dev.global_mem_cache_size)
     mem_budget = int(dev.global_mem_size) // 3
-    units = int(dev.max_compute_units)
     queue = handle.queue
     copy_gbps = copy_bandwidth(handle)
     rows = []
@@ -137,7 +137,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 return kern(qd, kd, vd, out, lse, td, ld, scale, num_splits)
             return go
 
-        auto = choose_num_splits(units, b * h_kv, ctx)
+        auto = kern.auto_splits(ctx)
         timed = {}
         for s in sorted({1, auto, *splits}):
             timed[s] = event_times(lambda i, go=run(s): go(i % copies), repeats)  # rotate the copies
@@ -163,7 +163,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             single_ms=med[1], single_gbps=gbps(med[1]), auto_ms=med[auto],
             auto_min_ms=min(timed[auto]), auto_max_ms=max(timed[auto]), auto_gbps=gbps(med[auto]),
             copy_gbps=copy_gbps, pct_copy=100.0 * gbps(med[auto]) / copy_gbps, best_split=best, best_ms=forced[best],
-            auto_ok=med[auto] <= AUTO_TOLERANCE * forced[best], rel_err=err, forced_ms=forced)
+            auto_ok=med[auto] <= AUTO_TOLERANCE * forced[best], rel_err=err, forced_ms=forced,
+            kernel=kern.path)
         rows.append(row)
         if progress:
             progress(row)
@@ -192,6 +193,7 @@ def format_decode(rows, cond: dict) -> str:
             f"{'yes' if r.auto_ok else 'NO':>8} {r.rel_err:8.1e}")
     lines.append("# forced split sweep (ms): " + "; ".join(
         f"{r.shape} " + " ".join(f"{s}:{t:.3f}" for s, t in r.forced_ms.items()) for r in rows))
+    lines.append("# decode kernel: " + "; ".join(sorted({r.kernel for r in rows})))
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources) + "; params: " + "; ".join(sorted({r.params for r in rows})))
     return "\n".join(lines)

@@ -47,7 +47,8 @@ def _contiguous(rng, b, h_q, h_kv, dk, dv, n_max, dtype, logit_scale=1.0):
     return q, k, v
 
 
-def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None, row_shuffle=None):
+def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None, row_shuffle=None,
+                 tensor_cores=None):
     """Run the decode kernels on out/lse pre-filled with NaN; contiguous caches when table is None
     (lens None: every sequence is N_max long)."""
     h = get_device(device)
@@ -56,7 +57,7 @@ def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=No
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
     choice = choose_params(h, prob, params)
-    kern = DecodeKernel(h, prob, choice.params, row_shuffle=row_shuffle)
+    kern = DecodeKernel(h, prob, choice.params, row_shuffle=row_shuffle, tensor_cores=tensor_cores)
     if lens is None:
         lens = np.full(b, k.shape[2], dtype=np.int32)
     qd, kd, vd, lens_d = (cla.to_device(h.queue, x) for x in (q, k, v, lens))
@@ -88,8 +89,10 @@ def _naive(q, k, v, table, lens, scale):
     return np.stack(outs)
 
 
-def check(device, q, k, v, table, lens, num_splits, params=None, what="", row_shuffle=None):
-    out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params, row_shuffle=row_shuffle)
+def check(device, q, k, v, table, lens, num_splits, params=None, what="", row_shuffle=None,
+          tensor_cores=None):
+    out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params, row_shuffle=row_shuffle,
+                                  tensor_cores=tensor_cores)
     scale = q.shape[-1] ** -0.5
     ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
                                                   return_lse=True)
@@ -205,6 +208,48 @@ def test_row_shuffle(cl_device, dk):
     for shuffle in (True, False):
         for s in (1, 5):
             check(cl_device, q, k, v, table, lens, s, params, what=f"row_shuffle={shuffle}", row_shuffle=shuffle)
+
+
+# (H_q, H_kv, DK, DV): GQA groups of 4, 16 (both MMA row halves), 12 (a partial second half),
+# 1 (15 padding rows), 32 (two work-groups per KV head); DK 32..128 and DK != DV
+MMA_CASES = [(8, 2, 128, 128), (16, 1, 64, 64), (12, 1, 96, 128), (2, 2, 32, 64), (32, 1, 64, 64)]
+
+
+@pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
+def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
+    """decode_mma.cl against the oracle: on NVIDIA (sm_80+) with the real mma.sync/shfl.sync
+    instructions, on every other device with their emulation (the same fragment bookkeeping,
+    checked by PoCL in CI). Partial tiles, 1-key sequences, more splits than keys, a contiguous
+    cache with an empty sequence, logits around +-200."""
+    h = get_device(cl_device)
+    prob = DecodeProblem(3, h_q, h_kv, dk, dv, True, "float16")
+    mode = True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+    if mode == "emulate":
+        with pytest.raises(ValueError, match="tensor_cores"):
+            DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=True)
+    rng = np.random.default_rng(h_q * dk + dv)
+    q, k, v, table, lens = _paged(rng, 3, h_q, h_kv, dk, dv, [1, 17, 300], 16, "float16", logit_scale=4.0)
+    for s in (1, 3, 200):
+        check(cl_device, q, k, v, table, lens, s, what=f"tensor_cores={mode}", tensor_cores=mode)
+    q, k, v = _contiguous(rng, 2, h_q, h_kv, dk, dv, 97, "float64", logit_scale=60.0)
+    s = np.einsum("hd,hnd->hn", q[0].reshape(h_kv, -1, dk)[:, 0], k[0]) * dk ** -0.5
+    assert np.abs(s).max() > 150
+    q, k, v = (x.astype("float16") for x in (q, k, v))
+    check(cl_device, q, k, v, None, np.array([97, 0], np.int32), 2, what=f"tensor_cores={mode}",
+          tensor_cores=mode)
+
+
+def test_tensor_cores_split_choice():
+    """decode_mma.cl's split rule (2 resident work-groups per SM, 512..4096 keys per split) on the
+    reference decode shapes on an H100 (132 SMs): the counts the H100 bench of 2026-11-21 measured
+    best (MQA: 8, within noise of 4)."""
+    picks = [choose_num_splits(132, b * h_kv * cl_decode.mma_tiles(h_q // h_kv), ctx,
+                               waves=cl_decode.MMA_WAVES, keys_per_split=cl_decode.MMA_KEYS_PER_SPLIT,
+                               min_keys=cl_decode.MMA_MIN_KEYS_PER_SPLIT)
+             for b, h_q, h_kv, ctx in [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048),
+                                       (32, 32, 8, 2048), (4, 64, 8, 2048), (8, 64, 8, 2048),
+                                       (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072)]]
+    assert picks == [1, 2, 4, 1, 4, 4, 8, 32, 32]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -124,10 +124,10 @@ PREFILL_CASES = [
 
 
 def D(name, *, b, h_q, h_kv, dk=32, dv=32, lens, block_size=None, n_max=None, dtype, splits,
-      **params):
+      tensor_cores=None, **params):
     return pytest.param({"kernel": "decode", "heads": (b, h_q, h_kv), "dims": (dk, dv),
                          "lens": lens, "block_size": block_size, "n_max": n_max, "dtype": dtype,
-                         "splits": splits, "params": params}, id=name)
+                         "splits": splits, "tensor_cores": tensor_cores, "params": params}, id=name)
 
 
 # Decode: WG = LANES x ROWS x (G / HEAD_TILE) with LANES = max(DK, DV) / (4 floats | 8 halves).
@@ -156,6 +156,12 @@ DECODE_CASES = [
     # block_size 4, MQA-like group 2 staged, many more splits than keys (64 splits, 10 keys)
     D("paged-bs4-splits64-f32", b=1, h_q=2, h_kv=1, lens=[10], block_size=4, dtype="float32",
       splits=[64], ROWS=1, UNROLL=1, HEAD_TILE=1, MERGE_WG=32),
+    # decode_mma.cl with its warp instructions emulated through local memory (barriers inside
+    # every MMA and shuffle, 4 warps): GQA 20 = two work-groups per KV head, the second with 4
+    # real rows of 16; DK != DV; a 1-key sequence and one of 40 keys in a 64-key round
+    D("mma-emulated-gqa20-f16", b=2, h_q=20, h_kv=1, dk=32, dv=64, lens=[1, 40], block_size=16,
+      dtype="float16", splits=[1, 3], tensor_cores="emulate", ROWS=2, UNROLL=1, HEAD_TILE=20,
+      MERGE_WG=32),
 ]
 
 
@@ -208,7 +214,8 @@ def _worker(spec_json: str) -> None:
             table = None
             lens = None if spec["lens"] is None else np.asarray(spec["lens"], dtype=np.int32)
         for s in spec["splits"]:
-            dec.check("oclgrind", q, k, v, table, lens, s, spec["params"], what="oclgrind")
+            dec.check("oclgrind", q, k, v, table, lens, s, spec["params"], what="oclgrind",
+                      tensor_cores=spec["tensor_cores"])
     print("OCLGRIND-CASE-OK")
 
 

@@ -1,9 +1,22 @@
-"""Host side of the OpenCL flash-decoding kernels (clkernels/decode.cl).
+"""Host side of the OpenCL flash-decoding kernels: clkernels/decode.cl (every device) and
+clkernels/decode_mma.cl (NVIDIA tensor cores).
 
 One work-group per (sequence, KV head, split) serves the whole GQA group; ``num_splits == 1`` is a
 single pass that writes the normalized output itself, more splits write float32 partial states
 that ``flash_decode_merge`` combines exactly. The split count, when not forced, comes from
-:func:`choose_num_splits`.
+:func:`choose_num_splits` (``DecodeKernel.auto_splits``).
+
+On NVIDIA devices of compute capability 8.0+ with an fp16 cache (``tensor_cores_ok``) the two
+decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), ~12 warp
+instructions per key instead of ~115, so the SMs no longer run out of issue slots before HBM runs
+out of bandwidth. H100, interleaved A/B against decode.cl with ROW_SHUFFLE (2026-11-21, kernel +
+merge, best split count of each): (1, 32/8, 32k) 0.065 ms, 70% of copy, against 0.090 (51%);
+(1, 32/8, 128k) 0.198 (92%) against 0.285 (64%); (32, 32/8, 2k) 0.101 (91%) against 0.156;
+(16, 32/1, 4k) 0.046 against 0.090. Its loads: the next tile's K is in flight while a tile is
+computed (MMA_PREFETCH=1, 203 registers): 0.0650 ms at 32k against 0.0688 without (184 registers)
+and 0.0654 with V too (255 registers, 4 bytes spilled). 8 warps per work-group instead of 4:
+0.0735 against 0.0750 without prefetch, worse at 128k (0.218 against 0.209).
+decode.cl serves every other device and fp32 caches; what follows was measured on it.
 
 Tried on an H100 through NVIDIA's OpenCL and left out (2026-11-21, fp16, (1, 32, 8, 32k), block 16;
 configurations interleaved over 5 rounds after a 2 s warm-up, because one-at-a-time runs drifted
@@ -55,7 +68,7 @@ import pyopencl.array as cla
 
 from .. import tuning
 from .arrays import dtype_name, elem_strides, handle_for_inputs, to_device_4d
-from .runtime import DeviceHandle, build, launch, spill_report
+from .runtime import DeviceHandle, build, launch, launch_sequence, spill_report
 
 KERNEL = "decode"
 _LOG2E = 1.0 / math.log(2.0)
@@ -275,20 +288,67 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
             and work_group_size(params, group, dk, dv, dtype) % 32 == 0)
 
 
+MMA_WARPS = 4  # warps per work-group of decode_mma.cl
+# choose_num_splits for decode_mma.cl: 203-217 registers per work-item, so 2 work-groups of 128 fit
+# an NVIDIA SM (not decode.cl's 4). A work-group covers 64 keys per iteration (not 8): a split
+# keeps >= 512 keys (8 iterations; below that its prologue -- q, the first loads' latency -- and
+# epilogue -- the warps' merge, the partial writes -- outweigh the parallelism: (4, 64/8, 2k) on
+# the H100 took 0.027 ms at 4 splits of 512 keys, 0.029 at 8 of 256), and long contexts split
+# further only beyond 4096 keys per split ((1, 32/8, 32k): 32 splits 0.066 ms, 64 splits 0.072).
+MMA_WAVES = 2
+MMA_KEYS_PER_SPLIT = 4096
+MMA_MIN_KEYS_PER_SPLIT = 512
+
+
+def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
+    """Whether decode_mma.cl's real path applies: an NVIDIA device of compute capability 8.0+
+    (mma.sync.m16n8k16 with f16 inputs, inline PTX), an fp16 cache, DK a multiple of 32 up to 256
+    and DV 64 or 128 (16-byte row slices per work-item, the accumulator in registers). Any GQA
+    group: 16 query heads per work-group."""
+    if not handle.is_nvidia or not _mma_shape_ok(prob):
+        return False
+    try:
+        return int(handle.device.compute_capability_major_nv) >= 8
+    except (cl.LogicError, AttributeError):  # no cl_nv_device_attribute_query
+        return False
+
+
+def _mma_shape_ok(prob: "DecodeProblem") -> bool:
+    return prob.dtype == "float16" and prob.dk % 32 == 0 and prob.dk <= 256 and prob.dv in (64, 128)
+
+
+def mma_tiles(group: int) -> int:
+    """Work-groups of decode_mma.cl per KV head: one per 16 query heads of the group."""
+    return -(-group // 16)
+
+
 class DecodeKernel:
     """The three decode kernels built for one problem class and parameter set on one device.
 
-    ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever row_shuffle_ok (False forces the
-    local-memory sums, for comparisons)."""
+    ``tensor_cores`` None: decode_mma.cl's two kernels wherever tensor_cores_ok, decode.cl's
+    elsewhere (the merge always comes from decode.cl); False forces decode.cl; "emulate" builds
+    decode_mma.cl with its PTX instructions emulated in local memory, on any device (tests of
+    the fragment bookkeeping, slow). ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever
+    row_shuffle_ok (False forces the local-memory sums, for comparisons)."""
 
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
-                 verbose: bool = False, extra_options=(), row_shuffle: bool | None = None):
+                 verbose: bool = False, extra_options=(), row_shuffle: bool | None = None,
+                 tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS,
+                 mma_prefetch: int = 1):
         self.handle, self.prob, self.params = handle, prob, dict(params)
         shuffle_ok = row_shuffle_ok(handle, params, prob.group, prob.dk, prob.dv, prob.dtype)
         if row_shuffle and not shuffle_ok:
             raise ValueError("row_shuffle: needs an NVIDIA device, HEAD_TILE == G, and K rows of a "
                              "power-of-two number of lanes <= 32 in whole warps")
         self.row_shuffle = shuffle_ok if row_shuffle is None else bool(row_shuffle)
+        mma_ok = tensor_cores_ok(handle, prob)
+        if tensor_cores == "emulate" and not _mma_shape_ok(prob):
+            raise ValueError("tensor_cores='emulate': needs an fp16 cache, DK a multiple of 32 up to 256 "
+                             "and DV 64 or 128")
+        if tensor_cores is True and not mma_ok:
+            raise ValueError("tensor_cores: needs an NVIDIA device of compute capability 8.0+, an fp16 "
+                             "cache, DK a multiple of 32 up to 256 and DV 64 or 128")
+        self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
         self.defines = {
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
             "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
@@ -300,6 +360,17 @@ class DecodeKernel:
         self.kernels = {name: self.built.kernel(name)
                         for name in ("flash_decode", "flash_decode_split", "flash_decode_merge")}
         self.wg = work_group_size(params, prob.group, prob.dk, prob.dv, prob.dtype)
+        if self.tensor_cores:
+            mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "STORE_HALF": 1,
+                           "PAGED": prob.paged, "MMA_WARPS": mma_warps, "MMA_PREFETCH": mma_prefetch,
+                           "MMA_EMULATE": self.tensor_cores == "emulate"}
+            self.built_mma = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,
+                                   extra_options=extra_options)
+            for name in ("flash_decode", "flash_decode_split"):
+                self.kernels[name] = self.built_mma.kernel(name)
+            self.wg = 32 * mma_warps
+        # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)
+        self.head_tiles = mma_tiles(prob.group) if self.tensor_cores else 1
         for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"])):
             kwg = int(self.kernels[name].get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE,
                                                              handle.device))
@@ -309,9 +380,20 @@ class DecodeKernel:
                                  f"smaller ROWS or HEAD_TILE")
         self._workspaces: dict = {}
 
+    @property
+    def path(self) -> str:
+        """Which decode kernel runs, in words (benchmark tables)."""
+        if self.tensor_cores == "emulate":
+            return "decode_mma.cl, emulated"
+        if self.tensor_cores:
+            return "decode_mma.cl (tensor cores)"
+        return "decode.cl (" + ("warp shuffles" if self.row_shuffle else "local-memory sums") + ")"
+
     def spills(self) -> dict:
         """Spill signals per kernel (ptxas lines appear when built with verbose=True on NVIDIA)."""
-        return {name: spill_report(self.built, k, self.handle) for name, k in self.kernels.items()}
+        return {name: spill_report(self.built_mma if self.tensor_cores and name != "flash_decode_merge"
+                                   else self.built, k, self.handle)
+                for name, k in self.kernels.items()}
 
     def workspace(self, num_splits: int):
         """Partial states (m, l, acc) for ``num_splits``, allocated once per split count."""
@@ -356,7 +438,7 @@ class DecodeKernel:
                   np.uint64(q.offset // q.dtype.itemsize), np.uint64(qs[0]), np.uint64(qs[1]),
                   *kv_args,
                   np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1])]
-        gsize, lsize = (self.wg * num_splits, p.h_kv, p.b), (self.wg, 1, 1)
+        gsize, lsize = (self.wg * num_splits, p.h_kv * self.head_tiles, p.b), (self.wg, 1, 1)
         if num_splits == 1:
             args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
                     lse.data, lse.data, lse.data, block_table.data, context_lens.data, *common]
@@ -365,15 +447,20 @@ class DecodeKernel:
         pm, pl, pacc = self.workspace(num_splits)
         args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
                 pm.data, pl.data, pacc.data, block_table.data, context_lens.data, *common]
-        ev1 = launch(h, self.kernels["flash_decode_split"], gsize, lsize, args, name=KERNEL,
-                     params=self.params)
         mwg = self.params["MERGE_WG"]
         margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
-        ev2 = launch(h, self.kernels["flash_decode_merge"], (mwg * p.h_q, p.b), (mwg, 1), margs,
-                     name=KERNEL + "_merge", params=self.params)
-        return [ev1, ev2]
+        return launch_sequence(h, [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
+                                   (KERNEL + "_merge", self.kernels["flash_decode_merge"],
+                                    (mwg * p.h_q, p.b), (mwg, 1), margs)], params=self.params)
+
+    def auto_splits(self, n_ctx: int) -> int:
+        """The split count choose_num_splits gives this kernel for contexts up to n_ctx keys."""
+        tuned = dict(waves=MMA_WAVES, keys_per_split=MMA_KEYS_PER_SPLIT,
+                     min_keys=MMA_MIN_KEYS_PER_SPLIT) if self.tensor_cores else {}
+        return choose_num_splits(int(self.handle.device.max_compute_units),
+                                 self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned)
 
 
 # --------------------------------------------------------------------------- host-side checks
@@ -449,7 +536,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     choice = choose_params(handle, prob, params, n_ctx)
     kern = DecodeKernel(handle, prob, choice.params)
     if num_splits is None:
-        num_splits = choose_num_splits(int(handle.device.max_compute_units), b * h_kv, n_ctx)
+        num_splits = kern.auto_splits(n_ctx)
 
     queue = handle.queue
     if is_cl:

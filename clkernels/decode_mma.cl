@@ -1,0 +1,430 @@
+/* flashcl decode on NVIDIA tensor cores: decode.cl's kernels (same arguments, same outputs and
+ * split states, merged by decode.cl's flash_decode_merge), with both products on mma.sync.
+ *
+ * Why: decode.cl scores a key with 16 work-items per row, each doing 4 heads x 8 dims of FMAs, a
+ * 4-step shuffle sum per head and its own online softmax: ~115 warp instructions per key row, so
+ * on an H100 the SMs run out of issue slots before HBM runs out of bandwidth (52% of copy at
+ * (1, 32/8, 32k)). One m16n8k16 instruction does 16 x 8 x 16 multiply-adds: here a warp spends
+ * 2 MMAs and ~10 other instructions per key.
+ *
+ * One work-group = MMA_WARPS warps serves one (sequence, KV head, split) and 16 query heads of its
+ * GQA group (the M = 16 rows of the MMA; rows past G are zeros and never stored): the whole group
+ * for G <= 16; a larger group takes ceil(G / 16) work-groups, which read the same K/V rows at the
+ * same time, the second from L2. Warp w
+ * takes the 16-key tiles w, w + MMA_WARPS, ... of the split and keeps its own online-softmax
+ * state; the warps' states meet in local memory at the end.
+ *
+ * Per 16-key tile, with g = lane / 4 and c = lane % 4 (PTX ISA "mma.m16n8k16" fragments):
+ *
+ *   S = Q K^T     A = Q (16 heads x 16 dims per k-step), B = K^T (16 dims x 8 keys), 2 n-tiles.
+ *                 The order of the dims inside a dot product is free, so k-position 2c+e (e < 2)
+ *                 of step s is dim c*DK/4 + 4s + e and k-position 2c+8+e is dim c*DK/4 + 4s+2+e:
+ *                 a work-item's fragments of K come from ONE row (key t0 + 8t + g), a contiguous
+ *                 quarter c of it -- plain 16-byte loads, no shuffles.
+ *   O += P V      A = P (16 heads x 16 keys): S's accumulator fragments ARE P's A fragments
+ *                 (keys 2c, 2c+1 and 8+2c, 9+2c of the tile), converted to f16 pairs.
+ *                 B = V (16 keys x 8 dims), DV/8 n-tiles: n-tile d, column n is output dim
+ *                 n * DV/8 + d, so a work-item's B columns (n = g) are the contiguous eighth g of
+ *                 the V rows 2c, 2c+1, 8+2c, 9+2c; two rows' halves are paired by a byte permute.
+ *
+ * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
+ * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
+ * (as every tensor-core flash attention does), keys past the split's end are -inf with zeroed
+ * K/V (0 x garbage could be NaN).
+ *
+ * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
+ * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
+ * against the float64 oracle on any OpenCL device (PoCL in CI); it is for tests, not speed. Every
+ * loop that contains them has the same trip count on the whole work-group (barriers).
+ */
+
+#include "common.h"   /* HEAD_DK, HEAD_DV, STORE_HALF, lse_of_state */
+#ifndef GROUP
+#error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
+#endif
+#ifndef MMA_WARPS
+#define MMA_WARPS 4       // warps per work-group, each on its own 16-key tiles
+#endif
+#ifndef MMA_PREFETCH
+#define MMA_PREFETCH 1    // tile i+1 loaded while tile i is computed: 0 nothing, 1 its K, 2 K and V
+#endif
+#ifndef MMA_EMULATE
+#define MMA_EMULATE 0
+#endif
+
+#if !STORE_HALF
+#error "decode_mma.cl: fp16 storage only (an fp32 cache would need TF32 products: not exact)"
+#endif
+#if GROUP < 1
+#error "GROUP must be positive"
+#endif
+#if HEAD_DK % 32 != 0 || HEAD_DK > 256 || HEAD_DV % 64 != 0 || HEAD_DV > 128
+#error "decode_mma.cl: DK a multiple of 32 up to 256, DV 64 or 128 (16-byte loads, registers)"
+#endif
+
+typedef uint4 raw_t;      // one 16-byte chunk of a K/V row: 8 halves
+typedef half store_t;
+#define DECODE_NV_PTX (!MMA_EMULATE)
+#include "decode_common.h"
+
+#define WG (32 * MMA_WARPS)
+#define TILE 16                     // keys per warp per iteration: the k extent of O += P V
+#define ROUND (TILE * MMA_WARPS)    // keys per work-group per iteration
+#define KSTEPS (HEAD_DK / 16)       // k-steps of S = Q K^T
+#define KQ (HEAD_DK / 4)            // dims of a K row per work-item (quarter c)
+#define KCH (KQ / 8)                // ... in 16-byte chunks
+#define NTV (HEAD_DV / 8)           // n-tiles of O; also the dims of a V row per work-item
+#define VCH (NTV / 8)               // ... in 16-byte chunks
+#define MTILES ((GROUP + 15) / 16)  // work-groups per KV head: one per 16 query heads (MMA rows)
+#define MT_ROWS (GROUP < 16 ? GROUP : 16)  // query heads of one work-group (the last may have fewer)
+#define NH (MT_ROWS > 8 ? 2 : 1)    // MMA rows per work-item holding real heads: g and g + 8
+
+/* ---- the two warp-level primitives ---------------------------------------------------------- */
+
+#if MMA_EMULATE
+/* Local scratch of one warp for the emulations: the A and B fragments of an MMA and the values
+ * of a shuffle. Halves are handled as integer bits (no type punning through memory). */
+typedef struct { uint a[32 * 4]; uint b[32 * 2]; float x[32]; } warp_scratch;
+
+static inline float half_to_float(const uint h)
+{
+    const uint sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (e == 0)         /* zero or subnormal: mant * 2^-24 */
+        return as_float(sign | as_uint((float)mant * 0x1p-24f));
+    if (e == 31)        /* inf or nan */
+        return as_float(sign | 0x7f800000u | (mant << 13));
+    return as_float(sign | ((e + 112) << 23) | (mant << 13));
+}
+
+static inline uint float_to_half(const float f)   /* round to nearest even, as cvt.rn */
+{
+    const uint x = as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u)
+        return sign | 0x7e00u;                       /* nan */
+    if (ax >= 0x477ff000u)
+        return sign | 0x7c00u;                       /* >= 65520 and inf: inf */
+    if (ax < 0x38800000u)                            /* below 2^-14: a subnormal half (or 0) */
+        return sign | (uint)rint(as_float(ax) * 0x1p24f);
+    uint r = ax - 0x38000000u;                       /* exponent bias 127 -> 15 */
+    r += 0x0fffu + ((r >> 13) & 1u);                 /* round the 13 dropped bits to even */
+    return sign | (r >> 13);
+}
+
+static inline float warp_xor_emulated(const float x, const int mask, __local warp_scratch *ws)
+{
+    const int lane = get_local_id(0) % 32;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    ws->x[lane] = x;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return ws->x[lane ^ mask];
+}
+#define WARP_XOR(x, mask) warp_xor_emulated((x), (mask), ws)
+
+/* D = A B + C with the fragment layout of mma.sync.m16n8k16.row.col.f32.f16.f16.f32 */
+static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
+                             const uint b0, const uint b1, __local warp_scratch *ws)
+{
+    const int lane = get_local_id(0) % 32, g = lane >> 2, c = lane & 3;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    ws->a[4 * lane + 0] = a0; ws->a[4 * lane + 1] = a1; ws->a[4 * lane + 2] = a2; ws->a[4 * lane + 3] = a3;
+    ws->b[2 * lane + 0] = b0; ws->b[2 * lane + 1] = b1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int r = 0; r < 4; ++r) {
+        const int row = g + 8 * (r >> 1), col = 2 * c + (r & 1);
+        float sum = 0.0f;
+        for (int kk = 0; kk < 16; ++kk) {
+            /* A[row][kk]: lane (row % 8) * 4 + (kk % 8) / 2, register (row >= 8) + 2 (kk >= 8) */
+            const uint aw = ws->a[4 * ((row % 8) * 4 + (kk % 8) / 2) + (row >= 8) + 2 * (kk >= 8)];
+            /* B[kk][col]: lane col * 4 + (kk % 8) / 2, register (kk >= 8) */
+            const uint bw = ws->b[2 * (col * 4 + (kk % 8) / 2) + (kk >= 8)];
+            /* the element with the lower k index is in the lower half */
+            sum = fma(half_to_float((kk & 1) ? aw >> 16 : aw & 0xffffu),
+                      half_to_float((kk & 1) ? bw >> 16 : bw & 0xffffu), sum);
+        }
+        d[r] += sum;
+    }
+}
+#define MMA(d, a0, a1, a2, a3, b0, b1) mma_16816((d), (a0), (a1), (a2), (a3), (b0), (b1), ws)
+#define PACK_HALF2(lo, hi) (float_to_half(lo) | (float_to_half(hi) << 16))
+
+#else
+#define WARP_XOR(x, mask) warp_xor((x), (mask))
+
+static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
+                             const uint b0, const uint b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+          "f"(d[0]), "f"(d[1]), "f"(d[2]), "f"(d[3]));
+}
+#define MMA(d, a0, a1, a2, a3, b0, b1) mma_16816((d), (a0), (a1), (a2), (a3), (b0), (b1))
+
+static inline uint pack_half2(const float lo, const float hi)
+{
+    uint r;  /* cvt.rn.f16x2.f32 d, a, b puts a in the upper half */
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#define PACK_HALF2(lo, hi) pack_half2((lo), (hi))
+#endif
+
+/* C += A B on the accumulator rows that hold real heads: c[0..1] is row g, c[2..3] row g + 8
+ * (NH == 2 only). With NH == 1 the padding rows go in as zeros and come out dropped, which frees
+ * two registers per n-tile (32 of the accumulator's 64 at DV = 128). */
+#if NH > 1
+#define MMA_ROWS(c, a0, a1, a2, a3, b0, b1) MMA((c), (a0), (a1), (a2), (a3), (b0), (b1))
+#else
+#define MMA_ROWS(c, a0, a1, a2, a3, b0, b1)                                                  \
+    do {                                                                                     \
+        float t_[4] = {(c)[0], (c)[1], 0.0f, 0.0f};                                          \
+        MMA(t_, (a0), (a1), (a2), (a3), (b0), (b1));                                         \
+        (c)[0] = t_[0];                                                                      \
+        (c)[1] = t_[1];                                                                      \
+    } while (0)
+#endif
+
+/* the 16-bit halves of two words side by side: (lo(a), lo(b)) or (hi(a), hi(b)) */
+#define PAIR_LO(a, b) (((a) & 0xffffu) | ((b) << 16))
+#define PAIR_HI(a, b) (((a) >> 16) | ((b) & 0xffff0000u))
+
+/* ---- the kernel body ------------------------------------------------------------------------ */
+
+static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
+                                   __local float *red_m, __local float *red_l, __local float *red_acc
+#if MMA_EMULATE
+                                   , __local warp_scratch *scratch
+#endif
+                                   )
+{
+    const int tid = get_local_id(0);
+    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, c = lane & 3;
+    const int split = get_group_id(0), batch = get_group_id(2);
+    const int kv_head = get_group_id(1) / MTILES, mtile = get_group_id(1) % MTILES;
+    const int head0 = kv_head * GROUP + mtile * 16;       /* query head of MMA row 0 */
+    const int rows = min(GROUP - mtile * 16, 16);          /* MMA rows that are query heads */
+#if MMA_EMULATE
+    __local warp_scratch *ws = scratch + warp;
+#endif
+
+    int k0, k1;  /* this split's keys; every warp runs `rounds` iterations (uniform barriers) */
+    split_range(context_lens[batch], num_splits, split, ROUND, &k0, &k1);
+    const int rounds = (k1 - k0 + ROUND - 1) / ROUND;
+
+    __global const int *bt_row = block_table + (ulong)batch * bt_stride;
+    __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
+    __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
+
+    /* Q's A fragments, exact fp16 bits: rows g and g + 8 (heads past G are zeros); word
+     * qa[h][s][e] holds dims c*KQ + 4s + 2e, +1 of row g + 8h */
+    uint qa[NH][KSTEPS][2];
+    for (int h = 0; h < NH; ++h) {
+        const int row = g + 8 * h;
+        __global const ushort *q_row = (__global const ushort *)q + q_off + batch * q_sb
+                                       + (head0 + min(row, rows - 1)) * q_sh + c * KQ;
+        for (int s = 0; s < KSTEPS; ++s)
+            for (int e = 0; e < 2; ++e)
+                qa[h][s][e] = (row < rows) ? ((uint)q_row[4 * s + 2 * e] | ((uint)q_row[4 * s + 2 * e + 1] << 16))
+                                            : 0u;
+    }
+
+    float m[NH], l[NH];              /* per row: running max (log2 units), this lane's share of the sum */
+    float acc[NTV][2 * NH];          /* O's C fragments: [d][2h + i] = row g + 8h, dim (2c + i) * NTV + d */
+    for (int h = 0; h < NH; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int d = 0; d < NTV; ++d)
+            acc[d][2 * h] = acc[d][2 * h + 1] = 0.0f;
+    }
+
+    /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
+     * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros. */
+    uint kw[2][KQ / 2], vw[4][NTV / 2];
+#define LOAD_K(t0)                                                                           \
+    for (int t = 0; t < 2; ++t) {                                                            \
+        const int j = (t0) + 8 * t + g;                                                      \
+        const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, k_s0, k_s1) + c * KCH : 0; \
+        for (int i = 0; i < KCH; ++i) {                                                      \
+            const uint4 x = (j < k1) ? k_base[off + i] : (uint4)(0u);                        \
+            kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
+        }                                                                                    \
+    }
+#define LOAD_V(t0)                                                                           \
+    for (int r = 0; r < 4; ++r) {                                                            \
+        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
+        const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, v_s0, v_s1) + g * VCH : 0; \
+        for (int i = 0; i < VCH; ++i) {                                                      \
+            const uint4 x = (j < k1) ? v_base[off + i] : (uint4)(0u);                        \
+            vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
+        }                                                                                    \
+    }
+
+    /* MMA_PREFETCH: the words of this tile (kc, vc) were loaded one iteration ahead into kw, vw;
+     * the next tile's loads go out before this one is computed, and are in flight meanwhile */
+#if MMA_PREFETCH >= 1
+    LOAD_K(k0 + warp * TILE)
+#endif
+#if MMA_PREFETCH >= 2
+    LOAD_V(k0 + warp * TILE)
+#endif
+    for (int it = 0; it < rounds; ++it) {
+        const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
+        const bool more = it + 1 < rounds;
+#if MMA_PREFETCH >= 1
+        uint kc[2][KQ / 2];
+        for (int t = 0; t < 2; ++t)
+            for (int i = 0; i < KQ / 2; ++i)
+                kc[t][i] = kw[t][i];
+        if (more) {
+            LOAD_K(t0 + ROUND)
+        }
+#else
+#define kc kw
+        LOAD_K(t0)
+#endif
+#if MMA_PREFETCH >= 2
+        uint vc[4][NTV / 2];
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < NTV / 2; ++i)
+                vc[r][i] = vw[r][i];
+        if (more) {
+            LOAD_V(t0 + ROUND)
+        }
+#else
+#define vc vw
+        LOAD_V(t0)
+#endif
+
+        /* S = Q K^T: sc[t][2h + i] = row g + 8h, key t0 + 8t + 2c + i */
+        float sc[2][2 * NH];
+        for (int t = 0; t < 2; ++t) {
+            for (int i = 0; i < 2 * NH; ++i)
+                sc[t][i] = 0.0f;
+            for (int s = 0; s < KSTEPS; ++s)
+                MMA_ROWS(sc[t], qa[0][s][0], NH > 1 ? qa[NH - 1][s][0] : 0u, qa[0][s][1],
+                         NH > 1 ? qa[NH - 1][s][1] : 0u, kc[t][2 * s], kc[t][2 * s + 1]);
+        }
+
+        /* online softmax per row; the 4 lanes of a row (c = 0..3) share its max by two shuffles
+         * and keep their own share of the sum (added up once, at the end) */
+        uint pa[2][2];   /* P's A fragments: [h][0] keys 2c, 2c+1; [h][1] keys 8+2c, 9+2c */
+        pa[1][0] = pa[1][1] = 0u;
+        for (int h = 0; h < NH; ++h) {
+            float x[4];
+            for (int i = 0; i < 4; ++i) {
+                const int key = t0 + 8 * (i >> 1) + 2 * c + (i & 1);
+                x[i] = (key < k1) ? sc[i >> 1][2 * h + (i & 1)] * scale_log2 : -INFINITY;
+            }
+            float mx = fmax(fmax(x[0], x[1]), fmax(x[2], x[3]));
+            mx = fmax(mx, WARP_XOR(mx, 1));
+            mx = fmax(mx, WARP_XOR(mx, 2));
+            const float m_new = fmax(m[h], mx);
+            const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* nothing seen: no inf - inf */
+            const float alpha = exp2(m[h] - m_use);
+            float p[4];
+            for (int i = 0; i < 4; ++i)
+                p[i] = exp2(x[i] - m_use);
+            l[h] = l[h] * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+            m[h] = m_new;
+            for (int d = 0; d < NTV; ++d) {
+                acc[d][2 * h] *= alpha;
+                acc[d][2 * h + 1] *= alpha;
+            }
+            pa[h][0] = PACK_HALF2(p[0], p[1]);
+            pa[h][1] = PACK_HALF2(p[2], p[3]);
+        }
+
+        /* O += P V, one n-tile (8 output dims) at a time */
+        for (int d = 0; d < NTV; ++d) {
+            const int w = d >> 1;
+            const uint b0 = (d & 1) ? PAIR_HI(vc[0][w], vc[1][w]) : PAIR_LO(vc[0][w], vc[1][w]);
+            const uint b1 = (d & 1) ? PAIR_HI(vc[2][w], vc[3][w]) : PAIR_LO(vc[2][w], vc[3][w]);
+            MMA_ROWS(acc[d], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b0, b1);
+        }
+    }
+#undef LOAD_K
+#undef LOAD_V
+#if MMA_PREFETCH < 1
+#undef kc
+#endif
+#if MMA_PREFETCH < 2
+#undef vc
+#endif
+
+    /* each row's sum over its 4 lanes; then the warps' states meet: shared max per row, the
+     * accumulators rescaled to it and summed in local memory */
+    for (int h = 0; h < NH; ++h) {
+        l[h] += WARP_XOR(l[h], 1);
+        l[h] += WARP_XOR(l[h], 2);
+        const int row = g + 8 * h;
+        if (c == 0 && row < rows) {
+            red_m[warp * MT_ROWS + row] = m[h];
+            red_l[warp * MT_ROWS + row] = l[h];
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int h = 0; h < NH; ++h) {
+        const int row = g + 8 * h;
+        if (row >= rows)
+            continue;
+        float mx = -INFINITY;
+        for (int w = 0; w < MMA_WARPS; ++w)
+            mx = fmax(mx, red_m[w * MT_ROWS + row]);
+        const float f = exp2(m[h] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty warp: 0 */
+        __local float *dst = red_acc + (warp * MT_ROWS + row) * HEAD_DV;
+        for (int d = 0; d < NTV; ++d) {
+            dst[(2 * c) * NTV + d] = acc[d][2 * h] * f;
+            dst[(2 * c + 1) * NTV + d] = acc[d][2 * h + 1] * f;
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (int x = tid; x < rows * HEAD_DV; x += WG) {
+        const int row = x / HEAD_DV, dim = x % HEAD_DV;
+        float mx = -INFINITY;
+        for (int w = 0; w < MMA_WARPS; ++w)
+            mx = fmax(mx, red_m[w * MT_ROWS + row]);
+        const float m_use = (mx == -INFINITY) ? 0.0f : mx;
+        float a = 0.0f, l_all = 0.0f;
+        for (int w = 0; w < MMA_WARPS; ++w) {
+            a += red_acc[(w * MT_ROWS + row) * HEAD_DV + dim];
+            l_all += red_l[w * MT_ROWS + row] * exp2(red_m[w * MT_ROWS + row] - m_use);
+        }
+        const int head = head0 + row;
+        const ulong state = ((ulong)batch * h_q + head) * num_splits + split;
+        if (partial) {
+            part_acc[state * HEAD_DV + dim] = a;
+            if (dim == 0) {
+                part_m[state] = mx;
+                part_l[state] = l_all;
+            }
+        } else {
+            const float inv_l = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;  /* no key: zeros */
+            vstore_half_rte(a * inv_l, dim, out + o_off + batch * o_sb + head * o_sh);
+            if (dim == 0)
+                lse[(ulong)batch * h_q + head] = lse_of_state(mx, l_all);
+        }
+    }
+}
+
+#if MMA_EMULATE
+#define SCRATCH_DECL __local warp_scratch scratch[MMA_WARPS];
+#define SCRATCH_ARG , scratch
+#else
+#define SCRATCH_DECL
+#define SCRATCH_ARG
+#endif
+
+#define DECODE_MMA_KERNEL(NAME, IS_PARTIAL)                                                  \
+__kernel FLASHCL_REQD_WG(WG)                                                                 \
+void NAME(DECODE_PARAMS)                                                                     \
+{                                                                                            \
+    __local float red_m[MMA_WARPS * MT_ROWS], red_l[MMA_WARPS * MT_ROWS];                    \
+    __local float red_acc[MMA_WARPS * MT_ROWS * HEAD_DV];                                    \
+    SCRATCH_DECL                                                                             \
+    decode_mma_body(DECODE_ARGS, IS_PARTIAL, red_m, red_l, red_acc SCRATCH_ARG);             \
+}
+
+DECODE_MMA_KERNEL(flash_decode, false)
+DECODE_MMA_KERNEL(flash_decode_split, true)

@@ -249,8 +249,9 @@ def _prefill_kernel(
 # warpgroup and two consumer warpgroups, with 4 warps per program only) compiles only with a single
 # K/V loop, so the masked tiles must be masked on every tile. Measured (forced configs, same method,
 # 2026-11-21): non-causal (1, 32, 4096) 476 against 453 for the tile below, (1, 32, 1000) 316
-# against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed three
-# different ways), so it is not used.
+# against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed four
+# different ways, the Triton tutorial's finite -1e6 mask among them; the same loop without
+# warp_specialize is exact) and slower (383 against 440 at (4, 32, 4096) causal), so it is not used.
 # 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
 # serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
 # (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).

@@ -51,6 +51,9 @@
 #ifndef MERGE_WG
 #define MERGE_WG 64       // work-items of the merge kernel (power of two, 16..1024)
 #endif
+#ifndef MERGE_ONLY
+#define MERGE_ONLY 0      // 1: only flash_decode_merge (decode_mma.cl runs the decode kernels)
+#endif
 #ifndef ROW_SHUFFLE
 /* 1: sum a K row's partial dot products with register shuffles inside the warp (NVIDIA inline
  * PTX; the host sets it where it holds, see row_sum) instead of through local memory and two
@@ -360,8 +363,10 @@ void NAME(DECODE_PARAMS)                                                        
     decode_body(DECODE_ARGS, IS_PARTIAL, partials, scores, tile, red_m, red_l, red_acc);     \
 }
 
+#if !MERGE_ONLY
 DECODE_KERNEL(flash_decode, false)
 DECODE_KERNEL(flash_decode_split, true)
+#endif
 
 /* Merge the num_splits states of one (batch, query head): grid (MERGE_WG * H_q, B).
  * Work-items stride over the splits for the max and the denominator (lanes past num_splits hold

@@ -45,9 +45,6 @@
 #ifndef MMA_WARPS
 #define MMA_WARPS 4       // warps per work-group, each on its own 16-key tiles
 #endif
-#ifndef MMA_PREFETCH
-#define MMA_PREFETCH 1    // tile i+1 loaded while tile i is computed: 0 nothing, 1 its K, 2 K and V
-#endif
 #ifndef MMA_EMULATE
 #define MMA_EMULATE 0
 #endif
@@ -260,41 +257,21 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
         }                                                                                    \
     }
 
-    /* MMA_PREFETCH: the words of this tile (kc, vc) were loaded one iteration ahead into kw, vw;
-     * the next tile's loads go out before this one is computed, and are in flight meanwhile */
-#if MMA_PREFETCH >= 1
+    /* A tile's K words are loaded one iteration ahead (into kw, copied to kc): the next tile's K
+     * is in flight while this one is computed. Its V is loaded at the top of its own iteration
+     * and arrives during S = Q K^T and the softmax. (H100: no prefetch 184 registers and 6% slower
+     * at 32k; V prefetched too, 255 registers with a spill, no faster: flashcl/opencl/decode.py.) */
     LOAD_K(k0 + warp * TILE)
-#endif
-#if MMA_PREFETCH >= 2
-    LOAD_V(k0 + warp * TILE)
-#endif
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
-        const bool more = it + 1 < rounds;
-#if MMA_PREFETCH >= 1
         uint kc[2][KQ / 2];
         for (int t = 0; t < 2; ++t)
             for (int i = 0; i < KQ / 2; ++i)
                 kc[t][i] = kw[t][i];
-        if (more) {
+        if (it + 1 < rounds) {
             LOAD_K(t0 + ROUND)
         }
-#else
-#define kc kw
-        LOAD_K(t0)
-#endif
-#if MMA_PREFETCH >= 2
-        uint vc[4][NTV / 2];
-        for (int r = 0; r < 4; ++r)
-            for (int i = 0; i < NTV / 2; ++i)
-                vc[r][i] = vw[r][i];
-        if (more) {
-            LOAD_V(t0 + ROUND)
-        }
-#else
-#define vc vw
         LOAD_V(t0)
-#endif
 
         /* S = Q K^T: sc[t][2h + i] = row g + 8h, key t0 + 8t + 2c + i */
         float sc[2][2 * NH];
@@ -338,19 +315,13 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
         /* O += P V, one n-tile (8 output dims) at a time */
         for (int d = 0; d < NTV; ++d) {
             const int w = d >> 1;
-            const uint b0 = (d & 1) ? PAIR_HI(vc[0][w], vc[1][w]) : PAIR_LO(vc[0][w], vc[1][w]);
-            const uint b1 = (d & 1) ? PAIR_HI(vc[2][w], vc[3][w]) : PAIR_LO(vc[2][w], vc[3][w]);
+            const uint b0 = (d & 1) ? PAIR_HI(vw[0][w], vw[1][w]) : PAIR_LO(vw[0][w], vw[1][w]);
+            const uint b1 = (d & 1) ? PAIR_HI(vw[2][w], vw[3][w]) : PAIR_LO(vw[2][w], vw[3][w]);
             MMA_ROWS(acc[d], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b0, b1);
         }
     }
 #undef LOAD_K
 #undef LOAD_V
-#if MMA_PREFETCH < 1
-#undef kc
-#endif
-#if MMA_PREFETCH < 2
-#undef vc
-#endif
 
     /* each row's sum over its 4 lanes; then the warps' states meet: shared max per row, the
      * accumulators rescaled to it and summed in local memory */

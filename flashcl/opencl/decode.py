@@ -13,8 +13,8 @@ out of bandwidth. H100, interleaved A/B against decode.cl with ROW_SHUFFLE (2026
 merge, best split count of each): (1, 32/8, 32k) 0.065 ms, 70% of copy, against 0.090 (51%);
 (1, 32/8, 128k) 0.198 (92%) against 0.285 (64%); (32, 32/8, 2k) 0.101 (91%) against 0.156;
 (16, 32/1, 4k) 0.046 against 0.090. Its loads: the next tile's K is in flight while a tile is
-computed (MMA_PREFETCH=1, 203 registers): 0.0650 ms at 32k against 0.0688 without (184 registers)
-and 0.0654 with V too (255 registers, 4 bytes spilled). 8 warps per work-group instead of 4:
+computed (203 registers): 0.0650 ms at 32k against 0.0688 with no prefetch (184 registers) and
+0.0654 with V prefetched too (255 registers, 4 bytes spilled). 8 warps per work-group instead of 4:
 0.0735 against 0.0750 without prefetch, worse at 128k (0.218 against 0.209).
 decode.cl serves every other device and fp32 caches; what follows was measured on it.
 
@@ -333,8 +333,7 @@ class DecodeKernel:
 
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
                  verbose: bool = False, extra_options=(), row_shuffle: bool | None = None,
-                 tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS,
-                 mma_prefetch: int = 1):
+                 tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS):
         self.handle, self.prob, self.params = handle, prob, dict(params)
         shuffle_ok = row_shuffle_ok(handle, params, prob.group, prob.dk, prob.dv, prob.dtype)
         if row_shuffle and not shuffle_ok:
@@ -352,23 +351,23 @@ class DecodeKernel:
         self.defines = {
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
             "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
-            "ROW_SHUFFLE": self.row_shuffle,
+            "ROW_SHUFFLE": self.row_shuffle, "MERGE_ONLY": bool(self.tensor_cores),
             **{k: params[k] for k in _PARAM_NAMES},
         }
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
-        self.kernels = {name: self.built.kernel(name)
-                        for name in ("flash_decode", "flash_decode_split", "flash_decode_merge")}
+        self.built_decode = self.built  # the program of flash_decode and flash_decode_split
         self.wg = work_group_size(params, prob.group, prob.dk, prob.dv, prob.dtype)
         if self.tensor_cores:
             mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "STORE_HALF": 1,
-                           "PAGED": prob.paged, "MMA_WARPS": mma_warps, "MMA_PREFETCH": mma_prefetch,
+                           "PAGED": prob.paged, "MMA_WARPS": mma_warps,
                            "MMA_EMULATE": self.tensor_cores == "emulate"}
-            self.built_mma = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,
-                                   extra_options=extra_options)
-            for name in ("flash_decode", "flash_decode_split"):
-                self.kernels[name] = self.built_mma.kernel(name)
+            self.built_decode = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,
+                                      extra_options=extra_options)
             self.wg = 32 * mma_warps
+        self.kernels = {"flash_decode": self.built_decode.kernel("flash_decode"),
+                        "flash_decode_split": self.built_decode.kernel("flash_decode_split"),
+                        "flash_decode_merge": self.built.kernel("flash_decode_merge")}
         # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)
         self.head_tiles = mma_tiles(prob.group) if self.tensor_cores else 1
         for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"])):
@@ -391,8 +390,8 @@ class DecodeKernel:
 
     def spills(self) -> dict:
         """Spill signals per kernel (ptxas lines appear when built with verbose=True on NVIDIA)."""
-        return {name: spill_report(self.built_mma if self.tensor_cores and name != "flash_decode_merge"
-                                   else self.built, k, self.handle)
+        return {name: spill_report(self.built if name == "flash_decode_merge" else self.built_decode, k,
+                                   self.handle)
                 for name, k in self.kernels.items()}
 
     def workspace(self, num_splits: int):

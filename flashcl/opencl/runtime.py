@@ -313,11 +313,8 @@ def spill_report(built: BuiltProgram, kernel: cl.Kernel, handle: DeviceHandle) -
 
 def launch(handle: DeviceHandle, kernel: cl.Kernel, global_size, local_size, args, *,
            name: str, params: dict) -> cl.Event:
-    try:
-        kernel.set_args(*args)
-        return cl.enqueue_nd_range_kernel(handle.queue, kernel, global_size, local_size)
-    except cl.Error as exc:
-        raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
+    """Set the arguments of one kernel and enqueue it; errors name the kernel and its params."""
+    return launch_sequence(handle, [(name, kernel, global_size, local_size, args)], params=params)[0]
 
 
 def launch_sequence(handle: DeviceHandle, launches, *, params: dict) -> list[cl.Event]:

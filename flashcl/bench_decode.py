@@ -1,11 +1,11 @@
 """Benchmark of the OpenCL flash-decoding kernels (a command, never a test; DESIGN.md §6).
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache (block_size 16 by default) whose
-blocks are a random permutation, every sequence ctx long. Times are OpenCL profiling events from
-the start of the decode kernel to the end of the merge kernel (when there is one), median and
-spread over ``repeats`` runs after a warm-up; the inputs rotate over several copies so that the
-working set exceeds 3x the device's global-memory cache where memory allows (a real decode step
-reads each layer's KV once, cold). Bytes moved (the least a decode step must move):
+blocks are a random permutation (``block_order="sequential"``: in allocation order), every sequence
+ctx long. Times are OpenCL profiling events from the start of the decode kernel to the end of the
+merge kernel (when there is one), median and spread over ``repeats`` runs after a warm-up; the
+inputs rotate over several copies so that the working set exceeds 3x the device's global-memory
+cache where memory allows (a real decode step reads each layer's KV once, cold). Bytes moved (the least a decode step must move):
 
     bytes = B · H_kv · ctx · (DK + DV) · e   (every K/V row read once per GQA group)
           + B · H_q · (DK + DV) · e          (q read, out written)
@@ -50,6 +50,7 @@ class DecodeRow:
     shape: str
     dtype: str
     block_size: int
+    block_order: str         # of the block table: random or sequential
     params: str
     params_source: str
     bytes_moved: int
@@ -92,21 +93,33 @@ def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def _inputs(rng, shape, dtype, block_size):
-    """q and a paged cache holding every sequence ctx long, blocks randomly permuted."""
+BLOCK_ORDERS = ("random", "sequential")
+
+
+def _block_table(rng, num_blocks: int, b: int, block_order: str) -> np.ndarray:
+    """(b, num_blocks // b) int32: the blocks in random order or in allocation order."""
+    order = rng.permutation(num_blocks) if block_order == "random" else np.arange(num_blocks)
+    return order.astype(np.int32).reshape(b, -1)
+
+
+def _inputs(rng, shape, dtype, block_size, block_order="random"):
+    """q and a paged cache holding every sequence ctx long, blocks in ``block_order``."""
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order: expected one of {BLOCK_ORDERS}, got {block_order!r}")
     b, h_q, h_kv, ctx = shape
     blocks = -(-ctx // block_size)
     num_blocks = b * blocks
     q = rng.standard_normal((b, h_q, HEAD_DIM), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((num_blocks, block_size, h_kv, HEAD_DIM), dtype=np.float32).astype(dtype)
     v = rng.standard_normal((num_blocks, block_size, h_kv, HEAD_DIM), dtype=np.float32).astype(dtype)
-    table = rng.permutation(num_blocks).astype(np.int32).reshape(b, blocks)
+    table = _block_table(rng, num_blocks, b, block_order)
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
 
 
 def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_size: int = 16,
                  repeats: int = 10, splits=DEFAULT_SPLITS, params: dict | None = None,
-                 check: bool = True, verbose_build: bool = False, progress=None) -> list[DecodeRow]:
+                 check: bool = True, verbose_build: bool = False, progress=None,
+                 block_order: str = "random") -> list[DecodeRow]:
     """Time single pass, the automatic split count and every forced count of ``splits``."""
     rng = np.random.default_rng(0)
     dev = handle.device
@@ -120,12 +133,12 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         prob = DecodeProblem(b, h_q, h_kv, HEAD_DIM, HEAD_DIM, True, dtype)
         choice = choose_params(handle, prob, params, ctx)
         kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build)
-        q, k, v, table, lens = _inputs(rng, shape, dtype, block_size)
+        q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order)
         kv_bytes = k.nbytes + v.nbytes
         copies = int(max(1, min(-(-3 * cache // kv_bytes), mem_budget // max(kv_bytes, 1), 8)))
         sets = []
         for c in range(copies):
-            perm = table if c == 0 else rng.permutation(k.shape[0]).astype(np.int32).reshape(table.shape)
+            perm = table if c == 0 else _block_table(rng, k.shape[0], b, block_order)
             sets.append([cla.to_device(queue, x) for x in (q, k, v, perm, lens)])
         out = cla.empty(queue, (b, h_q, HEAD_DIM), np.dtype(dtype))
         lse = cla.empty(queue, (b, h_q), np.float32)
@@ -158,6 +171,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
         row = DecodeRow(
             shape=f"({b},{h_q}/{h_kv},{ctx},{HEAD_DIM})", dtype=dtype, block_size=block_size,
+            block_order=block_order,
             params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
             params_source=choice.source, bytes_moved=nbytes, copies=copies, auto_splits=auto,
             single_ms=med[1], single_gbps=gbps(med[1]), auto_ms=med[auto],
@@ -182,6 +196,7 @@ def format_decode(rows, cond: dict) -> str:
     if rows:
         lines.append(f"# copy bandwidth (clEnqueueCopyBuffer, read+write) measured in this run: "
                      f"{rows[0].copy_gbps:.1f} GB/s")
+        lines.append(f"# paged cache: block_size {rows[0].block_size}, block table in {rows[0].block_order} order")
     lines.append(f"{'shape (B,Hq/Hkv,ctx,d)':24} {'dtype':7} {'bs':>3} {'MB':>8} {'1-pass ms':>9} "
                  f"{'GB/s':>7} {'auto':>4} {'auto ms':>8} {'[min-max]':>17} {'GB/s':>7} {'%copy':>6} "
                  f"{'best':>4} {'best ms':>8} {'auto<=5%':>8} {'rel err':>8}")

@@ -155,9 +155,11 @@ def _parse_decode_shape(text: str):
 @click.option("--shape", "shapes", multiple=True, help="B,H_q,H_kv,ctx (repeatable; overrides --preset).")
 @click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default="float16", show_default=True)
 @click.option("--block-size", default=16, show_default=True, help="Paged-KV block size (a power of two, 1..256).")
+@click.option("--block-order", type=click.Choice(["random", "sequential"]), default="random", show_default=True,
+              help="Block table order: random (a cache after some serving) or allocation order (a fresh cache).")
 @click.option("--repeats", default=10, show_default=True, help="Timed runs per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_decode(device, backend, preset, shapes, dtype, block_size, repeats, as_json):
+def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order, repeats, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
@@ -171,7 +173,7 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, repeats, as
                   EXIT_MISSING_DEP)
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
-        rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size)
+        rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order)
         click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows))
         return
     if dtype == "bfloat16":
@@ -193,7 +195,8 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, repeats, as
     cond = b.conditions(handle, command)
     if not as_json:
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
-    rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats)
+    rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
+                           block_order=block_order)
     if as_json:
         from dataclasses import asdict, is_dataclass
 

@@ -130,5 +130,8 @@ def test_plot_draws_the_sweep(cpu_device, tmp_path):
 def test_bench_decode_wiring():
     r = run("bench", "decode", "--help")
     assert r.exit_code == 0 and "--block-size" in r.stdout and "--backend" in r.stdout
+    assert "--block-order" in r.stdout
+    r = run("bench", "decode", "--block-order", "reversed")
+    assert r.exit_code == 2 and "reversed" in r.stderr
     r = run("bench", "decode", "--block-size", "12")
     assert r.exit_code == 2 and "power of two" in r.stderr

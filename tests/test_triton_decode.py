@@ -310,3 +310,23 @@ def test_head_dims_cuda(triton_device, dk, dv, dtype, poison):
         out, lse = flashcl.decode(c["q"], c["k"], c["v"], context_lens=c["lens"], num_splits=ns,
                                   backend="triton", return_lse=True)
         _check(out, c["ref"], dtype, f"contig {dtype} splits={ns}", c["naive"], lse, c["ref_lse"])
+
+
+@pytest.mark.parametrize("block_order", ["random", "sequential"])
+def test_bench_inputs_hold_the_same_kv(block_order):
+    """The benchmark's paged cache holds exactly the contiguous KV SDPA reads, for either block
+    order (what the bench compares must be the same data); sequential means allocation order."""
+    from flashcl.triton import bench_decode as bd
+
+    shape = (2, 4, 2, 40)  # ctx not a multiple of the block size: a partial last block
+    s = bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), block_order)
+    b, _, h_kv, ctx = shape
+    table = s["block_table"].long()
+    for name in ("k", "v"):
+        pages = s[f"{name}_pages"][table]                      # (B, blocks, 16, H_kv, d)
+        flat = pages.permute(0, 3, 1, 2, 4).reshape(b, h_kv, -1, bd.HEAD_DIM)[:, :, :ctx]
+        assert torch.equal(flat, s[name])
+    ordered = torch.arange(table.numel()).view_as(table)
+    assert torch.equal(table, ordered) == (block_order == "sequential")
+    with pytest.raises(ValueError, match="block_order"):
+        bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), "reversed")

@@ -380,7 +380,11 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
     Tried on H100 and left out (2026-11-21, TB/s, graph replay): serving a GQA group of 32 by two
     programs of 16 heads, as cuDNN does for MQA (16, 32/1, 4k): 1.66 at 8 splits against 1.63
     (within noise), 1.44 at 4 fused splits. Loading a tile's block-table entries in the same
-    iteration (left to Triton's pipeliner) instead of one iteration ahead: 3-31% slower.
+    iteration (left to Triton's pipeliner) instead of one iteration ahead: 3-31% slower; two
+    iterations ahead: 13-71% slower. Several KV heads per program, their query rows sharing the
+    padded Q tile (longer contiguous runs per block: 512 B, 1 KB), with a head mask on the scores:
+    2 heads x BLOCK_N 32 and 4 x 16 gave 0.94-0.95 of SDPA against 0.98 on (8,32/32,2k) and
+    (32,32/8,2k), 0.90-0.96 on 32k and 128k (one shape, 8k, gained 1%).
     """
     if batch_heads >= sm_count:
         return 1

@@ -244,7 +244,9 @@ def _prefill_kernel(
 # The autotuner's own timings put the two within 1-2% and picked the pointer tile in about half of
 # its runs (flashcl bench prefill: 415 against 441 at (4, 32, 4096) causal). At d=64, N=1024 the
 # pointer tile is far ahead (246 / 179); d=256 was not measured. So the rule covers head dims
-# 65..128 (padded to 128) and N >= 4096 only.
+# 65..128 (padded to 128) and N >= 4096 only. A third run, on another machine, had the pointer tile
+# ahead instead (429 / 408 at (4, 32, 4096) causal, 462 / 443 at (1, 32, 4096) full, 463 / 464 at
+# (1, 32, 16384) causal): which of the two leads depends on the machine, by up to 5%.
 # Warp specialization (tl.range(..., warp_specialize=True), Triton 3.6 on sm_90: a TMA producer
 # warpgroup and two consumer warpgroups, with 4 warps per program only) compiles only with a single
 # K/V loop, so the masked tiles must be masked on every tile. Measured (forced configs, same method,
@@ -252,6 +254,12 @@ def _prefill_kernel(
 # against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed four
 # different ways, the Triton tutorial's finite -1e6 mask among them; the same loop without
 # warp_specialize is exact) and slower (383 against 440 at (4, 32, 4096) causal), so it is not used.
+# Also measured and not used (same method, 2026-11-21): exp2 of a half or a quarter of the score
+# columns on the FMA pipes (FlashAttention-4's trick, a degree-3 polynomial exact at integers,
+# rel. error 1e-4) gave 389 / 366 against 408 for this tile at (4, 32, 4096) causal and was slower on
+# all five shapes timed: the MUFU unit is not what limits the loop. Issuing the next tile's QK^T
+# before this tile's softmax (FlashAttention-3's intra-warpgroup overlap, written out by hand):
+# Triton 3.6 waits for that wgmma right after issuing it (warp_group_dot_wait 0), so nothing overlaps.
 # 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
 # serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
 # (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).

@@ -1,6 +1,6 @@
 """Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
 
-    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--json]
+    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--block-order random] [--json]
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache whose blocks are a random
 permutation (``--block-order random``, the default: a cache after some serving) or in allocation
@@ -13,9 +13,9 @@ TB/s over the bytes each call must move, % of the device's copy bandwidth measur
 run, the SDPA ratio, and whether the automatic split count is within 5% of the best forced one.
 
 What paging costs, measured on an H100 (2026-11-21, fp16, d=128, block_size 16, interleaved
-rounds): the paged kernel with random blocks is 2-6% behind
-the same kernel on contiguous KV, with sequential blocks 0-2% (MQA (16, 32/1, 4k): 4-5%, the
-block-table load that precedes the first K/V load of a 20 us call). A kernel that only reads the
+rounds): the paged kernel with random blocks is 2-6% behind the same kernel on contiguous KV,
+with sequential blocks 0-2% (MQA (16, 32/1, 4k): 4-5%, the block-table load that precedes the
+first K/V load of a 20 us call). A kernel that only reads the
 paged cache (no arithmetic, decode's head-major order) is 2.5-4.5% slower over random blocks than
 over sequential ones on the MHA/GQA shapes: most of the gap is the block order, not the kernel.
 """

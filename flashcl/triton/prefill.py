@@ -28,8 +28,8 @@ programs run last query block first, the heads of the section interleaved (Flash
 longest-first scheduler with an L2 swizzle). The programs in flight then share a few heads' K/V
 in L2, and the longest causal rows of every head start first, so the short ones fill the tail of
 the launch (HEAD_GROUP = 1 is plain head-by-head order). On sm_90+ with 16-byte aligned inputs the
-autotuner also times configs that move tiles with tensor descriptors (TMA); everywhere else the
-kernel uses plain pointer loads (sm_80+).
+autotuner also times a config that moves tiles with tensor descriptors (TMA), built once per call
+on the host over the 4-D tensors; everywhere else the kernel uses plain pointer loads (sm_80+).
 Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, dtypes);
 the candidate configs come from _TILE_SPACE through the named filter _prune_configs.
 """
@@ -41,6 +41,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import KernelLaunchError
 from . import interpreting
@@ -51,16 +52,17 @@ LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * l
 # --------------------------------------------------------------------------- kernel
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
+def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                  stride_kn, stride_vn, N_KV, row_last, qk_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
-    k_src/v_src: tensor descriptors (USE_TMA: out-of-bounds rows and padded head dims read as 0
-    by the copy engine) or pointer tiles at key 0 (masked loads do the same). MASKED: row i sees
-    the keys j <= row_last[i] (row_last < N_kv folds the causal limit and the ragged end)."""
+    k_src/v_src: the (B, H_kv, N_kv, D) tensor descriptors (USE_TMA: the copy engine reads rows
+    past N_kv and padded head dims as 0; (off_b, off_hkv) pick the head) or pointer tiles at key 0
+    of this head (masked loads do the same). MASKED: row i sees the keys j <= row_last[i]
+    (row_last < N_kv folds the causal limit and the ragged end)."""
     offs_kv = start_n + offs_n
     # -- load K (rows past N_kv only exist on the masked path; padded head dims read as 0)
     if MASKED:
@@ -68,7 +70,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_
     else:
         kv_rows = offs_kv[:, None] >= 0  # always true, folded away
     if USE_TMA:
-        k = k_src.load([start_n, 0])
+        k = k_src.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DK)
     elif MASKED or DK != BLOCK_DK:
         k = tl.load(k_src + start_n * stride_kn, mask=kv_rows & (offs_dk[None, :] < DK), other=0.0)
     else:
@@ -94,7 +96,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_
 
     # -- rescale acc to the new max, then add P @ V
     if USE_TMA:
-        v = v_src.load([start_n, 0])
+        v = v_src.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
     elif MASKED or DV != BLOCK_DV:
         v = tl.load(v_src + start_n * stride_vn, mask=kv_rows & (offs_dv[None, :] < DV), other=0.0)
     else:
@@ -112,6 +114,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_
                               "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK", "HEAD_GROUP"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
+    DescQ, DescK, DescV, DescO,    # USE_TMA: host-built descriptors of q, k, v, out (else None)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -128,7 +131,7 @@ def _prefill_kernel(
     IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,     # interpreter only: it multiplies bfloat16 as raw uint16 bits
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr,         # sm_90+: tiles through tensor descriptors (the copy engine)
+    USE_TMA: tl.constexpr,         # sm_90+: tiles moved by the copy engine (TMA) via DescQ..DescO
 ):
     tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV, "head dims must fit their padded blocks")
     tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
@@ -148,9 +151,6 @@ def _prefill_kernel(
     off_b = off_bh // H_Q
     off_h = off_bh % H_Q
     off_hkv = off_h // GQA_GROUP
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -158,14 +158,16 @@ def _prefill_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     if USE_TMA:
-        # per-(batch, head) 2-D views; the host checked 16-byte alignment and unit last strides
-        q = tl.make_tensor_descriptor(q_base, shape=[N_Q, DK], strides=[stride_qm, 1],
-                                      block_shape=[BLOCK_M, BLOCK_DK]).load([start_m * BLOCK_M, 0])
-        k_src = tl.make_tensor_descriptor(k_base, shape=[N_KV, DK], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DK])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[N_KV, DV], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
+        # 4-D descriptors built on the host (blocks [1, 1, rows, padded head dim]): a descriptor
+        # made in the kernel costs every program global stores and proxy fences before its
+        # first load (measured next to _TILE_SPACE)
+        q = DescQ.load([off_b, off_h, start_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_DK)
+        k_src = DescK
+        v_src = DescV
     else:
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
                     mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
         k_src = k_base + offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
@@ -196,25 +198,26 @@ def _prefill_kernel(
     # loop 1: tiles every row sees in full
     for start_n in range(0, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
-                                     stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV,
-                                     BLOCK_DK, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n,
+                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
+                                     DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION,
+                                     UPCAST_DOTS, USE_TMA)
     # loop 2: tiles crossed by the causal diagonal, or the ragged last tile
     for start_n in range(full_end, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, start_n, offs_n, offs_dk, offs_dv,
-                                     stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV,
-                                     BLOCK_DK, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n,
+                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
+                                     DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION,
+                                     UPCAST_DOTS, USE_TMA)
 
     # -- normalize; a row that saw no key has l = 0, acc = 0: it stores 0 and lse = -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
-    o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     if USE_TMA:  # the copy engine clips rows past N_q and padded head dims
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[N_Q, DV], strides=[stride_om, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DV])
-        o_desc.store([start_m * BLOCK_M, 0], out.to(Out.dtype.element_ty))
+        DescO.store([off_b, off_h, start_m * BLOCK_M, 0],
+                    out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
+        o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
         tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                  out.to(Out.dtype.element_ty),
                  mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < DV))
@@ -228,48 +231,57 @@ def _prefill_kernel(
 # --------------------------------------------------------------------------- tuning space
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, maxnreg). BLOCK_M 128 x BLOCK_N 64/128 with
-# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100; on sm_90+ one tile is moved by
-# the copy engine (TMA): capped at 128 registers, the 2-stage 128 x 64 TMA tile (96 KB shared)
-# fits two programs per SM, so one's softmax overlaps the other's MMAs. The other TMA tiles
-# (128 x 128 x 2/3 stages, 128 x 64 x 2/3 stages uncapped, 64 x 64) never won on an H100 sweep of
-# six shapes (2026-11-21: 4-23% behind the best) and only added autotuning noise: the autotuner
-# picked a 405 TFLOP/s tile for (4, 32, 4096, 128) causal where this one gives 470.
-# Where the TMA tile replaces the pointer baseline too (_tile_fits: 16-bit, head dims padded to 128,
-# N >= 4096). H100, fp16, d=128, forced configs timed alike (CUDA-graph replay, 5 interleaved
-# rounds, median, 2026-11-21, two separate runs): the pointer 128 x 64 x 3 tile against the
-# capped TMA one, TFLOP/s
-#     (4, 32, 4096) causal   413 / 438 and 411 / 459
-#     (1, 32, 4096) full     434 / 450 and 436 / 489
-#     (1, 32, 16384) causal  471 / 480
-# The autotuner's own timings put the two within 1-2% and picked the pointer tile in about half of
-# its runs (flashcl bench prefill: 415 against 441 at (4, 32, 4096) causal). At d=64, N=1024 the
-# pointer tile is far ahead (246 / 179); d=256 was not measured. So the rule covers head dims
-# 65..128 (padded to 128) and N >= 4096 only. A third run, on another machine, had the pointer tile
-# ahead instead (429 / 408 at (4, 32, 4096) causal, 462 / 443 at (1, 32, 4096) full, 463 / 464 at
-# (1, 32, 16384) causal): which of the two leads depends on the machine, by up to 5%.
+# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100 (cp.async pointer loads, sm_80+).
+# On sm_90+ one tile is moved by the copy engine (TMA): 64 x 64 on one warpgroup, 3 stages, its
+# descriptors built once on the host (_descriptors). Where TMA works it replaces the pointer 64 x 64
+# tile (slower everywhere it was timed) and, for 16-bit inputs with head dims 65..128 and N >= 4096,
+# the pointer 128 x 64 one too (_tile_fits), which keeps the autotuner from picking the lesser of
+# two tiles that its own timings put within 1-2% (it did in about half of its runs before).
+# H100, forced configs, CUDA-graph replay, 5 interleaved rounds, median, 2026-11-22, TFLOP/s
+# (.lead/tp_tiles_hd.py): TMA 64 x 64 s3 / pointer 128 x 64 s3 / TMA 128 x 64 s2 capped at 128
+# registers (the TMA tile shipped before) / cuDNN
+#     (4, 32, 4096, 128) causal     468 / 457 / 440 / 551   (bf16: 468 / 463 / 452 / 564)
+#     (1, 32, 4096, 128) causal     468 / 447 / 455 / 505
+#     (1, 32, 4096, 128) full       477 / 486 / 470 / 636
+#     (1, 32/8, 2048, 128) causal   418 / 377 / 416 / 402
+#     (1, 32, 8192, 128) causal     491 / 492 / 471 / 560
+#     (1, 32, 16384, 128) causal    472 / 462 / 472 / 542
+#     (1, 32, 1024, 128) causal     292 / 266 / 212 / 253
+#     (8, 12, 1024, 64) causal      261 / 241 / 212 / 263
+#     (16, 12, 512, 64) full        277 / 293 / 262 / 334
+# TMA 64 x 64 with 2 or 4 stages and 64 x 128 with 2 were 5-30% behind 64 x 64 s3 on all but the
+# d=64 shapes (within 2% there). Descriptors made inside the kernel (tl.make_tensor_descriptor, as
+# before 2026-11-22) cost each program global stores and proxy fences before its first load: the
+# same 128 x 64 TMA tile gave 414 (in-kernel) against 451 (host) at (4, 32, 4096, 128) causal, 194
+# against 211 at (1, 32, 1024, 128) causal, and 64 x 64, 4-23% behind with in-kernel descriptors,
+# leads with host-built ones. Run to run, machine to machine, the pointer 128 x 64 tile moves by up
+# to 5% against the TMA one (2026-11-21: 411-429 against 408-459 at (4, 32, 4096) causal).
 # Warp specialization (tl.range(..., warp_specialize=True), Triton 3.6 on sm_90: a TMA producer
 # warpgroup and two consumer warpgroups, with 4 warps per program only) compiles only with a single
 # K/V loop, so the masked tiles must be masked on every tile. Measured (forced configs, same method,
-# 2026-11-21): non-causal (1, 32, 4096) 476 against 453 for the tile below, (1, 32, 1000) 316
+# 2026-11-21): non-causal (1, 32, 4096) 476 against 453 for the pointer tile, (1, 32, 1000) 316
 # against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed four
 # different ways, the Triton tutorial's finite -1e6 mask among them; the same loop without
 # warp_specialize is exact) and slower (383 against 440 at (4, 32, 4096) causal), so it is not used.
 # Also measured and not used (same method, 2026-11-21): exp2 of a half or a quarter of the score
 # columns on the FMA pipes (FlashAttention-4's trick, a degree-3 polynomial exact at integers,
-# rel. error 1e-4) gave 389 / 366 against 408 for this tile at (4, 32, 4096) causal and was slower on
-# all five shapes timed: the MUFU unit is not what limits the loop. Issuing the next tile's QK^T
-# before this tile's softmax (FlashAttention-3's intra-warpgroup overlap, written out by hand):
-# Triton 3.6 waits for that wgmma right after issuing it (warp_group_dot_wait 0), so nothing overlaps.
-# 64 x 64 on 4 warps serves short sequences and small shared memory (sm_89: ~100 KB); BLOCK_N 32
-# serves head dims up to 256; the last three are for float32, whose IEEE dots run on FMA units
-# (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
+# rel. error 1e-4) gave 389 / 366 against 408 for the 128 x 64 TMA tile at (4, 32, 4096) causal and
+# was slower on all five shapes timed: the MUFU unit is not what limits the loop. Issuing the next
+# tile's QK^T before this tile's softmax (FlashAttention-3's intra-warpgroup overlap, written out by
+# hand): Triton 3.6 waits for that wgmma right after issuing it (warp_group_dot_wait 0), so nothing
+# overlaps. ncu (2026-11-22, the 128 x 64 TMA tile): 3.7 of the 10 cycles between a warp's
+# instructions are spent at CTA barriers, the ones the software pipeline puts before a stage buffer
+# is refilled; the tensor pipe is 52% busy.
+# 64 x 64 on 4 warps (pointers) serves GPUs without TMA: short sequences, small shared memory (sm_89:
+# ~100 KB); BLOCK_N 32 serves head dims up to 256; the last three are for float32, whose IEEE dots
+# run on FMA units (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
 _TILE_SPACE = [
     (128, 128, 8, 3, False, None),
     (128, 128, 8, 2, False, None),
     (128, 64, 8, 3, False, None),
     (128, 64, 8, 2, False, None),
     (64, 64, 4, 3, False, None),
-    (128, 64, 8, 2, True, 128),
+    (64, 64, 4, 3, True, None),
     (128, 32, 8, 2, False, None),
     (64, 32, 4, 2, False, None),
     (64, 32, 8, 2, False, None),
@@ -277,8 +289,22 @@ _TILE_SPACE = [
     (32, 16, 8, 2, False, None),
 ]
 _PARAM_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "maxnreg")
+
+
+def _set_descriptor_blocks(nargs) -> None:
+    """Config pre-hook: the host-built descriptors' blocks follow the config's tile rows
+    ([1, 1, BLOCK_M or BLOCK_N, padded head dim]); no-op where no descriptors were passed."""
+    if nargs["DescQ"] is None:
+        return
+    bm, bn, bdk, bdv = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_DK"], nargs["BLOCK_DV"]
+    nargs["DescQ"].block_shape = [1, 1, bm, bdk]
+    nargs["DescK"].block_shape = [1, 1, bn, bdk]
+    nargs["DescV"].block_shape = [1, 1, bn, bdv]
+    nargs["DescO"].block_shape = [1, 1, bm, bdv]
+
+
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w,
-                          num_stages=s, maxnreg=mr)
+                          num_stages=s, maxnreg=mr, pre_hook=_set_descriptor_blocks)
             for bm, bn, w, s, tma, mr in _TILE_SPACE]
 # The interpreter (TRITON_INTERPRET=1, CPU CI) runs one small config: nothing to time there.
 _INTERPRETER_PARAMS = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "USE_TMA": False,
@@ -302,9 +328,10 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
 
     - BLOCK_M beyond the query length (bucket) only computes padding rows.
     - TMA needs sm_90+ and 16-byte aligned bases and strides (``tma_ok``, checked per call);
-      where it is available the pointer-based 128-row tiles are left out but for 128 x 64 x 3
-      stages, the portable baseline (fewer configs to compile and time); for 16-bit inputs with
-      head dims 65..128 and queries from 4096 on, that one too (measured: next to _TILE_SPACE).
+      where it is available the TMA 64 x 64 tile replaces the pointer one, and the pointer-based
+      128-row tiles are left out but for 128 x 64 x 3 stages, the portable baseline (fewer configs
+      to compile and time); for 16-bit inputs with head dims 65..128 and queries from 4096 on,
+      that one too (measured: next to _TILE_SPACE).
     - float32 runs IEEE dots on FMA units with both operands in registers: beyond 64 x 32 tiles
       on 8 warps ptxas spills thousands of registers and compiles for tens of seconds.
     - 16-bit: wgmma (sm_90) works on 64-row slices per warpgroup, so BLOCK_M >= 64; the
@@ -319,8 +346,10 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
         return False
     if tma_ok and not use_tma and bm == 128 and bn >= 64 and (bn, num_stages) != (64, 3):
         return False
+    if tma_ok and not use_tma and (bm, bn) == (64, 64):
+        return False  # its TMA twin was faster on every shape timed (next to _TILE_SPACE)
     if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk == 128 and q_bucket >= 4096:
-        return False  # the baseline too: measured behind the TMA tile (next to _TILE_SPACE)
+        return False  # the baseline too: the autotuner's noise is wider than the gap to TMA
     if elt == 4:
         if bm * bn > 64 * 32 or num_warps != 8:
             return False
@@ -426,12 +455,12 @@ def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, 
 
 # --------------------------------------------------------------------------- launcher
 
-def _tma_scratch(size: int, alignment: int, stream):
-    """Global scratch Triton asks for at launch to build on-device tensor descriptors. Zeroed:
-    the descriptor builder reads the buffer before it has overwritten every field, and
-    compute-sanitizer's initcheck reported those reads (184,320 on 2026-11-21, all at the
-    make_tensor_descriptor line) although the values read are replaced before use."""
-    return torch.zeros(size, dtype=torch.int8, device="cuda")
+def _descriptors(q, k, v, out, bdk: int, bdv: int):
+    """TMA descriptors of the four (B, H, N, D) tensors, any 16-byte aligned strides: the copy
+    engine reads rows past N and head dims past D as 0 and clips stores there. Their blocks are
+    set per config (_set_descriptor_blocks); these placeholders are the 64-row ones."""
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, bd])
+                 for t, bd in ((q, bdk), (k, bdk), (v, bdv), (out, bdv)))
 
 
 _L2_SHARE = 0.64  # of L2 for one section's K/V: FlashAttention-3 assumes 32 MB of the H100's 50 MB
@@ -470,12 +499,12 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     out = torch.empty((b, h_q, n_q, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, n_q) if return_lse else (1, 1, 1), dtype=torch.float32, device=q.device)
     tma_ok = _tma_ok(q, k, v, out)
-    if tma_ok:
-        triton.set_allocator(_tma_scratch)
+    bdk, bdv = _padded_head_dim(dk), _padded_head_dim(dv)
+    descs = _descriptors(q, k, v, out, bdk, bdv) if tma_ok else (None,) * 4
     group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
                                               q.element_size())
     args = (
-        q, k, v, out, lse,
+        q, k, v, out, lse, *descs,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         scale * LOG2E, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
         _bh_bucket(b * h_q), int(tma_ok), max(1, min(int(group), b * h_q)),
@@ -483,7 +512,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     # bfloat16 products are exact in float32, so the interpreter's upcast changes no result bit
     # beyond summation order; on GPUs 16-bit dots run on tensor cores with float32 accumulation.
     upcast = interpreting() and q.dtype == torch.bfloat16
-    meta = dict(DK=dk, DV=dv, BLOCK_DK=_padded_head_dim(dk), BLOCK_DV=_padded_head_dim(dv),
+    meta = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
 
@@ -499,6 +528,8 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
         if params is None:
             _prefill_autotuned[grid](*args, **meta)
         else:
+            if tma_ok:
+                _set_descriptor_blocks(dict(zip(("DescQ", "DescK", "DescV", "DescO"), descs), **meta, **params))
             _prefill_kernel[grid](*args, **meta, **params)
     except triton.runtime.errors.OutOfResources as e:
         raise KernelLaunchError("_prefill_kernel", {**meta, **(params or {"autotuned": True})},

@@ -385,6 +385,13 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
     padded Q tile (longer contiguous runs per block: 512 B, 1 KB), with a head mask on the scores:
     2 heads x BLOCK_N 32 and 4 x 16 gave 0.94-0.95 of SDPA against 0.98 on (8,32/32,2k) and
     (32,32/8,2k), 0.90-0.96 on 32k and 128k (one shape, 8k, gained 1%).
+    2026-11-22 (random blocks, .lead/read_ceiling3.py, td_gap.py): a kernel that only reads the
+    pages reaches 0.96-0.98 of SDPA with this kernel's tile (64 rows, 4 warps) and 1.00-1.02 with
+    128-row tiles on 8 warps (2-8 adjacent heads per program did no better than one); this kernel
+    with BLOCK_N 128 on 8 warps (2 or 3 stages) gave 0.94-0.98 against 0.98 for the default. K/V
+    double-buffered in registers (next tile loaded before this one is computed, no shared-memory
+    pipeline): 0.95-0.96 on 4 warps, within 1% of the default on 8 warps for the 1-split shapes,
+    0.90 at 128k and 0.75 for MQA.
     """
     if batch_heads >= sm_count:
         return 1

@@ -369,12 +369,15 @@ def _device_facts(device) -> dict:
 
 
 def _tma_ok(*tensors) -> bool:
-    """Tensor descriptors need sm_90+, unit last strides, 16-byte aligned bases and strides."""
+    """Tensor descriptors need sm_90+, non-empty tensors, unit last strides, 16-byte aligned
+    bases and strides."""
     t0 = tensors[0]
     if interpreting() or t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
         return False
     for t in tensors:
         elt = t.element_size()
+        if t.numel() == 0:  # a descriptor needs every dimension >= 1
+            return False
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * elt) % 16 for s in t.stride()[:-1]):
             return False
     return True

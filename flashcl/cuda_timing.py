@@ -59,6 +59,24 @@ def time_graph(calls: Sequence[Callable[[], object]], *, warmup: int = 3, reps: 
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
+def interleaved_rounds(timers: dict, rounds: int) -> dict:
+    """Take turns: each of ``rounds`` rounds runs every timer once (a callable returning
+    milliseconds), the first to run rotating from round to round, so clock and temperature drift
+    over a run fall on all of them alike (an H100 runs the first ~0.1 s after a pause up to 10%
+    faster, then settles: one timer after another would favour whoever goes first).
+    Returns {name: {"median_ms", "min_ms", "max_ms", "round_ms"}} over the round results."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(timers)
+    ms = {n: [] for n in names}
+    for r in range(rounds):
+        first = r % len(names) if names else 0
+        for n in names[first:] + names[:first]:
+            ms[n].append(float(timers[n]()))
+    return {n: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "round_ms": v}
+            for n, v in ms.items()}
+
+
 def _copy_kernel():
     import triton
     import triton.language as tl

@@ -1,11 +1,13 @@
 """Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
 
-    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--block-order random] [--json]
+    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--block-order random]
+                                          [--rounds 3] [--json]
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache whose blocks are a random
 permutation (``--block-order random``, the default: a cache after some serving) or in allocation
 order (``sequential``: a fresh cache), inputs rotated past 3x L2, every call timed by CUDA-graph
-replay (median and spread). flashcl runs with the automatic split count and with forced split
+replay in interleaved rounds (``--rounds``: each round times every variant once; median of the
+round medians, and their spread). flashcl runs with the automatic split count and with forced split
 counts; torch SDPA runs on the same KV as a contiguous (B, H_kv, ctx, d) tensor (enable_gqa for
 GQA/MQA), same rotation, and so does flashcl's own kernel ("contig" column: the same kernel
 without a block table, which separates what paging costs from what the kernel costs). Reported:
@@ -111,9 +113,10 @@ def _forced_splits(ctx: int, block_n: int, splits) -> list[int]:
 
 
 def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, seed: int = 0,
-        on_row=None, block_order: str = "random") -> list[dict]:
+        on_row=None, block_order: str = "random", rounds: int = 3) -> list[dict]:
     """Time every shape; one dict per shape (see the module docstring for what is measured).
-    ``on_row(row)`` is called as each shape finishes (progress on long runs)."""
+    ``on_row(row)`` is called as each shape finishes (progress on long runs); ``rounds``:
+    interleaved rounds (cuda_timing.interleaved_rounds)."""
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
     shapes = [tuple(s) for s in (shapes or REFERENCE_SHAPES)]
@@ -146,20 +149,20 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
                 s["q"].unsqueeze(2), s["k"], s["v"], scale=scale, enable_gqa=h_q != h_kv)
 
         tb = lambda t: nbytes / (t["median_ms"] * 1e-3) / 1e12  # noqa: E731
-        t_auto = _time(flashcl_fn(None), sets, est_s)
-        t_sdpa = _time(sdpa, sets, est_s)
-        t_contig = _time(flashcl_contig, sets, est_s)
         plan = triton_decode.launch_plan(b, h_q, h_kv, d, d, ctx, elt, device)
         block_n, auto_splits = plan["config"]["BLOCK_N"], plan["num_splits"]
-        forced = {}
-        for s in _forced_splits(ctx, block_n, splits):
-            forced[s] = _time(flashcl_fn(s), sets, est_s)["median_ms"]
+        variants = {"auto": flashcl_fn(None), "sdpa": sdpa, "contig": flashcl_contig}
+        variants.update({s: flashcl_fn(s) for s in _forced_splits(ctx, block_n, splits)})
+        t = cuda_timing.interleaved_rounds(
+            {n: (lambda fn=fn, ss=sets: _time(fn, ss, est_s)["median_ms"]) for n, fn in variants.items()}, rounds)
+        t_auto, t_sdpa, t_contig = t["auto"], t["sdpa"], t["contig"]
+        forced = {s: t[s]["median_ms"] for s in variants if isinstance(s, int)}
         best_s = min(forced, key=forced.get)
         rows.append({
             "shape": f"({b},{h_q},{h_kv},{ctx // 1024}k)" if ctx % 1024 == 0 else str(shape),
             "B": b, "H_q": h_q, "H_kv": h_kv, "ctx": ctx, "d": d, "dtype": dtype,
             "block_size": block_size, "block_order": block_order, "kv_MB": round(b * h_kv * ctx * 2 * d * elt / 1e6, 1),
-            "rotation": n_rot,
+            "rotation": n_rot, "rounds": rounds,
             "auto_splits": auto_splits, "sm_count_plan": plan["sm_count"], "BLOCK_N": block_n,
             "median_ms": t_auto["median_ms"], "min_ms": t_auto["min_ms"], "max_ms": t_auto["max_ms"],
             "TB_s": tb(t_auto), "pct_copy_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / copy_bw,
@@ -227,7 +230,8 @@ def format_table(rows) -> str:
         return "(no rows)"
     r0 = rows[0]
     head = (f"flashcl {r0['flashcl']} decode, {r0['dtype']}, d={r0['d']}, block_size={r0['block_size']} "
-            f"({r0['block_order']} block order), inputs rotated past 3x L2, CUDA-graph replay, median\n"
+            f"({r0['block_order']} block order), inputs rotated past 3x L2, CUDA-graph replay, "
+            f"{r0.get('rounds', 1)} interleaved rounds, median (spread: min-max of the round medians)\n"
             f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
             f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s\n"
             f"command: python -m flashcl.triton.bench_decode --block-order {r0['block_order']}\n"
@@ -261,9 +265,13 @@ def main(argv=None) -> int:
     p.add_argument("--block-order", default="random", choices=BLOCK_ORDERS,
                    help="block table in random order (default) or in allocation order")
     p.add_argument("--splits", type=int, nargs="*", default=None, help="forced split counts to compare")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds: every variant is timed once per round (default 3)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--sweep-tiles", action="store_true", help="sweep the tile configurations instead")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -275,7 +283,7 @@ def main(argv=None) -> int:
         return 0
     progress = lambda r: print(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", file=sys.stderr, flush=True)  # noqa: E731
     rows = run(dtype=args.dtype, block_size=args.block_size, splits=args.splits, on_row=progress,
-               block_order=args.block_order)
+               block_order=args.block_order, rounds=args.rounds)
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
 

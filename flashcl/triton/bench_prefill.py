@@ -1,12 +1,16 @@
 """Prefill benchmark: flashcl's Triton kernel against torch SDPA's backends, same inputs, same run.
 
-    python -m flashcl.triton.bench_prefill [--dtype float16] [--json]
+    python -m flashcl.triton.bench_prefill [--dtype float16] [--rounds 3] [--json]
 
 Throughput is TFLOP/s of exact attention (FLOPs below, next to the timing); each implementation
-is timed by CUDA-graph replay over input sets rotated past 3x L2 (flashcl.cuda_timing), and the
-median, min and max of the replays are reported. Peers are torch SDPA restricted to one backend
-each (FLASH_ATTENTION = FlashAttention-2, CUDNN_ATTENTION, EFFICIENT_ATTENTION); a backend that
-refuses a shape is reported as n/a with its reason.
+is timed by CUDA-graph replay over input sets rotated past 3x L2 (flashcl.cuda_timing). The
+implementations take turns: ``--rounds`` rounds, each timing every implementation once (median of
+20 replays), the first to run rotating from round to round, so clock and temperature drift over a
+run fall on all of them alike (an H100 runs the first ~0.1 s after a pause up to 10% faster, then
+settles: a single pass favours whoever runs first). Reported: the median over the rounds, and the
+spread of the round medians. Peers are torch SDPA restricted to one backend each (FLASH_ATTENTION
+= FlashAttention-2, CUDNN_ATTENTION, EFFICIENT_ATTENTION); a backend that refuses a shape is
+reported as n/a with its reason.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _first(ms):
     return float(ms[0] if isinstance(ms, (list, tuple)) else ms)
 
 
-def _bench_shape(shape, dtype, meta) -> list[dict]:
+def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
     from .. import cuda_timing
     from . import prefill as tp
 
@@ -91,10 +95,11 @@ def _bench_shape(shape, dtype, meta) -> list[dict]:
             for _ in range(n_sets)]
     flops = prefill_flops(b, h_q, n, n, d, d, causal)
 
-    rows, outputs = [], {}
+    rows, outputs, runnable = [], {}, {}
     for impl in IMPLS:
         row = {**meta, "impl": impl, "B": b, "H_q": h_q, "H_kv": h_kv, "N": n, "d": d,
-               "causal": causal, "rotated_sets": n_sets, "flops": flops}
+               "causal": causal, "rotated_sets": n_sets, "flops": flops, "rounds": rounds}
+        rows.append(row)
         try:
             make = _flashcl_call if impl == "flashcl" else (lambda *a, _i=impl: _sdpa_call(_i, *a))
             calls = [make(q, k, v, causal) for q, k, v in sets]
@@ -103,18 +108,22 @@ def _bench_shape(shape, dtype, meta) -> list[dict]:
             if impl == "flashcl":
                 timings = getattr(tp._prefill_autotuned, "configs_timings", None) or {}
                 row["autotune_ms"] = {_config_name(c): _first(ms) for c, ms in timings.items()}
-            t = cuda_timing.time_graph(calls, warmup=3, reps=20)
+                row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q)
+            runnable[impl] = calls
         except Exception as e:  # a backend that does not take this shape, dtype or GPU
             row.update(median_ms=None, tflops=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-            rows.append(row)
+
+    # the implementations take turns (see the module docstring)
+    timed = cuda_timing.interleaved_rounds(
+        {impl: (lambda c=calls: cuda_timing.time_graph(c, warmup=3, reps=20)["median_ms"])
+         for impl, calls in runnable.items()}, rounds)
+    for row in rows:
+        t = timed.get(row["impl"])
+        if t is None:
             continue
-        # throughput: FLOPs of the call over its median replay time
-        row.update(median_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"],
-                   spread_pct=100.0 * (t["max_ms"] - t["min_ms"]) / t["median_ms"],
+        # throughput: FLOPs of the call over the median of its round medians
+        row.update(t, spread_pct=100.0 * (t["max_ms"] - t["min_ms"]) / t["median_ms"],
                    tflops=flops / (t["median_ms"] * 1e-3) / 1e12)
-        if impl == "flashcl":
-            row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q)
-        rows.append(row)
 
     # same inputs, same answer: flashcl against the first peer that ran
     peer = next((outputs[i] for i in IMPLS[1:] if i in outputs), None)
@@ -130,11 +139,11 @@ def _bench_shape(shape, dtype, meta) -> list[dict]:
     return rows
 
 
-def run(shapes=None, dtype: str = "float16") -> list[dict]:
+def run(shapes=None, dtype: str = "float16", rounds: int = 3) -> list[dict]:
     """Time every implementation on every shape; one row per (shape, implementation).
 
     ``shapes``: (B, H_q, H_kv, N, d, causal) tuples, or (B, H, N, d, causal) for H_q = H_kv;
-    default REFERENCE_SHAPES.
+    default REFERENCE_SHAPES. ``rounds``: turns each implementation gets (module docstring).
     """
     from .. import __version__, cuda_timing
 
@@ -153,7 +162,7 @@ def run(shapes=None, dtype: str = "float16") -> list[dict]:
         if len(shape) == 5:
             b, h, n, d, causal = shape
             shape = (b, h, h, n, d, causal)
-        rows += _bench_shape(tuple(shape), torch_dtype, meta)
+        rows += _bench_shape(tuple(shape), torch_dtype, meta, rounds)
     return rows
 
 
@@ -166,7 +175,8 @@ def format_table(rows: list[dict]) -> str:
             f"driver {m['driver']}, torch {m['torch']}, triton {m['triton']}, {m['date']}\n"
             f"command: {m['command']}\n"
             "TFLOP/s = FLOPs / median time; FLOPs = 2*B*H_q*N*N*(DK+DV), halved when causal; "
-            "CUDA-graph replay, inputs rotated past 3x L2; spread = (max-min)/median\n")
+            f"CUDA-graph replay, inputs rotated past 3x L2; {m.get('rounds', 1)} interleaved rounds, "
+            "median; spread = (max-min)/median of the round medians\n")
     shapes = []
     for r in rows:
         key = (r["B"], r["H_q"], r["H_kv"], r["N"], r["d"], r["causal"])
@@ -205,12 +215,16 @@ def format_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashcl.triton.bench_prefill", description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds: each implementation is timed once per round (default 3)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--out", metavar="FILE", help="also write the rows as JSON to FILE")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
-        rows = run(dtype=args.dtype)
-    except RuntimeError as e:
+        rows = run(dtype=args.dtype, rounds=args.rounds)
+    except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.out:

@@ -438,6 +438,11 @@ def _auto_knobs(num_splits: int) -> dict:
                 0.956 -> 0.940, (1,32,8,128k) 16 splits 0.959 -> 0.952: one program merges every
                 split serially); pdl is within 1% either way.
     early_pages is on for every shape (_KNOBS): -0.1..+4% against base.
+    PDL with the dependent launch moved after the K/V loop (2026-11-22, .lead/pp/decode_late.py;
+    ratio vs SDPA, random blocks): 1 split within noise of no PDL ((8,32,32,2k) 0.984 against
+    0.982, (32,32,8,2k) 0.980 against 0.978, (8,32,32,8k) 0.984 against 0.986), and worse than
+    PDL at program start with 8-16 splits ((16,32,1,4k) 0.864 against 0.957, (1,32,8,128k) 0.907
+    against 0.965): not used.
     Only the split count decides, a function of the shapes: no host sync, CUDA-graph capturable.
     """
     on = 2 <= num_splits <= 4

@@ -234,9 +234,10 @@ def _prefill_kernel(
 # 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100 (cp.async pointer loads, sm_80+).
 # On sm_90+ one tile is moved by the copy engine (TMA): 64 x 64 on one warpgroup, 3 stages, its
 # descriptors built once on the host (_descriptors). Where TMA works it replaces the pointer 64 x 64
-# tile (slower everywhere it was timed) and, for 16-bit inputs with head dims 65..128 and N >= 4096,
-# the pointer 128 x 64 one too (_tile_fits), which keeps the autotuner from picking the lesser of
-# two tiles that its own timings put within 1-2% (it did in about half of its runs before).
+# tile (slower everywhere it was timed) and, for 16-bit inputs with head dims 65..128 and N >= 1024
+# (query bucket), the pointer 128 x 64 one too (_tile_fits): the TMA tile led it on every such
+# shape timed (below), while the autotuner, timing both on L2-warm inputs, picked the pointer tile
+# in about half of its runs (2026-11-22: 267 against 297 TFLOP/s at (1, 32, 1024, 128) causal).
 # H100, forced configs, CUDA-graph replay, 5 interleaved rounds, median, 2026-11-22, TFLOP/s
 # (.lead/tp_tiles_hd.py): TMA 64 x 64 s3 / pointer 128 x 64 s3 / TMA 128 x 64 s2 capped at 128
 # registers (the TMA tile shipped before) / cuDNN
@@ -272,6 +273,25 @@ def _prefill_kernel(
 # overlaps. ncu (2026-11-22, the 128 x 64 TMA tile): 3.7 of the 10 cycles between a warp's
 # instructions are spent at CTA barriers, the ones the software pipeline puts before a stage buffer
 # is refilled; the tensor pipe is 52% busy.
+# 2026-11-22, second session, same method (TFLOP/s, TMA 64 x 64 s3 first):
+#     N 1024-2048, head dims 80-128 (the N >= 1024 rule): TMA 64 x 64 s3 / pointer 128 x 64 s3
+#       (1, 32, 1024, 128) causal 296 / 269, full 392 / 380; (4, 32, 1024, 128) causal 327 / 294;
+#       (1, 32, 2048, 128) causal 404 / 373, full 457 / 436; (1, 32/8, 2048, 128) causal 423 / 376;
+#       (1, 32, 1024, 96) causal 224 / 211; (2, 32/8, 1024, 80) full bf16 256 / 250.
+#     Slower at (4, 32, 4096, 128) causal, against 440-470 for TMA 64 x 64 s3 in the same runs:
+#       TMA 128 x 64 on 8 warps, 3 stages 376, 2 stages 324 (no register cap: one CTA per SM);
+#       TMA 128 x 128 s2 405; TMA 64 x 32 s3 / s4 / s5 390 / 340 / 355 (s3: three CTAs per SM);
+#       TMA 128 x 32 capped at 128 registers (two CTAs per SM), s3 381, s4 390.
+#     Lazy rescaling (FlashAttention-4: keep a stale row max unless some row's max grows by more
+#       than 2^8, skipping acc * alpha; the branch needs a CTA-wide max per tile): 8-20% slower on
+#       six shapes (392 against 453 at the target), both tiles.
+#     ncu at (4, 32, 4096, 128) causal, TMA 64 x 64 s3 against cuDNN (its 64x128x128 kernel: 132
+#       persistent CTAs of three warpgroups): L2 at 82% of its peak (7.7 TB/s, 8.1 GB read)
+#       against 54% (5.3 TB/s, 4.4 GB): a 64-row CTA reads each K/V tile for 64 query rows, cuDNN
+#       for 128. The 128-row tiles that would halve that traffic are the slower ones above: one
+#       warpgroup cannot hold a 128 x 128 fp32 accumulator, and two warpgroups in one CTA stall
+#       together at the pipeline's barriers (Triton 3.6 has no ping-pong scheduling of the two).
+#       Tensor pipe 54% busy against 69%; 391M against 326M instructions.
 # 64 x 64 on 4 warps (pointers) serves GPUs without TMA: short sequences, small shared memory (sm_89:
 # ~100 KB); BLOCK_N 32 serves head dims up to 256; the last three are for float32, whose IEEE dots
 # run on FMA units (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
@@ -330,7 +350,7 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
     - TMA needs sm_90+ and 16-byte aligned bases and strides (``tma_ok``, checked per call);
       where it is available the TMA 64 x 64 tile replaces the pointer one, and the pointer-based
       128-row tiles are left out but for 128 x 64 x 3 stages, the portable baseline (fewer configs
-      to compile and time); for 16-bit inputs with head dims 65..128 and queries from 4096 on,
+      to compile and time); for 16-bit inputs with head dims 65..128 and queries from 1024 on,
       that one too (measured: next to _TILE_SPACE).
     - float32 runs IEEE dots on FMA units with both operands in registers: beyond 64 x 32 tiles
       on 8 warps ptxas spills thousands of registers and compiles for tens of seconds.
@@ -348,8 +368,8 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
         return False
     if tma_ok and not use_tma and (bm, bn) == (64, 64):
         return False  # its TMA twin was faster on every shape timed (next to _TILE_SPACE)
-    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk == 128 and q_bucket >= 4096:
-        return False  # the baseline too: the autotuner's noise is wider than the gap to TMA
+    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk == 128 and q_bucket >= 1024:
+        return False  # the baseline too: TMA led it on every such shape, the autotuner did not see it
     if elt == 4:
         if bm * bn > 64 * 32 or num_warps != 8:
             return False

@@ -236,8 +236,9 @@ def _prefill_kernel(
 # descriptors built once on the host (_descriptors). Where TMA works it replaces the pointer 64 x 64
 # tile (slower everywhere it was timed) and, for 16-bit inputs with head dims 65..128 and N >= 1024
 # (query bucket), the pointer 128 x 64 one too (_tile_fits): the TMA tile led it on every such
-# shape timed (below), while the autotuner, timing both on L2-warm inputs, picked the pointer tile
-# in about half of its runs (2026-11-22: 267 against 297 TFLOP/s at (1, 32, 1024, 128) causal).
+# shape timed (below), while the autotuner, timing both on L2-warm inputs, can pick the pointer
+# tile (2026-11-22: in one of three bench runs, 267 against 297 at (1, 32, 1024, 128) causal; at
+# N >= 4096, where the two are closer, in about half of its runs before 2026-11-21).
 # H100, forced configs, CUDA-graph replay, 5 interleaved rounds, median, 2026-11-22, TFLOP/s
 # (.lead/tp_tiles_hd.py): TMA 64 x 64 s3 / pointer 128 x 64 s3 / TMA 128 x 64 s2 capped at 128
 # registers (the TMA tile shipped before) / cuDNN

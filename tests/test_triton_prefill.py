@@ -158,6 +158,38 @@ def test_tiny_matches_reference(triton_device, case, dtype_name):
     _check(q, k, v, causal=causal, dtype_name=dtype_name, device=triton_device, seed=seed)
 
 
+# Long enough for several unmasked tiles per row, so the overlapped loop's carried P and its
+# trailing P @ V are exercised (interpreter tiles are 16; on CUDA, 64 x 64 tiles on 4 warps).
+OVERLAP_CASES = [
+    (1, 2, 2, 1, 1, 16, 16, False),      # N = 1: no unmasked tile at all on the GPU tile
+    (1, 4, 1, 70, 150, 40, 40, True),    # MQA, N_q < N_kv, ragged, padded head dim
+    (1, 8, 2, 100, 100, 64, 64, False),  # GQA 4:1, ragged last tile
+    (2, 2, 2, 130, 130, 32, 48, True),   # DK != DV, causal diagonal mid-tile
+    (1, 2, 2, 160, 96, 16, 16, True),    # N_q > N_kv: the first 64 rows see no key
+]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "b{}h{}x{}n{}x{}d{}x{}{}".format(*c[:7], "c" if c[7] else ""))
+def test_softmax_overlap_matches_reference(triton_device, case, dtype_name):
+    """The overlapped loop 1 (SOFTMAX_OVERLAP: P @ V of the previous tile under this tile's
+    softmax) on its own, forced; it computes what the plain loop does, in another order."""
+    b, h_q, h_kv, n_q, n_kv, dk, dv, causal = case
+    if triton_device == "cuda":
+        params = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SOFTMAX_OVERLAP": True}
+        if torch.cuda.get_device_capability()[0] >= 9 and dtype_name != "float32":
+            params["USE_TMA"] = True  # the config the autotuner times (see _overlap_pays)
+    else:
+        params = {**tp._INTERPRETER_PARAMS, "SOFTMAX_OVERLAP": True}
+    seed = zlib.crc32(repr(case).encode()) % 1000
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, DTYPES[dtype_name], triton_device, seed)
+    _check(q, k, v, causal=causal, dtype_name=dtype_name, device=triton_device, params=params, seed=seed)
+    std = math.sqrt(200.0 / 3.0)  # scores around +-200: the carried P and alpha must rescale
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, DTYPES[dtype_name], triton_device, seed, std=std)
+    _check(q, k, v, causal=causal, dtype_name=dtype_name, device=triton_device, params=params,
+           seed=seed, naive=False)
+
+
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_huge_logits(triton_device, dtype_name):
     """Scores around +-200: the online softmax must rescale, never overflow."""
@@ -234,11 +266,35 @@ def test_public_api_dispatch(triton_device):
     ({"BLOCK_M": 64}, "takes the keys"),
     ({"BLOCK_M": 48, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}, "power of two"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 0, "num_stages": 2}, "positive int"),
+    ({"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "SOFTMAX_OVERLAP": 1}, "expected a bool"),
 ])
 def test_bad_params(triton_device, params, match):
     q, k, v = _inputs(1, 1, 1, 4, 4, 16, 16, torch.float16, triton_device, 1)
     with pytest.raises(ValueError, match=match):
         tp.prefill(q, k, v, params=params)
+
+
+def _candidates(**facts):
+    """The tiles _tile_fits keeps on an H100-like device (pure: runs on CPU)."""
+    base = dict(elt=2, dk=128, dv=128, bdk=128, bdv=128, q_bucket=4096, kv_bucket=4096,
+                smem=232448, wgmma=True, tma_ok=True)
+    base.update(facts)
+    return [t for t in tp._TILE_SPACE if tp._tile_fits(*t, **base)]
+
+
+def test_softmax_overlap_tile_rule():
+    """The overlapped TMA tile replaces the plain one exactly where it was measured ahead: 16-bit,
+    head dims exactly 64 or 128, N_q and N_kv buckets from 4096; never without TMA."""
+    overlap = (64, 64, 4, 3, True, None, True)
+    plain = (64, 64, 4, 3, True, None, False)
+    for facts in (dict(), dict(dk=64, dv=64, bdk=64, bdv=64), dict(q_bucket=16384, kv_bucket=8192)):
+        kept = _candidates(**facts)
+        assert overlap in kept and plain not in kept, facts
+    for facts in (dict(q_bucket=2048), dict(kv_bucket=2048), dict(dk=96, dv=96),
+                  dict(dk=128, dv=64, bdv=64), dict(elt=4)):
+        assert overlap not in _candidates(**facts), facts
+    assert plain in _candidates(q_bucket=2048) and plain in _candidates(dk=96, dv=96)
+    assert not any(t[6] for t in _candidates(tma_ok=False, wgmma=False, smem=101376))
 
 
 def test_op_schema_is_stable():

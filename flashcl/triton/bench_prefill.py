@@ -72,9 +72,10 @@ def _config_name(c) -> str:
 
 
 def _tile_name(cfg: dict) -> str:
-    return "{}x{} w{} s{}{}{}".format(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"],
-                                      " tma" if cfg.get("USE_TMA") else "",
-                                      f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
+    return "{}x{} w{} s{}{}{}{}".format(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"],
+                                        " tma" if cfg.get("USE_TMA") else "",
+                                        f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "",
+                                        " overlap" if cfg.get("SOFTMAX_OVERLAP") else "")
 
 
 def _first(ms):

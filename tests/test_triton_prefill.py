@@ -284,14 +284,16 @@ def _candidates(**facts):
 
 def test_softmax_overlap_tile_rule():
     """The overlapped TMA tile replaces the plain one exactly where it was measured ahead: 16-bit,
-    head dims exactly 64 or 128, N_q and N_kv buckets from 4096; never without TMA."""
+    head dims exactly 128 with N_q and N_kv buckets from 4096, or exactly 64 from 1024; never
+    without TMA."""
     overlap = (64, 64, 4, 3, True, None, True)
     plain = (64, 64, 4, 3, True, None, False)
-    for facts in (dict(), dict(dk=64, dv=64, bdk=64, bdv=64), dict(q_bucket=16384, kv_bucket=8192)):
+    d64 = dict(dk=64, dv=64, bdk=64, bdv=64)
+    for facts in (dict(), dict(q_bucket=16384, kv_bucket=8192), dict(d64, q_bucket=1024, kv_bucket=1024)):
         kept = _candidates(**facts)
         assert overlap in kept and plain not in kept, facts
     for facts in (dict(q_bucket=2048), dict(kv_bucket=2048), dict(dk=96, dv=96),
-                  dict(dk=128, dv=64, bdv=64), dict(elt=4)):
+                  dict(dk=128, dv=64, bdv=64), dict(elt=4), dict(d64, q_bucket=512)):
         assert overlap not in _candidates(**facts), facts
     assert plain in _candidates(q_bucket=2048) and plain in _candidates(dk=96, dv=96)
     assert not any(t[6] for t in _candidates(tma_ok=False, wgmma=False, smem=101376))

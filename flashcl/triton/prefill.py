@@ -391,6 +391,12 @@ def _prefill_kernel(
 #     314 / 323; (8, 12, 1024, 64) causal 261 / 261; (16, 12, 512, 64) full 271 / 274
 #     head dims 80 and 96 (padded to 128): 2-4% behind at every length timed, 4096 included
 #     ((1, 32, 4096, 96) causal 330 / 338).
+#   Head dim 64, again with the pointer 128 x 64 s3 tile (with / without / pointer; another GPU):
+#     (8, 12, 1024) causal 257 / 256 / 241; (4, 32, 2048) causal 364 / 348 / 352;
+#     (8, 32, 1024) full 370 / 357 / 364; (2, 32, 4096) causal 407 / 387 / 386;
+#     (1, 16, 8192) full 411 / 393 / 407; but (16, 12, 512) full 269 / 273 / 288. So from
+#     N = 1024 on the TMA tile, overlapped, is the only d = 64 candidate too: the autotuner had
+#     picked the pointer tile at (8, 12, 1024, 64) causal in a bench run (209 against ~260).
 #   The 128-row tiles with the same loop were slower still (TMA 128 x 64 s2 capped at 128
 #   registers 371, pointer 128 x 64 s3 399, against 440-460 without), as were 2 stages (366).
 # 64 x 64 on 4 warps (pointers) serves GPUs without TMA: short sequences, small shared memory (sm_89:
@@ -445,11 +451,13 @@ def _shared_mem_limit(device_index: int) -> int:
 
 def _overlap_pays(*, elt: int, dk: int, dv: int, q_bucket: int, kv_bucket: int, tma_ok: bool) -> bool:
     """Whether the TMA 64 x 64 tile runs its softmax under the tensor cores (SOFTMAX_OVERLAP):
-    measured (next to _TILE_SPACE) 3-7% ahead for 16-bit inputs with head dims exactly 64 or 128
-    and N_q, N_kv > 2048 (buckets from 4096), 1-4% behind for shorter rows (its first trip
-    multiplies P = 0, about half a tile more work per program) and for head dims 80 and 96."""
+    measured (next to _TILE_SPACE) for 16-bit inputs 3-7% ahead with head dims exactly 128 and
+    N_q, N_kv > 2048 (buckets from 4096), 1-3% behind below (its first trip multiplies P = 0,
+    about half a tile more work per program); with head dims exactly 64, even or ahead (up to
+    5%) from N = 1024 on; 2-4% behind for head dims 80 and 96 at every length timed."""
+    min_bucket = 1024 if dk == 64 else 4096
     return (tma_ok and elt == 2 and dk == dv and dk in (64, 128)
-            and q_bucket >= 4096 and kv_bucket >= 4096)
+            and q_bucket >= min_bucket and kv_bucket >= min_bucket)
 
 
 def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool, maxnreg,
@@ -461,7 +469,7 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
     - TMA needs sm_90+ and 16-byte aligned bases and strides (``tma_ok``, checked per call);
       where it is available the TMA 64 x 64 tile replaces the pointer one, and the pointer-based
       128-row tiles are left out but for 128 x 64 x 3 stages, the portable baseline (fewer configs
-      to compile and time); for 16-bit inputs with head dims 65..128 and queries from 1024 on,
+      to compile and time); for 16-bit inputs with head dims 33..128 and queries from 1024 on,
       that one too (measured: next to _TILE_SPACE).
     - The TMA 64 x 64 tile comes in two variants, with and without SOFTMAX_OVERLAP; where
       _overlap_pays the overlapped one is the only one timed, elsewhere the plain one.
@@ -484,7 +492,7 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
         return False
     if tma_ok and not use_tma and (bm, bn) == (64, 64):
         return False  # its TMA twin was faster on every shape timed (next to _TILE_SPACE)
-    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk == 128 and q_bucket >= 1024:
+    if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk in (64, 128) and q_bucket >= 1024:
         return False  # the baseline too: TMA led it on every such shape, the autotuner did not see it
     if elt == 4:
         if bm * bn > 64 * 32 or num_warps != 8:

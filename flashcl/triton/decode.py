@@ -396,6 +396,10 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
     double-buffered in registers (next tile loaded before this one is computed, no shared-memory
     pipeline): 0.95-0.96 on 4 warps, within 1% of the default on 8 warps for the 1-split shapes,
     0.90 at 128k and 0.75 for MQA.
+    2026-11-22 (third session, td_gap.py, 5 rounds, random blocks): both dots transposed (scores
+    K @ Q^T, output V^T @ P^T, so the 64-row K tile and the 128-row V^T feed wgmma from shared
+    memory instead of a 16-row padded group): 0.935 against 0.926 for MQA, 0.94-1.04 elsewhere
+    against 0.98-1.07 for this kernel in the same rounds (1-3% behind on five of nine shapes).
     """
     if batch_heads >= sm_count:
         return 1

@@ -95,6 +95,18 @@ def _add_pv(acc, p, v, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _full_tile_softmax(qk, m_i, qk_scale):
+    """(P, alpha, new row max) of a tile every row sees in full: P = exp2(scores - max) with the
+    scale * log2(e) folded into one multiply-add, alpha the factor that moves the old state to
+    the new max. qk_scale >= 0 (the host flips the sign of q otherwise), so max(qk) * scale is
+    the max of the scaled scores."""
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, alpha, m_ij
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                  stride_kn, stride_vn, N_KV, row_last, qk_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -122,10 +134,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
         p = tl.math.exp2(qk - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
     else:
-        # qk_scale >= 0 (the host flips the sign of q otherwise), so max(qk) * scale is the max
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
+        p, alpha, m_ij = _full_tile_softmax(qk, m_i, qk_scale)
     l_ij = tl.sum(p, 1)
 
     # -- rescale acc to the new max, then add P @ V
@@ -164,11 +173,8 @@ def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv
         # result is only carried to the next trip, so its wait moves past the softmax below
         acc = acc * alpha[:, None]
         acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
+        p, alpha, m_i = _full_tile_softmax(qk, m_i, qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_ij
     if full_end > 0:
         v = _load_tile(v_src, off_b, off_hkv, full_end - BLOCK_N, offs_n, offs_dv, stride_vn, N_KV,
                        DV, BLOCK_DV, BLOCK_N, False, USE_TMA)

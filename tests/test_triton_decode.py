@@ -170,6 +170,16 @@ def test_mqa_block_size_1_more_splits_than_blocks(triton_device, poison):
         _check(out, c["ref"], "float32", f"splits={ns}", lse=lse, lse_ref=c["ref_lse"])
 
 
+def test_reduce_kernel_partial_head_group_and_chunks(triton_device, poison):
+    """The reduce kernel merges 4 query heads per program and at most 16 splits per step: 6 query
+    heads (a program with 2 masked heads), 5 splits (one chunk of 8, 3 padded) and 20 splits (two
+    chunks, the second padded), contexts long and short (splits past the end are empty)."""
+    c = _case(triton_device, "float32", b=2, h_q=6, h_kv=3, lens=[400, 9], dk=32, block_size=8, seed=13)
+    for ns in (5, 20):
+        out, lse = _run_paged(c, ns)
+        _check(out, c["ref"], "float32", f"splits={ns}", lse=lse, lse_ref=c["ref_lse"])
+
+
 def test_contiguous_cache_non_pow2_dims(triton_device, poison):
     """MHA on a contiguous cache, DK=40 != DV=24 (padded to 64/32 with masks), with and without
     context_lens, single pass and 2 splits."""

@@ -1,7 +1,7 @@
 """The launch knobs of the Triton decode (flashcl.triton.decode._KNOBS), above all the fused reduce:
 the last split program of each (sequence, KV head) merges the partial states, with per-device
 arrival counters that must be back at zero after every launch. Also the automatic choice of the
-knobs (fused_reduce and pdl on for 2..4 splits, early_pages always).
+knobs (fused_reduce on for 2..4 splits, pdl from 2 splits, early_pages always).
 
 Small shapes run under TRITON_INTERPRET=1 on CPU (programs run one after another, which exercises
 the counter logic, not its memory ordering); the CUDA-graph tests need a GPU.
@@ -151,8 +151,9 @@ _H100_SPLITS = {(8, 32, 32, 2048): 1, (8, 32, 32, 8192): 1, (8, 32, 8, 2048): 2,
 
 
 def test_auto_knobs_follow_split_count(monkeypatch):
-    """The default plan (shapes only): fused_reduce and pdl on exactly for 2..4 splits, early_pages
-    always. pdl here is the plan's request (the launch drops it where the device lacks sm_90)."""
+    """The default plan (shapes only): fused_reduce on exactly for 2..4 splits, pdl from 2 splits,
+    early_pages always. pdl here is the plan's request (the launch drops it where the device lacks
+    sm_90)."""
     cpu = torch.device("cpu")
     # the CPU plan (4 "SMs"): one KV head of one sequence -> 4 splits; 4 of them -> 1
     four = td.launch_plan(1, 8, 1, 128, 128, 4096, 2, cpu)
@@ -164,15 +165,16 @@ def test_auto_knobs_follow_split_count(monkeypatch):
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
         plan = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)
-        on = 2 <= splits <= 4
         assert plan["num_splits"] == plan["auto_splits"] == splits, (b, h_q, h_kv, ctx)
-        assert plan["config"]["fused_reduce"] is on and plan["config"]["pdl"] is on, (b, h_q, h_kv, ctx, splits)
+        assert plan["config"]["fused_reduce"] is (2 <= splits <= 4), (b, h_q, h_kv, ctx, splits)
+        assert plan["config"]["pdl"] is (splits >= 2), (b, h_q, h_kv, ctx, splits)
         assert plan["config"]["early_pages"] is True
     # an explicit split count: the automatic knobs follow the count launched
-    for ns, on in ((1, False), (2, True), (4, True), (5, False), (16, False)):
+    for ns, fused, pdl in ((1, False, False), (2, True, True), (4, True, True), (5, False, True),
+                           (16, False, True)):
         plan = td.launch_plan(8, 32, 8, 128, 128, 2048, 2, cpu, None, ns)
         assert plan["auto_splits"] == 2 and plan["num_splits"] == ns
-        assert plan["config"]["fused_reduce"] is on and plan["config"]["pdl"] is on, ns
+        assert plan["config"]["fused_reduce"] is fused and plan["config"]["pdl"] is pdl, ns
 
 
 class _LaunchSpy:

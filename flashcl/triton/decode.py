@@ -25,7 +25,7 @@ Work decomposition (grid = (H_kv, B, splits))::
     splits  > 1: it writes the unnormalized state (m, l, acc) in fp32 (log2 domain for m), and the
                  splits are merged exactly, in one of two ways (see "fused_reduce" below): by the
                  last split program of each (b, h_kv) to finish (fused), or by ``_reduce_kernel``
-                 (grid (B * H_q,)) launched after the decode kernel. A split that lies past the
+                 (grid (cdiv(H_q, 4), B)) launched after the decode kernel. A split that lies past the
                  sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
 
 The split count is chosen on the host from shapes only (max_blocks * PAGE_SIZE bounds the context),
@@ -41,7 +41,7 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   merges the partials, counted in an int32 workspace per (device, stream) kept
                   at zero: no second kernel. A workspace first needed inside a CUDA-graph capture
                   is zeroed by a memset recorded in the graph.
-    pdl           (default: on for 2..4 splits; sm_90+ only) programmatic dependent launch.
+    pdl           (default: on from 2 splits; sm_90+ only) programmatic dependent launch.
     merge_stages  software-pipeline depth of the fused merge's loop over the splits (3).
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
@@ -272,50 +272,53 @@ def _reduce_kernel(
     stride_pab, stride_pah, stride_pas, stride_pad,
     stride_ob, stride_oh, stride_od,
     stride_lseb, stride_lseh,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HEADS: tl.constexpr, CHUNK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """Exact merge of the split states of one (sequence, query head): out = sum_s w_s acc_s /
-    sum_s w_s l_s with w_s = exp2(m_s - max m). One pass, CHUNK_S splits at a time, merged online
-    across chunks: up to CHUNK_S splits cost one round trip to memory, not two (max, then sums).
-    The last chunk is padded with the empty-state sentinel (m = -inf, l = 0, acc = 0), so any
-    split count works with bounded registers and one compiled kernel."""
+    """Exact merge of the split states of HEADS adjacent query heads of one sequence (grid
+    (cdiv(H_q, HEADS), B)): out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max m).
+    One pass, CHUNK_S splits at a time, merged online across chunks: up to CHUNK_S splits cost one
+    round trip to memory, not two (max, then sums). The last chunk is padded with the empty-state
+    sentinel (m = -inf, l = 0, acc = 0), so any split count works with bounded registers and one
+    compiled kernel per CHUNK_S."""
     tl.static_assert(BLOCK_DV >= DV)
     tl.static_assert((CHUNK_S & (CHUNK_S - 1)) == 0)
     if USE_PDL:
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    pid_b = pid // num_heads
-    pid_h = pid % num_heads
+    pid_b = tl.program_id(1)
+    heads = tl.program_id(0) * HEADS + tl.arange(0, HEADS)
+    mask_h = heads < num_heads
     offs_c = tl.arange(0, CHUNK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    pm_base = pid_b.to(tl.int64) * stride_pmb + pid_h * stride_pmh
-    pa_base = PartAcc + pid_b.to(tl.int64) * stride_pab + pid_h * stride_pah
+    pm_base = pid_b.to(tl.int64) * stride_pmb + heads[:, None] * stride_pmh
+    pa_base = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None, None] * stride_pah
+               + offs_dv[None, None, :] * stride_pad)
 
-    m_run = tl.max(tl.full([CHUNK_S], float("-inf"), dtype=tl.float32), 0)  # a float32 scalar
-    l_run = tl.sum(tl.zeros([CHUNK_S], dtype=tl.float32), 0)
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    m_run = tl.full([HEADS], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([HEADS], dtype=tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, num_splits, CHUNK_S):
         s_idx = s0 + offs_c
-        in_range = s_idx < num_splits
-        m_c = tl.load(PartM + pm_base + s_idx * stride_pms, mask=in_range, other=float("-inf"))
-        l_c = tl.load(PartL + pm_base + s_idx * stride_pms, mask=in_range, other=0.0)
-        a_c = tl.load(pa_base + s_idx[:, None] * stride_pas + offs_dv[None, :] * stride_pad,
-                      mask=in_range[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_c, 0))
+        live = mask_h[:, None] & (s_idx[None, :] < num_splits)  # [HEADS, CHUNK_S]
+        m_c = tl.load(PartM + pm_base + s_idx[None, :] * stride_pms, mask=live, other=float("-inf"))
+        l_c = tl.load(PartL + pm_base + s_idx[None, :] * stride_pms, mask=live, other=0.0)
+        a_c = tl.load(pa_base + s_idx[None, :, None] * stride_pas,
+                      mask=live[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_c, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: no inf - inf
         w_run = tl.exp2(m_run - m_safe)
-        w = tl.exp2(m_c - m_safe)
-        l_run = l_run * w_run + tl.sum(w * l_c, 0)
-        acc = acc * w_run + tl.sum(a_c * w[:, None], 0)
+        w = tl.exp2(m_c - m_safe[:, None])
+        l_run = l_run * w_run + tl.sum(w * l_c, 1)
+        acc = acc * w_run[:, None] + tl.sum(a_c * w[:, :, None], 1)
         m_run = m_new
 
     seen = l_run > 0.0
     l_safe = tl.where(seen, l_run, 1.0)
-    tl.store(Out + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_dv * stride_od,
-             (acc / l_safe).to(Out.dtype.element_ty), mask=offs_dv < DV)
+    o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < DV))
     lse = tl.where(seen, (m_run + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + pid_h * stride_lseh, lse)
+    tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_h)
 
 
 # --------------------------------------------------------------------------- launch parameters
@@ -363,7 +366,15 @@ def _device_sms(device: torch.device) -> int:
 _MIN_FILL = 0.75            # below this fraction of the SMs busy, take one more split
 _MIN_TILES_PER_SPLIT = 4    # a split streams >= 4 KV tiles (256 tokens), or the reduce dominates
 _MAX_SPLITS = 128
-_REDUCE_CHUNK = 16          # splits merged per step of the reduce kernel
+# The reduce kernel (measured on H100 2026-11-22, .lead/td_prof.py: kernel time from CUPTI, and the
+# op's graph-replay time against SDPA). One program per query head with a 16-split chunk took 3.23
+# us on (16, 32/1, 4k) at 8 splits, against 2.56 for cuDNN's split reduction in SDPA. Four heads
+# per program (128 programs instead of 512) and the chunk cut to the split count: 2.05-2.11 us
+# (1 or 2 heads: 2.1-2.3; 8 heads: 2.2; 4 warps ahead of 2 and 1); 1.86 against 2.11 at
+# (1, 32/8, 32k), 16 splits.
+_REDUCE_HEADS = 4            # query heads per reduce program
+_REDUCE_CHUNK = 16           # at most this many splits merged per step
+_REDUCE_TILE = 8192          # HEADS x CHUNK_S x BLOCK_DV fp32 values per step: 64 per thread on 4 warps
 
 
 def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
@@ -433,7 +444,8 @@ _KNOBS = {
 
 
 def _auto_knobs(num_splits: int) -> dict:
-    """fused_reduce and pdl for a launch of num_splits splits: on for 2..4 splits, off otherwise.
+    """fused_reduce and pdl for a launch of num_splits splits: fused_reduce on for 2..4 splits, pdl
+    on from 2 splits (the decode kernel and, beyond 4 splits, the reduce kernel after it).
 
     Measured on H100 (fp16, d=128, paged block 16, CUDA graph, .lead/td_sweep.py; time ratio vs
     torch SDPA, > 1 is faster; base = all knobs off, two-kernel merge):
@@ -451,10 +463,13 @@ def _auto_knobs(num_splits: int) -> dict:
     0.982, (32,32,8,2k) 0.980 against 0.978, (8,32,32,8k) 0.984 against 0.986), and worse than
     PDL at program start with 8-16 splits ((16,32,1,4k) 0.864 against 0.957, (1,32,8,128k) 0.907
     against 0.965): not used.
+    2026-11-22, fourth session, with the four-heads reduce kernel (.lead/td_prof.py; op graph time
+    against SDPA in the same run): pdl pays beyond 4 splits as well, the reduce kernel's launch
+    hidden under the decode kernel's tail: (16,32/1,4k) 8 splits 0.970 -> 1.035 (19.79 -> 18.54
+    us), (1,32/8,32k) 16 splits 0.993 -> 1.014.
     Only the split count decides, a function of the shapes: no host sync, CUDA-graph capturable.
     """
-    on = 2 <= num_splits <= 4
-    return {"fused_reduce": on, "pdl": on}
+    return {"fused_reduce": 2 <= num_splits <= 4, "pdl": num_splits >= 2}
 
 
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
@@ -578,13 +593,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **knobs, **launch_opts,
     )
     if split and not fused:
-        _reduce_kernel[(b * h_q,)](
+        chunk = max(1, min(_REDUCE_CHUNK, _next_pow2(num_splits), _REDUCE_TILE // (_REDUCE_HEADS * block_dv)))
+        _reduce_kernel[(triton.cdiv(h_q, _REDUCE_HEADS), b)](
             part_m, part_l, part_acc, out, lse,
             num_splits, h_q,
             *s_pm, *s_pa,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            DV=dv, BLOCK_DV=block_dv, CHUNK_S=_REDUCE_CHUNK,
+            DV=dv, BLOCK_DV=block_dv, HEADS=_REDUCE_HEADS, CHUNK_S=chunk,
             USE_PDL=pdl, num_warps=4, **launch_opts,
         )
     return out, lse

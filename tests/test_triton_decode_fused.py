@@ -177,6 +177,52 @@ def test_auto_knobs_follow_split_count(monkeypatch):
         assert plan["config"]["fused_reduce"] is fused and plan["config"]["pdl"] is pdl, ns
 
 
+def test_long_tile_rule(monkeypatch):
+    """The 128-row tile on 8 warps only for a grid of at most one program per SM whose splits are
+    >= 4096 tokens, only where shared memory holds its ring, never when the config sets the tile."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    for smem, long_ok in ((227 * 1024, True), (99 * 1024, False)):  # H100; sm_89
+        monkeypatch.setattr(td, "_device_smem", lambda device, smem=smem: smem)
+        for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
+            cfg = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)["config"]
+            want = long_ok and ctx // splits >= 4096 and b * h_kv * splits <= 132  # (1, 32/8, 128k) only
+            assert (cfg["BLOCK_N"], cfg["num_warps"]) == ((128, 8) if want else (64, 4)), (b, h_q, h_kv, ctx, smem)
+        # d = 256 fp16: a 128-row ring is 256 KB, more than any GPU has
+        cfg = td.launch_plan(1, 32, 8, 256, 256, 131072, 2, cpu)["config"]
+        assert cfg["BLOCK_N"] < 128
+    # forced tile or forced split count that leaves short splits: the default tile
+    assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, {"num_stages": 2})["config"]["BLOCK_N"] == 64
+    assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, None, 64)["config"]["BLOCK_N"] == 64
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_long_tile_exact(triton_device, paged, poison):
+    """The long tile (128 rows, 8 warps) forced on short contexts: a partial last tile, a context
+    shorter than one tile, splits past the end; paged and contiguous."""
+    c = _case(triton_device, "float16", b=3, h_q=8, h_kv=2, lens=[300, 17, 129], dk=64, block_size=16, seed=14)
+    for ns in (1, 3):
+        if paged:
+            out, lse = _run(c, ns, {"BLOCK_N": 128, "num_warps": 8})
+        else:
+            out, lse = td._launch(c["q"], c["k"], c["v"], None, c["lens"], c["scale"], ns,
+                                  config={"BLOCK_N": 128, "num_warps": 8})
+        _check(out, c["ref"], "float16", f"long tile paged={paged} splits={ns}", c["naive"], lse, c["ref_lse"])
+
+
+@cuda_only
+def test_long_tile_chosen_and_exact(triton_device, poison):
+    """On a GPU with the shared memory for it, 2 splits of >= 4096 tokens take the long tile by
+    themselves; exact with a partial last block and a short sequence."""
+    c = _case(triton_device, "float16", b=2, h_q=8, h_kv=2, lens=[9000, 4100], dk=128, block_size=16, seed=15)
+    plan = td.launch_plan(2, 8, 2, 128, 128, c["block_table"].shape[1] * 16, 2, c["q"].device, None, 2)
+    if not td._long_tile_fits(td._device_smem(c["q"].device), 2, 128, 128):
+        pytest.skip("this GPU's shared memory does not hold the long tile")
+    assert plan["config"]["BLOCK_N"] == 128 and plan["config"]["num_warps"] == 8
+    out, lse = _run(c, 2, None)
+    _check(out, c["ref"], "float16", "long tile, 2 splits", c["naive"], lse, c["ref_lse"])
+
+
 class _LaunchSpy:
     """Stands in for a Triton kernel: records the grid of each launch, then launches."""
 

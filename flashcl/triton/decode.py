@@ -350,6 +350,38 @@ def _tile_config(elt_bytes: int, block_dk: int, block_dv: int) -> dict:
     return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES}
 
 
+# The long tile: a grid of at most one program per SM whose splits are long streams. One program
+# then has the SM to itself, and what it keeps in flight is what the SM keeps in flight: 128-row
+# tiles on 8 warps hold 2 x 64 KB of K+V in flight instead of 2 x 32 KB. Measured on H100
+# (2026-11-22, .lead/td_prof.py, op graph time against SDPA, three runs): (1, 32/8, 128k), 16
+# splits of 8192 tokens: 0.980-0.995 against 0.966-0.979 with the 64-row tile. Where the splits
+# are short it loses: (1, 32/8, 32k), 2048-token splits, 1.007 against 1.012; MQA (16, 32/1, 4k),
+# 512-token splits, 1.020 against 1.046; the fused 2..4-split shapes (512-1024 tokens) 1-3% behind.
+# With more than one program per SM it would cost a second wave (~140 KB of shared memory each).
+# 4 stages (3 tiles in flight) were 1.5% behind 3 on 128k.
+_LONG_TILE = {"BLOCK_N": 128, "num_warps": 8}
+_LONG_SPLIT = 4096          # tokens per split from which a one-wave grid takes the long tile
+_SMEM_HEADROOM = 24 * 1024  # Q, P and layout-conversion scratch next to the K/V ring (<= 20 KB seen)
+
+
+def _long_tile_fits(smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
+    ring = (_NUM_STAGES - 1) * _LONG_TILE["BLOCK_N"] * (block_dk + block_dv) * elt_bytes
+    return ring + _SMEM_HEADROOM <= smem_per_block
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_block(device_index: int) -> int:
+    """Opt-in shared memory one block may use (227 KiB on sm_90, 163 on sm_80, 99 on sm_89)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+
+
+def _device_smem(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # TRITON_INTERPRET on CPU: the default tile only
+    return _smem_per_block(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device, queried once per device."""
@@ -477,7 +509,9 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
     decode shape. ``config`` keys override the defaults (tile sizes and _KNOBS); ``num_splits`` > 0
     overrides the automatic split count (the automatic knobs then follow the given count).
-    ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it."""
+    ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it.
+    Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
+    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -487,6 +521,10 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     sms = _device_sms(device)
     auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
     splits = num_splits if num_splits > 0 else auto_splits
+    tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
+    if (not tile_forced and b * h_kv * splits <= sms and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
+            and _long_tile_fits(_device_smem(device), elt_bytes, block_dk, block_dv)):
+        cfg.update(_LONG_TILE)
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
     cfg["early_pages"] = bool(cfg["early_pages"])

@@ -443,6 +443,21 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
     K @ Q^T, output V^T @ P^T, so the 64-row K tile and the 128-row V^T feed wgmma from shared
     memory instead of a 16-row padded group): 0.935 against 0.926 for MQA, 0.94-1.04 elsewhere
     against 0.98-1.07 for this kernel in the same rounds (1-3% behind on five of nine shapes).
+    2026-11-22 (fourth session, .lead/td_prof.py, ratio vs SDPA in the same run):
+    - What is left on the one-split shapes is DRAM efficiency. ncu at (8, 32/32, 2k): paged,
+      contiguous and cuDNN's SDPA all read 268.5 MB from DRAM (nothing fetched twice) at 84.6%,
+      86.0% and 85.7% of peak DRAM throughput. The same kernel on contiguous KV matches SDPA
+      (1.000-1.002); with the block table in allocation order it is 0.980-0.991, in random
+      order 0.975-0.981. On (1, 32/8, 128k) the random order is the whole loss: blocks
+      shuffled only within groups of 16 run at 0.994, contiguous 0.998, random 0.966.
+    - L2 prefetch (prefetch.global.L2) of the rows of the tile PF ahead, past what the
+      shared-memory ring holds: one-split shapes -3.5% at PF=2 to -35% at PF=6 (256 programs
+      x PF x 32 KB outgrow the L2), 128k +1.3% at PF=2. One line per page only (to warm the
+      TLB): -1..-5%.
+    - Block-table entries two tiles ahead from one load at the start (no dependent load in the
+      prologue): Triton 3.6 then stops pipelining the K/V loads (the TTGIR has no async copy).
+    - num_stages 1 (no pipeline): -6..-16%; 4 stages on the one-split shapes: -2%; 64 rows on
+      8 warps: -2..-4%. eviction_policy on the K/V loads is dropped by Triton's async copy.
     """
     if batch_heads >= sm_count:
         return 1

@@ -370,28 +370,28 @@ def _long_tile_fits(smem_per_block: int, elt_bytes: int, block_dk: int, block_dv
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_per_block(device_index: int) -> int:
-    """Opt-in shared memory one block may use (227 KiB on sm_90, 163 on sm_80, 99 on sm_89)."""
+def _cuda_facts(device_index: int) -> tuple[int, int]:
+    """(streaming multiprocessors, opt-in shared memory one block may use in bytes: 227 KiB on
+    sm_90, 163 on sm_80, 99 on sm_89) of a CUDA device, queried once per device."""
     props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    return props.multi_processor_count, int(smem)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _device_smem(device: torch.device) -> int:
     if device.type != "cuda":
         return 0  # TRITON_INTERPRET on CPU: the default tile only
-    return _smem_per_block(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device, queried once per device."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _cuda_facts(_cuda_index(device))[1]
 
 
 def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # TRITON_INTERPRET on CPU: any small number exercises the split path
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_facts(_cuda_index(device))[0]
 
 
 # Split-k heuristic constants (see choose_num_splits).

@@ -462,6 +462,23 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
       prologue): Triton 3.6 then stops pipelining the K/V loads (the TTGIR has no async copy).
     - num_stages 1 (no pipeline): -6..-16%; 4 stages on the one-split shapes: -2%; 64 rows on
       8 warps: -2..-4%. eviction_policy on the K/V loads is dropped by Triton's async copy.
+    2026-11-22 (fifth session; .lead/tl_prof.py, .lead/fill_test.py, .lead/tma_bench.py):
+    - A per-program timeline (globaltimer at start, at each quarter of the loop, at the end;
+      %smid) at (8, 32/32, 2k): the SMs of some GPCs finish 12-16% before the rest (75-79 us
+      against 89-91) and idle, over paged and contiguous KV alike (cuDNN launches the same
+      256-CTA grid). The slow SMs' first three quarters take the same time paged or contiguous;
+      over paged KV the fast SMs finish later (78 us against 72), so the slow ones' last quarter
+      speeds up later (19.7 us against 16.6): that is the 2% against contiguous KV and SDPA.
+      Balancing that needs work handed out at run time in chunks small enough to matter (a few
+      tiles), each a new pipeline prologue; not built.
+    - A grid that fills every slot does not help: the same bytes cut into 264 programs instead
+      of 256 ((8, 33/33, 1984) against (8, 32/32, 2048)), 132 long-tile programs instead of 128
+      at 128k: within 0.5%.
+    - 128k and 32k at 20, 24 or 32 splits (64-row tile): 1-4% behind 16.
+    - BLOCK_N 32 with 5 or 6 stages: 0.94-0.96 of SDPA on the one-split shapes (0.98 for the
+      default); BLOCK_N 16 with 10 or 12 stages: 0.80-0.84.
+    - Pages fetched by TMA (one 16-row box per page, up to 11 stages): 0.89-0.93 on the one-split
+      shapes, 0.55-0.60 on 128k and MQA.
     """
     if batch_heads >= sm_count:
         return 1

@@ -95,7 +95,8 @@ def test_fused_matches_two_kernel_path(triton_device):
 
 _KNOB_CONFIGS = {
     "defaults": None,
-    "all-off": {"early_pages": False, "fused_reduce": False, "pdl": False},
+    "all-off": {"early_pages": False, "fused_reduce": False, "pdl": False, "whole_pages": False},
+    "masked-rows": {"whole_pages": False},  # early pages, K/V rows masked instead of pointed at row 0
     "early_pages": {"early_pages": True, "fused_reduce": False},
     "pdl": {"pdl": True},  # a no-op here (interpreter / no sm_90): still exact
     "fused+early+merge2": {"fused_reduce": True, "early_pages": True, "merge_stages": 2},

@@ -43,6 +43,11 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   is zeroed by a memset recorded in the graph.
     pdl           (default: on from 2 splits; sm_90+ only) programmatic dependent launch.
     merge_stages  software-pipeline depth of the fused merge's loop over the splits (3).
+    whole_pages   (default on; paged, early_pages, BLOCK_N a multiple of the block size) the
+                  in-page row offsets are hoisted out of the loop, offsets are 32-bit when every
+                  element of the cache is within 2^31 of its start, and the rows of a tile past the
+                  sequence's end point at the tile's first row (a real one) instead of being
+                  masked: no K/V load mask, and no block-table entry past the end is ever used.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -84,6 +89,7 @@ def _decode_kernel(
     # the launch knobs (see _KNOBS)
     EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
+    WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -117,7 +123,12 @@ def _decode_kernel(
     if EARLY_PAGES:
         chunk = tl.cdiv(tl.cdiv(n_ctx_max, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
-        if PAGED:
+        if PAGED and WHOLE_PAGES:
+            # clamped to the bound, every entry read lies in the table; the entries of tokens past
+            # this sequence's end are replaced by the first token's once the length is known
+            page = tl.load(bt_base + (tl.minimum(lo + offs_n, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+            page_lo = tl.load(bt_base + (tl.minimum(lo, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+        elif PAGED:
             page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
                            other=0)
     if HAS_LENS:
@@ -128,6 +139,8 @@ def _decode_kernel(
         chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, n_ctx)
+    if PAGED and WHOLE_PAGES:
+        page = tl.where(lo + offs_n < hi, page, page_lo)
 
     # Q tile: the whole group; padding rows are zeros and are never stored
     q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
@@ -150,11 +163,29 @@ def _decode_kernel(
     # same iteration
     if PAGED and not EARLY_PAGES:
         page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < hi, other=0)
+    if WHOLE_PAGES:
+        # every tile starts on a page boundary: a row's offset inside its page is loop-invariant
+        in_page_k = (offs_n % PAGE_SIZE) * stride_kpos
+        in_page_v = (offs_n % PAGE_SIZE) * stride_vpos
     for start_n in range(lo, hi, BLOCK_N):
         tok = start_n + offs_n
         valid = tok < hi
         # locate each token's row: through the block table, or along the sequence's one chain
-        if PAGED:
+        if PAGED and WHOLE_PAGES:
+            # a row past the end reads the tile's first row (a real one, whose page `page` holds
+            # for it): the K/V loads need no row mask, and those rows' scores are -inf below
+            if OFFS32:  # the whole cache is within 2^31 elements: 32-bit offsets
+                row_k = page * stride_kblk + tl.where(valid, in_page_k, 0)
+                row_v = page * stride_vblk + tl.where(valid, in_page_v, 0)
+            else:
+                row_k = page.to(tl.int64) * stride_kblk + tl.where(valid, in_page_k, 0)
+                row_v = page.to(tl.int64) * stride_vblk + tl.where(valid, in_page_v, 0)
+            # the next tile's entries, its rows past the end at its first token; clamped to the
+            # bound, so the load after the last tile stays in the table too (its values go unused)
+            nxt = tok + BLOCK_N
+            nxt = tl.minimum(tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max - 1)
+            page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn)
+        elif PAGED:
             row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
             row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
             nxt = tok + BLOCK_N
@@ -164,14 +195,24 @@ def _decode_kernel(
             row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
         k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
         v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
-        if BLOCK_DK == DK:
-            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        if PAGED and WHOLE_PAGES:  # every row address is a real row
+            if BLOCK_DK == DK:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_dk[None, :] < DK, other=0.0)
+            if BLOCK_DV == DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         else:
-            k = tl.load(k_ptrs, mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        if BLOCK_DV == DV:
-            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if BLOCK_DK == DK:
+                k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            if BLOCK_DV == DV:
+                v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -479,6 +520,19 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
       default); BLOCK_N 16 with 10 or 12 stages: 0.80-0.84.
     - Pages fetched by TMA (one 16-row box per page, up to 11 stages): 0.89-0.93 on the one-split
       shapes, 0.55-0.60 on 128k and MQA.
+    2026-11-22 (sixth session, .lead/td_prof.py, .lead/read_ceiling3.py, .lead/pp/decode_b.py):
+    - Where the one-split loss is: the vLLM token-major memory read through the contiguous code
+      path costs 1.5% at H_kv = 32 and nothing at H_kv = 8; the block-table path on the same
+      addresses 1.2%; the random block order 0-1.2% (all of the loss at 128k). A dependent load
+      before the first K/V addresses costs nothing measurable (contiguous path made to wait on
+      context_lens: 0.999), nor do block-table misses (the split's entries prefetched to L1 or L2
+      at program start: within 0.2%).
+    - The block-table path made cheaper (knob whole_pages): 550 -> 395 SASS instructions per
+      iteration, +0.7..0.9% on the one-split MHA shapes, +1..2% on the split ones.
+    - No pipeline (num_stages 1) with 128-row tiles on 4 or 8 warps: 0.94 of SDPA; 128-row tiles
+      on 2 stages: 0.97 one-split, 0.94-0.97 at 128k / 32k with 32-33 splits (two programs per
+      SM). A read-only kernel over the same pages: 0.97-0.98 with 64-row tiles on 4 warps,
+      1.01-1.02 with 128 rows on 8 warps.
     """
     if batch_heads >= sm_count:
         return 1
@@ -508,6 +562,10 @@ _KNOBS = {
     "pdl": None,
     # software-pipeline depth of the fused merge's loop over the splits
     "merge_stages": 3,
+    # paged KV whose tiles hold whole pages (BLOCK_N % block_size == 0; needs early_pages): in-page
+    # row offsets hoisted out of the loop, 32-bit offsets where the cache allows, rows past the end
+    # pointed at a real row instead of masked
+    "whole_pages": True,
 }
 
 
@@ -564,6 +622,7 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
     cfg["early_pages"] = bool(cfg["early_pages"])
+    cfg["whole_pages"] = bool(cfg["whole_pages"])
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
@@ -593,6 +652,14 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         _COUNTERS[key] = buf
         _COUNTERS_KEEP.append(buf)
     return buf
+
+
+_OFFS32_LIMIT = 2**31  # caches whose every element lies below this offset use 32-bit row offsets
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset of a tensor view from its first element (strides are >= 0)."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 def _pdl_ok(device: torch.device) -> bool:
@@ -645,6 +712,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     counters = _counters(q.device, b * h_kv) if fused else None
     pdl = cfg["pdl"] and _pdl_ok(q.device)
     knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
+    if paged and cfg["whole_pages"] and cfg["early_pages"] and cfg["BLOCK_N"] % page_size == 0:
+        knobs.update(WHOLE_PAGES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
     launch_opts = {"launch_pdl": True} if pdl else {}

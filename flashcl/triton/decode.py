@@ -174,12 +174,11 @@ def _decode_kernel(
         if PAGED and WHOLE_PAGES:
             # a row past the end reads the tile's first row (a real one, whose page `page` holds
             # for it): the K/V loads need no row mask, and those rows' scores are -inf below
-            if OFFS32:  # the whole cache is within 2^31 elements: 32-bit offsets
-                row_k = page * stride_kblk + tl.where(valid, in_page_k, 0)
-                row_v = page * stride_vblk + tl.where(valid, in_page_v, 0)
-            else:
-                row_k = page.to(tl.int64) * stride_kblk + tl.where(valid, in_page_k, 0)
-                row_v = page.to(tl.int64) * stride_vblk + tl.where(valid, in_page_v, 0)
+            blk = page
+            if not OFFS32:  # 32-bit offsets only where the whole cache lies within 2^31 elements
+                blk = page.to(tl.int64)
+            row_k = blk * stride_kblk + tl.where(valid, in_page_k, 0)
+            row_v = blk * stride_vblk + tl.where(valid, in_page_v, 0)
             # the next tile's entries, its rows past the end at its first token; clamped to the
             # bound, so the load after the last tile stays in the table too (its values go unused)
             nxt = tok + BLOCK_N
@@ -195,24 +194,9 @@ def _decode_kernel(
             row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
         k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
         v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
-        if PAGED and WHOLE_PAGES:  # every row address is a real row
-            if BLOCK_DK == DK:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=offs_dk[None, :] < DK, other=0.0)
-            if BLOCK_DV == DV:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-        else:
-            if BLOCK_DK == DK:
-                k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            if BLOCK_DV == DV:
-                v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs, mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        # with whole pages every row address is a real row: no row mask
+        k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and WHOLE_PAGES))
+        v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and WHOLE_PAGES))
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -263,6 +247,23 @@ def _decode_kernel(
         # back from log2 to natural log: lse = (m + log2 l) * ln 2
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
+
+
+@triton.jit
+def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A K or V tile [BLOCK_N, BLOCK_D]: rows past the end (``valid`` false) read as zeros when
+    MASK_ROWS, head-dim columns of the padding (>= D) always."""
+    if MASK_ROWS:
+        if BLOCK_D == D:
+            tile = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        if BLOCK_D == D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return tile
 
 
 @triton.jit

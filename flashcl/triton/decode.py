@@ -534,6 +534,23 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
       on 2 stages: 0.97 one-split, 0.94-0.97 at 128k / 32k with 32-33 splits (two programs per
       SM). A read-only kernel over the same pages: 0.97-0.98 with 64-row tiles on 4 warps,
       1.01-1.02 with 128 rows on 8 warps.
+    2026-11-22 (seventh session, .lead/td_prof.py SORTED=, .lead/sort_bench.py,
+    .lead/pp/decode_sorted.py; ratio vs SDPA, random blocks, three H100 boards):
+    - The order in which a program visits its pages matters: the same random pages visited in
+      ascending physical order within each split (block table sorted outside the timed call;
+      every context is full, so the output is the same) ran (8, 32/32, 2k) 0.989-1.001 against
+      0.988-0.989, (32, 32/8, 2k) 0.988-0.994 against 0.975-0.983, 8k 0.994-0.996 against
+      0.987-0.989, 128k 1.009-1.013 against 0.987-0.995, 32k 1.038-1.043 against 0.995-0.996.
+      Sorting only within runs of 8 entries gained nothing, runs of 32 about half: what helps is
+      every program sweeping the cache's addresses in the same direction at the same time (fewer
+      pages touched per window of time; the 2 MB-page TLB is the likely reason, not measured).
+    - Sorted inside the kernel it does not pay: tl.sort of a split's entries (packed with their
+      index, written to a per-program scratch and read back) costs 0.77 us for 128 keys and 2.4
+      us for 512 (4 warps, 264 programs), more than the order saves at 2k; counting ranks took 2-3
+      us at 128. Measured: one-split shapes 0.2-1% behind the default, 32k +2%, 128k -0.4%, MQA
+      -10%. The first tile loaded in table order to hide the sort (computed after the loop):
+      255 registers, 2-4% behind.
+    - 2, 3 or 4 splits on the one-split shapes (fused or not, PDL or not): 0.93-0.95.
     """
     if batch_heads >= sm_count:
         return 1

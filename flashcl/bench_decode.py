@@ -1,8 +1,8 @@
 """Benchmark of the OpenCL flash-decoding kernels (a command, never a test; DESIGN.md §6).
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache (block_size 16 by default) whose
-blocks are a random permutation (``block_order="sequential"``: in allocation order), every sequence
-ctx long. Times are OpenCL profiling events from the start of the decode kernel to the end of the
+blocks are a random permutation (``block_order="sequential"``: in allocation order; "ascending":
+a random set of blocks per sequence in address order), every sequence ctx long. Times are OpenCL profiling events from the start of the decode kernel to the end of the
 merge kernel (when there is one), median and spread over ``repeats`` runs after a warm-up; the
 inputs rotate over several copies so that the working set exceeds 3x the device's global-memory
 cache where memory allows (a real decode step reads each layer's KV once, cold). Bytes moved (the
@@ -94,13 +94,15 @@ def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-BLOCK_ORDERS = ("random", "sequential")
+BLOCK_ORDERS = ("random", "sequential", "ascending")
 
 
 def _block_table(rng, num_blocks: int, b: int, block_order: str) -> np.ndarray:
-    """(b, num_blocks // b) int32: the blocks in random order or in allocation order."""
-    order = rng.permutation(num_blocks) if block_order == "random" else np.arange(num_blocks)
-    return order.astype(np.int32).reshape(b, -1)
+    """(b, num_blocks // b) int32: the blocks in random order, in allocation order, or a random set
+    per sequence in ascending order."""
+    order = np.arange(num_blocks) if block_order == "sequential" else rng.permutation(num_blocks)
+    table = order.astype(np.int32).reshape(b, -1)
+    return np.sort(table, axis=1) if block_order == "ascending" else table
 
 
 def _inputs(rng, shape, dtype, block_size, block_order="random"):

@@ -155,8 +155,10 @@ def _parse_decode_shape(text: str):
 @click.option("--shape", "shapes", multiple=True, help="B,H_q,H_kv,ctx (repeatable; overrides --preset).")
 @click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default="float16", show_default=True)
 @click.option("--block-size", default=16, show_default=True, help="Paged-KV block size (a power of two, 1..256).")
-@click.option("--block-order", type=click.Choice(["random", "sequential"]), default="random", show_default=True,
-              help="Block table order: random (a cache after some serving) or allocation order (a fresh cache).")
+@click.option("--block-order", type=click.Choice(["random", "sequential", "ascending"]), default="random",
+              show_default=True,
+              help="Block table order: random (a cache after some serving), sequential (allocation order: a "
+                   "fresh cache) or ascending (random blocks, each sequence's in address order).")
 @click.option("--repeats", default=10, show_default=True, help="Timed runs per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order, repeats, as_json):
@@ -174,7 +176,7 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
         rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order)
-        click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows))
+        click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows, command))
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)

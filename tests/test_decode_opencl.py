@@ -380,3 +380,16 @@ def test_bad_tables_raise(cl_device):
     qc, kc, vc = _contiguous(rng, 2, 4, 2, 64, 64, 30, "float32")
     with pytest.raises(ValueError, match=r"context_lens\[0\] = 31 exceeds the cache \(N_max = 30\)"):
         flashcl.decode(qc, kc, vc, context_lens=np.array([31, 2], np.int32), device=cl_device)
+
+
+@pytest.mark.parametrize("block_order", ["random", "sequential", "ascending"])
+def test_bench_block_orders(block_order):
+    """The benchmark's block tables use every block once, in the order the name promises."""
+    from flashcl import bench_decode as bd
+
+    table = bd._block_table(np.random.default_rng(0), 24, 3, block_order)
+    assert table.shape == (3, 8) and table.dtype == np.int32
+    assert np.array_equal(np.sort(table, axis=None), np.arange(24))
+    ascending = bool((np.diff(table, axis=1) > 0).all())
+    assert ascending == (block_order != "random")
+    assert np.array_equal(table, np.arange(24).reshape(3, 8)) == (block_order == "sequential")

@@ -356,13 +356,14 @@ def test_head_dims_cuda(triton_device, dk, dv, dtype, poison):
         _check(out, c["ref"], dtype, f"contig {dtype} splits={ns}", c["naive"], lse, c["ref_lse"])
 
 
-@pytest.mark.parametrize("block_order", ["random", "sequential"])
+@pytest.mark.parametrize("block_order", ["random", "sequential", "ascending"])
 def test_bench_inputs_hold_the_same_kv(block_order):
-    """The benchmark's paged cache holds exactly the contiguous KV SDPA reads, for either block
-    order (what the bench compares must be the same data); sequential means allocation order."""
+    """The benchmark's paged cache holds exactly the contiguous KV SDPA reads, for every block
+    order (what the bench compares must be the same data); sequential means allocation order,
+    ascending a random set of blocks per sequence listed in address order."""
     from flashcl.triton import bench_decode as bd
 
-    shape = (2, 4, 2, 40)  # ctx not a multiple of the block size: a partial last block
+    shape = (3, 4, 2, 72)  # ctx not a multiple of the block size: a partial last block
     s = bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), block_order)
     b, _, h_kv, ctx = shape
     table = s["block_table"].long()
@@ -371,6 +372,32 @@ def test_bench_inputs_hold_the_same_kv(block_order):
         flat = pages.permute(0, 3, 1, 2, 4).reshape(b, h_kv, -1, bd.HEAD_DIM)[:, :, :ctx]
         assert torch.equal(flat, s[name])
     ordered = torch.arange(table.numel()).view_as(table)
+    assert torch.equal(table.flatten().sort().values, ordered.flatten())  # every block used once
     assert torch.equal(table, ordered) == (block_order == "sequential")
+    assert bool((table[:, 1:] > table[:, :-1]).all()) == (block_order != "random")
     with pytest.raises(ValueError, match="block_order"):
         bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), "reversed")
+
+
+@pytest.mark.parametrize("forced", [{}, {1: 0.0933, 2: 0.0975}])
+def test_bench_table_with_and_without_forced_splits(forced):
+    """The bench table prints with forced split counts (best one, auto within 5%) and without
+    (``--splits`` given no counts), and states the command that made it."""
+    from flashcl.triton import bench_decode as bd
+
+    best = min(forced, key=forced.get) if forced else None
+    row = {"shape": "(8,32,32,2k)", "kv_MB": 268.4, "auto_splits": 1, "median_ms": 0.0931, "min_ms": 0.093,
+           "max_ms": 0.0934, "TB_s": 2.89, "pct_copy_bw": 99.6, "sdpa_TB_s": 2.92, "vs_sdpa": 0.99,
+           "contig_TB_s": 2.93, "sdpa_fa2_TB_s": None, "forced_ms": forced, "best_splits": best,
+           "best_forced_ms": forced.get(best), "auto_within_5pct": (0.0931 <= 1.05 * forced[best]) if forced else None,
+           "flashcl": "0.1.0", "dtype": "float16", "d": 128, "block_size": 16, "block_order": "ascending",
+           "rounds": 3, "device": "GPU", "sm_count": 132, "driver": "580", "torch": "2.11", "triton": "3.6",
+           "date": "2026-11-22", "copy_bw_TB_s": 2.9}
+    text = bd.format_table([row], "python -m flashcl.triton.bench_decode --splits")
+    assert "command: python -m flashcl.triton.bench_decode --splits" in text
+    assert "(ascending block order)" in text
+    last = [ln for ln in text.splitlines() if ln.strip().startswith("(8,32,32,2k)")][0]  # the shape's row
+    if forced:
+        assert "1: 0.0933" in last and last.rstrip().endswith("yes") and "forced split counts" in text
+    else:
+        assert last.rstrip().endswith("-") and "forced split counts" not in text

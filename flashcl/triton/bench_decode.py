@@ -16,12 +16,10 @@ shapes to cuDNN, which is faster and is the target). Reported:
 TB/s over the bytes each call must move, % of the device's copy bandwidth measured in the same
 run, the SDPA ratio, and whether the automatic split count is within 5% of the best forced one.
 
-What paging costs, measured on an H100 (2026-11-21, fp16, d=128, block_size 16, interleaved
-rounds): the paged kernel with random blocks is 2-6% behind the same kernel on contiguous KV,
-with sequential blocks 0-2% (MQA (16, 32/1, 4k): 4-5%, the block-table load that precedes the
-first K/V load of a 20 us call). A kernel that only reads the
-paged cache (no arithmetic, decode's head-major order) is 2.5-4.5% slower over random blocks than
-over sequential ones on the MHA/GQA shapes: most of the gap is the block order, not the kernel.
+What paging costs, measured with this command on an H100 (2026-11-22, fp16, d=128, block_size 16,
+random blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
+one-split shapes, 4-5% on MQA and 32k). Where that goes, and what was tried against it:
+docs/decode-h100-notes.md.
 """
 
 from __future__ import annotations
@@ -60,12 +58,16 @@ def _flops(b, h_q, ctx, dk, dv) -> int:
     return 2 * b * h_q * ctx * (dk + dv)
 
 
-BLOCK_ORDERS = ("random", "sequential")
+# random: a cache after some serving; sequential: a fresh cache (allocation order); ascending: the
+# random blocks of each sequence listed in address order (what sorting a random table would give;
+# it separates the cost of random addresses from the cost of their order)
+BLOCK_ORDERS = ("random", "sequential", "ascending")
 
 
 def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "random"):
     """One input set: q, the contiguous KV (for SDPA) and the same KV in pages, the blocks of the
-    block table in random order or in allocation order (``block_order``)."""
+    block table in random order, in allocation order, or random blocks in ascending order within
+    each sequence (``block_order``, one of BLOCK_ORDERS)."""
     if block_order not in BLOCK_ORDERS:
         raise ValueError(f"block_order: expected one of {BLOCK_ORDERS}, got {block_order!r}")
     b, h_q, h_kv, ctx = shape
@@ -77,6 +79,8 @@ def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "rand
     num_blocks = b * blocks_per_seq
     if block_order == "random":
         perm = torch.randperm(num_blocks, generator=gen, device=device)
+    elif block_order == "ascending":
+        perm = torch.randperm(num_blocks, generator=gen, device=device).view(b, blocks_per_seq).sort(dim=1).values.flatten()
     else:
         perm = torch.arange(num_blocks, device=device)
     block_table = perm.view(b, blocks_per_seq).to(torch.int32)
@@ -168,7 +172,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             {n: (lambda fn=fn, ss=sets: _time(fn, ss, est_s)["median_ms"]) for n, fn in variants.items()}, rounds)
         t_auto, t_sdpa, t_contig = t["auto"], t["sdpa"], t["contig"]
         forced = {s: t[s]["median_ms"] for s in variants if isinstance(s, int)}
-        best_s = min(forced, key=forced.get)
+        best_s = min(forced, key=forced.get) if forced else None  # --splits with no counts: none forced
         rows.append({
             "shape": f"({b},{h_q},{h_kv},{ctx // 1024}k)" if ctx % 1024 == 0 else str(shape),
             "B": b, "H_q": h_q, "H_kv": h_kv, "ctx": ctx, "d": d, "dtype": dtype,
@@ -182,8 +186,8 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "vs_sdpa": t_sdpa["median_ms"] / t_auto["median_ms"],
             "contig_ms": t_contig["median_ms"], "contig_TB_s": tb(t_contig),
             "sdpa_fa2_TB_s": tb(t["sdpa_fa2"]) if "sdpa_fa2" in t else None,
-            "forced_ms": forced, "best_splits": best_s, "best_forced_ms": forced[best_s],
-            "auto_within_5pct": t_auto["median_ms"] <= AUTO_TOLERANCE * forced[best_s],
+            "forced_ms": forced, "best_splits": best_s, "best_forced_ms": forced.get(best_s),
+            "auto_within_5pct": None if best_s is None else t_auto["median_ms"] <= AUTO_TOLERANCE * forced[best_s],
             "copy_bw_TB_s": copy_bw / 1e12,
             "device": summary["device"], "sm_count": summary["sm_count"],
             "driver": summary["driver"],
@@ -237,7 +241,9 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
     return rows
 
 
-def format_table(rows) -> str:
+def format_table(rows, command: str | None = None) -> str:
+    """The rows as a text table under a header with their conditions; ``command``: the command
+    line that produced them (default: the module's, with the rows' block order)."""
     if not rows:
         return "(no rows)"
     r0 = rows[0]
@@ -246,7 +252,7 @@ def format_table(rows) -> str:
             f"{r0.get('rounds', 1)} interleaved rounds, median (spread: min-max of the round medians)\n"
             f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
             f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s\n"
-            f"command: python -m flashcl.triton.bench_decode --block-order {r0['block_order']}\n"
+            f"command: {command or 'python -m flashcl.triton.bench_decode --block-order ' + r0['block_order']}\n"
             f"contig = the same kernel on SDPA's contiguous KV (no block table); SDPA = torch's own "
             f"dispatch (the target), FA2 = SDPA held to its FlashAttention-2 backend (a weaker peer)\n")
     cols = ("shape", "KV MB", "splits", "ms", "spread", "TB/s", "%copy", "SDPA TB/s", "xSDPA",
@@ -258,7 +264,8 @@ def format_table(rows) -> str:
             f"{r['min_ms']:.4f}-{r['max_ms']:.4f}", f"{r['TB_s']:.2f}", f"{r['pct_copy_bw']:.0f}",
             f"{r['sdpa_TB_s']:.2f}", f"{r['vs_sdpa']:.2f}", f"{r['contig_TB_s']:.2f}",
             "n/a" if r.get("sdpa_fa2_TB_s") is None else f"{r['sdpa_fa2_TB_s']:.2f}",
-            f"{r['best_splits']}: {r['best_forced_ms']:.4f}", "yes" if r["auto_within_5pct"] else "NO",
+            "-" if r["best_splits"] is None else f"{r['best_splits']}: {r['best_forced_ms']:.4f}",
+            {None: "-", True: "yes", False: "NO"}[r["auto_within_5pct"]],
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     out = [head]
@@ -266,9 +273,11 @@ def format_table(rows) -> str:
         out.append("  ".join(c.rjust(w) for c, w in zip(line, widths)))
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
-    out.append("\nforced split counts (ms):")
+    if any(r["forced_ms"] for r in rows):
+        out.append("\nforced split counts (ms):")
     for r in rows:
-        out.append(f"  {r['shape']}: " + ", ".join(f"{s}={t:.4f}" for s, t in r["forced_ms"].items()))
+        if r["forced_ms"]:
+            out.append(f"  {r['shape']}: " + ", ".join(f"{s}={t:.4f}" for s, t in r["forced_ms"].items()))
     return "\n".join(out)
 
 
@@ -277,8 +286,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-order", default="random", choices=BLOCK_ORDERS,
-                   help="block table in random order (default) or in allocation order")
-    p.add_argument("--splits", type=int, nargs="*", default=None, help="forced split counts to compare")
+                   help="block table in random order (default), in allocation order, or random blocks in "
+                        "ascending address order within each sequence")
+    p.add_argument("--splits", type=int, nargs="*", default=None,
+                   help="forced split counts to compare (default: powers of two; none: no comparison)")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds: every variant is timed once per round (default 3)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -298,7 +309,8 @@ def main(argv=None) -> int:
     progress = lambda r: print(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", file=sys.stderr, flush=True)  # noqa: E731
     rows = run(dtype=args.dtype, block_size=args.block_size, splits=args.splits, on_row=progress,
                block_order=args.block_order, rounds=args.rounds)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    command = " ".join(["python -m flashcl.triton.bench_decode", *(sys.argv[1:] if argv is None else argv)])
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows, command))
     return 0
 
 

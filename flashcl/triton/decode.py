@@ -468,89 +468,11 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
 
     Measured on H100 (132 SMs, fp16, d=128, splits forced; bench_decode): B * H_kv = 256 fastest
     unsplit; 64 at 2 (1 split: -32%); 32 at 4; 16 at 8; 8 at 16 (17 splits, 136 programs: -4..6%,
-    more than 32: -5..20%). A split keeps >= _MIN_TILES_PER_SPLIT tiles.
+    more than 32: -5..20%; 256 at 2, 3 or 4 splits: 0.93-0.95 of SDPA against 0.98-0.99
+    unsplit). A split keeps >= _MIN_TILES_PER_SPLIT tiles.
 
-    Tried on H100 and left out (2026-11-21, TB/s, graph replay): serving a GQA group of 32 by two
-    programs of 16 heads, as cuDNN does for MQA (16, 32/1, 4k): 1.66 at 8 splits against 1.63
-    (within noise), 1.44 at 4 fused splits. Loading a tile's block-table entries in the same
-    iteration (left to Triton's pipeliner) instead of one iteration ahead: 3-31% slower; two
-    iterations ahead: 13-71% slower. Several KV heads per program, their query rows sharing the
-    padded Q tile (longer contiguous runs per block: 512 B, 1 KB), with a head mask on the scores:
-    2 heads x BLOCK_N 32 and 4 x 16 gave 0.94-0.95 of SDPA against 0.98 on (8,32/32,2k) and
-    (32,32/8,2k), 0.90-0.96 on 32k and 128k (one shape, 8k, gained 1%).
-    2026-11-22 (random blocks, .lead/read_ceiling3.py, td_gap.py): a kernel that only reads the
-    pages reaches 0.96-0.98 of SDPA with this kernel's tile (64 rows, 4 warps) and 1.00-1.02 with
-    128-row tiles on 8 warps (2-8 adjacent heads per program did no better than one); this kernel
-    with BLOCK_N 128 on 8 warps (2 or 3 stages) gave 0.94-0.98 against 0.98 for the default. K/V
-    double-buffered in registers (next tile loaded before this one is computed, no shared-memory
-    pipeline): 0.95-0.96 on 4 warps, within 1% of the default on 8 warps for the 1-split shapes,
-    0.90 at 128k and 0.75 for MQA.
-    2026-11-22 (third session, td_gap.py, 5 rounds, random blocks): both dots transposed (scores
-    K @ Q^T, output V^T @ P^T, so the 64-row K tile and the 128-row V^T feed wgmma from shared
-    memory instead of a 16-row padded group): 0.935 against 0.926 for MQA, 0.94-1.04 elsewhere
-    against 0.98-1.07 for this kernel in the same rounds (1-3% behind on five of nine shapes).
-    2026-11-22 (fourth session, .lead/td_prof.py, ratio vs SDPA in the same run):
-    - What is left on the one-split shapes is DRAM efficiency. ncu at (8, 32/32, 2k): paged,
-      contiguous and cuDNN's SDPA all read 268.5 MB from DRAM (nothing fetched twice) at 84.6%,
-      86.0% and 85.7% of peak DRAM throughput. The same kernel on contiguous KV matches SDPA
-      (1.000-1.002); with the block table in allocation order it is 0.980-0.991, in random
-      order 0.975-0.981. On (1, 32/8, 128k) the random order is the whole loss: blocks
-      shuffled only within groups of 16 run at 0.994, contiguous 0.998, random 0.966.
-    - L2 prefetch (prefetch.global.L2) of the rows of the tile PF ahead, past what the
-      shared-memory ring holds: one-split shapes -3.5% at PF=2 to -35% at PF=6 (256 programs
-      x PF x 32 KB outgrow the L2), 128k +1.3% at PF=2. One line per page only (to warm the
-      TLB): -1..-5%.
-    - Block-table entries two tiles ahead from one load at the start (no dependent load in the
-      prologue): Triton 3.6 then stops pipelining the K/V loads (the TTGIR has no async copy).
-    - num_stages 1 (no pipeline): -6..-16%; 4 stages on the one-split shapes: -2%; 64 rows on
-      8 warps: -2..-4%. eviction_policy on the K/V loads is dropped by Triton's async copy.
-    2026-11-22 (fifth session; .lead/tl_prof.py, .lead/fill_test.py, .lead/tma_bench.py):
-    - A per-program timeline (globaltimer at start, at each quarter of the loop, at the end;
-      %smid) at (8, 32/32, 2k): the SMs of some GPCs finish 12-16% before the rest (75-79 us
-      against 89-91) and idle, over paged and contiguous KV alike (cuDNN launches the same
-      256-CTA grid). The slow SMs' first three quarters take the same time paged or contiguous;
-      over paged KV the fast SMs finish later (78 us against 72), so the slow ones' last quarter
-      speeds up later (19.7 us against 16.6): that is the 2% against contiguous KV and SDPA.
-      Balancing that needs work handed out at run time in chunks small enough to matter (a few
-      tiles), each a new pipeline prologue; not built.
-    - A grid that fills every slot does not help: the same bytes cut into 264 programs instead
-      of 256 ((8, 33/33, 1984) against (8, 32/32, 2048)), 132 long-tile programs instead of 128
-      at 128k: within 0.5%.
-    - 128k and 32k at 20, 24 or 32 splits (64-row tile): 1-4% behind 16.
-    - BLOCK_N 32 with 5 or 6 stages: 0.94-0.96 of SDPA on the one-split shapes (0.98 for the
-      default); BLOCK_N 16 with 10 or 12 stages: 0.80-0.84.
-    - Pages fetched by TMA (one 16-row box per page, up to 11 stages): 0.89-0.93 on the one-split
-      shapes, 0.55-0.60 on 128k and MQA.
-    2026-11-22 (sixth session, .lead/td_prof.py, .lead/read_ceiling3.py, .lead/pp/decode_b.py):
-    - Where the one-split loss is: the vLLM token-major memory read through the contiguous code
-      path costs 1.5% at H_kv = 32 and nothing at H_kv = 8; the block-table path on the same
-      addresses 1.2%; the random block order 0-1.2% (all of the loss at 128k). A dependent load
-      before the first K/V addresses costs nothing measurable (contiguous path made to wait on
-      context_lens: 0.999), nor do block-table misses (the split's entries prefetched to L1 or L2
-      at program start: within 0.2%).
-    - The block-table path made cheaper (knob whole_pages): 550 -> 395 SASS instructions per
-      iteration, +0.7..0.9% on the one-split MHA shapes, +1..2% on the split ones.
-    - No pipeline (num_stages 1) with 128-row tiles on 4 or 8 warps: 0.94 of SDPA; 128-row tiles
-      on 2 stages: 0.97 one-split, 0.94-0.97 at 128k / 32k with 32-33 splits (two programs per
-      SM). A read-only kernel over the same pages: 0.97-0.98 with 64-row tiles on 4 warps,
-      1.01-1.02 with 128 rows on 8 warps.
-    2026-11-22 (seventh session, .lead/td_prof.py SORTED=, .lead/sort_bench.py,
-    .lead/pp/decode_sorted.py; ratio vs SDPA, random blocks, three H100 boards):
-    - The order in which a program visits its pages matters: the same random pages visited in
-      ascending physical order within each split (block table sorted outside the timed call;
-      every context is full, so the output is the same) ran (8, 32/32, 2k) 0.989-1.001 against
-      0.988-0.989, (32, 32/8, 2k) 0.988-0.994 against 0.975-0.983, 8k 0.994-0.996 against
-      0.987-0.989, 128k 1.009-1.013 against 0.987-0.995, 32k 1.038-1.043 against 0.995-0.996.
-      Sorting only within runs of 8 entries gained nothing, runs of 32 about half: what helps is
-      every program sweeping the cache's addresses in the same direction at the same time (fewer
-      pages touched per window of time; the 2 MB-page TLB is the likely reason, not measured).
-    - Sorted inside the kernel it does not pay: tl.sort of a split's entries (packed with their
-      index, written to a per-program scratch and read back) costs 0.77 us for 128 keys and 2.4
-      us for 512 (4 warps, 264 programs), more than the order saves at 2k; counting ranks took 2-3
-      us at 128. Measured: one-split shapes 0.2-1% behind the default, 32k +2%, 128k -0.4%, MQA
-      -10%. The first tile loaded in table order to hide the sort (computed after the loop):
-      255 registers, 2-4% behind.
-    - 2, 3 or 4 splits on the one-split shapes (fused or not, PDL or not): 0.93-0.95.
+    What else was tried for the paged decode on H100, and where the rest of the gap to SDPA lies
+    (DRAM efficiency, the block order, the GPCs' finishing times): docs/decode-h100-notes.md.
     """
     if batch_heads >= sm_count:
         return 1

@@ -1,12 +1,13 @@
 """Benchmark of the OpenCL flash-decoding kernels (a command, never a test; DESIGN.md §6).
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache (block_size 16 by default) whose
-blocks are a random permutation (``block_order="sequential"``: in allocation order; "ascending":
-a random set of blocks per sequence in address order), every sequence ctx long. Times are OpenCL profiling events from the start of the decode kernel to the end of the
-merge kernel (when there is one), median and spread over ``repeats`` runs after a warm-up; the
-inputs rotate over several copies so that the working set exceeds 3x the device's global-memory
-cache where memory allows (a real decode step reads each layer's KV once, cold). Bytes moved (the
-least a decode step must move):
+blocks are a random permutation (``block_order="sequential"``: in allocation order; "ascending": a
+random set of blocks per sequence in address order), every sequence ctx long. Times are OpenCL
+profiling events from the start of the decode kernel to the end of the merge kernel (when there is
+one), median and spread over ``repeats`` runs after a warm-up; the inputs rotate over several
+copies so that the working set exceeds 3x the device's global-memory cache where memory allows (a
+real decode step reads each layer's KV once, cold). Bytes moved (the least a decode step must
+move):
 
     bytes = B · H_kv · ctx · (DK + DV) · e   (every K/V row read once per GQA group)
           + B · H_q · (DK + DV) · e          (q read, out written)

@@ -80,7 +80,8 @@ def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "rand
     if block_order == "random":
         perm = torch.randperm(num_blocks, generator=gen, device=device)
     elif block_order == "ascending":
-        perm = torch.randperm(num_blocks, generator=gen, device=device).view(b, blocks_per_seq).sort(dim=1).values.flatten()
+        perm = torch.randperm(num_blocks, generator=gen, device=device)
+        perm = perm.view(b, blocks_per_seq).sort(dim=1).values.flatten()
     else:
         perm = torch.arange(num_blocks, device=device)
     block_table = perm.view(b, blocks_per_seq).to(torch.int32)

@@ -77,13 +77,12 @@ def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "rand
     v = torch.randn((b, h_kv, ctx, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
     blocks_per_seq = triton_decode.triton.cdiv(ctx, block_size)
     num_blocks = b * blocks_per_seq
-    if block_order == "random":
-        perm = torch.randperm(num_blocks, generator=gen, device=device)
-    elif block_order == "ascending":
-        perm = torch.randperm(num_blocks, generator=gen, device=device)
-        perm = perm.view(b, blocks_per_seq).sort(dim=1).values.flatten()
-    else:
+    if block_order == "sequential":
         perm = torch.arange(num_blocks, device=device)
+    else:
+        perm = torch.randperm(num_blocks, generator=gen, device=device)
+    if block_order == "ascending":
+        perm = perm.view(b, blocks_per_seq).sort(dim=1).values.flatten()
     block_table = perm.view(b, blocks_per_seq).to(torch.int32)
     pad = blocks_per_seq * block_size - ctx
 

@@ -216,13 +216,14 @@ def test_context_len_zero(triton_device, poison):
         assert np.abs(o[1] - c["ref"][1]).max() < 2e-3 and np.abs(l[1] - c["ref_lse"][1]).max() < 1e-3
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_rows_past_the_end_are_never_read(triton_device, block_size, poison):
+@pytest.mark.parametrize("block_size,h_q,h_kv", [(16, 4, 2), (64, 4, 2), (16, 2, 2)])
+def test_rows_past_the_end_are_never_read(triton_device, block_size, h_q, h_kv, poison):
     """Block-table entries past each sequence's end point far outside the cache, and every cache row
     that holds no token of a sequence is NaN: the kernel may read neither (rows past the end of a
-    tile point at a real row instead of being masked when tiles hold whole pages)."""
+    tile point at a real row instead of being masked when tiles hold whole pages). GQA, and MHA
+    (which takes the CUDA-core loop here: more programs than the 4 "SMs" of the CPU plan)."""
     lens = [1, 17, 80]
-    c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=lens, dk=32, block_size=block_size, seed=21)
+    c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=lens, dk=32, block_size=block_size, seed=21)
     bt = c["block_table"].cpu()
     wide = torch.full((3, bt.shape[1] + 2), 2**30, dtype=torch.int32)  # a bound past the longest
     k_pages, v_pages = torch.full_like(c["k_pages"], float("nan")), torch.full_like(c["v_pages"], float("nan"))
@@ -239,12 +240,14 @@ def test_rows_past_the_end_are_never_read(triton_device, block_size, poison):
         _check(out, c["ref"], "float16", f"splits={ns}", c["naive"], lse, c["ref_lse"])
 
 
-def test_64_bit_row_offsets(triton_device, monkeypatch, poison):
-    """The 64-bit row offsets that caches of 2^31 elements or more take (forced on a small cache)."""
+@pytest.mark.parametrize("h_q,h_kv", [(4, 2), (2, 2)])
+def test_64_bit_row_offsets(triton_device, monkeypatch, h_q, h_kv, poison):
+    """The 64-bit row offsets that caches of 2^31 elements or more take (forced on a small cache);
+    GQA and MHA (the CUDA-core loop)."""
     from flashcl.triton import decode as triton_decode
 
     monkeypatch.setattr(triton_decode, "_OFFS32_LIMIT", 0)
-    c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=[1, 17, 80], dk=32, seed=22)
+    c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=[1, 17, 80], dk=32, seed=22)
     for ns in (1, 3):
         out, lse = _run_paged(c, ns)
         _check(out, c["ref"], "float16", f"splits={ns}", c["naive"], lse, c["ref_lse"])

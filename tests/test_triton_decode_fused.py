@@ -101,6 +101,9 @@ _KNOB_CONFIGS = {
     "pdl": {"pdl": True},  # a no-op here (interpreter / no sm_90): still exact
     "fused+early+merge2": {"fused_reduce": True, "early_pages": True, "merge_stages": 2},
     "fused-late_pages": {"fused_reduce": True, "early_pages": False},
+    "mha_fma": {"mha_fma": True},  # the MHA case on CUDA cores; GQA ignores it
+    "mha_dot": {"mha_fma": False},
+    "mha_fma-masked-rows": {"mha_fma": True, "whole_pages": False},  # needs whole pages: the dot path
 }
 
 
@@ -195,6 +198,59 @@ def test_long_tile_rule(monkeypatch):
     # forced tile or forced split count that leaves short splits: the default tile
     assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, {"num_stages": 2})["config"]["BLOCK_N"] == 64
     assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, None, 64)["config"]["BLOCK_N"] == 64
+
+
+# --------------------------------------------------------------------------- MHA on CUDA cores
+
+MHA_FMA = {"mha_fma": True}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_mha_fma_exact(triton_device, dtype, poison):
+    """The CUDA-core MHA loop (forced) against the float64 reference: contexts 0, 1, 15, 16, 17 and
+    1000 (an empty sequence, one shorter than a tile, a partial last tile), single pass and 3
+    splits (splits past the end), the same result as the tl.dot path to rounding."""
+    c = _case(triton_device, dtype, b=6, h_q=2, h_kv=2, lens=[0, 1, 15, 16, 17, 1000], dk=32, block_size=16,
+              seed=31)
+    for ns in (1, 3):
+        out, lse = _run(c, ns, MHA_FMA)
+        _check(out, c["ref"], dtype, f"mha_fma {dtype} splits={ns}", c["naive"], lse, c["ref_lse"])
+        dot_out, dot_lse = _run(c, ns, {"mha_fma": False})
+        assert torch.allclose(out.float(), dot_out.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("block_size,dk,dv", [(32, 80, 48), (64, 64, 64), (1, 96, 112)])
+def test_mha_fma_pages_and_head_dims(triton_device, block_size, dk, dv, poison):
+    """Whole pages of 1, 32 and 64 rows in a 64-row tile; non-power-of-two head dims with DK != DV
+    (the padded head-dim columns are masked, never read); logits around +-200."""
+    c = _case(triton_device, "float16", b=3, h_q=3, h_kv=3, lens=[130, 64, 7], dk=dk, dv=dv, block_size=block_size,
+              seed=32)
+    for ns in (1, 2):
+        out, lse = _run(c, ns, MHA_FMA)
+        _check(out, c["ref"], "float16", f"mha_fma bs={block_size} dk={dk} dv={dv} splits={ns}", c["naive"], lse,
+               c["ref_lse"])
+    c = _case(triton_device, "float16", b=2, h_q=2, h_kv=2, lens=[70, 9], dk=dk, dv=dv, block_size=block_size,
+              seed=33, q_scale=75.0)
+    assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
+    out, lse = _run(c, 1, MHA_FMA)
+    _check(out, c["ref"], "float16", f"mha_fma large logits dk={dk}", c["naive"], lse, c["ref_lse"])
+
+
+def test_mha_fma_rule(monkeypatch):
+    """On where it was measured to pay: MHA, 2-byte K/V, head dims <= 128, more programs than SMs;
+    a config forces it either way (never for GQA)."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+
+    def on(b, h_q, h_kv, d=128, elt=2, config=None):
+        return td.launch_plan(b, h_q, h_kv, d, d, 2048, elt, cpu, config)["config"]["mha_fma"]
+
+    assert on(8, 32, 32) and on(16, 32, 32) and on(8, 32, 32, d=64)
+    assert not on(4, 32, 32)  # 128 programs: one per SM
+    assert not on(8, 32, 8) and not on(16, 32, 1)  # GQA, MQA
+    assert not on(8, 32, 32, elt=4) and not on(8, 32, 32, d=256)
+    assert on(4, 32, 32, config=MHA_FMA) and not on(8, 32, 32, config={"mha_fma": False})
+    assert not on(8, 32, 8, config=MHA_FMA)
 
 
 @pytest.mark.parametrize("paged", [True, False])

@@ -48,6 +48,10 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   element of the cache is within 2^31 of its start, and the rows of a tile past the
                   sequence's end point at the tile's first row (a real one) instead of being
                   masked: no K/V load mask, and no block-table entry past the end is ever used.
+    mha_fma       (default: MHA with 2-byte K/V, head dims <= 128, more programs than SMs; needs
+                  whole_pages) the K/V loop of a one-query-row program on CUDA cores, the next
+                  tile loaded into registers while this one is computed (``_mha_fma_loop``),
+                  instead of tl.dot on a 16-row padded Q tile behind a shared-memory ring.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -89,13 +93,14 @@ def _decode_kernel(
     # the launch knobs (see _KNOBS)
     EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
-    WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False,
+    WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False, MHA_FMA: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
     tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV)
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert((PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "page size must be a power of two")
+    tl.static_assert(not MHA_FMA or (PAGED and WHOLE_PAGES and GROUP == 1), "MHA_FMA: MHA over whole pages")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
         tl_cuda.gdc_wait()
@@ -142,21 +147,8 @@ def _decode_kernel(
     if PAGED and WHOLE_PAGES:
         page = tl.where(lo + offs_n < hi, page, page_lo)
 
-    # Q tile: the whole group; padding rows are zeros and are never stored
-    q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
-    if BLOCK_DK == DK:
-        q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-
     k_base = K + pid_h.to(tl.int64) * stride_kh
     v_base = V + pid_h.to(tl.int64) * stride_vh
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
 
     # the block-table entries of the first tile (already loaded with EARLY_PAGES); the loop fetches
     # those of the next tile one iteration ahead, so the K/V addresses do not wait on a load of the
@@ -167,50 +159,69 @@ def _decode_kernel(
         # every tile starts on a page boundary: a row's offset inside its page is loop-invariant
         in_page_k = (offs_n % PAGE_SIZE) * stride_kpos
         in_page_v = (offs_n % PAGE_SIZE) * stride_vpos
-    for start_n in range(lo, hi, BLOCK_N):
-        tok = start_n + offs_n
-        valid = tok < hi
-        # locate each token's row: through the block table, or along the sequence's one chain
-        if PAGED and WHOLE_PAGES:
-            # a row past the end reads the tile's first row (a real one, whose page `page` holds
-            # for it): the K/V loads need no row mask, and those rows' scores are -inf below
-            blk = page
-            if not OFFS32:  # 32-bit offsets only where the whole cache lies within 2^31 elements
-                blk = page.to(tl.int64)
-            row_k = blk * stride_kblk + tl.where(valid, in_page_k, 0)
-            row_v = blk * stride_vblk + tl.where(valid, in_page_v, 0)
-            # the next tile's entries, its rows past the end at its first token; clamped to the
-            # bound, so the load after the last tile stays in the table too (its values go unused)
-            nxt = tok + BLOCK_N
-            nxt = tl.minimum(tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max - 1)
-            page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn)
-        elif PAGED:
-            row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
-            row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
-            nxt = tok + BLOCK_N
-            page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn, mask=nxt < hi, other=0)
+    if MHA_FMA:
+        # one query row: CUDA cores, K/V in registers one tile ahead (see _mha_fma_loop)
+        q_row = Q + pid_b.to(tl.int64) * stride_qb + pid_h * stride_qh + offs_dk * stride_qd
+        m_i, l_i, acc = _mha_fma_loop(
+            q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
+            lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
+            BLOCK_G, BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32)
+    else:
+        # Q tile: the whole group; padding rows are zeros and are never stored
+        q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
+        if BLOCK_DK == DK:
+            q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
         else:
-            row_k = pid_b.to(tl.int64) * stride_kblk + tok.to(tl.int64) * stride_kpos
-            row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
-        k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
-        v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
-        # with whole pages every row address is a real row: no row mask
-        k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and WHOLE_PAGES))
-        v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and WHOLE_PAGES))
+            q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_dk[None, :] < DK), other=0.0)
         if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(lo, hi, BLOCK_N):
+            tok = start_n + offs_n
+            valid = tok < hi
+            # locate each token's row: through the block table, or along the sequence's one chain
+            if PAGED and WHOLE_PAGES:
+                # a row past the end reads the tile's first row (a real one, whose page `page` holds
+                # for it): the K/V loads need no row mask, and those rows' scores are -inf below
+                blk = page
+                if not OFFS32:  # 32-bit offsets only where the whole cache lies within 2^31 elements
+                    blk = page.to(tl.int64)
+                row_k = blk * stride_kblk + tl.where(valid, in_page_k, 0)
+                row_v = blk * stride_vblk + tl.where(valid, in_page_v, 0)
+                # the next tile's entries, its rows past the end at its first token; clamped to the
+                # bound, so the load after the last tile stays in the table too (its values go unused)
+                nxt = tok + BLOCK_N
+                nxt = tl.minimum(tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max - 1)
+                page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn)
+            elif PAGED:
+                row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
+                row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
+                nxt = tok + BLOCK_N
+                page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn, mask=nxt < hi, other=0)
+            else:
+                row_k = pid_b.to(tl.int64) * stride_kblk + tok.to(tl.int64) * stride_kpos
+                row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
+            k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
+            v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
+            # with whole pages every row address is a real row: no row mask
+            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and WHOLE_PAGES))
+            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and WHOLE_PAGES))
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
 
-        # scores in the log2 domain; tokens past the end are -inf
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+            # scores in the log2 domain; tokens past the end are -inf
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
 
     if SPLIT:
         # unnormalized partial state; an empty split stores (-inf, 0, 0)
@@ -264,6 +275,82 @@ def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK
         else:
             tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
     return tile
+
+
+@triton.jit
+def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
+                  lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  OFFS32: tl.constexpr):
+    """The K/V loop of an MHA program (one query row) over whole pages, on CUDA cores.
+
+    tl.dot needs 16 rows (15 of them padding here) and takes K and V through shared memory in its
+    operand layout; with one query row, q.k is a multiply and a sum over d and p.v a scaled add, in
+    the layout the rows are loaded in. Without the shared-memory ring of the dot path, tile i+1's
+    K/V loads are issued into registers before tile i is computed (register double buffering),
+    and the block-table entries run one tile further ahead. Each row slot n of the tile keeps its
+    own online-softmax state over the tokens it sees (n, n + BLOCK_N, ...), so the loop has no
+    reduction across rows; the BLOCK_N states are merged once at the end.
+
+    Rows past the end read a row of the split's first page (real; their scores are -inf); the
+    loads before the loop are masked, as the split may be empty. Returns (m, l, acc) in the dot
+    path's shapes ([BLOCK_G], [BLOCK_G], [BLOCK_G, BLOCK_DV]), the query in row 0, log2 domain."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_g = tl.arange(0, BLOCK_G)
+    q = tl.load(q_row, mask=offs_dk < DK, other=0.0).to(tl.float32) * qk_scale_log2
+
+    blk = page
+    if not OFFS32:
+        blk = blk.to(tl.int64)
+    live = lo + offs_n < hi
+    k_next = tl.load(k_base + (blk * stride_kblk + in_page_k)[:, None] + offs_dk[None, :] * stride_kd,
+                     mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v_next = tl.load(v_base + (blk * stride_vblk + in_page_v)[:, None] + offs_dv[None, :] * stride_vd,
+                     mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    page = tl.load(bt_base + (tl.minimum(lo + BLOCK_N + offs_n, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+
+    m_r = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    l_r = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_r = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = k_next
+        v = v_next
+        valid = start_n + offs_n < hi
+        # the next tile's loads; after the last tile they read the first page's row 0 (unused)
+        tok_next = start_n + BLOCK_N + offs_n
+        valid_next = tok_next < hi
+        blk = tl.where(valid_next, page, page_lo)
+        if not OFFS32:
+            blk = blk.to(tl.int64)
+        row_k = blk * stride_kblk + tl.where(valid_next, in_page_k, 0)
+        row_v = blk * stride_vblk + tl.where(valid_next, in_page_v, 0)
+        k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
+                            BLOCK_DK, False)
+        v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid_next, offs_dv, DV,
+                            BLOCK_DV, False)
+        page = tl.load(bt_base + (tl.minimum(tok_next + BLOCK_N, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+
+        s = tl.sum(k.to(tl.float32) * q[None, :], 1)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_r, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no token yet
+        alpha = tl.exp2(m_r - m_safe)
+        p = tl.exp2(s - m_safe)
+        l_r = l_r * alpha + p
+        acc_r = acc_r * alpha[:, None] + v.to(tl.float32) * p[:, None]
+        m_r = m_new
+
+    m = tl.max(m_r, 0)
+    w = tl.exp2(m_r - tl.where(m == float("-inf"), 0.0, m))
+    l = tl.sum(l_r * w, 0)
+    acc_row = tl.sum(acc_r * w[:, None], 0)
+    m_i = tl.where(offs_g == 0, m, float("-inf"))
+    l_i = tl.where(offs_g == 0, l, 0.0)
+    acc = tl.where(offs_g[:, None] == 0, acc_row[None, :], 0.0)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -506,6 +593,10 @@ _KNOBS = {
     # row offsets hoisted out of the loop, 32-bit offsets where the cache allows, rows past the end
     # pointed at a real row instead of masked
     "whole_pages": True,
+    # MHA (H_q == H_kv) over whole pages: the K/V loop on CUDA cores with register double
+    # buffering instead of tl.dot behind a shared-memory ring (_mha_fma_loop; num_stages unused).
+    # None: on where _mha_fma_pays
+    "mha_fma": None,
 }
 
 
@@ -538,6 +629,24 @@ def _auto_knobs(num_splits: int) -> dict:
     return {"fused_reduce": 2 <= num_splits <= 4, "pdl": num_splits >= 2}
 
 
+def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, programs: int, sms: int) -> bool:
+    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V of head dims up
+    to 128 (the tile and its successor in registers take 251 of 255 registers at 64 rows on 4
+    warps; fp32 or wider heads would spill), and more programs than SMs (two programs share an SM,
+    each with one 32 KB tile in flight while it computes the other).
+
+    Measured on H100 (2026-11-22, .lead/td_prof.py with .lead/pp/decode_lr.py, op graph time
+    against SDPA in the same run, random blocks; the dot path in brackets): (8, 32/32, 2k) 0.991
+    and 0.997 (0.983, 0.987) in two runs, (8, 32/32, 8k) 0.992 (0.987), (16, 32/32, 1k) with 512
+    programs 0.975 (0.973). At one program per SM or fewer it loses: the 64-row tile 0.80-0.92 on
+    (4, 32/32, 4k), (2, 32/32, 8k), (1, 32/32, 32k) and (1, 16/16, 128k); 128 rows on 8 warps
+    (one program per SM by registers) ties, 0.977-1.004 against 0.979-1.004. Without the register
+    double buffering the loop waits for each tile: 0.50 (64 rows, 4 warps), 0.85 (128, 8 warps);
+    the dot path with the same double buffering: 0.96-0.97 (64 rows), 0.90-0.95 (128). More in
+    docs/decode-h100-notes.md."""
+    return group == 1 and elt_bytes == 2 and block_dk + block_dv <= 256 and programs > sms
+
+
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
                 device: torch.device, config: Optional[dict] = None, num_splits: int = 0) -> dict:
     """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
@@ -561,8 +670,11 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         cfg.update(_LONG_TILE)
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
+    if cfg["mha_fma"] is None:
+        cfg["mha_fma"] = _mha_fma_pays(group, elt_bytes, block_dk, block_dv, b * h_kv * splits, sms)
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
+    cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
@@ -652,8 +764,12 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     counters = _counters(q.device, b * h_kv) if fused else None
     pdl = cfg["pdl"] and _pdl_ok(q.device)
     knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
+    num_stages = cfg["num_stages"]
     if paged and cfg["whole_pages"] and cfg["early_pages"] and cfg["BLOCK_N"] % page_size == 0:
         knobs.update(WHOLE_PAGES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
+        if cfg["mha_fma"]:
+            knobs.update(MHA_FMA=True)
+            num_stages = 1  # no shared-memory ring: the next tile waits in registers
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
     launch_opts = {"launch_pdl": True} if pdl else {}
@@ -673,7 +789,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
         PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **knobs, **launch_opts,
+        num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
     )
     if split and not fused:
         chunk = max(1, min(_REDUCE_CHUNK, _next_pow2(num_splits), _REDUCE_TILE // (_REDUCE_HEADS * block_dv)))

@@ -131,8 +131,8 @@ def _decode_kernel(
         if PAGED and WHOLE_PAGES:
             # clamped to the bound, every entry read lies in the table; the entries of tokens past
             # this sequence's end are replaced by the first token's once the length is known
-            page = tl.load(bt_base + (tl.minimum(lo + offs_n, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
-            page_lo = tl.load(bt_base + (tl.minimum(lo, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+            page = _table_entries(bt_base, lo + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
+            page_lo = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
         elif PAGED:
             page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
                            other=0)
@@ -185,16 +185,13 @@ def _decode_kernel(
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
                 # for it): the K/V loads need no row mask, and those rows' scores are -inf below
-                blk = page
-                if not OFFS32:  # 32-bit offsets only where the whole cache lies within 2^31 elements
-                    blk = page.to(tl.int64)
-                row_k = blk * stride_kblk + tl.where(valid, in_page_k, 0)
-                row_v = blk * stride_vblk + tl.where(valid, in_page_v, 0)
+                row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
+                row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
                 # the next tile's entries, its rows past the end at its first token; clamped to the
                 # bound, so the load after the last tile stays in the table too (its values go unused)
                 nxt = tok + BLOCK_N
-                nxt = tl.minimum(tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max - 1)
-                page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn)
+                page = _table_entries(bt_base, tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max, stride_btn,
+                                      PAGE_SIZE)
             elif PAGED:
                 row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
                 row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
@@ -261,6 +258,24 @@ def _decode_kernel(
 
 
 @triton.jit
+def _table_entries(bt_base, tok, n_ctx_max, stride_btn, PAGE_SIZE: tl.constexpr):
+    """The block-table entries of tokens ``tok``, clamped to the table's bound (an entry past a
+    sequence's end is read, never used as an address by whole-page tiles)."""
+    return tl.load(bt_base + (tl.minimum(tok, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+
+
+@triton.jit
+def _page_rows(page, valid, in_page, stride_blk, OFFS32: tl.constexpr):
+    """Row offsets of a tile of whole pages: row ``in_page`` of ``page``; a row past the end
+    (``valid`` false) at row 0 of its page entry, a real row, so the loads need no row mask. 32-bit
+    only where the whole cache lies within 2^31 elements."""
+    blk = page
+    if not OFFS32:
+        blk = page.to(tl.int64)
+    return blk * stride_blk + tl.where(valid, in_page, 0)
+
+
+@triton.jit
 def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
     """A K or V tile [BLOCK_N, BLOCK_D]: rows past the end (``valid`` false) read as zeros when
     MASK_ROWS, head-dim columns of the padding (>= D) always."""
@@ -293,8 +308,8 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     own online-softmax state over the tokens it sees (n, n + BLOCK_N, ...), so the loop has no
     reduction across rows; the BLOCK_N states are merged once at the end.
 
-    Rows past the end read a row of the split's first page (real; their scores are -inf); the
-    loads before the loop are masked, as the split may be empty. Returns (m, l, acc) in the dot
+    Rows past the end read row 0 of the split's first page (real; their scores are -inf); the
+    first tile's rows past the end are masked instead, as the split may be empty. Returns (m, l, acc) in the dot
     path's shapes ([BLOCK_G], [BLOCK_G], [BLOCK_G, BLOCK_DV]), the query in row 0, log2 domain."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -302,15 +317,12 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     offs_g = tl.arange(0, BLOCK_G)
     q = tl.load(q_row, mask=offs_dk < DK, other=0.0).to(tl.float32) * qk_scale_log2
 
-    blk = page
-    if not OFFS32:
-        blk = blk.to(tl.int64)
-    live = lo + offs_n < hi
-    k_next = tl.load(k_base + (blk * stride_kblk + in_page_k)[:, None] + offs_dk[None, :] * stride_kd,
-                     mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    v_next = tl.load(v_base + (blk * stride_vblk + in_page_v)[:, None] + offs_dv[None, :] * stride_vd,
-                     mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    page = tl.load(bt_base + (tl.minimum(lo + BLOCK_N + offs_n, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+    valid = lo + offs_n < hi
+    row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
+    row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
+    k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid, offs_dk, DK, BLOCK_DK, True)
+    v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid, offs_dv, DV, BLOCK_DV, True)
+    page = _table_entries(bt_base, lo + BLOCK_N + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
 
     m_r = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     l_r = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -322,16 +334,14 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         # the next tile's loads; after the last tile they read the first page's row 0 (unused)
         tok_next = start_n + BLOCK_N + offs_n
         valid_next = tok_next < hi
-        blk = tl.where(valid_next, page, page_lo)
-        if not OFFS32:
-            blk = blk.to(tl.int64)
-        row_k = blk * stride_kblk + tl.where(valid_next, in_page_k, 0)
-        row_v = blk * stride_vblk + tl.where(valid_next, in_page_v, 0)
+        page = tl.where(valid_next, page, page_lo)
+        row_k = _page_rows(page, valid_next, in_page_k, stride_kblk, OFFS32)
+        row_v = _page_rows(page, valid_next, in_page_v, stride_vblk, OFFS32)
         k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
                             BLOCK_DK, False)
         v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid_next, offs_dv, DV,
                             BLOCK_DV, False)
-        page = tl.load(bt_base + (tl.minimum(tok_next + BLOCK_N, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+        page = _table_entries(bt_base, tok_next + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
 
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
         s = tl.where(valid, s, float("-inf"))

@@ -191,7 +191,9 @@ def test_long_tile_rule(monkeypatch):
         for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
             cfg = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)["config"]
             want = long_ok and ctx // splits >= 4096 and b * h_kv * splits <= 132  # (1, 32/8, 128k) only
-            assert (cfg["BLOCK_N"], cfg["num_warps"]) == ((128, 8) if want else (64, 4)), (b, h_q, h_kv, ctx, smem)
+            short_warps = 2 if 2 <= h_q // h_kv <= 4 else 4  # see test_two_warps_rule
+            assert (cfg["BLOCK_N"], cfg["num_warps"]) == ((128, 8) if want else (64, short_warps)), \
+                (b, h_q, h_kv, ctx, smem)
         # d = 256 fp16: a 128-row ring is 256 KB, more than any GPU has
         cfg = td.launch_plan(1, 32, 8, 256, 256, 131072, 2, cpu)["config"]
         assert cfg["BLOCK_N"] < 128
@@ -251,6 +253,25 @@ def test_mha_fma_rule(monkeypatch):
     assert not on(8, 32, 32, elt=4) and not on(8, 32, 32, d=256)
     assert on(4, 32, 32, config=MHA_FMA) and not on(8, 32, 32, config={"mha_fma": False})
     assert not on(8, 32, 8, config=MHA_FMA)
+
+
+def test_two_warps_rule(monkeypatch):
+    """The default 64-row tile runs on 2 warps exactly where it was measured to pay: GQA groups of
+    2 to 4, 2-byte K/V, head dims 128; never where the config sets the tile, never the long tile
+    or the MHA loop."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
+
+    def warps(b, h_q, h_kv, d=128, elt=2, ctx=2048, config=None):
+        return td.launch_plan(b, h_q, h_kv, d, d, ctx, elt, cpu, config)["config"]["num_warps"]
+
+    assert warps(32, 32, 8) == warps(8, 32, 8) == warps(1, 32, 8, ctx=32768) == warps(8, 16, 8) == 2
+    assert warps(1, 32, 8, ctx=131072) == 8  # the long tile
+    assert warps(8, 64, 8) == warps(16, 32, 1) == 4  # groups of 8 and 32
+    assert warps(8, 32, 32) == warps(4, 32, 32) == 4  # MHA: the CUDA-core loop, or tl.dot on 4 warps
+    assert warps(32, 32, 8, d=64) == warps(32, 32, 8, elt=4) == 4  # not measured: kept on 4
+    assert warps(32, 32, 8, config={"num_stages": 3}) == 4  # the config sets the tile
 
 
 @pytest.mark.parametrize("paged", [True, False])

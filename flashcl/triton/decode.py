@@ -472,7 +472,7 @@ def _reduce_kernel(
 # so more stages add buffers and prologue, not loads in flight.
 _SMEM_BUDGET = 72 * 1024
 _NUM_STAGES = 3
-_NUM_WARPS = 4
+_NUM_WARPS = 4  # GQA groups of 2 to 4 run the default tile on 2 (_two_warps_pay)
 
 
 def _next_pow2(n: int) -> int:
@@ -657,6 +657,26 @@ def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, prog
     return group == 1 and elt_bytes == 2 and block_dk + block_dv <= 256 and programs > sms
 
 
+def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int, cfg: dict) -> bool:
+    """Whether the dot path's default tile (64 rows, 3 stages) runs on 2 warps instead of 4: GQA
+    groups of 2 to 4 query heads, 2-byte K/V, head dims 128.
+
+    The 16-row padded score tile [16, 64] is split over the warps along the keys, so each tile's
+    row max, row sum and the P operand of the second dot cross warps through shared memory
+    behind barriers. Without the softmax the loop is 1.3-1.6% faster (ablation, .lead/pp/
+    decode_ab.py: (32, 32/8, 2k) 0.997 of SDPA against 0.981-0.984, (8, 32/32, 2k) 1.001-1.004
+    against 0.988-0.991). On 2 warps half of that comes back. Measured on H100 (2026-11-22,
+    .lead/td_prof.py, op graph time against SDPA in the same run, random blocks; 4 warps in
+    brackets): (32, 32/8, 2k) 0.991, 0.984, 0.987, 0.988, 0.991 (0.984, 0.979, 0.975, 0.977,
+    0.984); (1, 32/8, 32k) 1.014, 1.016 (1.001, 1.001); (8, 32/8, 2k) 1.061, 1.063 (1.057,
+    1.066). Groups of 8 tie or lose ((4, 64/8, 2k) 1.088 against 1.090, (8, 64/8, 2k) 1.049
+    against 1.054), MQA loses 5% (32 query rows), MHA on tl.dot ties (0.990 against 0.988), at
+    128k the 64-row tile on 2 warps is behind the long tile (0.980 against 0.997), and 1 warp
+    gains nothing (0.983). Not measured: other head dims and fp32, which keep 4 warps."""
+    return (2 <= group <= 4 and elt_bytes == 2 and block_dk == block_dv == 128
+            and cfg["BLOCK_N"] == 64 and cfg["num_warps"] == _NUM_WARPS)
+
+
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
                 device: torch.device, config: Optional[dict] = None, num_splits: int = 0) -> dict:
     """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
@@ -664,7 +684,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     overrides the automatic split count (the automatic knobs then follow the given count).
     ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it.
     Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
-    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it."""
+    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it, and the dot
+    path's default tile runs on 2 warps where _two_warps_pay."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -685,6 +706,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
+    if not tile_forced and not cfg["mha_fma"] and _two_warps_pay(group, elt_bytes, block_dk, block_dv, cfg):
+        cfg["num_warps"] = 2
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 

@@ -657,7 +657,7 @@ def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, prog
     return group == 1 and elt_bytes == 2 and block_dk + block_dv <= 256 and programs > sms
 
 
-def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int, cfg: dict) -> bool:
+def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
     """Whether the dot path's default tile (64 rows, 3 stages) runs on 2 warps instead of 4: GQA
     groups of 2 to 4 query heads, 2-byte K/V, head dims 128.
 
@@ -673,8 +673,7 @@ def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int, cfg
     against 1.054), MQA loses 5% (32 query rows), MHA on tl.dot ties (0.990 against 0.988), at
     128k the 64-row tile on 2 warps is behind the long tile (0.980 against 0.997), and 1 warp
     gains nothing (0.983). Not measured: other head dims and fp32, which keep 4 warps."""
-    return (2 <= group <= 4 and elt_bytes == 2 and block_dk == block_dv == 128
-            and cfg["BLOCK_N"] == 64 and cfg["num_warps"] == _NUM_WARPS)
+    return 2 <= group <= 4 and elt_bytes == 2 and block_dk == block_dv == 128
 
 
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
@@ -696,9 +695,11 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
+    long_tile = False
     if (not tile_forced and b * h_kv * splits <= sms and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
             and _long_tile_fits(_device_smem(device), elt_bytes, block_dk, block_dv)):
         cfg.update(_LONG_TILE)
+        long_tile = True
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
     if cfg["mha_fma"] is None:
@@ -706,7 +707,7 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
-    if not tile_forced and not cfg["mha_fma"] and _two_warps_pay(group, elt_bytes, block_dk, block_dv, cfg):
+    if not (tile_forced or long_tile or cfg["mha_fma"]) and _two_warps_pay(group, elt_bytes, block_dk, block_dv):
         cfg["num_warps"] = 2
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}

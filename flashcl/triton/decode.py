@@ -309,8 +309,9 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     reduction across rows; the BLOCK_N states are merged once at the end.
 
     Rows past the end read row 0 of the split's first page (real; their scores are -inf); the
-    first tile's rows past the end are masked instead, as the split may be empty. Returns (m, l, acc) in the dot
-    path's shapes ([BLOCK_G], [BLOCK_G], [BLOCK_G, BLOCK_DV]), the query in row 0, log2 domain."""
+    first tile's rows past the end are masked instead, as the split may be empty. Returns (m, l,
+    acc) in the dot path's shapes ([BLOCK_G], [BLOCK_G], [BLOCK_G, BLOCK_DV]), the query in row 0,
+    log2 domain."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from flashcl import reference  # noqa: E402
 from flashcl.triton import decode as td  # noqa: E402
+from flashcl.triton import decode_gluon as tg  # noqa: E402
 
 from .test_triton_decode import _case, _check, _np  # noqa: E402
 
@@ -236,6 +237,53 @@ def test_mha_fma_pages_and_head_dims(triton_device, block_size, dk, dv, poison):
     assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
     out, lse = _run(c, 1, MHA_FMA)
     _check(out, c["ref"], "float16", f"mha_fma large logits dk={dk}", c["naive"], lse, c["ref_lse"])
+
+
+# --------------------------------------------------------------------------- the Gluon MHA kernel
+
+gluon_only = pytest.mark.skipif(not (torch.cuda.is_available() and tg.available()), reason="needs CUDA and Gluon")
+
+
+@gluon_only
+@pytest.mark.parametrize("dtype,block_size", [("float16", 16), ("bfloat16", 32), ("float16", 64), ("float16", 1)])
+def test_gluon_mha(dtype, block_size, poison, monkeypatch):
+    """MHA of head dim 128 over whole pages runs the Gluon kernel (its launches counted): contexts
+    0, 1, 17, 64, 65 and 1000 over a permuted block table against the float64 reference, the
+    Triton MHA loop's result to rounding, and logits around +-200."""
+    calls = []
+    launch = tg.launch
+    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[0].shape), launch(*args))[1])
+    c = _case("cuda", dtype, b=6, h_q=4, h_kv=4, lens=[0, 1, 17, 64, 65, 1000], dk=128, block_size=block_size,
+              seed=41)
+    out, lse = _run(c, 1, MHA_FMA)
+    assert len(calls) == 1
+    o, l = _np(out), _np(lse)
+    assert (o[0] == 0).all() and np.isneginf(l[0]).all()
+    _check(out, c["ref"], dtype, f"gluon mha {dtype} bs={block_size}", c["naive"], lse, c["ref_lse"])
+    tri_out, tri_lse = _run(c, 1, {**MHA_FMA, "gluon_mha": False})
+    assert len(calls) == 1
+    assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
+    assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
+    c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[70, 9], dk=128, block_size=block_size, seed=42, q_scale=60.0)
+    assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
+    out, lse = _run(c, 1, MHA_FMA)
+    assert len(calls) == 2
+    _check(out, c["ref"], dtype, f"gluon mha large logits {dtype}", c["naive"], lse, c["ref_lse"])
+
+
+@gluon_only
+def test_gluon_mha_takes_only_what_fits(monkeypatch):
+    """Splits, other head dims, fp32 and 128-row pages (not whole pages of a 64-row tile) stay on the
+    Triton kernel."""
+    calls = []
+    monkeypatch.setattr(tg, "launch", lambda *args: calls.append(1))
+    for dtype, dk, block_size, ns in (("float16", 128, 16, 2), ("float16", 64, 16, 1), ("float32", 128, 16, 1),
+                                      ("float16", 128, 128, 1)):
+        c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[300, 5], dk=dk, block_size=block_size, seed=43)
+        out, lse = _run(c, ns, MHA_FMA)
+        _check(out, c["ref"], dtype, f"not gluon {dtype} dk={dk} bs={block_size} splits={ns}", c["naive"], lse,
+               c["ref_lse"])
+    assert not calls
 
 
 def test_mha_fma_rule(monkeypatch):

@@ -271,6 +271,21 @@ def test_gluon_mha(dtype, block_size, poison, monkeypatch):
     _check(out, c["ref"], dtype, f"gluon mha large logits {dtype}", c["naive"], lse, c["ref_lse"])
 
 
+@pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])
+def test_strided_block_table_and_context_lens(triton_device, config):
+    """Views: a block table with a column stride of 2 (the Triton kernel follows its strides; the
+    Gluon kernel takes unit-stride tables only) and context_lens taken every other element (read
+    from a contiguous copy: until now the kernel read context_lens[b] at offset b of the view)."""
+    c = _case(triton_device, "float16", b=3, h_q=2, h_kv=2, lens=[40, 1, 33], dk=128, block_size=16, seed=44)
+    bt = c["block_table"]
+    wide = torch.full((bt.shape[0], 2 * bt.shape[1]), -1, dtype=torch.int32, device=bt.device)
+    wide[:, ::2] = bt
+    lens = torch.stack([c["lens"], torch.full_like(c["lens"], -5)], 1).reshape(-1)[::2]
+    assert wide[:, ::2].stride(1) == 2 and lens.stride(0) == 2
+    out, lse = td._launch(c["q"], c["k_pages"], c["v_pages"], wide[:, ::2], lens, c["scale"], 1, config=config)
+    _check(out, c["ref"], "float16", f"strided table and lens {config}", c["naive"], lse, c["ref_lse"])
+
+
 @gluon_only
 def test_gluon_mha_takes_only_what_fits(monkeypatch):
     """Splits, other head dims, fp32 and 128-row pages (not whole pages of a 64-row tile) stay on the

@@ -767,6 +767,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     b, h_q, dk = q.shape
     dv = v_cache.shape[3]
     paged = block_table is not None
+    if context_lens is not None:
+        context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
     if paged:
         _, page_size, h_kv, _ = k_cache.shape
         n_ctx_bound = block_table.shape[1] * page_size

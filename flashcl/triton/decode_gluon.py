@@ -50,7 +50,7 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ta
             and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
             and q.element_size() == 2 and q.shape[2] == _HEAD_DIM and v_cache.shape[3] == _HEAD_DIM
             and cfg["BLOCK_N"] == _BLOCK_N and cfg["num_warps"] == _NUM_WARPS
-            and block_table.shape[1] >= 1
+            and block_table.shape[1] >= 1 and block_table.stride(1) == 1
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
 
 

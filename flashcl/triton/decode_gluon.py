@@ -19,7 +19,8 @@ merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 u
 It takes the launches it ``fits``: MHA over whole pages (block_size dividing 64) with context
 lengths, one split, 2-byte K/V of head dim 128, 32-bit cache offsets, CUDA devices of compute
 capability 8.0 or newer, and a Triton with Gluon. Everything else, and the interpreter (which has
-no Gluon), takes the Triton kernel; the ``gluon_mha`` knob turns this path off.
+no Gluon), takes the Triton kernel; the ``gluon_mha`` knob turns this path off. Run with Triton
+3.6 (H100); compiled with Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from . import interpreting
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-except ImportError:  # a Triton without Gluon (before 3.5)
+except ImportError:  # a Triton without Gluon
     gluon = None
 
 _BLOCK_N = 64  # rows per tile: R = 8 per thread, on 4 warps of 2 x 16 lanes
@@ -66,7 +67,7 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
 
 
 if gluon is not None:
-    # renamed from thread_barrier in Triton 3.7
+    # thread_barrier in Triton 3.6, barrier in 3.9
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
     @gluon.jit

@@ -92,6 +92,14 @@ if gluon is not None:
         return x
 
     @gluon.jit
+    def _merge_states(m, l, acc, axis: gl.constexpr):
+        """The online-softmax states (log2 domain) along ``axis`` merged exactly into one (kept as
+        a size-1 axis); an empty state is (-inf, 0, 0)."""
+        m_all = gl.max(m, axis, keep_dims=True)
+        w = gl.exp2(m - gl.where(m_all == float("-inf"), 0.0, m_all))  # both empty: no inf - inf
+        return m_all, gl.sum(l * w, axis, keep_dims=True), gl.sum(acc * w, axis, keep_dims=True)
+
+    @gluon.jit
     def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, qk_scale_log2, max_blocks,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
@@ -121,7 +129,7 @@ if gluon is not None:
         last = gl.maximum(n_ctx - 1, 0)  # the last token (token 0 of an empty sequence: never read)
         q = gl.load(Q + pid_b.to(gl.int64) * stride_qb + pid_h * stride_qh + d4).to(gl.float32) * qk_scale_log2
         in_page = tok0 % PAGE
-        first = gl.expand_dims(tok0 < n_ctx, 3) & (d4 < D)
+        first = gl.expand_dims(tok0 < n_ctx, 3) & (d4 < D)  # d4 < D: the row mask over the tile
         k_next = gl.load(k_base + gl.expand_dims(page * stride_kblk + in_page * stride_kpos, 3) + d4,
                          mask=first, other=0.0)
         v_next = gl.load(v_base + gl.expand_dims(page * stride_vblk + in_page * stride_vpos, 3) + d4,
@@ -152,19 +160,12 @@ if gluon is not None:
             acc = acc * gl.expand_dims(alpha, 3) + v.to(gl.float32) * gl.expand_dims(p, 3)
             m_r = m_new
 
-        # the merge, as [.., 1] tensors of L4. 1: the R slots of a thread, in registers
-        m_r = gl.expand_dims(m_r, 3)
-        m_a = gl.max(m_r, 0, keep_dims=True)
-        w = gl.exp2(m_r - gl.where(m_a == float("-inf"), 0.0, m_a))
-        l_a = gl.sum(gl.expand_dims(l_r, 3) * w, 0, keep_dims=True)
-        acc_a = gl.sum(acc * w, 0, keep_dims=True)  # [1, W, 2, D]
-        # 2: the lane pair, one shuffle
-        m_w = gl.max(m_a, 2, keep_dims=True)
-        w = gl.exp2(m_a - gl.where(m_w == float("-inf"), 0.0, m_w))
-        l_w = gl.sum(l_a * w, 2, keep_dims=True)
-        acc_w = gl.sum(acc_a * w, 2, keep_dims=True)  # [1, W, 1, D]: one state per warp
-        # 3: the warps' states through shared memory, one barrier; each thread then holds the W
-        # states of one column
+        # the merge, as [.., 1] tensors of L4: the R slots of a thread in registers, then the lane
+        # pair (one shuffle): one state per warp, [1, W, 1, D]
+        m_w, l_w, acc_w = _merge_states(gl.expand_dims(m_r, 3), gl.expand_dims(l_r, 3), acc, 0)
+        m_w, l_w, acc_w = _merge_states(m_w, l_w, acc_w, 2)
+        # then the warps' states through shared memory behind one barrier, each thread merging the
+        # W states of one column
         smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         acc_s = gl.allocate_shared_memory(gl.float32, [1, W, 1, D], smem)
         m_s = gl.allocate_shared_memory(gl.float32, [1, W, 1, 1], smem)
@@ -174,18 +175,13 @@ if gluon is not None:
         l_s.store(l_w)
         _cta_barrier()
         COLS: gl.constexpr = gl.BlockedLayout([1, W, 1, 1], [1, 1, 1, 32], [1, 1, 1, W], [3, 2, 1, 0])
-        m_w = m_s.load(COLS)
-        m = gl.max(m_w, 1, keep_dims=True)
-        m_fin = gl.where(m == float("-inf"), 0.0, m)
-        w = gl.exp2(m_w - m_fin)
-        l = gl.sum(l_s.load(COLS) * w, 1, keep_dims=True)
-        acc_row = gl.sum(acc_s.load(COLS) * w, 1, keep_dims=True)  # [1, 1, 1, D]
+        m, l, acc_row = _merge_states(m_s.load(COLS), l_s.load(COLS), acc_s.load(COLS), 1)  # [.., D]
         seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
         l_safe = gl.where(seen, l, 1.0)
         col = _index(D, 3, COLS, 4)
         gl.store(Out + pid_b.to(gl.int64) * stride_ob + pid_h * stride_oh + col,
                  (acc_row / l_safe).to(Out.dtype.element_ty))
         # back from log2 to natural log: lse = (m + log2 l) * ln 2; every column holds it, column 0 stores
-        lse = gl.where(seen, (m_fin + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(seen, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(Lse + pid_b * stride_lseb + pid_h * stride_lseh + col * 0,
                  lse + gl.zeros([1, 1, 1, D], gl.float32, COLS), mask=col == 0)

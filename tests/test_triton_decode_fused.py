@@ -271,6 +271,23 @@ def test_gluon_mha(dtype, block_size, poison, monkeypatch):
     _check(out, c["ref"], dtype, f"gluon mha large logits {dtype}", c["naive"], lse, c["ref_lse"])
 
 
+@gluon_only
+@pytest.mark.parametrize("dk", [72, 96, 112])
+def test_gluon_mha_padded_head_dims(dk, poison, monkeypatch):
+    """Head dims 65..127 run the Gluon kernel padded to 128 (the padding columns masked): ragged
+    contexts over a permuted table against the float64 reference and the Triton MHA loop."""
+    calls = []
+    launch = tg.launch
+    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[0].shape), launch(*args))[1])
+    c = _case("cuda", "float16", b=4, h_q=3, h_kv=3, lens=[0, 1, 65, 700], dk=dk, block_size=16, seed=dk)
+    out, lse = _run(c, 1, MHA_FMA)
+    assert len(calls) == 1
+    _check(out, c["ref"], "float16", f"gluon mha dk={dk}", c["naive"], lse, c["ref_lse"])
+    tri_out, tri_lse = _run(c, 1, {**MHA_FMA, "gluon_mha": False})
+    assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
+    assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])
 def test_strided_block_table_and_context_lens(triton_device, config):
     """Views: a block table with a column stride of 2 (the Triton kernel follows its strides; the
@@ -288,21 +305,22 @@ def test_strided_block_table_and_context_lens(triton_device, config):
 
 @gluon_only
 def test_gluon_mha_takes_only_what_fits(monkeypatch):
-    """Splits, other head dims, fp32 and 128-row pages (not whole pages of a 64-row tile) stay on the
-    Triton kernel."""
+    """Splits, head dims of 64 and less, DK != DV, fp32 and 128-row pages (not whole pages of a 64-row
+    tile) stay on the Triton kernel."""
     calls = []
     monkeypatch.setattr(tg, "launch", lambda *args: calls.append(1))
-    for dtype, dk, block_size, ns in (("float16", 128, 16, 2), ("float16", 64, 16, 1), ("float32", 128, 16, 1),
-                                      ("float16", 128, 128, 1)):
-        c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[300, 5], dk=dk, block_size=block_size, seed=43)
+    for dtype, dk, dv, block_size, ns in (("float16", 128, 128, 16, 2), ("float16", 64, 64, 16, 1),
+                                          ("float16", 128, 96, 16, 1), ("float32", 128, 128, 16, 1),
+                                          ("float16", 128, 128, 128, 1)):
+        c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[300, 5], dk=dk, dv=dv, block_size=block_size, seed=43)
         out, lse = _run(c, ns, MHA_FMA)
-        _check(out, c["ref"], dtype, f"not gluon {dtype} dk={dk} bs={block_size} splits={ns}", c["naive"], lse,
-               c["ref_lse"])
+        _check(out, c["ref"], dtype, f"not gluon {dtype} dk={dk} dv={dv} bs={block_size} splits={ns}", c["naive"],
+               lse, c["ref_lse"])
     assert not calls
 
 
 def test_mha_fma_rule(monkeypatch):
-    """On where it was measured to pay: MHA, 2-byte K/V, head dims <= 128, more programs than SMs;
+    """On where it was measured to pay: MHA, 2-byte K/V, head dims 65..128, more programs than SMs;
     a config forces it either way (never for GQA)."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
@@ -310,12 +328,55 @@ def test_mha_fma_rule(monkeypatch):
     def on(b, h_q, h_kv, d=128, elt=2, config=None):
         return td.launch_plan(b, h_q, h_kv, d, d, 2048, elt, cpu, config)["config"]["mha_fma"]
 
-    assert on(8, 32, 32) and on(16, 32, 32) and on(8, 32, 32, d=64)
+    assert on(8, 32, 32) and on(16, 32, 32) and on(8, 32, 32, d=96) and on(8, 32, 32, d=72)
+    assert not on(8, 32, 32, d=64) and not on(8, 32, 32, d=32)  # small heads: the dot path, more rows
     assert not on(4, 32, 32)  # 128 programs: one per SM
     assert not on(8, 32, 8) and not on(16, 32, 1)  # GQA, MQA
     assert not on(8, 32, 32, elt=4) and not on(8, 32, 32, d=256)
     assert on(4, 32, 32, config=MHA_FMA) and not on(8, 32, 32, config={"mha_fma": False})
     assert not on(8, 32, 8, config=MHA_FMA)
+
+
+def test_small_head_rows_rule(monkeypatch):
+    """Heads below 128 get more rows, so that a K+V tile holds 16 KB (32 KB where a program has its
+    SM to itself), up to 256 rows and within the device's shared memory; head dims of 128 and more,
+    groups over 16, the MHA loop, a config that sets the tile and the CPU interpreter (no shared
+    memory known) keep the default."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    smem = [227 * 1024]
+    monkeypatch.setattr(td, "_device_smem", lambda device: smem[0])
+
+    def rows(b, h_q, h_kv, d=128, elt=2, ctx=2048, config=None, dv=None):
+        return td.launch_plan(b, h_q, h_kv, d, dv or d, ctx, elt, cpu, config)["config"]["BLOCK_N"]
+
+    assert rows(8, 32, 32) == rows(32, 32, 8) == rows(1, 32, 8, ctx=32768) == rows(16, 32, 1, ctx=4096) == 64
+    assert rows(16, 32, 1, d=32, ctx=4096) == 64  # MQA: the group of 32 keeps 64 rows
+    assert rows(4, 32, 32, d=96) == rows(4, 32, 32, d=64) == 128  # 128 programs: one per SM
+    assert rows(4, 32, 32, d=96, config={"mha_fma": True}) == 64  # the MHA loop keeps 64 rows
+    assert rows(8, 32, 32, d=64) == rows(32, 32, 8, d=64) == rows(8, 32, 32, d=96) == 64  # 256 programs
+    assert rows(8, 32, 32, d=32) == rows(32, 32, 8, d=32) == 128
+    assert rows(1, 32, 8, d=64, ctx=32768) == rows(1, 32, 8, d=96, ctx=32768) == 128  # one program per SM
+    assert rows(1, 32, 8, d=32, ctx=32768) == rows(1, 32, 8, d=16, ctx=32768) == 256
+    assert rows(1, 32, 8, d=192, dv=128, ctx=32768) == rows(1, 32, 8, elt=4, ctx=32768) == 32  # the default
+    assert rows(1, 32, 8, d=32, ctx=32768, config={"num_stages": 3}) == 64  # the config sets the tile
+    smem[0] = 99 * 1024  # sm_89: the d = 96 ring of 128 rows (128 KB) does not fit
+    assert rows(1, 32, 8, d=96, ctx=32768) == 64 and rows(1, 32, 8, d=32, ctx=32768) == 256
+    smem[0] = 0  # the interpreter
+    assert rows(1, 32, 8, d=32, ctx=32768) == 64
+
+
+@pytest.mark.parametrize("h_q,h_kv,block_n", [(4, 4, 256), (8, 2, 128), (8, 2, 256)])
+def test_small_head_rows_exact(triton_device, h_q, h_kv, block_n, poison):
+    """The tiles small heads get on a GPU (128 and 256 rows at d = 32), forced here: MHA and GQA,
+    contexts of one token, one partial tile and several, pages of 16 and 64, one split and three."""
+    for block_size in (16, 64):
+        c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=[1, 100, 600], dk=32, block_size=block_size,
+                  seed=block_n + block_size)
+        for ns in (1, 3):
+            out, lse = _run(c, ns, {"mha_fma": False, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3})
+            _check(out, c["ref"], "float16", f"rows {block_n} bs={block_size} splits={ns}", c["naive"], lse,
+                   c["ref_lse"])
 
 
 def test_two_warps_rule(monkeypatch):

@@ -506,8 +506,44 @@ _SMEM_HEADROOM = 24 * 1024  # Q, P and layout-conversion scratch next to the K/V
 
 
 def _long_tile_fits(smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
-    ring = (_NUM_STAGES - 1) * _LONG_TILE["BLOCK_N"] * (block_dk + block_dv) * elt_bytes
+    return _ring_fits(_LONG_TILE["BLOCK_N"], smem_per_block, elt_bytes, block_dk, block_dv)
+
+
+def _ring_fits(block_n: int, smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
+    ring = (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes
     return ring + _SMEM_HEADROOM <= smem_per_block
+
+
+# Tile rows for small heads. The default tile has 64 rows whatever the head dim, so at d = 32 it is
+# 8 KB of K+V instead of 32 KB at d = 128, and a program keeps a quarter of the bytes in flight.
+# For head dims below 128, rows are doubled (up to _MAX_ROWS, and while the ring fits the device's
+# shared memory) until a K+V tile holds _TILE_BYTES, or _TILE_BYTES_ALONE where a program has its
+# SM to itself (at most one program per SM). Measured on H100 (2026-11-22,
+# .lead/sd_sweep.py, fp16, random blocks, ratio to SDPA in the same run; the 64-row default in
+# brackets): d = 32: (8, 32/32, 2k) 128 rows 0.969 (0.866; the MHA loop the op ran there 0.740),
+# 8k 0.961 (0.829; 0.688), (32, 32/8, 2k) 128 rows 0.929 (0.856), (1, 32/8, 32k) 256 rows 0.974
+# (0.686; 128 rows 0.861); d = 64: (1, 32/8, 32k) 128 rows 0.990 (0.879), while at 256 programs 64
+# rows lead (0.965 against 0.951 at (8, 32/32, 2k), 0.955 against 0.950 at (32, 32/8, 2k)); d = 96:
+# (1, 32/8, 32k) 128 rows 0.968 (0.946). 8 warps did no better; 4 stages gained 1% at d = 64, 32k
+# (1.000) and lost 3-11% at d = 32.
+# Not for MQA-sized groups: at d = 32, (16, 32/1, 4k) read 1.004 with 256 rows against 1.132 with
+# 64 (d = 64: 0.983 with 128 rows, 0.991 with 64); nor for the MHA loop, whose registers hold 64 rows
+# of 128 columns.
+_TILE_BYTES = 16 * 1024
+_TILE_BYTES_ALONE = 32 * 1024
+_MAX_ROWS = 256
+_SMALL_HEAD_MAX_GROUP = 16
+
+
+def _small_head_rows(block_n: int, dk: int, dv: int, elt_bytes: int, block_dk: int, block_dv: int,
+                     alone: bool, smem_per_block: int) -> int:
+    if max(dk, dv) >= 128:
+        return block_n  # measured at d = 128 and above with the default tile
+    target = _TILE_BYTES_ALONE if alone else _TILE_BYTES
+    while (block_n < _MAX_ROWS and block_n * (dk + dv) * elt_bytes < target
+           and _ring_fits(2 * block_n, smem_per_block, elt_bytes, block_dk, block_dv)):
+        block_n *= 2
+    return block_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -645,10 +681,17 @@ def _auto_knobs(num_splits: int) -> dict:
 
 
 def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, programs: int, sms: int) -> bool:
-    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V of head dims up
-    to 128 (the tile and its successor in registers take 251 of 255 registers at 64 rows on 4
-    warps; fp32 or wider heads would spill), and more programs than SMs (two programs share an SM,
-    each with one 32 KB tile in flight while it computes the other).
+    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V of head dims 65
+    to 128, padded to 128 (the tile and its successor in registers take 251 of 255 registers at
+    64 rows on 4 warps; fp32 or wider heads would spill), and more programs than SMs (two programs
+    share an SM, each with one 32 KB tile in flight while it computes the other).
+
+    Smaller heads take the dot path with more rows (_small_head_rows): at d = 64 and d = 32 the
+    loop's 64-row tile keeps too few bytes in flight. Same run (.lead/sd_sweep.py, 2026-11-22,
+    ratio to SDPA): d = 64, (8, 32/32, 2k) 0.939 and 8k 0.923 against the dot path's 0.965 and
+    0.944 (the loop with 128 rows: 0.961, 0.956); d = 32, 0.584 and 0.531 against 0.969 and 0.961
+    (the loop with 256 rows: 0.954, 0.929). At d = 96 the loop (as the Gluon kernel) leads: 0.963
+    and 0.938 against 0.943 and 0.928.
 
     Measured on H100 (2026-11-22, .lead/td_prof.py with .lead/pp/decode_lr.py, op graph time
     against SDPA in the same run, random blocks; the dot path in brackets): (8, 32/32, 2k) 0.991
@@ -659,7 +702,7 @@ def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, prog
     double buffering the loop waits for each tile: 0.50 (64 rows, 4 warps), 0.85 (128, 8 warps);
     the dot path with the same double buffering: 0.96-0.97 (64 rows), 0.90-0.95 (128). More in
     docs/decode-h100-notes.md."""
-    return group == 1 and elt_bytes == 2 and block_dk + block_dv <= 256 and programs > sms
+    return group == 1 and elt_bytes == 2 and block_dk == block_dv == 128 and programs > sms
 
 
 def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
@@ -701,7 +744,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
     long_tile = False
-    if (not tile_forced and b * h_kv * splits <= sms and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
+    alone = b * h_kv * splits <= sms
+    if (not tile_forced and alone and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
             and _long_tile_fits(_device_smem(device), elt_bytes, block_dk, block_dv)):
         cfg.update(_LONG_TILE)
         long_tile = True
@@ -712,7 +756,11 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
-    if not (tile_forced or long_tile or cfg["mha_fma"]) and _two_warps_pay(group, elt_bytes, block_dk, block_dv):
+    if not (tile_forced or long_tile or cfg["mha_fma"]) and group <= _SMALL_HEAD_MAX_GROUP:
+        cfg["BLOCK_N"] = _small_head_rows(cfg["BLOCK_N"], dk, dv, elt_bytes, block_dk, block_dv, alone,
+                                          _device_smem(device))
+    if (not (tile_forced or long_tile or cfg["mha_fma"]) and cfg["BLOCK_N"] == 64
+            and _two_warps_pay(group, elt_bytes, block_dk, block_dv)):
         cfg["num_warps"] = 2
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}

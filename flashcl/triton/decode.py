@@ -520,12 +520,12 @@ def _ring_fits(block_n: int, smem_per_block: int, elt_bytes: int, block_dk: int,
 # shared memory) until a K+V tile holds _TILE_BYTES, or _TILE_BYTES_ALONE where a program has its
 # SM to itself (at most one program per SM). Measured on H100 (2026-11-22,
 # .lead/sd_sweep.py, fp16, random blocks, ratio to SDPA in the same run; the 64-row default in
-# brackets): d = 32: (8, 32/32, 2k) 128 rows 0.969 (0.866; the MHA loop the op ran there 0.740),
-# 8k 0.961 (0.829; 0.688), (32, 32/8, 2k) 128 rows 0.929 (0.856), (1, 32/8, 32k) 256 rows 0.974
+# brackets): d = 32: (8, 32/32, 2k) 128 rows 0.969 (0.866; the MHA loop the op ran there 0.584),
+# 8k 0.961 (0.829; 0.531), (32, 32/8, 2k) 128 rows 0.929 (0.856), (1, 32/8, 32k) 256 rows 0.974
 # (0.686; 128 rows 0.861); d = 64: (1, 32/8, 32k) 128 rows 0.990 (0.879), while at 256 programs 64
 # rows lead (0.965 against 0.951 at (8, 32/32, 2k), 0.955 against 0.950 at (32, 32/8, 2k)); d = 96:
 # (1, 32/8, 32k) 128 rows 0.968 (0.946). 8 warps did no better; 4 stages gained 1% at d = 64, 32k
-# (1.000) and lost 3-11% at d = 32.
+# (1.000) and lost 5-11% on the d = 32 shapes of 256 programs.
 # Not for MQA-sized groups: at d = 32, (16, 32/1, 4k) read 1.004 with 256 rows against 1.132 with
 # 64 (d = 64: 0.983 with 128 rows, 0.991 with 64); nor for the MHA loop, whose registers hold 64 rows
 # of 128 columns.
@@ -731,8 +731,9 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     overrides the automatic split count (the automatic knobs then follow the given count).
     ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it.
     Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
-    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it, and the dot
-    path's default tile runs on 2 warps where _two_warps_pay."""
+    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it, the dot path's
+    default tile takes more rows for heads below 128 (_small_head_rows), and its 64-row tile runs
+    on 2 warps where _two_warps_pay."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -756,11 +757,11 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
-    if not (tile_forced or long_tile or cfg["mha_fma"]) and group <= _SMALL_HEAD_MAX_GROUP:
+    default_tile = not (tile_forced or long_tile or cfg["mha_fma"])  # the dot path's, not set by the config
+    if default_tile and group <= _SMALL_HEAD_MAX_GROUP:
         cfg["BLOCK_N"] = _small_head_rows(cfg["BLOCK_N"], dk, dv, elt_bytes, block_dk, block_dv, alone,
                                           _device_smem(device))
-    if (not (tile_forced or long_tile or cfg["mha_fma"]) and cfg["BLOCK_N"] == 64
-            and _two_warps_pay(group, elt_bytes, block_dk, block_dv)):
+    if default_tile and cfg["BLOCK_N"] == 64 and _two_warps_pay(group, elt_bytes, block_dk, block_dv):
         cfg["num_warps"] = 2
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}

@@ -244,48 +244,80 @@ def test_mha_fma_pages_and_head_dims(triton_device, block_size, dk, dv, poison):
 gluon_only = pytest.mark.skipif(not (torch.cuda.is_available() and tg.available()), reason="needs CUDA and Gluon")
 
 
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """The Gluon kernel's launches, counted: one (rows, warps) entry per launch."""
+    calls = []
+    launch = tg.launch
+    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[-2:]), launch(*args))[1])
+    return calls
+
+
 @gluon_only
 @pytest.mark.parametrize("dtype,block_size", [("float16", 16), ("bfloat16", 32), ("float16", 64), ("float16", 1)])
-def test_gluon_mha(dtype, block_size, poison, monkeypatch):
+def test_gluon_mha(dtype, block_size, poison, gluon_calls):
     """MHA of head dim 128 over whole pages runs the Gluon kernel (its launches counted): contexts
     0, 1, 17, 64, 65 and 1000 over a permuted block table against the float64 reference, the
     Triton MHA loop's result to rounding, and logits around +-200."""
-    calls = []
-    launch = tg.launch
-    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[0].shape), launch(*args))[1])
     c = _case("cuda", dtype, b=6, h_q=4, h_kv=4, lens=[0, 1, 17, 64, 65, 1000], dk=128, block_size=block_size,
               seed=41)
     out, lse = _run(c, 1, MHA_FMA)
-    assert len(calls) == 1
+    assert len(gluon_calls) == 1
     o, l = _np(out), _np(lse)
     assert (o[0] == 0).all() and np.isneginf(l[0]).all()
     _check(out, c["ref"], dtype, f"gluon mha {dtype} bs={block_size}", c["naive"], lse, c["ref_lse"])
     tri_out, tri_lse = _run(c, 1, {**MHA_FMA, "gluon_mha": False})
-    assert len(calls) == 1
+    assert len(gluon_calls) == 1
     assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
     assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
     c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[70, 9], dk=128, block_size=block_size, seed=42, q_scale=60.0)
     assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
     out, lse = _run(c, 1, MHA_FMA)
-    assert len(calls) == 2
+    assert len(gluon_calls) == 2
     _check(out, c["ref"], dtype, f"gluon mha large logits {dtype}", c["naive"], lse, c["ref_lse"])
 
 
 @gluon_only
-@pytest.mark.parametrize("dk", [72, 96, 112])
-def test_gluon_mha_padded_head_dims(dk, poison, monkeypatch):
-    """Head dims 65..127 run the Gluon kernel padded to 128 (the padding columns masked): ragged
-    contexts over a permuted table against the float64 reference and the Triton MHA loop."""
-    calls = []
-    launch = tg.launch
-    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[0].shape), launch(*args))[1])
-    c = _case("cuda", "float16", b=4, h_q=3, h_kv=3, lens=[0, 1, 65, 700], dk=dk, block_size=16, seed=dk)
-    out, lse = _run(c, 1, MHA_FMA)
-    assert len(calls) == 1
-    _check(out, c["ref"], "float16", f"gluon mha dk={dk}", c["naive"], lse, c["ref_lse"])
-    tri_out, tri_lse = _run(c, 1, {**MHA_FMA, "gluon_mha": False})
+@pytest.mark.parametrize("dk,rows,warps,block_size", [
+    (72, 64, 4, 16), (96, 64, 4, 16), (112, 64, 4, 16),  # padded to 128
+    (64, 128, 8, 16), (64, 64, 4, 64), (48, 128, 8, 128), (40, 64, 4, 16),  # padded to 64
+    (32, 128, 8, 16), (32, 128, 4, 32), (24, 128, 8, 1)])  # padded to 32
+def test_gluon_mha_head_dims_and_tiles(dk, rows, warps, block_size, poison, gluon_calls):
+    """Head dims below 128 run the Gluon kernel padded to 32, 64 or 128 (the padding columns
+    masked), on each tile it takes (decode_gluon.tile): ragged contexts over a permuted table
+    against the float64 reference and the Triton MHA loop on the same tile, and logits around
+    +-200."""
+    config = {**MHA_FMA, "BLOCK_N": rows, "num_warps": warps}
+    c = _case("cuda", "float16", b=5, h_q=3, h_kv=3, lens=[0, 1, rows + 1, 700, 1000], dk=dk, block_size=block_size,
+              seed=dk + rows)
+    out, lse = _run(c, 1, config)
+    assert gluon_calls == [(rows, warps)]
+    _check(out, c["ref"], "float16", f"gluon mha dk={dk} tile {rows}x{warps}", c["naive"], lse, c["ref_lse"])
+    tri_out, tri_lse = _run(c, 1, {**config, "gluon_mha": False})
+    assert len(gluon_calls) == 1
     assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
     assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
+    c = _case("cuda", "float16", b=2, h_q=2, h_kv=2, lens=[rows + 6, 9], dk=dk, block_size=block_size, seed=dk,
+              q_scale=90.0)
+    assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
+    out, lse = _run(c, 1, config)
+    assert len(gluon_calls) == 2
+    _check(out, c["ref"], "float16", f"gluon mha large logits dk={dk}", c["naive"], lse, c["ref_lse"])
+
+
+@gluon_only
+@pytest.mark.parametrize("d", [32, 64])
+def test_gluon_mha_small_heads_automatic(d, poison, gluon_calls):
+    """With more programs than SMs, MHA at d = 32 and 64 runs the Gluon kernel on its own tile
+    (decode_gluon.tile), unforced; with two splits, the dot path."""
+    sms = td._device_sms(torch.device("cuda"))
+    c = _case("cuda", "float16", b=1, h_q=sms + 4, h_kv=sms + 4, lens=[300], dk=d, block_size=16, seed=d)
+    out, lse = _run(c, 0, None)
+    assert gluon_calls == [tg.tile(d, sms + 4, sms)]
+    _check(out, c["ref"], "float16", f"gluon mha automatic d={d}", c["naive"], lse, c["ref_lse"])
+    out, lse = _run(c, 2, None)
+    assert len(gluon_calls) == 1
+    _check(out, c["ref"], "float16", f"dot path d={d} 2 splits", c["naive"], lse, c["ref_lse"])
 
 
 @pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])
@@ -305,11 +337,11 @@ def test_strided_block_table_and_context_lens(triton_device, config):
 
 @gluon_only
 def test_gluon_mha_takes_only_what_fits(monkeypatch):
-    """Splits, head dims of 64 and less, DK != DV, fp32 and 128-row pages (not whole pages of a 64-row
-    tile) stay on the Triton kernel."""
+    """Splits, a tile the kernel does not run (64 rows at d = 32), DK != DV, fp32 and 128-row pages
+    (not whole pages of a 64-row tile) stay on the Triton kernel."""
     calls = []
     monkeypatch.setattr(tg, "launch", lambda *args: calls.append(1))
-    for dtype, dk, dv, block_size, ns in (("float16", 128, 128, 16, 2), ("float16", 64, 64, 16, 1),
+    for dtype, dk, dv, block_size, ns in (("float16", 128, 128, 16, 2), ("float16", 32, 32, 16, 1),
                                           ("float16", 128, 96, 16, 1), ("float32", 128, 128, 16, 1),
                                           ("float16", 128, 128, 128, 1)):
         c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[300, 5], dk=dk, dv=dv, block_size=block_size, seed=43)
@@ -335,6 +367,32 @@ def test_mha_fma_rule(monkeypatch):
     assert not on(8, 32, 32, elt=4) and not on(8, 32, 32, d=256)
     assert on(4, 32, 32, config=MHA_FMA) and not on(8, 32, 32, config={"mha_fma": False})
     assert not on(8, 32, 8, config=MHA_FMA)
+
+
+def test_mha_fma_small_heads_rule(monkeypatch):
+    """Heads up to 64 take the MHA loop only where the Gluon kernel can run it (one split, 2-byte
+    K/V, DK == DV, whole pages of its tile), on its tile: 128 rows on 8 warps up to two programs per
+    SM, then 64 rows on 4 warps at d = 64 and 128 rows on 4 warps at d = 32. The kernel's own
+    conditions (decode_gluon.takes: a CUDA device with Gluon) are stood in for on the CPU."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
+    monkeypatch.setattr(tg, "takes", lambda dk, dv, elt, ns, device: ns == 1 and elt == 2 and dk == dv <= 128)
+
+    def plan(b, h_q, h_kv, d=64, dv=None, elt=2, ctx=2048, config=None, ns=0, page=16):
+        cfg = td.launch_plan(b, h_q, h_kv, d, dv or d, ctx, elt, cpu, config, ns, page)["config"]
+        return cfg["BLOCK_N"], cfg["num_warps"], cfg["mha_fma"]
+
+    assert plan(8, 32, 32) == plan(8, 32, 32, d=48) == plan(8, 32, 32, d=32) == (128, 8, True)  # 256 programs
+    assert plan(16, 32, 32) == (64, 4, True) and plan(16, 32, 32, d=32) == (128, 4, True)  # 512 programs
+    assert plan(8, 32, 32, d=96) == plan(8, 32, 32, d=128) == (64, 4, True)
+    assert plan(8, 32, 32, page=128) == (128, 8, True) and plan(16, 32, 32, page=128)[2] is False  # whole pages
+    assert plan(8, 32, 32, page=0)[2] is False  # a contiguous cache: the dot path's tile
+    assert plan(8, 32, 32, ns=2)[2] is False and plan(8, 32, 32, dv=32)[2] is False  # splits, DK != DV
+    assert plan(8, 32, 32, elt=4)[2] is False and plan(8, 32, 8)[2] is False and plan(4, 32, 32)[2] is False
+    assert plan(8, 32, 32, config={"gluon_mha": False}) == (64, 4, False)  # the dot path
+    assert plan(8, 32, 32, config={"BLOCK_N": 64}) == (64, 4, False)  # a set tile: not the kernel's
+    assert plan(8, 32, 32, config=MHA_FMA) == (64, 4, True)  # forced: the default tile
 
 
 def test_small_head_rows_rule(monkeypatch):

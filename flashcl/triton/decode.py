@@ -48,13 +48,14 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   element of the cache is within 2^31 of its start, and the rows of a tile past the
                   sequence's end point at the tile's first row (a real one) instead of being
                   masked: no K/V load mask, and no block-table entry past the end is ever used.
-    mha_fma       (default: MHA with 2-byte K/V, head dims <= 128, more programs than SMs; needs
-                  whole_pages) the K/V loop of a one-query-row program on CUDA cores, the next
-                  tile loaded into registers while this one is computed (``_mha_fma_loop``),
-                  instead of tl.dot on a 16-row padded Q tile behind a shared-memory ring.
-    gluon_mha     (default on) the MHA loop's one-split launches of head dim 128 run as the Gluon
-                  kernel of ``decode_gluon`` where it fits: the same loop, the row slots merged
-                  without Triton's cross-warp reductions (about 1 us less per launch).
+    mha_fma       (default: MHA with 2-byte K/V and more programs than SMs, head dims 65..128,
+                  and up to 64 where the Gluon kernel takes the launch; needs whole_pages) the
+                  K/V loop of a one-query-row program on CUDA cores, the next tile loaded into
+                  registers while this one is computed (``_mha_fma_loop``), instead of tl.dot on
+                  a 16-row padded Q tile behind a shared-memory ring.
+    gluon_mha     (default on) the MHA loop's one-split launches of head dims <= 128 run as the
+                  Gluon kernel of ``decode_gluon`` where it fits: the same loop, the row slots
+                  merged without Triton's cross-warp reductions (about 1 us less per launch).
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -680,18 +681,22 @@ def _auto_knobs(num_splits: int) -> dict:
     return {"fused_reduce": 2 <= num_splits <= 4, "pdl": num_splits >= 2}
 
 
-def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, programs: int, sms: int) -> bool:
-    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V of head dims 65
-    to 128, padded to 128 (the tile and its successor in registers take 251 of 255 registers at
-    64 rows on 4 warps; fp32 or wider heads would spill), and more programs than SMs (two programs
-    share an SM, each with one 32 KB tile in flight while it computes the other).
+def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, programs: int, sms: int,
+                  gluon: bool) -> bool:
+    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V and more programs
+    than SMs (two programs share an SM, each with one 32 KB tile in flight while it computes the
+    other), for head dims 65 to 128, padded to 128 (the tile and its successor in registers take
+    251 of 255 registers at 64 rows on 4 warps; fp32 or wider heads would spill), and for head dims
+    up to 64 where the launch can run as the Gluon kernel (``gluon``: decode_gluon.takes, one
+    split), whose tile for small heads (decode_gluon.tile) holds more rows.
 
-    Smaller heads take the dot path with more rows (_small_head_rows): at d = 64 and d = 32 the
-    loop's 64-row tile keeps too few bytes in flight. Same run (.lead/sd_sweep.py, 2026-11-22,
-    ratio to SDPA): d = 64, (8, 32/32, 2k) 0.939 and 8k 0.923 against the dot path's 0.965 and
-    0.944 (the loop with 128 rows: 0.961, 0.956); d = 32, 0.584 and 0.531 against 0.969 and 0.961
-    (the loop with 256 rows: 0.954, 0.929). At d = 96 the loop (as the Gluon kernel) leads: 0.963
-    and 0.938 against 0.943 and 0.928.
+    Up to d = 64 the Triton loop loses to the dot path (_small_head_rows): its tile keeps too few
+    bytes in flight, or with more rows its cross-warp merge costs more. Same runs (.lead/sd2.py,
+    .lead/gl_hd.py, 2026-11-22, ratio to SDPA): d = 64, (8, 32/32, 2k) the dot path 0.964-0.970,
+    the Triton loop with 64 rows on 4 warps 0.950, 128 on 8 0.975-0.980, the Gluon kernel with 128
+    on 8 1.002; 8k 0.959-0.961, 0.933, 0.971-0.980, 0.987; d = 32, (8, 32/32, 2k) 0.983, the
+    Triton loop with 128 rows on 8 warps 0.851, the Gluon kernel 1.046. At d = 96 the loop (as the
+    Gluon kernel) leads: 0.963 and 0.938 against 0.943 and 0.928.
 
     Measured on H100 (2026-11-22, .lead/td_prof.py with .lead/pp/decode_lr.py, op graph time
     against SDPA in the same run, random blocks; the dot path in brackets): (8, 32/32, 2k) 0.991
@@ -702,7 +707,8 @@ def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, prog
     double buffering the loop waits for each tile: 0.50 (64 rows, 4 warps), 0.85 (128, 8 warps);
     the dot path with the same double buffering: 0.96-0.97 (64 rows), 0.90-0.95 (128). More in
     docs/decode-h100-notes.md."""
-    return group == 1 and elt_bytes == 2 and block_dk == block_dv == 128 and programs > sms
+    return (group == 1 and elt_bytes == 2 and programs > sms
+            and (block_dk == block_dv == 128 or (gluon and block_dk == block_dv <= 64)))
 
 
 def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
@@ -725,7 +731,8 @@ def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> 
 
 
 def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
-                device: torch.device, config: Optional[dict] = None, num_splits: int = 0) -> dict:
+                device: torch.device, config: Optional[dict] = None, num_splits: int = 0,
+                page_size: int = 16) -> dict:
     """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
     decode shape. ``config`` keys override the defaults (tile sizes and _KNOBS); ``num_splits`` > 0
     overrides the automatic split count (the automatic knobs then follow the given count).
@@ -733,7 +740,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
     _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it, the dot path's
     default tile takes more rows for heads below 128 (_small_head_rows), and its 64-row tile runs
-    on 2 warps where _two_warps_pay."""
+    on 2 warps where _two_warps_pay. ``page_size`` is the paged cache's block size, 0 for a
+    contiguous cache: the MHA loop of heads up to 64 needs tiles of whole pages."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -752,8 +760,16 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         long_tile = True
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
-    if cfg["mha_fma"] is None:
-        cfg["mha_fma"] = _mha_fma_pays(group, elt_bytes, block_dk, block_dv, b * h_kv * splits, sms)
+    mha_auto = cfg["mha_fma"] is None
+    gluon_tile = None  # the Gluon kernel's tile (decode_gluon.tile), where it can take the launch
+    if (mha_auto and not tile_forced and cfg["gluon_mha"] and page_size > 0
+            and decode_gluon.takes(dk, dv, elt_bytes, splits, device)):
+        gluon_tile = decode_gluon.tile(dv, b * h_kv * splits, sms)
+        if gluon_tile[0] % page_size:
+            gluon_tile = None  # not whole pages
+    if mha_auto:
+        cfg["mha_fma"] = _mha_fma_pays(group, elt_bytes, block_dk, block_dv, b * h_kv * splits, sms,
+                                       gluon_tile is not None)
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
@@ -763,6 +779,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
                                           _device_smem(device))
     if default_tile and cfg["BLOCK_N"] == 64 and _two_warps_pay(group, elt_bytes, block_dk, block_dv):
         cfg["num_warps"] = 2
+    if cfg["mha_fma"] and gluon_tile:
+        cfg["BLOCK_N"], cfg["num_warps"] = gluon_tile
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
@@ -834,7 +852,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         s_bt = (0, 0)
         block_table = q  # never read (PAGED=False); any pointer will do
     group = h_q // h_kv
-    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config, max(0, num_splits))
+    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config, max(0, num_splits),
+                       page_size if paged else 0)
     cfg, block_g, block_dk, block_dv = plan["config"], plan["BLOCK_G"], plan["BLOCK_DK"], plan["BLOCK_DV"]
     num_splits = plan["num_splits"]
 
@@ -863,7 +882,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_g = 1  # no tl.dot: the epilogue stores the one head unpadded
             if knobs["OFFS32"] and decode_gluon.fits(q, k_cache, v_cache, block_table, context_lens,
                                                      num_splits, cfg):
-                decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E)
+                decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
+                                    cfg["BLOCK_N"], cfg["num_warps"])
                 return out, lse
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))

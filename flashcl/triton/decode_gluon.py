@@ -1,14 +1,15 @@
 """The MHA decode loop in Gluon, for the merge of its row slots after the loop.
 
-``decode._mha_fma_loop`` keeps an online-softmax state per row slot of its 64-row tile (no
-reduction across rows inside the loop) and merges the 64 states once at the end. Written in
+``decode._mha_fma_loop`` keeps an online-softmax state per row slot of its tile (no reduction
+across rows inside the loop) and merges the slots' states once at the end. Written in
 Triton, that merge took about 2,300 cycles in every program, whatever the context length: each
 cross-warp ``tl.max``/``tl.sum`` is lowered with its own shared-memory rounds and barriers (11
 barriers after the loop). This kernel runs the same loop on the same distribution of the tile,
-but lays the tile out 4-D, [R, W, 2, D] (register repeat, warp, lane pair, head dim), so that the
-merge can be written step by step: the R slots a thread holds in registers, the lane pair with
-one shuffle, then the W warps' states (m, l, acc) through shared memory behind one barrier, each
-thread finishing one column of the output.
+but lays the tile out 4-D, [R, W, LP, D] (register repeat, warp, lane group, head dim; LP = 2
+rows per warp instruction at d = 128, 4 at 64, 8 at 32), so that the merge can be written step by
+step: the R slots a thread holds in registers, the LP lane groups with shuffles, then the W warps'
+states (m, l, acc) through shared memory behind one barrier, each thread finishing one column of
+the output.
 
 Measured on H100 (fp16, paged block 16 in random order, CUDA-graph replay; .lead/g1_bench.py,
 2026-11-22), ratio to SDPA on contiguous KV in the same run, the op's Triton MHA loop (gluon_mha
@@ -16,14 +17,15 @@ off) in brackets: (8, 32/32, 64 tokens) 1.057 (0.899), 256 tokens 1.045 (0.974),
 0.997 (0.972), (8, 32/32, 2k) 0.999 (0.986), 8k 0.991 (0.990). A copy of the kernel with no
 merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 us.
 
-It takes the launches it ``fits``: MHA over whole pages (block_size dividing 64) with context
-lengths, one split, 2-byte K/V of head dims 65 to 128 (padded to 128; the masked columns read no
-bytes), 32-bit cache offsets, CUDA devices of compute capability 8.0 or newer, and a Triton with
+It takes the launches it ``fits``: MHA over whole pages (block_size dividing the tile's rows) with
+context lengths, one split, 2-byte K/V of head dims up to 128 (padded to 32, 64 or 128; the masked
+columns read no bytes), the tiles of ``tile``, 32-bit cache offsets, CUDA devices of compute capability 8.0 or newer, and a Triton with
 Gluon. Everything else, and the interpreter (which has no Gluon), takes the Triton kernel; the
 ``gluon_mha`` knob turns this path off. Run with Triton 3.6 (H100); compiled with Triton 3.6 for
 sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90. At head dim 96 (.lead/gd_bench.py,
 2026-11-22, ratio to SDPA, the Triton MHA loop in brackets): 64 tokens 1.122 (0.937), 256 tokens
-1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932 (0.933).
+1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932 (0.933). Head dims 32
+and 64: see ``tile``.
 """
 
 from __future__ import annotations
@@ -38,35 +40,74 @@ try:
 except ImportError:  # a Triton without Gluon
     gluon = None
 
-_BLOCK_N = 64  # rows per tile: R = 8 per thread, on 4 warps of 2 x 16 lanes
-_NUM_WARPS = 4
-_BLOCK_D = 128  # 16 lanes x 8 columns; head dims 65..128 (the op's MHA loop takes no others)
+# Padded head dim -> the tiles (rows, warps) the kernel runs: a row is BLOCK_D // 8 lanes of 8
+# columns. The first is for grids of at most two programs per SM, the second for larger ones (see
+# ``tile``).
+_TILES = {128: ((64, 4), (64, 4)), 64: ((128, 8), (64, 4)), 32: ((128, 8), (128, 4))}
+
+
+def _block_d(d: int) -> int:
+    return max(32, 1 << (d - 1).bit_length())
 
 
 def available() -> bool:
     return gluon is not None and not interpreting()
 
 
+def takes(dk: int, dv: int, elt_bytes: int, num_splits: int, device: torch.device) -> bool:
+    """Whether a launch of these head dims, element size and split count could run here (``fits``
+    then checks the tensors): one split, 2-byte K/V, DK == DV <= 128, a CUDA device of compute
+    capability 8.0 or newer, a Triton with Gluon."""
+    return (available() and num_splits == 1 and elt_bytes == 2 and dk == dv and _block_d(dk) in _TILES
+            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def tile(d: int, programs: int, sms: int) -> tuple[int, int]:
+    """(rows, warps) for head dim ``d`` on a grid of ``programs`` programs.
+
+    At d = 128 a 64-row tile on 4 warps (32 KB of K+V) takes 254 registers: two programs per SM.
+    Below, rows are traded for columns: at d = 64, 128 rows on 8 warps hold the same 32 KB in 128
+    registers, two programs per SM. Where the grid has more than two programs per SM, a second
+    wave costs more than a smaller tile: d = 64 takes 64 rows on 4 warps, d = 32 128 rows on 4
+    warps (four programs per SM). Measured on H100 (.lead/gl_hd.py, 2026-11-22, fp16, random
+    blocks, ratio to SDPA in the same run; 256 programs, and 512 at 1k):
+
+    | d | tile | (8, 32/32, 256) | (16, 32/32, 1k) | (8, 32/32, 2k) | (8, 32/32, 8k) |
+    |---|---|---|---|---|---|
+    | 64 | 64 rows, 4 warps | 1.063 | 1.021 | 0.957 | 0.938 |
+    | 64 | 128 rows, 8 warps | 1.049 | 0.982 | 1.002 | 0.987 |
+    | 64 | 256 rows, 8 warps | 0.818 | 0.933 | 0.949 | 0.970 |
+    | 32 | 128 rows, 4 warps | 1.159 | 1.052 | 1.041 | 0.991 |
+    | 32 | 128 rows, 8 warps | 1.126 | 1.036 | 1.046 | 0.996 |
+    | 32 | 256 rows, 8 warps | 1.080 | 0.989 | 1.026 | 0.937 |
+
+    At d = 96 (padded to 128), 128 rows on 8 warps take 254 registers, one program per SM: 0.900
+    at 2k against 0.971 for 64 rows."""
+    wide, narrow = _TILES[_block_d(d)]
+    return wide if programs <= 2 * sms else narrow
+
+
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
          context_lens, num_splits: int, cfg: dict) -> bool:
     """Whether a launch that the op sends to the MHA loop (whole pages, 32-bit offsets) runs here."""
-    return (available() and cfg["gluon_mha"] and num_splits == 1 and context_lens is not None
-            and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
-            and q.element_size() == 2 and q.shape[2] == v_cache.shape[3] and _BLOCK_D // 2 < q.shape[2] <= _BLOCK_D
-            and cfg["BLOCK_N"] == _BLOCK_N and cfg["num_warps"] == _NUM_WARPS
+    d = q.shape[2]
+    return (cfg["gluon_mha"] and q.is_cuda and takes(d, v_cache.shape[3], q.element_size(), num_splits, q.device)
+            and context_lens is not None and (cfg["BLOCK_N"], cfg["num_warps"]) in _TILES[_block_d(d)]
             and block_table.shape[1] >= 1 and block_table.stride(1) == 1
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
 
 
-def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float) -> None:
-    """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``)."""
-    b, h, _ = q.shape
+def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
+           num_warps: int) -> None:
+    """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``), tiles of
+    ``block_n`` rows on ``num_warps`` warps."""
+    b, h, d = q.shape
     _mha_decode[(h, b)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2, block_table.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        BLOCK_N=_BLOCK_N, D=q.shape[2], BLOCK_D=_BLOCK_D, PAGE=k_cache.shape[1], num_warps=_NUM_WARPS)
+        BLOCK_N=block_n, D=d, BLOCK_D=_block_d(d), PAGE=k_cache.shape[1], num_warps=num_warps)
 
 
 if gluon is not None:
@@ -121,16 +162,18 @@ if gluon is not None:
         """One program per (head, sequence); the loop of decode._mha_fma_loop over whole pages.
         A head dim D below BLOCK_D reads its padding columns as zeros."""
         W: gl.constexpr = gl.num_warps()
-        R: gl.constexpr = BLOCK_N // (2 * W)
-        gl.static_assert(BLOCK_D == 128 and D <= BLOCK_D and BLOCK_N % PAGE == 0)
-        # Triton's blocked layout of the op's [BLOCK_N, BLOCK_D] tile ([1, 8] per thread, [2, 16]
-        # lanes, [W, 1] warps), with the row split into (register repeat, warp, lane pair)
-        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 2, 16], [1, W, 1, 1], [3, 2, 1, 0])
+        LC: gl.constexpr = BLOCK_D // 8  # lanes per row
+        LP: gl.constexpr = 32 // LC  # rows per warp and register
+        R: gl.constexpr = BLOCK_N // (LP * W)
+        gl.static_assert(LC * LP == 32 and R >= 1 and D <= BLOCK_D and BLOCK_N % PAGE == 0)
+        # Triton's blocked layout of the op's [BLOCK_N, BLOCK_D] tile ([1, 8] per thread, [LP, LC]
+        # lanes, [W, 1] warps), with the row split into (register repeat, warp, lane group)
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, LP, LC], [1, W, 1, 1], [3, 2, 1, 0])
         ROWS: gl.constexpr = gl.SliceLayout(3, L4)  # per-row values, one copy per thread
         pid_h = gl.program_id(0)
         pid_b = gl.program_id(1)
-        # row n of a tile (token start + n) sits at (n // 2W, (n // 2) % W, n % 2)
-        tok0 = _index(R, 0, L4, 3) * (2 * W) + _index(W, 1, L4, 3) * 2 + _index(2, 2, L4, 3)
+        # row n of a tile (token start + n) sits at (n // (LP W), (n // LP) % W, n % LP)
+        tok0 = _index(R, 0, L4, 3) * (LP * W) + _index(W, 1, L4, 3) * LP + _index(LP, 2, L4, 3)
         d4 = _index(BLOCK_D, 3, L4, 4)
         cols = d4 < D  # the head dim's columns (all of them when D == BLOCK_D)
         bt = BlockTable + pid_b.to(gl.int64) * stride_btb
@@ -152,9 +195,9 @@ if gluon is not None:
                          mask=first, other=0.0)
         page = gl.load(bt + gl.minimum(tok0 + BLOCK_N, last) // PAGE)
 
-        m_r = gl.full([R, W, 2], float("-inf"), gl.float32, ROWS)
-        l_r = gl.zeros([R, W, 2], gl.float32, ROWS)
-        acc = gl.zeros([R, W, 2, BLOCK_D], gl.float32, L4)
+        m_r = gl.full([R, W, LP], float("-inf"), gl.float32, ROWS)
+        l_r = gl.zeros([R, W, LP], gl.float32, ROWS)
+        acc = gl.zeros([R, W, LP, BLOCK_D], gl.float32, L4)
         for start in range(0, n_ctx, BLOCK_N):
             k = k_next
             v = v_next

@@ -106,16 +106,16 @@ def _block_table(rng, num_blocks: int, b: int, block_order: str) -> np.ndarray:
     return np.sort(table, axis=1) if block_order == "ascending" else table
 
 
-def _inputs(rng, shape, dtype, block_size, block_order="random"):
+def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int = HEAD_DIM):
     """q and a paged cache holding every sequence ctx long, blocks in ``block_order``."""
     if block_order not in BLOCK_ORDERS:
         raise ValueError(f"block_order: expected one of {BLOCK_ORDERS}, got {block_order!r}")
     b, h_q, h_kv, ctx = shape
     blocks = -(-ctx // block_size)
     num_blocks = b * blocks
-    q = rng.standard_normal((b, h_q, HEAD_DIM), dtype=np.float32).astype(dtype)
-    k = rng.standard_normal((num_blocks, block_size, h_kv, HEAD_DIM), dtype=np.float32).astype(dtype)
-    v = rng.standard_normal((num_blocks, block_size, h_kv, HEAD_DIM), dtype=np.float32).astype(dtype)
+    q = rng.standard_normal((b, h_q, head_dim), dtype=np.float32).astype(dtype)
+    k = rng.standard_normal((num_blocks, block_size, h_kv, head_dim), dtype=np.float32).astype(dtype)
+    v = rng.standard_normal((num_blocks, block_size, h_kv, head_dim), dtype=np.float32).astype(dtype)
     table = _block_table(rng, num_blocks, b, block_order)
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
 
@@ -123,8 +123,9 @@ def _inputs(rng, shape, dtype, block_size, block_order="random"):
 def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_size: int = 16,
                  repeats: int = 10, splits=DEFAULT_SPLITS, params: dict | None = None,
                  check: bool = True, verbose_build: bool = False, progress=None,
-                 block_order: str = "random") -> list[DecodeRow]:
-    """Time single pass, the automatic split count and every forced count of ``splits``."""
+                 block_order: str = "random", head_dim: int = HEAD_DIM) -> list[DecodeRow]:
+    """Time single pass, the automatic split count and every forced count of ``splits``, head dim
+    ``head_dim`` for q, K and V."""
     rng = np.random.default_rng(0)
     dev = handle.device
     cache = int(dev.global_mem_cache_size)
@@ -134,19 +135,19 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
     rows = []
     for shape in shapes:
         b, h_q, h_kv, ctx = shape
-        prob = DecodeProblem(b, h_q, h_kv, HEAD_DIM, HEAD_DIM, True, dtype)
+        prob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype)
         choice = choose_params(handle, prob, params, ctx)
         kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build)
-        q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order)
+        q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order, head_dim)
         kv_bytes = k.nbytes + v.nbytes
         copies = int(max(1, min(-(-3 * cache // kv_bytes), mem_budget // max(kv_bytes, 1), 8)))
         sets = []
         for c in range(copies):
             perm = table if c == 0 else _block_table(rng, k.shape[0], b, block_order)
             sets.append([cla.to_device(queue, x) for x in (q, k, v, perm, lens)])
-        out = cla.empty(queue, (b, h_q, HEAD_DIM), np.dtype(dtype))
+        out = cla.empty(queue, (b, h_q, head_dim), np.dtype(dtype))
         lse = cla.empty(queue, (b, h_q), np.float32)
-        scale = HEAD_DIM ** -0.5
+        scale = head_dim ** -0.5
 
         def run(num_splits):
             def go(i):
@@ -174,7 +175,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
         row = DecodeRow(
-            shape=f"({b},{h_q}/{h_kv},{ctx},{HEAD_DIM})", dtype=dtype, block_size=block_size,
+            shape=f"({b},{h_q}/{h_kv},{ctx},{head_dim})", dtype=dtype, block_size=block_size,
             block_order=block_order,
             params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
             params_source=choice.source, bytes_moved=nbytes, copies=copies, auto_splits=auto,

@@ -21,6 +21,8 @@ import sys
 
 import click
 
+from .api import _check_head_dim
+
 EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_DATABASE, EXIT_MISSING_DEP, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
 
 
@@ -154,6 +156,7 @@ def _parse_decode_shape(text: str):
               help="Shape set (reference, cpu, ...); auto = 'cpu' on CPU devices, else 'reference'.")
 @click.option("--shape", "shapes", multiple=True, help="B,H_q,H_kv,ctx (repeatable; overrides --preset).")
 @click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default="float16", show_default=True)
+@click.option("--head-dim", default=128, show_default=True, help="Head dim of q, K and V (a multiple of 8, 8..256).")
 @click.option("--block-size", default=16, show_default=True, help="Paged-KV block size (a power of two, 1..256).")
 @click.option("--block-order", type=click.Choice(["random", "sequential", "ascending"]), default="random",
               show_default=True,
@@ -161,9 +164,13 @@ def _parse_decode_shape(text: str):
                    "fresh cache) or ascending (random blocks, each sequence's in address order).")
 @click.option("--repeats", default=10, show_default=True, help="Timed runs per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order, repeats, as_json):
+def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
+    try:
+        _check_head_dim("--head-dim", head_dim)
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
     if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
         _fail(f"--block-size {block_size}: expected a power of two from 1 to 256", EXIT_USAGE)
     shape_list = [_parse_decode_shape(s) for s in shapes] or None
@@ -175,7 +182,8 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order
                   EXIT_MISSING_DEP)
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
-        rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order)
+        rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order,
+                      head_dim=head_dim)
         click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows, command))
         return
     if dtype == "bfloat16":
@@ -198,7 +206,7 @@ def bench_decode(device, backend, preset, shapes, dtype, block_size, block_order
     if not as_json:
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
-                           block_order=block_order)
+                           block_order=block_order, head_dim=head_dim)
     if as_json:
         from dataclasses import asdict, is_dataclass
 

@@ -135,3 +135,15 @@ def test_bench_decode_wiring():
     assert r.exit_code == 2 and "reversed" in r.stderr
     r = run("bench", "decode", "--block-size", "12")
     assert r.exit_code == 2 and "power of two" in r.stderr
+    r = run("bench", "decode", "--head-dim", "12")
+    assert r.exit_code == 2 and "head dim 12" in r.stderr
+
+
+def test_bench_decode_head_dim(cpu_device):
+    """--head-dim sizes q, K and V: a d = 64 GQA shape on the CPU device, checked against float64."""
+    r = run("bench", "decode", "--device", "cpu", "--shape", "1,4,2,64", "--head-dim", "64", "--repeats", "2",
+            "--json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["shape"] == "(1,4/2,64,64)" and row["bytes_moved"] == 2 * 64 * 2 * 64 * 2 + 4 * 2 * 64 * 2
+    assert row["rel_err"] < 1e-2

@@ -359,20 +359,22 @@ def test_head_dims_cuda(triton_device, dk, dv, dtype, poison):
         _check(out, c["ref"], dtype, f"contig {dtype} splits={ns}", c["naive"], lse, c["ref_lse"])
 
 
-@pytest.mark.parametrize("block_order", ["random", "sequential", "ascending"])
-def test_bench_inputs_hold_the_same_kv(block_order):
+@pytest.mark.parametrize("block_order,head_dim", [("random", 128), ("sequential", 128), ("ascending", 128),
+                                                  ("random", 40)])
+def test_bench_inputs_hold_the_same_kv(block_order, head_dim):
     """The benchmark's paged cache holds exactly the contiguous KV SDPA reads, for every block
-    order (what the bench compares must be the same data); sequential means allocation order,
-    ascending a random set of blocks per sequence listed in address order."""
+    order (what the bench compares must be the same data) and head dim; sequential means
+    allocation order, ascending a random set of blocks per sequence listed in address order."""
     from flashcl.triton import bench_decode as bd
 
     shape = (3, 4, 2, 72)  # ctx not a multiple of the block size: a partial last block
-    s = bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), block_order)
+    s = bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), block_order, head_dim)
+    assert s["q"].shape[-1] == s["k"].shape[-1] == s["v_pages"].shape[-1] == head_dim
     b, _, h_kv, ctx = shape
     table = s["block_table"].long()
     for name in ("k", "v"):
         pages = s[f"{name}_pages"][table]                      # (B, blocks, 16, H_kv, d)
-        flat = pages.permute(0, 3, 1, 2, 4).reshape(b, h_kv, -1, bd.HEAD_DIM)[:, :, :ctx]
+        flat = pages.permute(0, 3, 1, 2, 4).reshape(b, h_kv, -1, head_dim)[:, :, :ctx]
         assert torch.equal(flat, s[name])
     ordered = torch.arange(table.numel()).view_as(table)
     assert torch.equal(table.flatten().sort().values, ordered.flatten())  # every block used once

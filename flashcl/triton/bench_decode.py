@@ -1,9 +1,9 @@
 """Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
 
-    python -m flashcl.triton.bench_decode [--dtype float16] [--block-size 16] [--block-order random]
-                                          [--rounds 3] [--json]
+    python -m flashcl.triton.bench_decode [--dtype float16] [--head-dim 128] [--block-size 16]
+                                          [--block-order random] [--rounds 3] [--json]
 
-For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache whose blocks are a random
+For each decode shape (B, H_q, H_kv, ctx) and head dim d (``--head-dim``, 128 by default): a paged cache whose blocks are a random
 permutation (``--block-order random``, the default: a cache after some serving) or in allocation
 order (``sequential``: a fresh cache), inputs rotated past 3x L2, every call timed by CUDA-graph
 replay in interleaved rounds (``--rounds``: each round times every variant once; median of the
@@ -34,6 +34,7 @@ import torch
 
 from .. import __version__
 from .. import cuda_timing
+from ..api import _check_head_dim
 from . import decode as triton_decode
 from .bench_prefill import _sdpa_call
 
@@ -42,7 +43,7 @@ REFERENCE_SHAPES = [
     (8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048), (4, 64, 8, 2048),
     (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072),
 ]
-HEAD_DIM = 128
+HEAD_DIM = 128  # the reference shapes' head dim
 AUTO_TOLERANCE = 1.05  # the automatic split count must be within 5% of the best forced one
 
 
@@ -64,14 +65,14 @@ def _flops(b, h_q, ctx, dk, dv) -> int:
 BLOCK_ORDERS = ("random", "sequential", "ascending")
 
 
-def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "random"):
+def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "random", head_dim: int = HEAD_DIM):
     """One input set: q, the contiguous KV (for SDPA) and the same KV in pages, the blocks of the
     block table in random order, in allocation order, or random blocks in ascending order within
     each sequence (``block_order``, one of BLOCK_ORDERS)."""
     if block_order not in BLOCK_ORDERS:
         raise ValueError(f"block_order: expected one of {BLOCK_ORDERS}, got {block_order!r}")
     b, h_q, h_kv, ctx = shape
-    d = HEAD_DIM
+    d = head_dim
     q = torch.randn((b, h_q, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
     k = torch.randn((b, h_kv, ctx, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
     v = torch.randn((b, h_kv, ctx, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -120,7 +121,7 @@ def _forced_splits(ctx: int, block_n: int, splits) -> list[int]:
 
 
 def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, seed: int = 0,
-        on_row=None, block_order: str = "random", rounds: int = 3) -> list[dict]:
+        on_row=None, block_order: str = "random", rounds: int = 3, head_dim: int = HEAD_DIM) -> list[dict]:
     """Time every shape; one dict per shape (see the module docstring for what is measured).
     ``on_row(row)`` is called as each shape finishes (progress on long runs); ``rounds``:
     interleaved rounds (cuda_timing.interleaved_rounds)."""
@@ -136,10 +137,10 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
     rows = []
     for shape in shapes:
         b, h_q, h_kv, ctx = shape
-        d = HEAD_DIM
+        d = head_dim
         nbytes = _bytes_moved(b, h_q, h_kv, ctx, d, d, elt)
         n_rot = cuda_timing.rotation_count(nbytes, device)
-        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device, block_order) for _ in range(n_rot)]
+        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device, block_order, d) for _ in range(n_rot)]
         scale = 1.0 / math.sqrt(d)
         est_s = nbytes / 2.5e12
 
@@ -159,7 +160,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             return _sdpa_call("sdpa-flash", s["q"].unsqueeze(2), s["k"], s["v"], False)()
 
         tb = lambda t: nbytes / (t["median_ms"] * 1e-3) / 1e12  # noqa: E731
-        plan = triton_decode.launch_plan(b, h_q, h_kv, d, d, ctx, elt, device)
+        plan = triton_decode.launch_plan(b, h_q, h_kv, d, d, ctx, elt, device, page_size=block_size)
         block_n, auto_splits = plan["config"]["BLOCK_N"], plan["num_splits"]
         variants = {"auto": flashcl_fn(None), "sdpa": sdpa, "contig": flashcl_contig}
         try:  # a peer, not the target: SDPA's default dispatch is the strongest backend here
@@ -210,7 +211,7 @@ SWEEP_SHAPES = [(8, 32, 32, 8192), (1, 32, 8, 131072), (16, 32, 1, 4096)]
 
 
 def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: int = 16,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, head_dim: int = HEAD_DIM) -> list[dict]:
     """TB/s of every tile configuration, each at the split count the heuristic gives its BLOCK_N."""
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -220,14 +221,15 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
     rows = []
     for shape in shapes or SWEEP_SHAPES:
         b, h_q, h_kv, ctx = shape
-        nbytes = _bytes_moved(b, h_q, h_kv, ctx, HEAD_DIM, HEAD_DIM, elt)
-        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device)
+        nbytes = _bytes_moved(b, h_q, h_kv, ctx, head_dim, head_dim, elt)
+        sets = [_make_inputs(shape, torch_dtype, block_size, gen, device, head_dim=head_dim)
                 for _ in range(cuda_timing.rotation_count(nbytes, device))]
         for cfg in configs or SWEEP_CONFIGS:
-            ns = triton_decode.launch_plan(b, h_q, h_kv, HEAD_DIM, HEAD_DIM, ctx, elt, device, cfg)["num_splits"]
+            ns = triton_decode.launch_plan(b, h_q, h_kv, head_dim, head_dim, ctx, elt, device, cfg,
+                                           page_size=block_size)["num_splits"]
             fn = lambda s: triton_decode._launch(  # noqa: E731
                 s["q"], s["k_pages"], s["v_pages"], s["block_table"], s["context_lens"],
-                1.0 / math.sqrt(HEAD_DIM), ns, config=cfg)
+                1.0 / math.sqrt(head_dim), ns, config=cfg)
             try:
                 t = _time(fn, sets, nbytes / 2.5e12)["median_ms"]
                 tbs = nbytes / (t * 1e-3) / 1e12
@@ -284,6 +286,7 @@ def format_table(rows, command: str | None = None) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"head dim of q, K and V (default {HEAD_DIM})")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-order", default="random", choices=BLOCK_ORDERS,
                    help="block table in random order (default), in allocation order, or random blocks in "
@@ -297,18 +300,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    try:
+        _check_head_dim("--head-dim", args.head_dim)
+    except ValueError as exc:
+        p.error(str(exc))
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.sweep_tiles:
-        rows = sweep_tiles(dtype=args.dtype, block_size=args.block_size)
+        rows = sweep_tiles(dtype=args.dtype, block_size=args.block_size, head_dim=args.head_dim)
         for r in rows:
             print(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
                   f"stages={r['num_stages']} splits={r['splits']:<3} {r['median_ms']:.4f} ms {r['TB_s']:.2f} TB/s")
         return 0
     progress = lambda r: print(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", file=sys.stderr, flush=True)  # noqa: E731
     rows = run(dtype=args.dtype, block_size=args.block_size, splits=args.splits, on_row=progress,
-               block_order=args.block_order, rounds=args.rounds)
+               block_order=args.block_order, rounds=args.rounds, head_dim=args.head_dim)
     command = " ".join(["python -m flashcl.triton.bench_decode", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps(rows, indent=1) if args.json else format_table(rows, command))
     return 0

@@ -184,7 +184,8 @@ def test_auto_knobs_follow_split_count(monkeypatch):
 
 def test_long_tile_rule(monkeypatch):
     """The 128-row tile on 8 warps only for a grid of at most one program per SM whose splits are
-    >= 4096 tokens, only where shared memory holds its ring, never when the config sets the tile."""
+    >= 4096 tokens, heads padded to 128 or more, only where shared memory holds its ring, never
+    when the config sets the tile."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     for smem, long_ok in ((227 * 1024, True), (99 * 1024, False)):  # H100; sm_89
@@ -198,6 +199,12 @@ def test_long_tile_rule(monkeypatch):
         # d = 256 fp16: a 128-row ring is 256 KB, more than any GPU has
         cfg = td.launch_plan(1, 32, 8, 256, 256, 131072, 2, cpu)["config"]
         assert cfg["BLOCK_N"] < 128
+        # heads up to 64: the small-head rows on 4 warps instead; d = 96 is padded to 128
+        for d, rows in ((64, 128), (32, 256)):
+            cfg = td.launch_plan(1, 32, 8, d, d, 131072, 2, cpu)["config"]
+            assert (cfg["BLOCK_N"], cfg["num_warps"]) == (rows, 4), (d, smem)
+        cfg = td.launch_plan(1, 32, 8, 96, 96, 131072, 2, cpu)["config"]
+        assert ((cfg["BLOCK_N"], cfg["num_warps"]) == (128, 8)) == long_ok
     # forced tile or forced split count that leaves short splits: the default tile
     assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, {"num_stages": 2})["config"]["BLOCK_N"] == 64
     assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, None, 64)["config"]["BLOCK_N"] == 64

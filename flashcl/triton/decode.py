@@ -500,7 +500,10 @@ def _tile_config(elt_bytes: int, block_dk: int, block_dv: int) -> dict:
 # are short it loses: (1, 32/8, 32k), 2048-token splits, 1.007 against 1.012; MQA (16, 32/1, 4k),
 # 512-token splits, 1.020 against 1.046; the fused 2..4-split shapes (512-1024 tokens) 1-3% behind.
 # With more than one program per SM it would cost a second wave (~140 KB of shared memory each).
-# 4 stages (3 tiles in flight) were 1.5% behind 3 on 128k.
+# 4 stages (3 tiles in flight) were 1.5% behind 3 on 128k. Only for heads padded to 128 or more:
+# at d = 64 and 32 the same 128 rows on 8 warps read (1, 32/8, 128k) at 0.930 and 0.753 of SDPA,
+# where the small-head rows on 4 warps (_small_head_rows, one program per SM) read 0.952 (128
+# rows) and 0.925 (256 rows); at d = 64, 32k, 0.978 against 0.998 (.lead/sd3.py, 2026-11-22).
 _LONG_TILE = {"BLOCK_N": 128, "num_warps": 8}
 _LONG_SPLIT = 4096          # tokens per split from which a one-wave grid takes the long tile
 _SMEM_HEADROOM = 24 * 1024  # Q, P and layout-conversion scratch next to the K/V ring (<= 20 KB seen)
@@ -738,10 +741,11 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     overrides the automatic split count (the automatic knobs then follow the given count).
     ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it.
     Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
-    _LONG_SPLIT tokens takes _LONG_TILE where the device's shared memory holds it, the dot path's
-    default tile takes more rows for heads below 128 (_small_head_rows), and its 64-row tile runs
-    on 2 warps where _two_warps_pay. ``page_size`` is the paged cache's block size, 0 for a
-    contiguous cache: the MHA loop of heads up to 64 needs tiles of whole pages."""
+    _LONG_SPLIT tokens and whose heads pad to 128 or more takes _LONG_TILE where the device's shared
+    memory holds it, the dot path's default tile takes more rows for heads below 128
+    (_small_head_rows), and its 64-row tile runs on 2 warps where _two_warps_pay. ``page_size`` is
+    the paged cache's block size, 0 for a contiguous cache: the MHA loop of heads up to 64 needs
+    tiles of whole pages."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -754,7 +758,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
     long_tile = False
     alone = b * h_kv * splits <= sms
-    if (not tile_forced and alone and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
+    if (not tile_forced and alone and max(block_dk, block_dv) >= 128
+            and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
             and _long_tile_fits(_device_smem(device), elt_bytes, block_dk, block_dv)):
         cfg.update(_LONG_TILE)
         long_tile = True

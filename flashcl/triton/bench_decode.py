@@ -3,18 +3,18 @@
     python -m flashcl.triton.bench_decode [--dtype float16] [--head-dim 128] [--block-size 16]
                                           [--block-order random] [--rounds 3] [--json]
 
-For each decode shape (B, H_q, H_kv, ctx) and head dim d (``--head-dim``, 128 by default): a paged cache whose blocks are a random
-permutation (``--block-order random``, the default: a cache after some serving) or in allocation
-order (``sequential``: a fresh cache), inputs rotated past 3x L2, every call timed by CUDA-graph
-replay in interleaved rounds (``--rounds``: each round times every variant once; median of the
-round medians, and their spread). flashcl runs with the automatic split count and with forced split
-counts; torch SDPA runs on the same KV as a contiguous (B, H_kv, ctx, d) tensor (enable_gqa for
-GQA/MQA), same rotation, and so does flashcl's own kernel ("contig" column: the same kernel
-without a block table, which separates what paging costs from what the kernel costs), and SDPA
-held to its FlashAttention-2 backend as a second peer ("FA2"; torch 2.11 dispatches these
-shapes to cuDNN, which is faster and is the target). Reported:
-TB/s over the bytes each call must move, % of the device's copy bandwidth measured in the same
-run, the SDPA ratio, and whether the automatic split count is within 5% of the best forced one.
+For each decode shape (B, H_q, H_kv, ctx) and head dim d (``--head-dim``, 128 by default): a paged
+cache whose blocks are a random permutation (``--block-order random``, the default: a cache after
+some serving) or in allocation order (``sequential``: a fresh cache), inputs rotated past 3x L2,
+every call timed by CUDA-graph replay in interleaved rounds (``--rounds``: each round times every
+variant once; median of the round medians, and their spread). flashcl runs with the automatic split
+count and with forced split counts; torch SDPA runs on the same KV as a contiguous (B, H_kv, ctx,
+d) tensor (enable_gqa for GQA/MQA), same rotation, and so does flashcl's own kernel ("contig"
+column: the same kernel without a block table, which separates what paging costs from what the
+kernel costs), and SDPA held to its FlashAttention-2 backend as a second peer ("FA2"; torch 2.11
+dispatches these shapes to cuDNN, which is faster and is the target). Reported: TB/s over the bytes
+each call must move, % of the device's copy bandwidth measured in the same run, the SDPA ratio, and
+whether the automatic split count is within 5% of the best forced one.
 
 What paging costs, measured with this command on an H100 (2026-11-22, fp16, d=128, block_size 16,
 random blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the

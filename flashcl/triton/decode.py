@@ -765,14 +765,13 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         long_tile = True
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
-    mha_auto = cfg["mha_fma"] is None
     gluon_tile = None  # the Gluon kernel's tile (decode_gluon.tile), where it can take the launch
-    if (mha_auto and not tile_forced and cfg["gluon_mha"] and page_size > 0
-            and decode_gluon.takes(dk, dv, elt_bytes, splits, device)):
-        gluon_tile = decode_gluon.tile(dv, b * h_kv * splits, sms)
-        if gluon_tile[0] % page_size:
-            gluon_tile = None  # not whole pages
-    if mha_auto:
+    if cfg["mha_fma"] is None:
+        if (not tile_forced and cfg["gluon_mha"] and page_size > 0
+                and decode_gluon.takes(dk, dv, elt_bytes, splits, device)):
+            gluon_tile = decode_gluon.tile(dv, b * h_kv * splits, sms)
+            if gluon_tile[0] % page_size:
+                gluon_tile = None  # not whole pages
         cfg["mha_fma"] = _mha_fma_pays(group, elt_bytes, block_dk, block_dv, b * h_kv * splits, sms,
                                        gluon_tile is not None)
     cfg["early_pages"] = bool(cfg["early_pages"])

@@ -19,16 +19,18 @@ merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 u
 
 It takes the launches it ``fits``: MHA over whole pages (block_size dividing the tile's rows) with
 context lengths, one split, 2-byte K/V of head dims up to 128 (padded to 32, 64 or 128; the masked
-columns read no bytes), the tiles of ``tile``, 32-bit cache offsets, CUDA devices of compute capability 8.0 or newer, and a Triton with
-Gluon. Everything else, and the interpreter (which has no Gluon), takes the Triton kernel; the
-``gluon_mha`` knob turns this path off. Run with Triton 3.6 (H100); compiled with Triton 3.6 for
-sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90. At head dim 96 (.lead/gd_bench.py,
-2026-11-22, ratio to SDPA, the Triton MHA loop in brackets): 64 tokens 1.122 (0.937), 256 tokens
-1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932 (0.933). Head dims 32
-and 64: see ``tile``.
+columns read no bytes), the tiles of ``tile``, 32-bit cache offsets, CUDA devices of compute
+capability 8.0 or newer, and a Triton with Gluon. Everything else, and the interpreter (which has
+no Gluon), takes the Triton kernel; the ``gluon_mha`` knob turns this path off. Run with Triton 3.6
+(H100); compiled with Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90. At head
+dim 96 (.lead/gd_bench.py, 2026-11-22, ratio to SDPA, the Triton MHA loop in brackets): 64 tokens
+1.122 (0.937), 256 tokens 1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932
+(0.933). Head dims 32 and 64: see ``tile``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,12 +56,18 @@ def available() -> bool:
     return gluon is not None and not interpreting()
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def takes(dk: int, dv: int, elt_bytes: int, num_splits: int, device: torch.device) -> bool:
     """Whether a launch of these head dims, element size and split count could run here (``fits``
     then checks the tensors): one split, 2-byte K/V, DK == DV <= 128, a CUDA device of compute
     capability 8.0 or newer, a Triton with Gluon."""
     return (available() and num_splits == 1 and elt_bytes == 2 and dk == dv and _block_d(dk) in _TILES
-            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
+            and device.type == "cuda"
+            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8)
 
 
 def tile(d: int, programs: int, sms: int) -> tuple[int, int]:

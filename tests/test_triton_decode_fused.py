@@ -285,31 +285,32 @@ def test_gluon_mha(dtype, block_size, poison, gluon_calls):
 
 
 @gluon_only
-@pytest.mark.parametrize("dk,rows,warps,block_size", [
-    (72, 64, 4, 16), (96, 64, 4, 16), (112, 64, 4, 16),  # padded to 128
-    (64, 128, 8, 16), (64, 64, 4, 64), (48, 128, 8, 128), (40, 64, 4, 16),  # padded to 64
-    (32, 128, 8, 16), (32, 128, 4, 32), (24, 128, 8, 1)])  # padded to 32
-def test_gluon_mha_head_dims_and_tiles(dk, rows, warps, block_size, poison, gluon_calls):
+@pytest.mark.parametrize("dk,rows,warps,block_size,dtype", [
+    (72, 64, 4, 16, "float16"), (96, 64, 4, 16, "float16"), (112, 64, 4, 16, "float16"),  # padded to 128
+    (64, 128, 8, 16, "float16"), (64, 128, 8, 32, "bfloat16"), (64, 64, 4, 64, "float16"),  # padded to 64
+    (48, 128, 8, 128, "float16"), (40, 64, 4, 16, "float16"),
+    (32, 128, 8, 16, "float16"), (32, 128, 4, 32, "bfloat16"), (24, 128, 8, 1, "float16")])  # padded to 32
+def test_gluon_mha_head_dims_and_tiles(dk, rows, warps, block_size, dtype, poison, gluon_calls):
     """Head dims below 128 run the Gluon kernel padded to 32, 64 or 128 (the padding columns
     masked), on each tile it takes (decode_gluon.tile): ragged contexts over a permuted table
     against the float64 reference and the Triton MHA loop on the same tile, and logits around
     +-200."""
     config = {**MHA_FMA, "BLOCK_N": rows, "num_warps": warps}
-    c = _case("cuda", "float16", b=5, h_q=3, h_kv=3, lens=[0, 1, rows + 1, 700, 1000], dk=dk, block_size=block_size,
+    c = _case("cuda", dtype, b=5, h_q=3, h_kv=3, lens=[0, 1, rows + 1, 700, 1000], dk=dk, block_size=block_size,
               seed=dk + rows)
     out, lse = _run(c, 1, config)
     assert gluon_calls == [(rows, warps)]
-    _check(out, c["ref"], "float16", f"gluon mha dk={dk} tile {rows}x{warps}", c["naive"], lse, c["ref_lse"])
+    _check(out, c["ref"], dtype, f"gluon mha {dtype} dk={dk} tile {rows}x{warps}", c["naive"], lse, c["ref_lse"])
     tri_out, tri_lse = _run(c, 1, {**config, "gluon_mha": False})
     assert len(gluon_calls) == 1
     assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
     assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
-    c = _case("cuda", "float16", b=2, h_q=2, h_kv=2, lens=[rows + 6, 9], dk=dk, block_size=block_size, seed=dk,
+    c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[rows + 6, 9], dk=dk, block_size=block_size, seed=dk,
               q_scale=90.0)
     assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
     out, lse = _run(c, 1, config)
     assert len(gluon_calls) == 2
-    _check(out, c["ref"], "float16", f"gluon mha large logits dk={dk}", c["naive"], lse, c["ref_lse"])
+    _check(out, c["ref"], dtype, f"gluon mha large logits {dtype} dk={dk}", c["naive"], lse, c["ref_lse"])
 
 
 @gluon_only

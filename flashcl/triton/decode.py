@@ -730,7 +730,7 @@ def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> 
     against 1.054), MQA loses 5% (32 query rows), MHA on tl.dot ties (0.990 against 0.988), at
     128k the 64-row tile on 2 warps is behind the long tile (0.980 against 0.997), and 1 warp
     gains nothing (0.983). Smaller heads keep 4 warps: at d = 64 2 warps gained 0.6% at (32, 32/8,
-    2k); at d = 32, on the 128-row tile, 1.5% there but 10-13% lost on the split shapes
+    2k); at d = 32, on the 128-row tile, 1.5% there but 2-13% lost on the split shapes
     (docs/decode-h100-notes.md, "Head dims below 128"). Not measured: fp32, which keeps 4 warps."""
     return 2 <= group <= 4 and elt_bytes == 2 and block_dk == block_dv == 128
 

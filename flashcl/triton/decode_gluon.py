@@ -229,8 +229,8 @@ if gluon is not None:
             acc = acc * gl.expand_dims(alpha, 3) + v.to(gl.float32) * gl.expand_dims(p, 3)
             m_r = m_new
 
-        # the merge, as [.., 1] tensors of L4: the R slots of a thread in registers, then the lane
-        # pair (one shuffle): one state per warp, [1, W, 1, BLOCK_D]
+        # the merge, as [.., 1] tensors of L4: the R slots of a thread in registers, then the LP
+        # lane groups (log2 LP shuffles): one state per warp, [1, W, 1, BLOCK_D]
         m_w, l_w, acc_w = _merge_states(gl.expand_dims(m_r, 3), gl.expand_dims(l_r, 3), acc, 0)
         m_w, l_w, acc_w = _merge_states(m_w, l_w, acc_w, 2)
         # then the warps' states through shared memory behind one barrier, each thread merging the

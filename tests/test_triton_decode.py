@@ -171,13 +171,19 @@ def test_mqa_block_size_1_more_splits_than_blocks(triton_device, poison):
 
 
 def test_reduce_kernel_partial_head_group_and_chunks(triton_device, poison):
-    """The reduce kernel merges 4 query heads per program and at most 16 splits per step: 6 query
-    heads (a program with 2 masked heads), 5 splits (one chunk of 8, 3 padded) and 20 splits (two
-    chunks, the second padded), contexts long and short (splits past the end are empty)."""
-    c = _case(triton_device, "float32", b=2, h_q=6, h_kv=3, lens=[400, 9], dk=32, block_size=8, seed=13)
-    for ns in (5, 20):
-        out, lse = _run_paged(c, ns)
-        _check(out, c["ref"], "float32", f"splits={ns}", lse=lse, lse_ref=c["ref_lse"])
+    """The reduce kernel merges 4 query heads per program and up to _reduce_step splits per step
+    (64 at d = 32, 16 at d = 128): 6 query heads (a program with 2 masked heads); at d = 32, 5
+    splits (one chunk of 8, 3 padded), 20 (one chunk of 32) and 70 (two chunks of 64, the second
+    padded); at d = 128, 20 (two chunks of 16); contexts long and short (splits past the end are
+    empty)."""
+    from flashcl.triton.decode import _reduce_step
+
+    assert _reduce_step(32) == 64 and _reduce_step(128) == 16
+    for dk, split_counts in ((32, (5, 20, 70)), (128, (20,))):
+        c = _case(triton_device, "float32", b=2, h_q=6, h_kv=3, lens=[400, 9], dk=dk, block_size=8, seed=13)
+        for ns in split_counts:
+            out, lse = _run_paged(c, ns)
+            _check(out, c["ref"], "float32", f"d={dk} splits={ns}", lse=lse, lse_ref=c["ref_lse"])
 
 
 def test_contiguous_cache_non_pow2_dims(triton_device, poison):

@@ -432,6 +432,31 @@ def test_small_head_rows_rule(monkeypatch):
     assert rows(1, 32, 8, d=32, ctx=32768) == 64
 
 
+def test_two_programs_per_sm_rule(monkeypatch):
+    """Split launches of groups of 17 to 32 whose tile holds under 32 KB of K+V (heads up to 64 in
+    2-byte types) aim at two programs per SM, where that count stays within one reduce step;
+    unsplit launches, heads of 128, fp32, groups of 16 and of 64 keep one program per SM."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
+
+    def splits(b, h_q, h_kv, ctx, d=64, elt=2):
+        plan = td.launch_plan(b, h_q, h_kv, d, d, ctx, elt, cpu, page_size=16)
+        assert plan["num_splits"] == plan["auto_splits"]
+        return plan["num_splits"]
+
+    assert [splits(16, 32, 1, 4096), splits(8, 32, 1, 8192), splits(32, 32, 1, 2048), splits(8, 64, 2, 4096),
+            splits(64, 32, 1, 1024)] == [16, 32, 8, 16, 4]
+    assert splits(16, 32, 1, 4096, d=32) == 16 and splits(4, 32, 1, 16384, d=32) == 64  # d = 32: steps of 64
+    assert splits(128, 32, 1, 512) == 1  # unsplit at one program per SM: stays unsplit
+    assert splits(4, 32, 1, 16384) == 33 and splits(2, 32, 1, 32768) == 66  # 66 / 128: two reduce steps
+    assert splits(16, 32, 1, 4096, d=128) == splits(16, 32, 1, 4096, elt=4) == 8  # 32 KB tiles
+    assert splits(16, 32, 1, 4096, d=96) == 8  # padded to 128
+    assert splits(16, 64, 1, 4096) == splits(8, 32, 2, 4096) == 8  # groups of 64 and of 16
+    # a forced count is launched as given
+    assert td.launch_plan(16, 32, 1, 64, 64, 4096, 2, cpu, None, 8, 16)["num_splits"] == 8
+
+
 @pytest.mark.parametrize("h_q,h_kv,block_n", [(4, 4, 256), (8, 2, 128), (8, 2, 256)])
 def test_small_head_rows_exact(triton_device, h_q, h_kv, block_n, poison):
     """The tiles small heads get on a GPU (128 and 256 rows at d = 32), forced here: MHA and GQA,

@@ -590,8 +590,14 @@ _MAX_SPLITS = 128
 # (racecheck and memcheck clean, .lead/sanitize_dec.py) and costs 0.5% of the op's time on MQA
 # and 32k (reduce 2.08-2.18 us).
 _REDUCE_HEADS = 4            # query heads per reduce program
-_REDUCE_CHUNK = 16           # at most this many splits merged per step
 _REDUCE_TILE = 8192          # HEADS x CHUNK_S x BLOCK_DV fp32 values per step: 64 per thread on 4 warps
+
+
+def _reduce_step(block_dv: int) -> int:
+    """Splits the reduce kernel merges per step, one round trip to memory each: 16 at d = 128, 32
+    at d = 64. A step more costs about 1.4 us ((8, 32/1, 8k), d = 64, 32 splits in two steps of
+    16: 3.74 us against 2.30 for 16 splits in one; H100, CUPTI, 2026-11-22)."""
+    return max(1, _REDUCE_TILE // (_REDUCE_HEADS * block_dv))
 
 
 def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
@@ -608,7 +614,9 @@ def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count
     Measured on H100 (132 SMs, fp16, d=128, splits forced; bench_decode): B * H_kv = 256 fastest
     unsplit; 64 at 2 (1 split: -32%); 32 at 4; 16 at 8; 8 at 16 (17 splits, 136 programs: -4..6%,
     more than 32: -5..20%; 256 at 2, 3 or 4 splits: 0.93-0.95 of SDPA against 0.98-0.99
-    unsplit). A split keeps >= _MIN_TILES_PER_SPLIT tiles.
+    unsplit). A split keeps >= _MIN_TILES_PER_SPLIT tiles. Where one program's tiles are small
+    (MQA-sized groups at heads up to 64), launch_plan asks for two programs per SM
+    (_two_programs_per_sm).
 
     What else was tried for the paged decode on H100, and where the rest of the gap to SDPA lies
     (DRAM efficiency, the block order, the GPCs' finishing times): docs/decode-h100-notes.md.
@@ -714,6 +722,33 @@ def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, prog
             and (block_dk == block_dv == 128 or (gluon and block_dk == block_dv <= 64)))
 
 
+def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int, elt_bytes: int) -> bool:
+    """Whether a split launch aims at two programs per SM instead of one: groups of 17 to 32 query
+    heads, whose tile keeps the default rows at small heads (_small_head_rows), where that tile's
+    K+V, padded, is under _TILE_BYTES_ALONE: heads up to 64 in 2-byte types. One program per SM
+    then keeps two 16 KB tiles in flight at d = 64 instead of two 32 KB ones at d = 128.
+    launch_plan takes the count for two per SM where the launch is split anyway and the reduce
+    kernel merges the splits in one step (_reduce_step).
+
+    Measured on H100 (2026-11-22, .lead/mq_verify.py, bench_decode with forced splits, random
+    blocks; time at the one-per-SM count over time at the two-per-SM count, > 1: faster):
+    d = 64: (16, 32/1, 4k) 16 splits against 8: 1.069; (8, 32/1, 8k) 32 against 16: 1.096;
+    (32, 32/1, 2k) 8 against 4: 1.110; (8, 64/2, 4k) 1.065; (64, 32/1, 1k) 4 against 2: 1.024.
+    d = 32: 1.046, 1.156, 1.021, 1.052, 1.049, and (4, 32/1, 16k) 64 against 33: 1.121. The
+    count taken was within 1% of the best forced power of two or SM multiple on all of them. The
+    decode kernel alone at (8, 32/1, 8k), d = 64: 7.49 us at 32 splits against 8.99 at 16
+    (CUPTI). Where two per SM loses: an unsplit launch taken to 2 splits ((128, 32/1, 512),
+    d = 64: 0.97); counts past one reduce step ((8, 32/1, 8k) at 32 splits in two steps of 16:
+    0.993 of SDPA against 1.045 at 16); groups of 64, 7% either way by shape ((16, 64/1, 4k) at
+    d = 64 and (32, 64/1, 2k) at d = 32 lose, the other two gain); groups of 16, which
+    _small_head_rows gives 32 KB tiles: within 3% either way. Heads padded to 128: at d = 80 and
+    96 it gained 2-13% on three shapes but lost 4-6% at (64, 32/1, 1k); at d = 112 it lost 2-11%
+    on three of four; at d = 128 MQA (16, 32/1, 4k) 16 splits read 1.024 of SDPA against 1.066
+    at 8. They keep one per SM."""
+    return (_SMALL_HEAD_MAX_GROUP < group <= 32
+            and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
+
+
 def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
     """Whether the dot path's default tile (64 rows, 3 stages) runs on 2 warps instead of 4: GQA
     groups of 2 to 4 query heads, 2-byte K/V, head dims 128.
@@ -745,9 +780,10 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
     _LONG_SPLIT tokens and whose heads pad to 128 or more takes _LONG_TILE where the device's shared
     memory holds it, the dot path's default tile takes more rows for heads below 128
-    (_small_head_rows), and its 64-row tile runs on 2 warps where _two_warps_pay. ``page_size`` is
-    the paged cache's block size, 0 for a contiguous cache: the MHA loop of heads up to 64 needs
-    tiles of whole pages."""
+    (_small_head_rows), and its 64-row tile runs on 2 warps where _two_warps_pay. The automatic
+    split count aims at two programs per SM instead of one where _two_programs_per_sm.
+    ``page_size`` is the paged cache's block size, 0 for a contiguous cache: the MHA loop of heads
+    up to 64 needs tiles of whole pages."""
     group = h_q // h_kv
     block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
     cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
@@ -756,6 +792,9 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     sms = _device_sms(device)
     auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
+    if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, elt_bytes):
+        shared = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
+        auto_splits = shared if shared <= _reduce_step(block_dv) else auto_splits
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
     long_tile = False
@@ -913,7 +952,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
     )
     if split and not fused:
-        chunk = max(1, min(_REDUCE_CHUNK, _next_pow2(num_splits), _REDUCE_TILE // (_REDUCE_HEADS * block_dv)))
+        chunk = min(_next_pow2(num_splits), _reduce_step(block_dv))
         _reduce_kernel[(triton.cdiv(h_q, _REDUCE_HEADS), b)](
             part_m, part_l, part_acc, out, lse,
             num_splits, h_q,

@@ -171,15 +171,17 @@ def test_mqa_block_size_1_more_splits_than_blocks(triton_device, poison):
 
 
 def test_reduce_kernel_partial_head_group_and_chunks(triton_device, poison):
-    """The reduce kernel merges 4 query heads per program and up to _reduce_step splits per step
-    (64 at d = 32, 16 at d = 128): 6 query heads (a program with 2 masked heads); at d = 32, 5
-    splits (one chunk of 8, 3 padded), 20 (one chunk of 32) and 70 (two chunks of 64, the second
-    padded); at d = 128, 20 (two chunks of 16); contexts long and short (splits past the end are
+    """The reduce kernel merges 4 query heads per program, fewer where one step then merges every
+    split (_reduce_shape): 6 query heads, so programs of 4 have 2 masked heads; at d = 32, 5 splits
+    (4 heads, one chunk of 8, 3 padded), 20 (4 heads, one chunk of 32) and 70 (2 heads, one chunk
+    of 128); at d = 128, 10 (4 heads, one chunk of 16), 20 (2 heads, one chunk of 32) and 70 (1
+    head, two chunks of 64, the second padded); contexts long and short (splits past the end are
     empty)."""
-    from flashcl.triton.decode import _reduce_step
+    from flashcl.triton.decode import _reduce_shape
 
-    assert _reduce_step(32) == 64 and _reduce_step(128) == 16
-    for dk, split_counts in ((32, (5, 20, 70)), (128, (20,))):
+    assert [_reduce_shape(ns, 32) for ns in (5, 20, 70)] == [(4, 8), (4, 32), (2, 128)]
+    assert [_reduce_shape(ns, 128) for ns in (10, 20, 70)] == [(4, 16), (2, 32), (1, 64)]
+    for dk, split_counts in ((32, (5, 20, 70)), (128, (10, 20, 70))):
         c = _case(triton_device, "float32", b=2, h_q=6, h_kv=3, lens=[400, 9], dk=dk, block_size=8, seed=13)
         for ns in split_counts:
             out, lse = _run_paged(c, ns)

@@ -589,15 +589,32 @@ _MAX_SPLITS = 128
 # same value to one address: racecheck reported write-write hazards. The all-3-D form has none
 # (racecheck and memcheck clean, .lead/sanitize_dec.py) and costs 0.5% of the op's time on MQA
 # and 32k (reduce 2.08-2.18 us).
-_REDUCE_HEADS = 4            # query heads per reduce program
+_REDUCE_HEADS = 4            # query heads per reduce program (fewer for many splits: _reduce_shape)
 _REDUCE_TILE = 8192          # HEADS x CHUNK_S x BLOCK_DV fp32 values per step: 64 per thread on 4 warps
 
 
-def _reduce_step(block_dv: int) -> int:
-    """Splits the reduce kernel merges per step, one round trip to memory each: 16 at d = 128, 32
-    at d = 64. A step more costs about 1.4 us ((8, 32/1, 8k), d = 64, 32 splits in two steps of
-    16: 3.74 us against 2.30 for 16 splits in one; H100, CUPTI, 2026-11-22)."""
-    return max(1, _REDUCE_TILE // (_REDUCE_HEADS * block_dv))
+def _reduce_step(block_dv: int, heads: int = _REDUCE_HEADS) -> int:
+    """Splits the reduce kernel merges per step, one round trip to memory each, with ``heads``
+    query heads per program: 16 at d = 128, 32 at d = 64 with 4 heads. A step more costs about
+    1.4 us ((8, 32/1, 8k), d = 64, 32 splits in two steps of 16: 3.74 us against 2.30 for 16
+    splits in one; H100, CUPTI, 2026-11-22)."""
+    return max(1, _REDUCE_TILE // (heads * block_dv))
+
+
+def _reduce_shape(num_splits: int, block_dv: int) -> tuple[int, int]:
+    """(query heads per reduce program, splits per step): _REDUCE_HEADS heads, halved until one
+    step merges every split (down to one head), so that many splits cost one round trip to memory
+    instead of several. Measured on H100 (2026-11-22, .lead/rh_test.py, op graph time against
+    SDPA in the same run, random blocks; 4 heads, 2, 1): (1, 32/1, 128k), d = 128, 128 splits:
+    0.914, 1.022, 1.064; (2, 32/1, 32k), 66 splits: 0.949, 1.030, 1.038; (4, 32/1, 16k), 33:
+    1.009, 1.050, 1.078; (1, 32/4, 128k), 33: 0.955, 0.967, 0.972; d = 64, (1, 32/1, 128k), 128:
+    1.070, 1.114, 1.174; (2, 32/1, 32k), 66: 1.110, 1.114, 1.308. Where 4 heads already merge
+    every split in one step fewer heads only add programs: (1, 32/8, 128k), 16 splits, 0.994,
+    0.992, 0.992."""
+    heads = _REDUCE_HEADS
+    while heads > 1 and num_splits > _reduce_step(block_dv, heads):
+        heads //= 2
+    return heads, min(_next_pow2(num_splits), _reduce_step(block_dv, heads))
 
 
 def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
@@ -952,14 +969,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
     )
     if split and not fused:
-        chunk = min(_next_pow2(num_splits), _reduce_step(block_dv))
-        _reduce_kernel[(triton.cdiv(h_q, _REDUCE_HEADS), b)](
+        heads, chunk = _reduce_shape(num_splits, block_dv)
+        _reduce_kernel[(triton.cdiv(h_q, heads), b)](
             part_m, part_l, part_acc, out, lse,
             num_splits, h_q,
             *s_pm, *s_pa,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            DV=dv, BLOCK_DV=block_dv, HEADS=_REDUCE_HEADS, CHUNK_S=chunk,
+            DV=dv, BLOCK_DV=block_dv, HEADS=heads, CHUNK_S=chunk,
             USE_PDL=pdl, num_warps=4, **launch_opts,
         )
     return out, lse

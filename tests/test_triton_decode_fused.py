@@ -434,8 +434,8 @@ def test_small_head_rows_rule(monkeypatch):
 
 def test_two_programs_per_sm_rule(monkeypatch):
     """Split launches of groups of 17 to 32 whose tile holds under 32 KB of K+V (heads up to 64 in
-    2-byte types) aim at two programs per SM, where that count stays within one reduce step;
-    unsplit launches, heads of 128, fp32, groups of 16 and of 64 keep one program per SM."""
+    2-byte types) aim at two programs per SM (within the split cap); unsplit launches, heads
+    padded to 128, fp32, groups of 16 and of 64 keep one program per SM."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
@@ -447,9 +447,10 @@ def test_two_programs_per_sm_rule(monkeypatch):
 
     assert [splits(16, 32, 1, 4096), splits(8, 32, 1, 8192), splits(32, 32, 1, 2048), splits(8, 64, 2, 4096),
             splits(64, 32, 1, 1024)] == [16, 32, 8, 16, 4]
-    assert splits(16, 32, 1, 4096, d=32) == 16 and splits(4, 32, 1, 16384, d=32) == 64  # d = 32: steps of 64
+    assert splits(16, 32, 1, 4096, d=32) == 16 and splits(4, 32, 1, 16384, d=32) == 64
+    assert splits(8, 32, 1, 16384) == 33 and splits(4, 32, 1, 32768) == 66
+    assert splits(4, 32, 1, 16384) == 64 and splits(2, 32, 1, 32768) == 128  # capped: 4 tiles a split, 128
     assert splits(128, 32, 1, 512) == 1  # unsplit at one program per SM: stays unsplit
-    assert splits(4, 32, 1, 16384) == 33 and splits(2, 32, 1, 32768) == 66  # 66 / 128: two reduce steps
     assert splits(16, 32, 1, 4096, d=128) == splits(16, 32, 1, 4096, elt=4) == 8  # 32 KB tiles
     assert splits(16, 32, 1, 4096, d=96) == 8  # padded to 128
     assert splits(16, 64, 1, 4096) == splits(8, 32, 2, 4096) == 8  # groups of 64 and of 16

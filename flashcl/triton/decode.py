@@ -744,24 +744,26 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
     heads, whose tile keeps the default rows at small heads (_small_head_rows), where that tile's
     K+V, padded, is under _TILE_BYTES_ALONE: heads up to 64 in 2-byte types. One program per SM
     then keeps two 16 KB tiles in flight at d = 64 instead of two 32 KB ones at d = 128.
-    launch_plan takes the count for two per SM where the launch is split anyway and the reduce
-    kernel merges the splits in one step (_reduce_step).
+    launch_plan takes the count for two per SM where the launch is split anyway.
 
     Measured on H100 (2026-11-22, .lead/mq_verify.py, bench_decode with forced splits, random
     blocks; time at the one-per-SM count over time at the two-per-SM count, > 1: faster):
     d = 64: (16, 32/1, 4k) 16 splits against 8: 1.069; (8, 32/1, 8k) 32 against 16: 1.096;
-    (32, 32/1, 2k) 8 against 4: 1.110; (8, 64/2, 4k) 1.065; (64, 32/1, 1k) 4 against 2: 1.024.
-    d = 32: 1.046, 1.156, 1.021, 1.052, 1.049, and (4, 32/1, 16k) 64 against 33: 1.121. The
-    count taken was within 1% of the best forced power of two or SM multiple on all of them. The
-    decode kernel alone at (8, 32/1, 8k), d = 64: 7.49 us at 32 splits against 8.99 at 16
-    (CUPTI). Where two per SM loses: an unsplit launch taken to 2 splits ((128, 32/1, 512),
-    d = 64: 0.97); counts past one reduce step ((8, 32/1, 8k) at 32 splits in two steps of 16:
-    0.993 of SDPA against 1.045 at 16); groups of 64, 7% either way by shape ((16, 64/1, 4k) at
-    d = 64 and (32, 64/1, 2k) at d = 32 lose, the other two gain); groups of 16, which
-    _small_head_rows gives 32 KB tiles: within 3% either way. Heads padded to 128: at d = 80 and
-    96 it gained 2-13% on three shapes but lost 4-6% at (64, 32/1, 1k); at d = 112 it lost 2-11%
-    on three of four; at d = 128 MQA (16, 32/1, 4k) 16 splits read 1.024 of SDPA against 1.066
-    at 8. They keep one per SM."""
+    (32, 32/1, 2k) 8 against 4: 1.110; (8, 64/2, 4k) 1.065; (64, 32/1, 1k) 4 against 2: 1.024;
+    with the reduce at fewer heads per program (_reduce_shape): (4, 32/1, 16k) 64 against 33:
+    1.068; (2, 32/1, 32k) 128 against 66: 1.074; (8, 32/1, 16k) 33 against 16: 1.117; (4, 32/1,
+    32k) 66 against 33: 1.119. d = 32: 1.046, 1.156, 1.021, 1.052, 1.049, (4, 32/1, 16k) 64
+    against 33: 1.121, (2, 32/1, 32k) 1.091, (8, 32/1, 16k) 1.229. The count taken was within 1%
+    of the best forced power of two or SM multiple on all of them. The decode kernel alone at
+    (8, 32/1, 8k), d = 64: 7.49 us at 32 splits against 8.99 at 16 (CUPTI). Where two per SM
+    loses: an unsplit launch taken to 2 splits ((128, 32/1, 512), d = 64: 0.97); counts the
+    reduce merged in several steps, before _reduce_step and _reduce_shape ((8, 32/1, 8k) at 32
+    splits in two steps of 16: 0.993 of SDPA against 1.045 at 16); groups of 64, 7% either way
+    by shape ((16, 64/1, 4k) at d = 64 and (32, 64/1, 2k) at d = 32 lose, the other two gain);
+    groups of 16, which _small_head_rows gives 32 KB tiles: within 3% either way. Heads padded to
+    128: at d = 80 and 96 it gained 2-13% on three shapes but lost 4-6% at (64, 32/1, 1k); at
+    d = 112 it lost 2-11% on three of four; at d = 128 MQA (16, 32/1, 4k) 16 splits read 1.024 of
+    SDPA against 1.066 at 8. They keep one per SM."""
     return (_SMALL_HEAD_MAX_GROUP < group <= 32
             and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 
@@ -810,8 +812,7 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
     sms = _device_sms(device)
     auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
     if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, elt_bytes):
-        shared = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
-        auto_splits = shared if shared <= _reduce_step(block_dv) else auto_splits
+        auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
     long_tile = False

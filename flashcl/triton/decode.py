@@ -593,7 +593,7 @@ _REDUCE_HEADS = 4            # query heads per reduce program (fewer for many sp
 _REDUCE_TILE = 8192          # HEADS x CHUNK_S x BLOCK_DV fp32 values per step: 64 per thread on 4 warps
 
 
-def _reduce_step(block_dv: int, heads: int = _REDUCE_HEADS) -> int:
+def _reduce_step(block_dv: int, heads: int) -> int:
     """Splits the reduce kernel merges per step, one round trip to memory each, with ``heads``
     query heads per program: 16 at d = 128, 32 at d = 64 with 4 heads. A step more costs about
     1.4 us ((8, 32/1, 8k), d = 64, 32 splits in two steps of 16: 3.74 us against 2.30 for 16

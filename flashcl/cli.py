@@ -63,11 +63,15 @@ def devices(as_json, include_oclgrind):
     if not rows:
         _fail("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
     click.echo(f"{'id':5} {'platform':28} {'device':44} {'type':5} {'CUs':>4} {'local KiB':>9} "
-               f"{'max WG':>6} {'fp16':5} profile")
+               f"{'max WG':>6} {'fp16':5} {'builds':6} profile")
     for r in rows:
         click.echo(f"{r['id']:5} {r['platform'][:28]:28} {r['device'][:44]:44} {r['type'][:5]:5} "
                    f"{r['compute_units']:4d} {r['local_mem_kib']:9d} {r['max_work_group']:6d} "
-                   f"{str(r['fp16']):5} {r['profile']}")
+                   f"{str(r['fp16']):5} {'yes' if r['compiles'] else 'NO':6} {r['profile']}")
+    if not all(r["compiles"] for r in rows):
+        click.echo("builds NO: the device's OpenCL compiler fails on a one-line kernel; selection by name "
+                   "or profile skips it where another device matches (a PoCL 3.0 from PyPI on a CPU its "
+                   "LLVM 14 does not know: install a newer PoCL, e.g. apt-get install pocl-opencl-icd)")
 
 
 @main.group()

@@ -133,7 +133,8 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
     if not rows:
         raise TunerError("model mode needs an OpenCL compiler and none is installed; "
                          "pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
-    compiler = next((r for r in rows if "CPU" in r["type"]), rows[0])
+    compiler = next((r for r in rows if "CPU" in r["type"] and r["compiles"]),
+                    next((r for r in rows if r["compiles"]), rows[0]))
     h = get_device(compiler["id"])
     return Target(prof, tuning.DeviceKey.modeled(prof), "modeled", compiler["id"],
                   f"{h.describe()} as the compiler", h.driver, prof.local_mem, prof.max_work_group,

@@ -107,6 +107,46 @@ def test_device_selection_by_profile_name_and_env(monkeypatch):
         get_device("9:9")
 
 
+def _all_cl_devices():
+    import pyopencl as cl
+
+    return [d for p in cl.get_platforms() for d in p.get_devices()]
+
+
+def test_selection_takes_the_first_device_whose_compiler_works(cpu_device, monkeypatch):
+    """Where several devices match, the first whose compiler builds is taken; a single candidate is
+    not probed. The verdict on the other device is set here (on most machines every compiler
+    works); the probe itself runs on the real device."""
+    import pyopencl as cl
+    from flashcl.opencl import runtime
+
+    pi, di = (int(x) for x in cpu_device.split(":"))
+    dev = cl.get_platforms()[pi].get_devices()[di]
+    assert runtime.compiler_error(dev) is None
+    other = next((d for d in _all_cl_devices() if d != dev), None)
+    if other is None:
+        pytest.skip("needs a second OpenCL device (Oclgrind: pip install 'flashcl[oclgrind]')")
+    monkeypatch.setitem(runtime._probe_results, other.int_ptr, "error: unknown target CPU 'generic'")
+    assert runtime._first_usable([other, dev]) == dev
+    assert runtime._first_usable([dev, other]) == dev
+    assert runtime._first_usable([other]) == other  # alone: taken, its builds raise with the log
+    monkeypatch.setitem(runtime._probe_results, dev.int_ptr, "error: unknown target CPU 'generic'")
+    assert runtime._first_usable([other, dev]) == other  # none works: the first
+
+
+def test_a_compiler_that_does_not_know_the_cpu_says_what_to_install():
+    """Where a PoCL that cannot build on this CPU is installed (PoCL 3.0 from PyPI on AMD Zen 5),
+    a build on it raises KernelBuildError with the compiler's log and the remedy."""
+    from flashcl.opencl import runtime
+
+    broken = [d for d in _all_cl_devices() if "unknown target CPU" in (runtime.compiler_error(d) or "")]
+    if not broken:
+        pytest.skip("every OpenCL compiler here knows the host CPU")
+    q = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(flashcl.KernelBuildError, match="apt-get install pocl-opencl-icd"):
+        flashcl.prefill(q, q, q, device=broken[0])
+
+
 # --------------------------------------------------------------------------- errors before launch
 
 def _ok(rng=np.random.default_rng(7)):

@@ -95,6 +95,46 @@ def _is_oclgrind(p) -> bool:
     return "oclgrind" in p.name.lower()
 
 
+# PoCL from PyPI (pocl-binary-distribution 3.0, LLVM 14) builds nothing on a CPU newer than its
+# LLVM knows (AMD Zen 5, for one): LLVM names such a host "generic", a target CPU that clang 14
+# rejects. A newer PoCL (Debian's or Ubuntu's pocl-opencl-icd, conda-forge's pocl) can, and is then
+# listed next to it. So where a device spec or the default matches several devices, selection takes
+# the first whose compiler builds a one-line kernel (compiler_error), and a build that fails this
+# way says what to install (_UNKNOWN_CPU_HINT).
+_PROBE_SOURCE = "__kernel void flashcl_probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
+_probe_results: dict = {}
+_UNKNOWN_CPU_HINT = (
+    "\nThis OpenCL compiler does not know the host CPU (PoCL 3.0 from PyPI ships LLVM 14, which calls "
+    "CPUs newer than it 'generic', AMD Zen 5 for one). A newer PoCL can: on Debian or Ubuntu "
+    "`apt-get install pocl-opencl-icd`; flashcl then picks the PoCL device whose compiler works.")
+
+
+def compiler_error(dev: cl.Device) -> str | None:
+    """None if ``dev``'s OpenCL compiler builds a one-line kernel, else why not (its build log).
+    Probed once per device and process."""
+    with _lock:
+        if dev.int_ptr in _probe_results:
+            return _probe_results[dev.int_ptr]
+    try:
+        cl.Program(cl.Context([dev]), _PROBE_SOURCE).build(devices=[dev])
+        error = None
+    except cl.Error as exc:
+        error = str(exc).strip() or type(exc).__name__
+    with _lock:
+        _probe_results[dev.int_ptr] = error
+    return error
+
+
+def _first_usable(devices: list):
+    """The first of ``devices`` whose compiler works; the first one if none does (its builds then
+    raise KernelBuildError with the compiler's log). A single candidate is not probed."""
+    if len(devices) > 1:
+        for d in devices:
+            if compiler_error(d) is None:
+                return d
+    return devices[0]
+
+
 def _match(spec: str):
     devices = _all_devices()
     m = re.fullmatch(r"(\d+):(\d+)", spec.strip())
@@ -109,23 +149,24 @@ def _match(spec: str):
     # and is listed first once installed; it must be named ("oclgrind") or given as "P:D".
     if "oclgrind" not in want:
         devices = [x for x in devices if not _is_oclgrind(x[2])]
+    hits = []
     for _, _, p, d in devices:
         prof = profile_for(d.vendor, d.name, d.opencl_c_version,
                            "cpu" if d.type & cl.device_type.CPU else "gpu")
         if want in p.name.lower() or want in d.name.lower() or want == prof.name or prof.name.startswith(want):
-            return d
+            hits.append(d)
+    if hits:
+        return _first_usable(hits)
     names = ", ".join(f"{P}:{D} {d.name.strip()}" for P, D, _, d in devices)
     raise ValueError(f"device={spec!r} matches no OpenCL device (have: {names})")
 
 
 def _default_device():
-    devices = [(p, d) for _, _, p, d in _all_devices() if not _is_oclgrind(p)]
+    devices = [d for _, _, p, d in _all_devices() if not _is_oclgrind(p)]
     if not devices:
         raise RuntimeError("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'")
-    for p, d in devices:
-        if d.type & cl.device_type.GPU:
-            return d
-    return devices[0][1]
+    gpus = [d for d in devices if d.type & cl.device_type.GPU]
+    return _first_usable(gpus + [d for d in devices if d not in gpus])
 
 
 def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle:
@@ -182,6 +223,7 @@ def list_devices(include_oclgrind: bool = True) -> list[dict]:
             "fp16": "cl_khr_fp16" in d.extensions,
             "profile": profile_for(d.vendor, d.name, d.opencl_c_version,
                                    "cpu" if d.type & cl.device_type.CPU else "gpu").name,
+            "compiles": compiler_error(d) is None,
         })
     return rows
 
@@ -263,7 +305,10 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
             log = program.get_build_info(handle.device, cl.program_build_info.LOG)
         except cl.Error:
             log = str(exc)
-        raise KernelBuildError(kernel, defines, handle.describe(), log or str(exc)) from None
+        log = log or str(exc)
+        if "unknown target CPU" in log:
+            log += _UNKNOWN_CPU_HINT
+        raise KernelBuildError(kernel, defines, handle.describe(), log) from None
     log = program.get_build_info(handle.device, cl.program_build_info.LOG) or ""
     built = BuiltProgram(program, log, options)
     with _lock:

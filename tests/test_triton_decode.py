@@ -153,6 +153,25 @@ def test_paged_gqa(triton_device, dtype, poison):
         _check(out, c["ref"], dtype, f"splits={ns}", c["naive"], lse, c["ref_lse"])
 
 
+@pytest.mark.parametrize("block_size,dk,dv,h_q,h_kv",
+                         [(256, 128, 96, 8, 2), (128, 128, 128, 4, 4), (256, 64, 48, 8, 2), (256, 32, 32, 8, 1)])
+def test_blocks_larger_than_the_tile(triton_device, block_size, dk, dv, h_q, h_kv, poison):
+    """Blocks of 128 and 256 tokens, larger than the tile (64 rows at d = 128; at d = 64 and 32 the
+    small-head tile, 128 rows under the interpreter, up to 256 on a GPU): tiles inside one block,
+    one block-table entry per tile. GQA 4, MHA, MQA 8; contexts 0, one partial block, several
+    blocks, a block + 1; permuted blocks; 1 to 5 splits."""
+    from flashcl.triton.decode import launch_plan
+
+    block_n = launch_plan(4, h_q, h_kv, dk, dv, 3 * block_size, 2, torch.device(triton_device),
+                          page_size=block_size)["config"]["BLOCK_N"]
+    assert block_size % block_n == 0 and (block_n < block_size or dk < 128)
+    c = _case(triton_device, "float16", b=4, h_q=h_q, h_kv=h_kv, lens=[0, 100, 2 * block_size + 37, block_size + 1],
+              dk=dk, dv=dv, block_size=block_size, seed=block_size + dk)
+    for ns in (None, 1, 2, 5):
+        out, lse = _run_paged(c, ns)
+        _check(out, c["ref"], "float16", f"splits={ns}", c["naive"], lse, c["ref_lse"])
+
+
 def test_batch_33_long_context(triton_device, poison):
     """B=33 with contexts 1 / 15 / 16 / 17 / 1000 mixed (one tile, tile +-1, many tiles)."""
     lens = [[1000, 15, 16, 17, 1][i % 5] for i in range(33)]
@@ -224,12 +243,13 @@ def test_context_len_zero(triton_device, poison):
         assert np.abs(o[1] - c["ref"][1]).max() < 2e-3 and np.abs(l[1] - c["ref_lse"][1]).max() < 1e-3
 
 
-@pytest.mark.parametrize("block_size,h_q,h_kv", [(16, 4, 2), (64, 4, 2), (16, 2, 2)])
+@pytest.mark.parametrize("block_size,h_q,h_kv", [(16, 4, 2), (64, 4, 2), (16, 2, 2), (256, 4, 2), (256, 2, 2)])
 def test_rows_past_the_end_are_never_read(triton_device, block_size, h_q, h_kv, poison):
     """Block-table entries past each sequence's end point far outside the cache, and every cache row
     that holds no token of a sequence is NaN: the kernel may read neither (rows past the end of a
-    tile point at a real row instead of being masked when tiles hold whole pages). GQA, and MHA
-    (which takes the CUDA-core loop here: more programs than the 4 "SMs" of the CPU plan)."""
+    tile point at a real row instead of being masked when tiles hold whole pages, or lie inside one
+    page: 256-token blocks, two 128-row tiles each at d = 32). GQA, and MHA (which takes the
+    CUDA-core loop here for whole pages: more programs than the 4 "SMs" of the CPU plan)."""
     lens = [1, 17, 80]
     c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=lens, dk=32, block_size=block_size, seed=21)
     bt = c["block_table"].cpu()

@@ -396,6 +396,7 @@ def test_mha_fma_small_heads_rule(monkeypatch):
     assert plan(8, 32, 32, d=96) == plan(8, 32, 32, d=128) == (64, 4, True)
     assert plan(8, 32, 32, page=128) == (128, 8, True) and plan(16, 32, 32, page=128)[2] is False  # whole pages
     assert plan(8, 32, 32, page=0)[2] is False  # a contiguous cache: the dot path's tile
+    assert plan(8, 32, 32, d=128, page=256)[2] is False  # blocks larger than the loop's tile: the dot path
     assert plan(8, 32, 32, ns=2)[2] is False and plan(8, 32, 32, dv=32)[2] is False  # splits, DK != DV
     assert plan(8, 32, 32, elt=4)[2] is False and plan(8, 32, 8)[2] is False and plan(4, 32, 32)[2] is False
     assert plan(8, 32, 32, config={"gluon_mha": False}) == (64, 4, False)  # the dot path

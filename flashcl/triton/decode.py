@@ -48,6 +48,9 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   element of the cache is within 2^31 of its start, and the rows of a tile past the
                   sequence's end point at the tile's first row (a real one) instead of being
                   masked: no K/V load mask, and no block-table entry past the end is ever used.
+                  Blocks larger than the tile (BLOCK_N dividing the block size, e.g. 256-token
+                  blocks) take the same path as tiles inside one page (PAGE_TILES): one
+                  block-table entry per tile instead of one per row.
     mha_fma       (default: MHA with 2-byte K/V and more programs than SMs, head dims 65..128,
                   and up to 64 where the Gluon kernel takes the launch; needs whole_pages) the
                   K/V loop of a one-query-row program on CUDA cores, the next tile loaded into
@@ -98,6 +101,7 @@ def _decode_kernel(
     EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
     WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False, MHA_FMA: tl.constexpr = False,
+    PAGE_TILES: tl.constexpr = False,
 ):
     tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -105,6 +109,8 @@ def _decode_kernel(
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert((PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "page size must be a power of two")
     tl.static_assert(not MHA_FMA or (PAGED and WHOLE_PAGES and GROUP == 1), "MHA_FMA: MHA over whole pages")
+    tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
+                     "PAGE_TILES: tiles inside one page")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
         tl_cuda.gdc_wait()
@@ -137,6 +143,9 @@ def _decode_kernel(
             # this sequence's end are replaced by the first token's once the length is known
             page = _table_entries(bt_base, lo + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
             page_lo = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
+        elif PAGED and PAGE_TILES:
+            # a tile lies inside one page: one entry per tile, clamped to the table's bound
+            page = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
         elif PAGED:
             page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
                            other=0)
@@ -196,6 +205,14 @@ def _decode_kernel(
                 nxt = tok + BLOCK_N
                 page = _table_entries(bt_base, tl.where(nxt < hi, nxt, start_n + BLOCK_N), n_ctx_max, stride_btn,
                                       PAGE_SIZE)
+            elif PAGED and PAGE_TILES:
+                # the tile is BLOCK_N consecutive rows of one page; a row past the end reads the
+                # tile's first row (a real one): no row mask, as with whole pages
+                in_page = (start_n % PAGE_SIZE) + tl.where(valid, offs_n, 0)
+                row_k = _page_rows(page, True, in_page * stride_kpos, stride_kblk, OFFS32)
+                row_v = _page_rows(page, True, in_page * stride_vpos, stride_vblk, OFFS32)
+                # the next tile's entry (one iteration ahead; past the end it goes unused)
+                page = _table_entries(bt_base, start_n + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
             elif PAGED:
                 row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
                 row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
@@ -206,9 +223,9 @@ def _decode_kernel(
                 row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
             k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
-            # with whole pages every row address is a real row: no row mask
-            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and WHOLE_PAGES))
-            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and WHOLE_PAGES))
+            # with whole pages or tiles inside a page every row address is a real row: no row mask
+            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
+            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
             if UPCAST_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -835,7 +852,9 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
                                        gluon_tile is not None)
     cfg["early_pages"] = bool(cfg["early_pages"])
     cfg["whole_pages"] = bool(cfg["whole_pages"])
-    cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1
+    # the MHA loop reads tiles of whole pages (blocks larger than its tile take the dot path)
+    mha_rows = gluon_tile[0] if gluon_tile else cfg["BLOCK_N"]
+    cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1 and page_size > 0 and mha_rows % page_size == 0
     default_tile = not (tile_forced or long_tile or cfg["mha_fma"])  # the dot path's, not set by the config
     if default_tile and group <= _SMALL_HEAD_MAX_GROUP:
         cfg["BLOCK_N"] = _small_head_rows(cfg["BLOCK_N"], dk, dv, elt_bytes, block_dk, block_dv, alone,
@@ -937,7 +956,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pdl = cfg["pdl"] and _pdl_ok(q.device)
     knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
     num_stages = cfg["num_stages"]
-    if paged and cfg["whole_pages"] and cfg["early_pages"] and cfg["BLOCK_N"] % page_size == 0:
+    page_aligned = paged and cfg["whole_pages"] and cfg["early_pages"]
+    if page_aligned and page_size > cfg["BLOCK_N"] and page_size % cfg["BLOCK_N"] == 0:
+        knobs.update(PAGE_TILES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
+    elif page_aligned and cfg["BLOCK_N"] % page_size == 0:
         knobs.update(WHOLE_PAGES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
         if cfg["mha_fma"]:
             knobs.update(MHA_FMA=True)

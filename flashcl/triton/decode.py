@@ -956,12 +956,12 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pdl = cfg["pdl"] and _pdl_ok(q.device)
     knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
     num_stages = cfg["num_stages"]
-    page_aligned = paged and cfg["whole_pages"] and cfg["early_pages"]
-    if page_aligned and page_size > cfg["BLOCK_N"] and page_size % cfg["BLOCK_N"] == 0:
-        knobs.update(PAGE_TILES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
-    elif page_aligned and cfg["BLOCK_N"] % page_size == 0:
-        knobs.update(WHOLE_PAGES=True, OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
-        if cfg["mha_fma"]:
+    if paged and cfg["whole_pages"] and cfg["early_pages"]:
+        # the block size and BLOCK_N are powers of two: a tile holds whole pages or lies inside one
+        whole = cfg["BLOCK_N"] % page_size == 0
+        knobs.update(WHOLE_PAGES=whole, PAGE_TILES=not whole,
+                     OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
+        if whole and cfg["mha_fma"]:
             knobs.update(MHA_FMA=True)
             num_stages = 1  # no shared-memory ring: the next tile waits in registers
             block_g = 1  # no tl.dot: the epilogue stores the one head unpadded

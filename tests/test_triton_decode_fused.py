@@ -105,6 +105,7 @@ _KNOB_CONFIGS = {
     "mha_fma": {"mha_fma": True},  # the MHA case on CUDA cores; GQA ignores it
     "mha_dot": {"mha_fma": False},
     "mha_fma-masked-rows": {"mha_fma": True, "whole_pages": False},  # needs whole pages: the dot path
+    "mha_fma-plain-loads": {"mha_fma": True, "kv_evict_first": False},  # the default L1 policy
 }
 
 
@@ -256,7 +257,7 @@ def gluon_calls(monkeypatch):
     """The Gluon kernel's launches, counted: one (rows, warps) entry per launch."""
     calls = []
     launch = tg.launch
-    monkeypatch.setattr(tg, "launch", lambda *args: (calls.append(args[-2:]), launch(*args))[1])
+    monkeypatch.setattr(tg, "launch", lambda *args, **kw: (calls.append(args[-2:]), launch(*args, **kw))[1])
     return calls
 
 
@@ -273,14 +274,16 @@ def test_gluon_mha(dtype, block_size, poison, gluon_calls):
     o, l = _np(out), _np(lse)
     assert (o[0] == 0).all() and np.isneginf(l[0]).all()
     _check(out, c["ref"], dtype, f"gluon mha {dtype} bs={block_size}", c["naive"], lse, c["ref_lse"])
+    plain_out, plain_lse = _run(c, 1, {**MHA_FMA, "kv_evict_first": False})  # a cache hint: same bits
+    assert len(gluon_calls) == 2 and torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
     tri_out, tri_lse = _run(c, 1, {**MHA_FMA, "gluon_mha": False})
-    assert len(gluon_calls) == 1
+    assert len(gluon_calls) == 2
     assert torch.allclose(out.float(), tri_out.float(), rtol=2e-2, atol=2e-3)
     assert torch.allclose(lse[1:], tri_lse[1:], rtol=1e-5, atol=1e-5)
     c = _case("cuda", dtype, b=2, h_q=2, h_kv=2, lens=[70, 9], dk=128, block_size=block_size, seed=42, q_scale=60.0)
     assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), _np(c["k"]))) * c["scale"]).max() > 150
     out, lse = _run(c, 1, MHA_FMA)
-    assert len(gluon_calls) == 2
+    assert len(gluon_calls) == 3
     _check(out, c["ref"], dtype, f"gluon mha large logits {dtype}", c["naive"], lse, c["ref_lse"])
 
 

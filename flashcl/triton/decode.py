@@ -59,6 +59,8 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
     gluon_mha     (default on) the MHA loop's one-split launches of head dims <= 128 run as the
                   Gluon kernel of ``decode_gluon`` where it fits: the same loop, the row slots
                   merged without Triton's cross-warp reductions (about 1 us less per launch).
+    kv_evict_first (default on) the MHA loops' in-loop K/V loads into registers (mha_fma,
+                  gluon_mha) are marked L1::evict_first (see ``_KNOBS``): +0.5-4.5% on H100.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -101,7 +103,7 @@ def _decode_kernel(
     EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
     WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False, MHA_FMA: tl.constexpr = False,
-    PAGE_TILES: tl.constexpr = False,
+    PAGE_TILES: tl.constexpr = False, KV_EVICT: tl.constexpr = "",
 ):
     tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -178,7 +180,7 @@ def _decode_kernel(
         m_i, l_i, acc = _mha_fma_loop(
             q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
             lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
-            BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32)
+            BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32, KV_EVICT)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
         q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
@@ -224,8 +226,8 @@ def _decode_kernel(
             k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
             # with whole pages or tiles inside a page every row address is a real row: no row mask
-            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
-            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
+            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and (WHOLE_PAGES or PAGE_TILES)), "")
+            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and (WHOLE_PAGES or PAGE_TILES)), "")
             if UPCAST_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -297,19 +299,22 @@ def _page_rows(page, valid, in_page, stride_blk, OFFS32: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr,
+               EVICT: tl.constexpr):
     """A K or V tile [BLOCK_N, BLOCK_D]: rows past the end (``valid`` false) read as zeros when
-    MASK_ROWS, head-dim columns of the padding (>= D) always."""
+    MASK_ROWS, head-dim columns of the padding (>= D) always. ``EVICT``: the loads' L1 eviction
+    policy ("" or "evict_first"; Triton's async copies into shared memory ignore it)."""
     if MASK_ROWS:
         if BLOCK_D == D:
-            tile = tl.load(ptrs, mask=valid[:, None], other=0.0)
+            tile = tl.load(ptrs, mask=valid[:, None], other=0.0, eviction_policy=EVICT)
         else:
-            tile = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+            tile = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0,
+                           eviction_policy=EVICT)
     else:
         if BLOCK_D == D:
-            tile = tl.load(ptrs)
+            tile = tl.load(ptrs, eviction_policy=EVICT)
         else:
-            tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+            tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0, eviction_policy=EVICT)
     return tile
 
 
@@ -318,7 +323,7 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
                   lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
                   BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  OFFS32: tl.constexpr):
+                  OFFS32: tl.constexpr, KV_EVICT: tl.constexpr):
     """The K/V loop of an MHA program (one query row) over whole pages, on CUDA cores.
 
     tl.dot needs 16 rows (15 of them padding here) and takes K and V through shared memory in its
@@ -343,8 +348,11 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     valid = lo + offs_n < hi
     row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
     row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
-    k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid, offs_dk, DK, BLOCK_DK, True)
-    v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid, offs_dv, DV, BLOCK_DV, True)
+    # the first tile's loads keep the default L1 policy; only the loop's are KV_EVICT (see _KNOBS)
+    k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid, offs_dk, DK, BLOCK_DK,
+                        True, "")
+    v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid, offs_dv, DV, BLOCK_DV,
+                        True, "")
     page = _table_entries(bt_base, lo + BLOCK_N + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
 
     m_r = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -361,9 +369,9 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         row_k = _page_rows(page, valid_next, in_page_k, stride_kblk, OFFS32)
         row_v = _page_rows(page, valid_next, in_page_v, stride_vblk, OFFS32)
         k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
-                            BLOCK_DK, False)
+                            BLOCK_DK, False, KV_EVICT)
         v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid_next, offs_dv, DV,
-                            BLOCK_DV, False)
+                            BLOCK_DV, False, KV_EVICT)
         page = _table_entries(bt_base, tok_next + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
 
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
@@ -694,6 +702,13 @@ _KNOBS = {
     # the MHA loop's launches that decode_gluon.fits run as its Gluon kernel (the row slots merged
     # with one shared-memory exchange instead of Triton's cross-warp reductions)
     "gluon_mha": True,
+    # the MHA loops' in-loop K/V loads into registers (mha_fma, gluon_mha) marked L1::evict_first
+    # (each row is read once). H100, ratio to SDPA, same SASS schedule with only the hint changed:
+    # (16, 32/32, 1k) 0.999 -> 1.044, (8, 32/32, 2k) 1.005 -> 1.029, 8k 0.993 -> 0.999, d = 64
+    # and 96 +3-5%. The first tile's loads stay plain: marked as well, they cost 2-4% at
+    # 1k-2k. Why L1 allocation slows these streams is not established (docs/decode-h100-notes.md,
+    # "The L1 eviction policy of the MHA loops")
+    "kv_evict_first": True,
 }
 
 
@@ -962,13 +977,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         knobs.update(WHOLE_PAGES=whole, PAGE_TILES=not whole,
                      OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
         if whole and cfg["mha_fma"]:
-            knobs.update(MHA_FMA=True)
+            knobs.update(MHA_FMA=True, KV_EVICT="evict_first" if cfg["kv_evict_first"] else "")
             num_stages = 1  # no shared-memory ring: the next tile waits in registers
             block_g = 1  # no tl.dot: the epilogue stores the one head unpadded
             if knobs["OFFS32"] and decode_gluon.fits(q, k_cache, v_cache, block_table, context_lens,
                                                      num_splits, cfg):
                 decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
-                                    cfg["BLOCK_N"], cfg["num_warps"])
+                                    cfg["BLOCK_N"], cfg["num_warps"], evict_first=bool(cfg["kv_evict_first"]))
                 return out, lse
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))

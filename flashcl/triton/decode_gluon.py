@@ -15,7 +15,9 @@ Measured on H100 (fp16, paged block 16 in random order, CUDA-graph replay; .lead
 2026-11-22), ratio to SDPA on contiguous KV in the same run, the op's Triton MHA loop (gluon_mha
 off) in brackets: (8, 32/32, 64 tokens) 1.057 (0.899), 256 tokens 1.045 (0.974), (16, 32/32, 1k)
 0.997 (0.972), (8, 32/32, 2k) 0.999 (0.986), 8k 0.991 (0.990). A copy of the kernel with no
-merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 us.
+merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 us. With the loop's
+K/V loads marked L1::evict_first (``EVICT``, decode's kv_evict_first knob): (16, 32/32, 1k) 1.037-1.044,
+2k 1.026-1.029, 8k 0.995-1.004 (.lead/cm_bench.py, docs/decode-h100-notes.md).
 
 It takes the launches it ``fits``: MHA over whole pages (block_size dividing the tile's rows) with
 context lengths, one split, 2-byte K/V of head dims up to 128 (padded to 32, 64 or 128; the masked
@@ -106,16 +108,18 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ta
 
 
 def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
-           num_warps: int) -> None:
+           num_warps: int, evict_first: bool = True) -> None:
     """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``), tiles of
-    ``block_n`` rows on ``num_warps`` warps."""
+    ``block_n`` rows on ``num_warps`` warps; ``evict_first``: the K/V loads marked L1::evict_first
+    (decode's kv_evict_first knob)."""
     b, h, d = q.shape
     _mha_decode[(h, b)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2, block_table.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        BLOCK_N=block_n, D=d, BLOCK_D=_block_d(d), PAGE=k_cache.shape[1], num_warps=num_warps)
+        BLOCK_N=block_n, D=d, BLOCK_D=_block_d(d), PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "",
+        num_warps=num_warps)
 
 
 if gluon is not None:
@@ -152,13 +156,14 @@ if gluon is not None:
         return m_all, gl.sum(l * w, axis, keep_dims=True), gl.sum(acc * w, axis, keep_dims=True)
 
     @gluon.jit
-    def _load_cols(ptrs, cols, D: gl.constexpr, BLOCK_D: gl.constexpr):
+    def _load_cols(ptrs, cols, D: gl.constexpr, BLOCK_D: gl.constexpr, EVICT: gl.constexpr):
         """A tile's rows; the padding columns of a head dim below BLOCK_D read as zeros (the
-        scores and the output then ignore them: q is zero there too)."""
+        scores and the output then ignore them: q is zero there too). ``EVICT``: the L1 eviction
+        policy ("" or "evict_first")."""
         if D == BLOCK_D:
-            x = gl.load(ptrs)
+            x = gl.load(ptrs, eviction_policy=EVICT)
         else:
-            x = gl.load(ptrs, mask=cols, other=0.0)
+            x = gl.load(ptrs, mask=cols, other=0.0, eviction_policy=EVICT)
         return x
 
     @gluon.jit
@@ -166,7 +171,8 @@ if gluon is not None:
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
-                    BLOCK_N: gl.constexpr, D: gl.constexpr, BLOCK_D: gl.constexpr, PAGE: gl.constexpr):
+                    BLOCK_N: gl.constexpr, D: gl.constexpr, BLOCK_D: gl.constexpr, PAGE: gl.constexpr,
+                    EVICT: gl.constexpr):
         """One program per (head, sequence); the loop of decode._mha_fma_loop over whole pages.
         A head dim D below BLOCK_D reads its padding columns as zeros."""
         W: gl.constexpr = gl.num_warps()
@@ -189,7 +195,9 @@ if gluon is not None:
         v_base = V + pid_h.to(gl.int64) * stride_vh
 
         # the first tile's entries are loaded with the length, not after it (clamped to the
-        # table's width); its rows past the end are masked (the sequence may be empty)
+        # table's width); its rows past the end are masked (the sequence may be empty). Its loads
+        # keep the default L1 policy: with EVICT as well, 2-4% slower at 1k-2k tokens (7% faster
+        # at 64: decode._KNOBS, kv_evict_first)
         page = gl.load(bt + gl.minimum(tok0 // PAGE, max_blocks - 1))
         n_ctx = gl.load(ContextLens + pid_b)
         last = gl.maximum(n_ctx - 1, 0)  # the last token (token 0 of an empty sequence: never read)
@@ -214,9 +222,9 @@ if gluon is not None:
             # table is read one tile further ahead, never past the sequence's last entry
             tok = gl.minimum(start + BLOCK_N + tok0, last)
             k_next = _load_cols(k_base + gl.expand_dims(page * stride_kblk + (tok % PAGE) * stride_kpos, 3) + d4,
-                                cols, D, BLOCK_D)
+                                cols, D, BLOCK_D, EVICT)
             v_next = _load_cols(v_base + gl.expand_dims(page * stride_vblk + (tok % PAGE) * stride_vpos, 3) + d4,
-                                cols, D, BLOCK_D)
+                                cols, D, BLOCK_D, EVICT)
             page = gl.load(bt + gl.minimum(start + 2 * BLOCK_N + tok0, last) // PAGE)
 
             s = gl.sum(k.to(gl.float32) * q, 3)

@@ -64,6 +64,27 @@ typedef half store_t;
 #define DECODE_NV_PTX (!MMA_EMULATE)
 #include "decode_common.h"
 
+/* KV_EVICT_FIRST (default: with the PTX instructions): the loop's K/V loads are marked
+ * L1::evict_first, each row being read once; the first tile's K stays plain (marked too, it was
+ * no faster). H100 (.lead/cl_ev.py, same bits): (8, 32/32, 2k) 97.6 -> 96.9 us, (16, 32/32, 1k)
+ * 99.5 -> 98.4, (8, 32/8, 2k) 43.0 -> 42.1, 8k -0.6%, (32, 32/8, 2k) and 128k unchanged; the
+ * Triton MHA loops gain 2.5-4.5% from it (docs/decode-h100-notes.md). */
+#ifndef KV_EVICT_FIRST
+#define KV_EVICT_FIRST DECODE_NV_PTX
+#endif
+static inline raw_t load_kv_plain(__global const raw_t *p) { return *p; }
+#if KV_EVICT_FIRST && DECODE_NV_PTX
+static inline raw_t load_kv_streamed(__global const raw_t *p)
+{
+    raw_t r;
+    asm("ld.global.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+#else
+#define load_kv_streamed load_kv_plain
+#endif
+
 #define WG (32 * MMA_WARPS)
 #define TILE 16                     // keys per warp per iteration: the k extent of O += P V
 #define ROUND (TILE * MMA_WARPS)    // keys per work-group per iteration
@@ -238,12 +259,12 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
     /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
      * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros. */
     uint kw[2][KQ / 2], vw[4][NTV / 2];
-#define LOAD_K(t0)                                                                           \
+#define LOAD_K(t0, LOAD)                                                                     \
     for (int t = 0; t < 2; ++t) {                                                            \
         const int j = (t0) + 8 * t + g;                                                      \
         const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, k_s0, k_s1) + c * KCH : 0; \
         for (int i = 0; i < KCH; ++i) {                                                      \
-            const uint4 x = (j < k1) ? k_base[off + i] : (uint4)(0u);                        \
+            const uint4 x = (j < k1) ? LOAD(k_base + off + i) : (uint4)(0u);                 \
             kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
         }                                                                                    \
     }
@@ -252,7 +273,7 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
         const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
         const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, v_s0, v_s1) + g * VCH : 0; \
         for (int i = 0; i < VCH; ++i) {                                                      \
-            const uint4 x = (j < k1) ? v_base[off + i] : (uint4)(0u);                        \
+            const uint4 x = (j < k1) ? load_kv_streamed(v_base + off + i) : (uint4)(0u);     \
             vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
         }                                                                                    \
     }
@@ -261,7 +282,7 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
      * is in flight while this one is computed. Its V is loaded at the top of its own iteration
      * and arrives during S = Q K^T and the softmax. (H100: no prefetch 184 registers and 6% slower
      * at 32k; V prefetched too, 255 registers with a spill, no faster: flashcl/opencl/decode.py.) */
-    LOAD_K(k0 + warp * TILE)
+    LOAD_K(k0 + warp * TILE, load_kv_plain)
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
         uint kc[2][KQ / 2];
@@ -269,7 +290,7 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
             for (int i = 0; i < KQ / 2; ++i)
                 kc[t][i] = kw[t][i];
         if (it + 1 < rounds) {
-            LOAD_K(t0 + ROUND)
+            LOAD_K(t0 + ROUND, load_kv_streamed)
         }
         LOAD_V(t0)
 

@@ -331,6 +331,92 @@ def test_gluon_mha_small_heads_automatic(d, poison, gluon_calls):
     _check(out, c["ref"], "float16", f"dot path d={d} 2 splits", c["naive"], lse, c["ref_lse"])
 
 
+
+GQA = {"gluon_gqa": True}
+
+
+@pytest.fixture
+def gqa_calls(monkeypatch):
+    """The Gluon GQA kernel's launches, counted."""
+    calls = []
+    launch = tg.launch_gqa
+    monkeypatch.setattr(tg, "launch_gqa", lambda *args, **kw: (calls.append(args[0].shape), launch(*args, **kw))[1])
+    return calls
+
+
+@gluon_only
+@pytest.mark.parametrize("dtype,block_size,h_q,h_kv", [
+    ("float16", 16, 8, 2), ("bfloat16", 32, 16, 2), ("float16", 1, 12, 4),  # groups 4, 8, 3
+    ("float16", 256, 16, 1), ("float16", 64, 32, 2),  # groups of 16: every row of the mma tile
+])
+def test_gluon_gqa(dtype, block_size, h_q, h_kv, poison, gqa_calls):
+    """GQA of head dim 128 runs the Gluon GQA kernel when forced (its launches counted): contexts 0,
+    1, 17, 64, 65 and 1000 over a permuted block table against the float64 reference and the dot
+    path, logits around +-200; the L1 hint changes no bit."""
+    c = _case("cuda", dtype, b=6, h_q=h_q, h_kv=h_kv, lens=[0, 1, 17, 64, 65, 1000], dk=128,
+              block_size=block_size, seed=43)
+    out, lse = _run(c, 1, GQA)
+    assert len(gqa_calls) == 1
+    o, l = _np(out), _np(lse)
+    assert (o[0] == 0).all() and np.isneginf(l[0]).all()
+    _check(out, c["ref"], dtype, f"gluon gqa {dtype} bs={block_size} {h_q}/{h_kv}", c["naive"], lse, c["ref_lse"])
+    plain_out, plain_lse = _run(c, 1, {**GQA, "kv_evict_first": False})
+    assert len(gqa_calls) == 2 and torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+    dot_out, dot_lse = _run(c, 1, {"gluon_gqa": False})
+    assert len(gqa_calls) == 2
+    assert torch.allclose(out.float(), dot_out.float(), rtol=2e-2, atol=2e-3)
+    assert torch.allclose(lse[1:], dot_lse[1:], rtol=1e-5, atol=1e-5)
+    c = _case("cuda", dtype, b=2, h_q=h_q, h_kv=h_kv, lens=[70, 9], dk=128, block_size=block_size, seed=44,
+              q_scale=60.0)
+    assert (np.abs(np.einsum("bhd,bhnd->bhn", _np(c["q"]), np.repeat(_np(c["k"]), h_q // h_kv, axis=1)))
+            * c["scale"]).max() > 150
+    out, lse = _run(c, 1, GQA)
+    assert len(gqa_calls) == 3
+    _check(out, c["ref"], dtype, f"gluon gqa large logits {dtype} {h_q}/{h_kv}", c["naive"], lse, c["ref_lse"])
+
+
+@gluon_only
+def test_gluon_gqa_automatic(poison, gqa_calls):
+    """Unforced, a one-split launch of the rule's shapes (decode_gluon.gqa_takes) runs the kernel; a
+    split launch, MHA, a head dim below 128 and 64-bit offsets do not."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    b = -(-3 * sms // (2 * 2))  # 2 KV heads: at least 1.5 programs per SM
+    c = _case("cuda", "float16", b=b, h_q=8, h_kv=2, lens=[1024] * b, dk=128, seed=45)
+    out, lse = _run(c, 0, None)
+    assert len(gqa_calls) == 1
+    _check(out, c["ref"], "float16", "gluon gqa automatic", c["naive"], lse, c["ref_lse"])
+    _run(c, 2, None)
+    assert len(gqa_calls) == 1
+    for h_q, h_kv, dk in ((2, 2, 128), (8, 2, 64)):
+        c = _case("cuda", "float16", b=b, h_q=h_q, h_kv=h_kv, lens=[1024] * b, dk=dk, seed=46)
+        _run(c, 0, GQA)
+    assert len(gqa_calls) == 1
+
+
+def test_gluon_gqa_rule(monkeypatch):
+    """decode_gluon.gqa_takes: groups of 4 to 8, contexts of 1024 or more, 1.5 programs per SM or
+    more, one split, head dims 128, 2-byte K/V; forced, any group of 2 to 16. The device's own
+    conditions (a CUDA device of compute capability 8.0+ with Gluon) are stood in for on the CPU."""
+    monkeypatch.setattr(tg, "available", lambda: True)
+    monkeypatch.setattr(tg, "_sm_major", lambda index: 9)
+    dev = torch.device("cuda", 0)
+
+    def takes(group=4, programs=256, ctx=2048, splits=1, d=128, elt=2, forced=False):
+        return tg.gqa_takes(group, d, d, elt, splits, programs, ctx, 132, dev, forced)
+
+    assert takes() and takes(group=8) and takes(programs=198) and takes(ctx=1024)
+    assert not takes(programs=197) and not takes(ctx=1023) and not takes(splits=2)
+    assert not takes(group=2) and not takes(group=16) and not takes(group=1, forced=True)
+    assert takes(group=2, forced=True) and takes(group=16, programs=8, ctx=16, forced=True)
+    assert not takes(group=17, forced=True) and not takes(d=64, forced=True) and not takes(elt=4, forced=True)
+    assert not tg.gqa_takes(4, 128, 128, 2, 1, 256, 2048, 132, torch.device("cpu"))
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
+    plan = lambda *shape, **kw: td.launch_plan(*shape, 128, 128, 2048, 2, dev, **kw)["config"]["gluon_gqa"]  # noqa: E731
+    assert plan(32, 32, 8) and not plan(32, 32, 8, config={"gluon_gqa": False})
+    assert not plan(8, 32, 8) and not plan(32, 32, 8, page_size=0) and not plan(32, 32, 8, config={"BLOCK_N": 64})
+
+
 @pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])
 def test_strided_block_table_and_context_lens(triton_device, config):
     """Views: a block table with a column stride of 2 (the Triton kernel follows its strides; the

@@ -60,7 +60,9 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   Gluon kernel of ``decode_gluon`` where it fits: the same loop, the row slots
                   merged without Triton's cross-warp reductions (about 1 us less per launch).
     kv_evict_first (default on) the MHA loops' in-loop K/V loads into registers (mha_fma,
-                  gluon_mha) are marked L1::evict_first (see ``_KNOBS``): +0.5-4.5% on H100.
+                  gluon_mha, gluon_gqa) are marked L1::evict_first (see ``_KNOBS``): +0.5-4.5% on H100.
+    gluon_gqa     (default: groups of 4 to 8 on grids of 1.5 programs per SM or more, contexts
+                  from 1024, one split, head dim 128) the GQA kernel of ``decode_gluon``.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -709,6 +711,10 @@ _KNOBS = {
     # 1k-2k. Why L1 allocation slows these streams is not established (docs/decode-h100-notes.md,
     # "The L1 eviction policy of the MHA loops")
     "kv_evict_first": True,
+    # one-split GQA launches of head dim 128 run decode_gluon's GQA kernel (one online-softmax
+    # state per warp, mma.sync, K/V one tile ahead in registers) instead of the dot path. None:
+    # where decode_gluon.gqa_takes measured it faster; True: wherever it can run
+    "gluon_gqa": None,
 }
 
 
@@ -878,6 +884,9 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         cfg["num_warps"] = 2
     if cfg["mha_fma"] and gluon_tile:
         cfg["BLOCK_N"], cfg["num_warps"] = gluon_tile
+    cfg["gluon_gqa"] = (cfg["gluon_gqa"] is not False and not tile_forced and page_size > 0
+                        and decode_gluon.gqa_takes(group, dk, dv, elt_bytes, splits, b * h_kv, n_ctx_bound, sms,
+                                                   device, forced=cfg["gluon_gqa"] is True))
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
@@ -985,6 +994,11 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
                                     cfg["BLOCK_N"], cfg["num_warps"], evict_first=bool(cfg["kv_evict_first"]))
                 return out, lse
+        if (cfg["gluon_gqa"] and knobs["OFFS32"]
+                and decode_gluon.gqa_fits(q, k_cache, v_cache, block_table, context_lens)):
+            decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
+                                    evict_first=bool(cfg["kv_evict_first"]))
+            return out, lse
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
     launch_opts = {"launch_pdl": True} if pdl else {}

@@ -1,4 +1,6 @@
-"""The MHA decode loop in Gluon, for the merge of its row slots after the loop.
+"""Decode kernels in Gluon: the MHA loop (for the merge of its row slots after the loop) and a GQA
+kernel with one online-softmax state per warp (``_gqa_decode``, at the end: its rule, measurements
+and layouts are next to ``gqa_takes``).
 
 ``decode._mha_fma_loop`` keeps an online-softmax state per row slot of its tile (no reduction
 across rows inside the loop) and merges the slots' states once at the end. Written in
@@ -28,6 +30,11 @@ no Gluon), takes the Triton kernel; the ``gluon_mha`` knob turns this path off. 
 dim 96 (.lead/gd_bench.py, 2026-11-22, ratio to SDPA, the Triton MHA loop in brackets): 64 tokens
 1.122 (0.937), 256 tokens 1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932
 (0.933). Head dims 32 and 64: see ``tile``.
+
+The GQA kernel (``launch_gqa``) replaces the dot path's cp.async ring and its per-tile cross-warp
+softmax by K and V loaded one tile ahead into registers in the mma operand layouts, each warp
+running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint:
+without it, 0.973 of SDPA at (32, 32/8, 2k) against 0.998 with it (same run; the dot path 0.989).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from . import interpreting
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 except ImportError:  # a Triton without Gluon
     gluon = None
 
@@ -120,6 +128,80 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         BLOCK_N=block_n, D=d, BLOCK_D=_block_d(d), PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "",
         num_warps=num_warps)
+
+
+# ---- GQA: one online-softmax state per warp, mma.sync ----------------------------------------
+
+# The GQA kernel takes one-split launches of groups GQA_GROUPS (the kernel pads any group to 16
+# rows; 4 and 8 measured) of context bounds >= GQA_MIN_CONTEXT on grids of at least
+# GQA_MIN_PROGRAMS_PER_SM programs per SM. H100 (.lead/gqa_test.py, 2026-11-22, fp16, random blocks,
+# ratio to SDPA in the same run, the op's dot path in brackets): (32, 32/8, 2k) 0.995-1.016
+# (0.983-0.993), bf16 1.005 (0.988), (32, 64/8, 2k) 1.007 (0.977), (64, 32/8, 1k) 1.008-1.017
+# (0.965-0.967), (32, 32/8, 8k) 0.987-0.991 (0.984-0.987), (24, 32/8, 2k) 1.034 (1.030); lost at
+# (20, 32/8, 2k) (160 programs) 1.047 (1.083), (128, 32/8, 512) 0.949 (0.982), (32, 32/8, 256)
+# 0.985 (1.000), and on grids of one program per SM or fewer (0.73-0.90 against 0.95-1.05).
+GQA_GROUPS = range(4, 9)
+GQA_MIN_CONTEXT = 1024
+GQA_MIN_PROGRAMS_PER_SM = 1.5
+
+
+def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, programs: int,
+              n_ctx_bound: int, sms: int, device: torch.device, forced: bool = False) -> bool:
+    """Whether the GQA kernel runs a launch of these shapes (``gqa_fits`` then checks the
+    tensors): head dims 128, 2-byte K/V, one split, groups up to 16, a CUDA device of compute
+    capability 8.0 or newer with Gluon; unless ``forced``, only where it measured faster than the
+    dot path (GQA_GROUPS, GQA_MIN_CONTEXT, GQA_MIN_PROGRAMS_PER_SM)."""
+    if not (available() and num_splits == 1 and elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16
+            and device.type == "cuda"
+            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8):
+        return False
+    return forced or (group in GQA_GROUPS and n_ctx_bound >= GQA_MIN_CONTEXT
+                      and programs >= GQA_MIN_PROGRAMS_PER_SM * sms)
+
+
+def gqa_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+             context_lens) -> bool:
+    """The tensors of a launch ``gqa_takes``: context lengths given, unit strides along the head
+    dim and the block table's rows (the launch checks the 32-bit offsets)."""
+    return (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _gqa_layouts(warps: int, rows: int):
+    """The kernel's layouts for ``warps`` warps (see _gqa_decode); ``rows``: the query rows its
+    merge exchanges (8 for groups up to 8, else 16)."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+    # K tile [W, 16 keys, 128 d]: lane 4 n + c holds keys n and 8 + n, columns [32 c, 32 c + 32)
+    k_layout = gl.BlockedLayout([1, 1, 32], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+    # V tile [W, 16 keys, 128 d]: lane 4 n + c holds keys 2c, 2c + 1, 8 + 2c, 9 + 2c, columns
+    # [16 n, 16 n + 16); registers run along the columns first, so the loads are 16-byte vectors
+    v_layout = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        warp_bases=[[1 << i, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[warps, 16, 128])
+    q_layout = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [warps, 1, 1], [2, 1, 0])
+    # the merge: the W states of an element in one thread
+    merge = gl.BlockedLayout([warps, 1, 4], [1, rows // warps, 32 * warps // rows], [1, warps, 1], [2, 1, 0])
+    return mma, k_layout, v_layout, q_layout, merge
+
+
+def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
+               evict_first: bool = True) -> None:
+    """out/lse of GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit
+    32 bits, one program per (KV head, sequence) of 4 warps."""
+    b, h_q, _ = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    warps = 4
+    mma, k_layout, v_layout, q_layout, merge = _gqa_layouts(warps, 8 if group <= 8 else 16)
+    _gqa_decode[(h_kv, b)](
+        q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2, block_table.shape[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "",
+        MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 
 if gluon is not None:
@@ -262,3 +344,142 @@ if gluon is not None:
         lse = gl.where(seen, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(Lse + pid_b * stride_lseb + pid_h * stride_lseh + col * 0,
                  lse + gl.zeros([1, 1, 1, BLOCK_D], gl.float32, COLS), mask=col == 0)
+
+    @gluon.jit
+    def _vec3(n: gl.constexpr, axis: gl.constexpr, LAY: gl.constexpr):
+        """arange(0, n) along ``axis`` of a rank-3 layout, size 1 along the other two."""
+        if axis == 0:
+            x = gl.arange(0, n, gl.SliceLayout(1, gl.SliceLayout(2, LAY)))
+            x = gl.expand_dims(gl.expand_dims(x, 1), 2)
+        elif axis == 1:
+            x = gl.arange(0, n, gl.SliceLayout(0, gl.SliceLayout(2, LAY)))
+            x = gl.expand_dims(gl.expand_dims(x, 0), 2)
+        else:
+            x = gl.arange(0, n, gl.SliceLayout(0, gl.SliceLayout(1, LAY)))
+            x = gl.expand_dims(gl.expand_dims(x, 0), 1)
+        return x
+
+    @gluon.jit
+    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, qk_scale_log2, max_blocks,
+                    stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
+                    stride_vblk, stride_vpos, stride_vh, stride_btb,
+                    stride_ob, stride_oh, stride_lseb, stride_lseh,
+                    GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr,
+                    MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
+        """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
+        tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
+        rows padded to 16): S_w = Q K_w^T, acc_w += P_w V_w, its own (m, l, acc) in registers, no
+        exchange between warps in the loop; the W states merge once after it, through shared
+        memory behind one barrier. K and V are loaded one tile ahead into registers laid out for
+        the mma operands: S sums over d, so the operand's k index may stand for any column of K as
+        long as q's does too (logical k = 16 s + 8 h + 2 c + e is column 32 c + 4 s + 2 h + e: each
+        lane loads 64 contiguous bytes of a K row), and the output columns of P V may be permuted
+        as long as the store undoes it (logical n = 8 j + i is column 16 i + j: 32 contiguous bytes
+        of a V row). The reshapes and permutes that name those orders move no data
+        (assert_trivial)."""
+        W: gl.constexpr = gl.num_warps()
+        D: gl.constexpr = 128
+        BLOCK_N: gl.constexpr = 16 * W
+        R: gl.constexpr = 8 if GROUP <= 8 else 16  # the query rows the merge exchanges
+        A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+        B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # per (warp, query row)
+        pid_h = gl.program_id(0)
+        pid_b = gl.program_id(1)
+        bt = BlockTable + pid_b.to(gl.int64) * stride_btb
+        k_base = K + pid_h.to(gl.int64) * stride_kh
+        v_base = V + pid_h.to(gl.int64) * stride_vh
+
+        # a tile's token offsets in the K and V layouts: warp w holds keys 16 w .. 16 w + 15
+        tok_k = _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
+        col_k = _vec3(D, 2, KL)
+        tok_v = _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
+        col_v = _vec3(D, 2, VL)
+        # the first tile's entries are loaded with the length (clamped to the table's width); its
+        # rows past the end are masked (the sequence may be empty)
+        page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
+        page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
+        n_ctx = gl.load(ContextLens + pid_b)
+        last = gl.maximum(n_ctx - 1, 0)
+
+        # q in the operand's k order (see above); rows past the group are zeros
+        k_q = _vec3(D, 2, QL)
+        col_q = 32 * ((k_q // 2) % 4) + 4 * (k_q // 16) + 2 * ((k_q // 8) % 2) + k_q % 2
+        row_q = _vec3(16, 1, QL)
+        q = gl.load(Q + pid_b.to(gl.int64) * stride_qb + (pid_h * GROUP + row_q) * stride_qh + col_q
+                    + _vec3(W, 0, QL) * 0, mask=(row_q < GROUP) & (col_q < D), other=0.0)
+        q = gl.convert_layout(q, A_L)
+
+        k_next = gl.load(k_base + page_k * stride_kblk + (tok_k % PAGE) * stride_kpos + col_k,
+                         mask=(tok_k < n_ctx) & (col_k < D), other=0.0)
+        v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
+                         mask=(tok_v < n_ctx) & (col_v < D), other=0.0)
+        page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)
+        page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
+
+        key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 2, MMA)  # the key of each score column
+        m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
+        l_i = gl.zeros([W, 16], gl.float32, ROWS)
+        acc = gl.zeros([W, 16, D], gl.float32, MMA)
+        for start in range(0, n_ctx, BLOCK_N):
+            k = k_next
+            v = v_next
+            # the next tile into registers while this one is computed (L1::evict_first: see
+            # decode._KNOBS, kv_evict_first); rows past the end read the last token's row (real,
+            # no mask; their scores are -inf); the block table one tile further ahead
+            t_k = gl.minimum(start + BLOCK_N + tok_k, last)
+            t_v = gl.minimum(start + BLOCK_N + tok_v, last)
+            k_next = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k,
+                             eviction_policy=EVICT)
+            v_next = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v,
+                             eviction_policy=EVICT)
+            page_k = gl.load(bt + gl.minimum(start + 2 * BLOCK_N + tok_k, last) // PAGE)
+            page_v = gl.load(bt + gl.minimum(start + 2 * BLOCK_N + tok_v, last) // PAGE)
+
+            # K [W, 16, (c, s, h, e)] -> the B operand [W, (s, h, c, e), 16]
+            kb = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
+            kb = gl.convert_layout(gl.permute(gl.reshape(kb, [W, 16, D]), [0, 2, 1]), B_L, assert_trivial=True)
+            s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
+            s = gl.where(start + key_s < n_ctx, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 2))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 2))
+            l_i = l_i * alpha + gl.sum(p, 2)
+            m_i = m_new
+            pa = gl.convert_layout(p.to(V.dtype.element_ty), A_L)
+            # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
+            vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
+            vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
+            acc = mma_v2(pa, vb, acc * gl.expand_dims(alpha, 2))
+
+        # the warps' states through shared memory behind one barrier; a group of at most 8 needs
+        # only the rows g < 8 of the mma layout (its first register half), half the exchange
+        if GROUP <= 8:
+            acc, acc_hi = gl.split(gl.permute(gl.reshape(acc, [W, 2, 8, D]), [0, 2, 3, 1]))
+            m_i, m_hi = gl.split(gl.permute(gl.reshape(m_i, [W, 2, 8]), [0, 2, 1]))
+            l_i, l_hi = gl.split(gl.permute(gl.reshape(l_i, [W, 2, 8]), [0, 2, 1]))
+        acc_s = gl.allocate_shared_memory(gl.float32, [W, R, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        m_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        l_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        acc_s.store(acc)
+        m_s.store(m_i)
+        l_s.store(l_i)
+        _cta_barrier()
+        m_w = gl.expand_dims(m_s.load(gl.SliceLayout(2, CL)), 2)
+        l_w = gl.expand_dims(l_s.load(gl.SliceLayout(2, CL)), 2)
+        m = gl.max(m_w, 0, keep_dims=True)
+        w = gl.exp2(m_w - gl.where(m == float("-inf"), 0.0, m))  # all empty: no inf - inf
+        l = gl.sum(l_w * w, 0, keep_dims=True)
+        o = gl.sum(acc_s.load(CL) * w, 0, keep_dims=True)  # [1, R, D]
+        seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        l_safe = gl.where(seen, l, 1.0)
+        row = _vec3(R, 1, CL)
+        n = _vec3(D, 2, CL)
+        col = 16 * (n % 8) + n // 8  # the output column of logical column n
+        gl.store(Out + pid_b.to(gl.int64) * stride_ob + (pid_h * GROUP + row) * stride_oh + col,
+                 (o / l_safe).to(Out.dtype.element_ty), mask=(row < GROUP) & (n < D))
+        # back from log2 to natural log; every column holds it, column 0 stores
+        lse = gl.where(seen, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(Lse + pid_b * stride_lseb + (pid_h * GROUP + row) * stride_lseh + n * 0,
+                 lse + gl.zeros([1, R, D], gl.float32, CL), mask=(row < GROUP) & (n == 0))

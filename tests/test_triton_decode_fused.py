@@ -376,27 +376,45 @@ def test_gluon_gqa(dtype, block_size, h_q, h_kv, poison, gqa_calls):
 
 
 @gluon_only
+@pytest.mark.parametrize("h_q,h_kv", [(8, 2), (32, 2)])
+def test_gluon_gqa_splits(h_q, h_kv, poison, gqa_calls):
+    """The GQA kernel's split launches (forced): 2, 3 and 16 splits of ragged contexts 0, 1, 17, 200
+    and 1000 (splits past a sequence's end are empty), merged by the reduce kernel."""
+    c = _case("cuda", "float16", b=5, h_q=h_q, h_kv=h_kv, lens=[0, 1, 17, 200, 1000], dk=128, seed=47)
+    for ns in (2, 3, 16):
+        out, lse = _run(c, ns, GQA)
+        _check(out, c["ref"], "float16", f"gluon gqa {h_q}/{h_kv} splits={ns}", c["naive"], lse, c["ref_lse"])
+    assert len(gqa_calls) == 3
+
+
+@gluon_only
 def test_gluon_gqa_automatic(poison, gqa_calls):
-    """Unforced, a one-split launch of the rule's shapes (decode_gluon.gqa_takes) runs the kernel; a
-    split launch, MHA, a head dim below 128 and 64-bit offsets do not."""
+    """Unforced, launches of the rule's shapes (decode_gluon.gqa_takes) run the kernel, one split or
+    its own split count; 512-token splits, MHA and a head dim below 128 do not."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b = -(-3 * sms // (2 * 2))  # 2 KV heads: at least 1.5 programs per SM
     c = _case("cuda", "float16", b=b, h_q=8, h_kv=2, lens=[1024] * b, dk=128, seed=45)
     out, lse = _run(c, 0, None)
     assert len(gqa_calls) == 1
     _check(out, c["ref"], "float16", "gluon gqa automatic", c["naive"], lse, c["ref_lse"])
-    _run(c, 2, None)
+    _run(c, 2, None)  # 512-token splits
     assert len(gqa_calls) == 1
     for h_q, h_kv, dk in ((2, 2, 128), (8, 2, 64)):
         c = _case("cuda", "float16", b=b, h_q=h_q, h_kv=h_kv, lens=[1024] * b, dk=dk, seed=46)
         _run(c, 0, GQA)
     assert len(gqa_calls) == 1
+    b = -(-3 * sms // (4 * 2))  # at most one program per SM unsplit: two splits of 1024 tokens
+    c = _case("cuda", "float16", b=b, h_q=8, h_kv=2, lens=[2048] * b, dk=128, seed=48)
+    out, lse = _run(c, 0, None)
+    assert len(gqa_calls) == 2 and td.launch_plan(b, 8, 2, 128, 128, 2048, 2, c["q"].device)["num_splits"] == 2
+    _check(out, c["ref"], "float16", "gluon gqa automatic, split", c["naive"], lse, c["ref_lse"])
 
 
 def test_gluon_gqa_rule(monkeypatch):
-    """decode_gluon.gqa_takes: groups of 4 to 8, contexts of 1024 or more, 1.5 programs per SM or
-    more, one split, head dims 128, 2-byte K/V; forced, any group of 2 to 16. The device's own
-    conditions (a CUDA device of compute capability 8.0+ with Gluon) are stood in for on the CPU."""
+    """decode_gluon.gqa_takes: groups of 4 to 8, splits of 1024 tokens or more, 1.5 programs per SM
+    or more, head dims 128, 2-byte K/V; forced, any group of 2 to 16; gqa_splits: two programs per
+    SM; launch_plan takes the kernel's split count. The device's own conditions (a CUDA device of
+    compute capability 8.0+ with Gluon) are stood in for on the CPU."""
     monkeypatch.setattr(tg, "available", lambda: True)
     monkeypatch.setattr(tg, "_sm_major", lambda index: 9)
     dev = torch.device("cuda", 0)
@@ -405,16 +423,26 @@ def test_gluon_gqa_rule(monkeypatch):
         return tg.gqa_takes(group, d, d, elt, splits, programs, ctx, 132, dev, forced)
 
     assert takes() and takes(group=8) and takes(programs=198) and takes(ctx=1024)
-    assert not takes(programs=197) and not takes(ctx=1023) and not takes(splits=2)
+    assert not takes(programs=197) and not takes(ctx=1023) and not takes(splits=2, ctx=2047)
+    assert takes(programs=8, splits=32, ctx=32768) and not takes(programs=8, splits=16, ctx=32768)
     assert not takes(group=2) and not takes(group=16) and not takes(group=1, forced=True)
     assert takes(group=2, forced=True) and takes(group=16, programs=8, ctx=16, forced=True)
     assert not takes(group=17, forced=True) and not takes(d=64, forced=True) and not takes(elt=4, forced=True)
     assert not tg.gqa_takes(4, 128, 128, 2, 1, 256, 2048, 132, torch.device("cpu"))
+    assert [tg.gqa_splits(n, 132) for n in (8, 16, 32, 100, 132, 133, 256)] == [32, 16, 8, 2, 2, 1, 1]
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
-    plan = lambda *shape, **kw: td.launch_plan(*shape, 128, 128, 2048, 2, dev, **kw)["config"]["gluon_gqa"]  # noqa: E731
-    assert plan(32, 32, 8) and not plan(32, 32, 8, config={"gluon_gqa": False})
-    assert not plan(8, 32, 8) and not plan(32, 32, 8, page_size=0) and not plan(32, 32, 8, config={"BLOCK_N": 64})
+
+    def plan(b, h_q, h_kv, ctx=2048, **kw):
+        p = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, dev, **kw)
+        return p["config"]["gluon_gqa"], p["num_splits"], p["config"]["fused_reduce"]
+
+    assert plan(32, 32, 8) == (True, 1, False) and plan(32, 32, 8, config={"gluon_gqa": False})[0] is False
+    assert plan(1, 32, 8, ctx=131072) == (True, 32, False) and plan(16, 32, 8, ctx=4096) == (True, 2, False)
+    assert plan(8, 32, 8) == (False, 2, True)  # 512-token splits: the dot path, fused
+    assert plan(1, 32, 8, ctx=131072, num_splits=16)[:2] == (False, 16)  # 128 programs
+    assert not plan(32, 32, 8, page_size=0)[0] and not plan(32, 32, 8, config={"BLOCK_N": 64})[0]
+    assert plan(8, 32, 8, config={"gluon_gqa": True})[:2] == (True, 2)  # forced: the dot path's count
 
 
 @pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])

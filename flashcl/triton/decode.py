@@ -61,8 +61,10 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   merged without Triton's cross-warp reductions (about 1 us less per launch).
     kv_evict_first (default on) the MHA loops' in-loop K/V loads into registers (mha_fma,
                   gluon_mha, gluon_gqa) are marked L1::evict_first (see ``_KNOBS``): +0.5-4.5% on H100.
-    gluon_gqa     (default: groups of 4 to 8 on grids of 1.5 programs per SM or more, contexts
-                  from 1024, one split, head dim 128) the GQA kernel of ``decode_gluon``.
+    gluon_gqa     (default: groups of 4 to 8, head dim 128, at the kernel's own split count of
+                  two programs per SM where that gives 1.5 programs per SM or more and splits of
+                  1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
+                  merged by ``_reduce_kernel``.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -711,9 +713,10 @@ _KNOBS = {
     # 1k-2k. Why L1 allocation slows these streams is not established (docs/decode-h100-notes.md,
     # "The L1 eviction policy of the MHA loops")
     "kv_evict_first": True,
-    # one-split GQA launches of head dim 128 run decode_gluon's GQA kernel (one online-softmax
-    # state per warp, mma.sync, K/V one tile ahead in registers) instead of the dot path. None:
-    # where decode_gluon.gqa_takes measured it faster; True: wherever it can run
+    # GQA launches of head dim 128 run decode_gluon's GQA kernel (one online-softmax state per
+    # warp, mma.sync, K/V one tile ahead in registers) instead of the dot path. None: where
+    # decode_gluon.gqa_takes measured it faster, at its own split count (gqa_splits) unless one
+    # is given; True: wherever it can run, at the dot path's split count
     "gluon_gqa": None,
 }
 
@@ -853,6 +856,17 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
+    # decode_gluon's GQA kernel: forced, wherever it can run; by default where its rule takes the
+    # launch at its own split count (two programs per SM) or at the one given
+    gluon_gqa = False
+    if cfg["gluon_gqa"] is not False and not tile_forced and page_size > 0:
+        if cfg["gluon_gqa"] is True:
+            gluon_gqa = decode_gluon.gqa_takes(group, dk, dv, elt_bytes, splits, b * h_kv, n_ctx_bound, sms,
+                                               device, forced=True)
+        else:
+            g_splits = num_splits if num_splits > 0 else decode_gluon.gqa_splits(b * h_kv, sms)
+            if decode_gluon.gqa_takes(group, dk, dv, elt_bytes, g_splits, b * h_kv, n_ctx_bound, sms, device):
+                gluon_gqa, splits = True, g_splits
     long_tile = False
     alone = b * h_kv * splits <= sms
     if (not tile_forced and alone and max(block_dk, block_dv) >= 128
@@ -862,6 +876,8 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         long_tile = True
     for key, on in _auto_knobs(splits).items():
         cfg[key] = on if cfg[key] is None else bool(cfg[key])
+    if gluon_gqa:
+        cfg["fused_reduce"] = False  # the GQA kernel's splits are merged by the reduce kernel
     gluon_tile = None  # the Gluon kernel's tile (decode_gluon.tile), where it can take the launch
     if cfg["mha_fma"] is None:
         if (not tile_forced and cfg["gluon_mha"] and page_size > 0
@@ -884,9 +900,7 @@ def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int,
         cfg["num_warps"] = 2
     if cfg["mha_fma"] and gluon_tile:
         cfg["BLOCK_N"], cfg["num_warps"] = gluon_tile
-    cfg["gluon_gqa"] = (cfg["gluon_gqa"] is not False and not tile_forced and page_size > 0
-                        and decode_gluon.gqa_takes(group, dk, dv, elt_bytes, splits, b * h_kv, n_ctx_bound, sms,
-                                                   device, forced=cfg["gluon_gqa"] is True))
+    cfg["gluon_gqa"] = gluon_gqa
     return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
             "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
 
@@ -979,6 +993,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     counters = _counters(q.device, b * h_kv) if fused else None
     pdl = cfg["pdl"] and _pdl_ok(q.device)
     knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
+    gluon_ran = False
     num_stages = cfg["num_stages"]
     if paged and cfg["whole_pages"] and cfg["early_pages"]:
         # the block size and BLOCK_N are powers of two: a tile holds whole pages or lies inside one
@@ -997,29 +1012,33 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if (cfg["gluon_gqa"] and knobs["OFFS32"]
                 and decode_gluon.gqa_fits(q, k_cache, v_cache, block_table, context_lens)):
             decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
-                                    evict_first=bool(cfg["kv_evict_first"]))
-            return out, lse
+                                    evict_first=bool(cfg["kv_evict_first"]), num_splits=num_splits,
+                                    partials=(part_m, part_l, part_acc) if split else None)
+            if not split:
+                return out, lse
+            gluon_ran = True  # its splits are merged by the reduce kernel (fused_reduce is off)
     if fused:
         knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
     launch_opts = {"launch_pdl": True} if pdl else {}
 
-    grid = (h_kv, b, num_splits)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
-        out, lse, part_m, part_l, part_acc, counters if fused else lse,
-        scale * _LOG2E, n_ctx_bound, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        *sk, *sv, *s_bt,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        *s_pm, *s_pa,
-        GROUP=group, BLOCK_G=block_g,
-        DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
-        PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
-        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
-    )
+    if not gluon_ran:
+        grid = (h_kv, b, num_splits)
+        _decode_kernel[grid](
+            q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
+            out, lse, part_m, part_l, part_acc, counters if fused else lse,
+            scale * _LOG2E, n_ctx_bound, num_splits,
+            q.stride(0), q.stride(1), q.stride(2),
+            *sk, *sv, *s_bt,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            *s_pm, *s_pa,
+            GROUP=group, BLOCK_G=block_g,
+            DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+            BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
+            PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
+            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+            num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
+        )
     if split and not fused:
         heads, chunk = _reduce_shape(num_splits, block_dv)
         _reduce_kernel[(triton.cdiv(h_q, heads), b)](

@@ -132,31 +132,44 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
 
 # ---- GQA: one online-softmax state per warp, mma.sync ----------------------------------------
 
-# The GQA kernel takes one-split launches of groups GQA_GROUPS (the kernel pads any group to 16
-# rows; 4 and 8 measured) of context bounds >= GQA_MIN_CONTEXT on grids of at least
-# GQA_MIN_PROGRAMS_PER_SM programs per SM. H100 (.lead/gqa_test.py, 2026-11-22, fp16, random blocks,
-# ratio to SDPA in the same run, the op's dot path in brackets): (32, 32/8, 2k) 0.995-1.016
+# The GQA kernel takes launches of groups GQA_GROUPS (the kernel pads any group to 16 rows; 4 and
+# 8 measured) whose grid holds at least GQA_MIN_PROGRAMS_PER_SM programs per SM and whose splits are
+# at least GQA_MIN_CONTEXT tokens long; the automatic split count then aims at two programs per SM
+# (``gqa_splits``), and split launches are merged by decode's reduce kernel. H100
+# (.lead/gqa_test.py, .lead/gqs_bench.py, 2026-11-22, fp16, random blocks, ratio to SDPA in the same
+# run, the op's dot path at its own split count in brackets): one split, (32, 32/8, 2k) 0.995-1.016
 # (0.983-0.993), bf16 1.005 (0.988), (32, 64/8, 2k) 1.007 (0.977), (64, 32/8, 1k) 1.008-1.017
-# (0.965-0.967), (32, 32/8, 8k) 0.987-0.991 (0.984-0.987), (24, 32/8, 2k) 1.034 (1.030); lost at
-# (20, 32/8, 2k) (160 programs) 1.047 (1.083), (128, 32/8, 512) 0.949 (0.982), (32, 32/8, 256)
-# 0.985 (1.000), and on grids of one program per SM or fewer (0.73-0.90 against 0.95-1.05).
+# (0.965-0.967), (32, 32/8, 8k) 0.987-0.991 (0.984-0.987), (24, 32/8, 2k) 1.034 (1.030); split, at
+# two programs per SM: (1, 32/8, 32k) 32 splits 1.040 (1.017), 64k 1.014 (1.002), (1, 64/8, 64k)
+# 1.015 (1.003), (2, 32/8, 32k) 16 splits 1.018 (1.004), (4, 32/8, 16k) 8 splits 1.016 (0.994),
+# (1, 32/8, 128k) 32 splits 0.987-0.996 (0.984-0.993). Lost: (20, 32/8, 2k) (160 programs) 1.047
+# (1.083), (128, 32/8, 512) 0.949 (0.982), (32, 32/8, 256) 0.985 (1.000), one program per SM or
+# fewer 0.63-0.93 (0.88-1.05).
 GQA_GROUPS = range(4, 9)
 GQA_MIN_CONTEXT = 1024
 GQA_MIN_PROGRAMS_PER_SM = 1.5
 
 
+def gqa_splits(batch_heads: int, sms: int) -> int:
+    """The GQA kernel's split count: the largest power of two that keeps the grid within two
+    programs per SM (one split where B * H_kv alone fills that)."""
+    splits = 1
+    while batch_heads * splits * 2 <= 2 * sms:
+        splits *= 2
+    return splits
+
+
 def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, programs: int,
               n_ctx_bound: int, sms: int, device: torch.device, forced: bool = False) -> bool:
-    """Whether the GQA kernel runs a launch of these shapes (``gqa_fits`` then checks the
-    tensors): head dims 128, 2-byte K/V, one split, groups up to 16, a CUDA device of compute
-    capability 8.0 or newer with Gluon; unless ``forced``, only where it measured faster than the
-    dot path (GQA_GROUPS, GQA_MIN_CONTEXT, GQA_MIN_PROGRAMS_PER_SM)."""
-    if not (available() and num_splits == 1 and elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16
-            and device.type == "cuda"
+    """Whether the GQA kernel runs a launch of these shapes, ``programs`` = B * H_kv programs per
+    split (``gqa_fits`` then checks the tensors): head dims 128, 2-byte K/V, groups of 2 to 16, a
+    CUDA device of compute capability 8.0 or newer with Gluon; unless ``forced``, only where it
+    measured faster than the dot path (GQA_GROUPS, GQA_MIN_PROGRAMS_PER_SM, GQA_MIN_CONTEXT)."""
+    if not (available() and elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16 and device.type == "cuda"
             and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8):
         return False
-    return forced or (group in GQA_GROUPS and n_ctx_bound >= GQA_MIN_CONTEXT
-                      and programs >= GQA_MIN_PROGRAMS_PER_SM * sms)
+    return forced or (group in GQA_GROUPS and n_ctx_bound >= GQA_MIN_CONTEXT * num_splits
+                      and programs * num_splits >= GQA_MIN_PROGRAMS_PER_SM * sms)
 
 
 def gqa_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -187,20 +200,27 @@ def _gqa_layouts(warps: int, rows: int):
 
 
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
-               evict_first: bool = True) -> None:
-    """out/lse of GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit
-    32 bits, one program per (KV head, sequence) of 4 warps."""
+               evict_first: bool = True, num_splits: int = 1, partials=None) -> None:
+    """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
+    one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
+    unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
+    its reduce kernel)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
     warps = 4
     mma, k_layout, v_layout, q_layout, merge = _gqa_layouts(warps, 8 if group <= 8 else 16)
-    _gqa_decode[(h_kv, b)](
-        q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2, block_table.shape[1],
+    split = num_splits > 1
+    part_m, part_l, part_acc = partials if split else (lse, lse, lse)
+    s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
+    s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
+    _gqa_decode[(h_kv, b, num_splits)](
+        q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc,
+        qk_scale_log2, block_table.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "",
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
+        GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
         MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 
@@ -359,12 +379,14 @@ if gluon is not None:
             x = gl.expand_dims(gl.expand_dims(x, 0), 1)
         return x
 
-    @gluon.jit
-    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, qk_scale_log2, max_blocks,
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc,
+                    qk_scale_log2, max_blocks, num_splits,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
-                    GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr,
+                    stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
+                    GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
         """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
         tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
@@ -386,21 +408,27 @@ if gluon is not None:
         ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # per (warp, query row)
         pid_h = gl.program_id(0)
         pid_b = gl.program_id(1)
+        pid_s = gl.program_id(2)
         bt = BlockTable + pid_b.to(gl.int64) * stride_btb
         k_base = K + pid_h.to(gl.int64) * stride_kh
         v_base = V + pid_h.to(gl.int64) * stride_vh
+        # this split's tokens [lo, hi): the table's bound cut into num_splits chunks of whole
+        # tiles, as decode's kernel cuts it (early_pages): the first entries need no length
+        chunk = gl.cdiv(gl.cdiv(max_blocks * PAGE, num_splits), BLOCK_N) * BLOCK_N
+        lo = pid_s * chunk
 
         # a tile's token offsets in the K and V layouts: warp w holds keys 16 w .. 16 w + 15
-        tok_k = _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
+        tok_k = lo + _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
         col_k = _vec3(D, 2, KL)
-        tok_v = _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
+        tok_v = lo + _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
         col_v = _vec3(D, 2, VL)
         # the first tile's entries are loaded with the length (clamped to the table's width); its
-        # rows past the end are masked (the sequence may be empty)
+        # rows past the end are masked (the split may be empty)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
         n_ctx = gl.load(ContextLens + pid_b)
-        last = gl.maximum(n_ctx - 1, 0)
+        hi = gl.minimum(lo + chunk, n_ctx)
+        last = gl.maximum(hi - 1, 0)
 
         # q in the operand's k order (see above); rows past the group are zeros
         k_q = _vec3(D, 2, QL)
@@ -411,9 +439,9 @@ if gluon is not None:
         q = gl.convert_layout(q, A_L)
 
         k_next = gl.load(k_base + page_k * stride_kblk + (tok_k % PAGE) * stride_kpos + col_k,
-                         mask=(tok_k < n_ctx) & (col_k < D), other=0.0)
+                         mask=(tok_k < hi) & (col_k < D), other=0.0)
         v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
-                         mask=(tok_v < n_ctx) & (col_v < D), other=0.0)
+                         mask=(tok_v < hi) & (col_v < D), other=0.0)
         page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)
         page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
 
@@ -421,26 +449,26 @@ if gluon is not None:
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
-        for start in range(0, n_ctx, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             k = k_next
             v = v_next
             # the next tile into registers while this one is computed (L1::evict_first: see
             # decode._KNOBS, kv_evict_first); rows past the end read the last token's row (real,
             # no mask; their scores are -inf); the block table one tile further ahead
-            t_k = gl.minimum(start + BLOCK_N + tok_k, last)
-            t_v = gl.minimum(start + BLOCK_N + tok_v, last)
+            t_k = gl.minimum(start - lo + BLOCK_N + tok_k, last)
+            t_v = gl.minimum(start - lo + BLOCK_N + tok_v, last)
             k_next = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k,
                              eviction_policy=EVICT)
             v_next = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v,
                              eviction_policy=EVICT)
-            page_k = gl.load(bt + gl.minimum(start + 2 * BLOCK_N + tok_k, last) // PAGE)
-            page_v = gl.load(bt + gl.minimum(start + 2 * BLOCK_N + tok_v, last) // PAGE)
+            page_k = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_k, last) // PAGE)
+            page_v = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_v, last) // PAGE)
 
             # K [W, 16, (c, s, h, e)] -> the B operand [W, (s, h, c, e), 16]
             kb = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
             kb = gl.convert_layout(gl.permute(gl.reshape(kb, [W, 16, D]), [0, 2, 1]), B_L, assert_trivial=True)
             s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
-            s = gl.where(start + key_s < n_ctx, s, float("-inf"))
+            s = gl.where(start + key_s < hi, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
             alpha = gl.exp2(m_i - m_safe)
@@ -472,11 +500,20 @@ if gluon is not None:
         w = gl.exp2(m_w - gl.where(m == float("-inf"), 0.0, m))  # all empty: no inf - inf
         l = gl.sum(l_w * w, 0, keep_dims=True)
         o = gl.sum(acc_s.load(CL) * w, 0, keep_dims=True)  # [1, R, D]
-        seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
-        l_safe = gl.where(seen, l, 1.0)
         row = _vec3(R, 1, CL)
         n = _vec3(D, 2, CL)
         col = 16 * (n % 8) + n // 8  # the output column of logical column n
+        if SPLIT:
+            # the unnormalized state (an empty split stores (-inf, 0, 0)) for the reduce kernel
+            heads = pid_b.to(gl.int64) * stride_pmb + (pid_h * GROUP + row) * stride_pmh + pid_s * stride_pms
+            first = (row < GROUP) & (n == 0)
+            gl.store(PartM + heads + n * 0, m + gl.zeros([1, R, D], gl.float32, CL), mask=first)
+            gl.store(PartL + heads + n * 0, l + gl.zeros([1, R, D], gl.float32, CL), mask=first)
+            gl.store(PartAcc + pid_b.to(gl.int64) * stride_pab + (pid_h * GROUP + row) * stride_pah
+                     + pid_s * stride_pas + col, o, mask=(row < GROUP) & (n < D))
+            return
+        seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        l_safe = gl.where(seen, l, 1.0)
         gl.store(Out + pid_b.to(gl.int64) * stride_ob + (pid_h * GROUP + row) * stride_oh + col,
                  (o / l_safe).to(Out.dtype.element_ty), mask=(row < GROUP) & (n < D))
         # back from log2 to natural log; every column holds it, column 0 stores

@@ -669,7 +669,7 @@ def test_default_launch_uses_fused_for_few_splits(triton_device, monkeypatch, po
 
 @cuda_only
 @pytest.mark.parametrize("config", [None, FUSED, {**FUSED, "pdl": True}, {"pdl": True},
-                                    {**FUSED, "early_pages": False}])
+                                    {**FUSED, "early_pages": False}, {"gluon_gqa": True, "pdl": True}])
 def test_cuda_graph_replay(triton_device, config):
     """Captured once, replayed many times with new context_lens: exact every time, counters at zero."""
     c = _case(triton_device, "float16", b=3, h_q=8, h_kv=2, lens=[300, 17, 1000], dk=128, seed=8)

@@ -71,13 +71,24 @@ def _sm_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def _runs_on(device: torch.device) -> bool:
+    """A CUDA device of compute capability 8.0 or newer, and a Triton with Gluon (not interpreting)."""
+    return (available() and device.type == "cuda"
+            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8)
+
+
+def _operands_fit(q, k_cache, v_cache, block_table, context_lens) -> bool:
+    """What both kernels need of the tensors: context lengths given, unit strides along the head
+    dim and along the block table's rows (32-bit offsets are checked by the launch)."""
+    return (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+
+
 def takes(dk: int, dv: int, elt_bytes: int, num_splits: int, device: torch.device) -> bool:
     """Whether a launch of these head dims, element size and split count could run here (``fits``
     then checks the tensors): one split, 2-byte K/V, DK == DV <= 128, a CUDA device of compute
     capability 8.0 or newer, a Triton with Gluon."""
-    return (available() and num_splits == 1 and elt_bytes == 2 and dk == dv and _block_d(dk) in _TILES
-            and device.type == "cuda"
-            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8)
+    return num_splits == 1 and elt_bytes == 2 and dk == dv and _block_d(dk) in _TILES and _runs_on(device)
 
 
 def tile(d: int, programs: int, sms: int) -> tuple[int, int]:
@@ -110,9 +121,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ta
     """Whether a launch that the op sends to the MHA loop (whole pages, 32-bit offsets) runs here."""
     d = q.shape[2]
     return (cfg["gluon_mha"] and q.is_cuda and takes(d, v_cache.shape[3], q.element_size(), num_splits, q.device)
-            and context_lens is not None and (cfg["BLOCK_N"], cfg["num_warps"]) in _TILES[_block_d(d)]
-            and block_table.shape[1] >= 1 and block_table.stride(1) == 1
-            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+            and (cfg["BLOCK_N"], cfg["num_warps"]) in _TILES[_block_d(d)]
+            and _operands_fit(q, k_cache, v_cache, block_table, context_lens))
 
 
 def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
@@ -154,7 +164,7 @@ def gqa_splits(batch_heads: int, sms: int) -> int:
     """The GQA kernel's split count: the largest power of two that keeps the grid within two
     programs per SM (one split where B * H_kv alone fills that)."""
     splits = 1
-    while batch_heads * splits * 2 <= 2 * sms:
+    while batch_heads * (2 * splits) <= 2 * sms:  # twice the splits still within two per SM
         splits *= 2
     return splits
 
@@ -165,8 +175,7 @@ def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, pro
     split (``gqa_fits`` then checks the tensors): head dims 128, 2-byte K/V, groups of 2 to 16, a
     CUDA device of compute capability 8.0 or newer with Gluon; unless ``forced``, only where it
     measured faster than the dot path (GQA_GROUPS, GQA_MIN_PROGRAMS_PER_SM, GQA_MIN_CONTEXT)."""
-    if not (available() and elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16 and device.type == "cuda"
-            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8):
+    if not (elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16 and _runs_on(device)):
         return False
     return forced or (group in GQA_GROUPS and n_ctx_bound >= GQA_MIN_CONTEXT * num_splits
                       and programs * num_splits >= GQA_MIN_PROGRAMS_PER_SM * sms)
@@ -174,10 +183,8 @@ def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, pro
 
 def gqa_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
              context_lens) -> bool:
-    """The tensors of a launch ``gqa_takes``: context lengths given, unit strides along the head
-    dim and the block table's rows (the launch checks the 32-bit offsets)."""
-    return (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
-            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+    """The tensors of a launch ``gqa_takes`` (see _operands_fit)."""
+    return _operands_fit(q, k_cache, v_cache, block_table, context_lens)
 
 
 @functools.lru_cache(maxsize=None)

@@ -708,10 +708,10 @@ _KNOBS = {
     "gluon_mha": True,
     # the in-loop K/V loads into registers of the MHA loops (mha_fma, gluon_mha) and of the GQA
     # kernel (gluon_gqa) marked L1::evict_first (each row is read once). H100, ratio to SDPA,
-    # same SASS schedule with only the hint changed: (16, 32/32, 1k) 0.999 -> 1.044, (8, 32/32, 2k) 1.005 -> 1.029, 8k 0.993 -> 0.999, d = 64
-    # and 96 +3-5%. The first tile's loads stay plain: marked as well, they cost 2-4% at
-    # 1k-2k. Why L1 allocation slows these streams is not established (docs/decode-h100-notes.md,
-    # "The L1 eviction policy of the MHA loops")
+    # same SASS schedule with only the hint changed: (16, 32/32, 1k) 0.999 -> 1.044, (8, 32/32,
+    # 2k) 1.005 -> 1.029, 8k 0.993 -> 0.999, d = 64 and 96 +3-5%. The first tile's loads stay
+    # plain: marked as well, they cost 2-4% at 1k-2k. Why L1 allocation slows these streams is
+    # not established (docs/decode-h100-notes.md, "The L1 eviction policy of the MHA loops")
     "kv_evict_first": True,
     # GQA launches of head dim 128 run decode_gluon's GQA kernel (one online-softmax state per
     # warp, mma.sync, K/V one tile ahead in registers) instead of the dot path. None: where

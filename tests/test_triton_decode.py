@@ -425,9 +425,13 @@ def test_bench_table_with_and_without_forced_splits(forced):
            "best_forced_ms": forced.get(best), "auto_within_5pct": (0.0931 <= 1.05 * forced[best]) if forced else None,
            "flashcl": "0.1.0", "dtype": "float16", "d": 128, "block_size": 16, "block_order": "ascending",
            "rounds": 3, "device": "GPU", "sm_count": 132, "driver": "580", "torch": "2.11", "triton": "3.6",
-           "date": "2026-11-22", "copy_bw_TB_s": 2.9}
+           "date": "2026-11-22", "copy_bw_TB_s": 2.9, "read_bw_TB_s": 3.07, "pct_read_bw": 94.1}
     text = bd.format_table([row], "python -m flashcl.triton.bench_decode --splits")
     assert "command: python -m flashcl.triton.bench_decode --splits" in text
+    assert "streaming-read bandwidth 3.07 TB/s" in text and " 94.1 " in text and " 0.990 " in text
+    # rows saved before the read ceiling was measured still print
+    old = {k: v for k, v in row.items() if k not in ("read_bw_TB_s", "pct_read_bw")}
+    assert "streaming-read bandwidth n/a" in bd.format_table([old])
     assert "(ascending block order)" in text
     last = [ln for ln in text.splitlines() if ln.strip().startswith("(8,32,32,2k)")][0]  # the shape's row
     if forced:

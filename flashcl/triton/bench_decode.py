@@ -13,8 +13,9 @@ d) tensor (enable_gqa for GQA/MQA), same rotation, and so does flashcl's own ker
 column: the same kernel without a block table, which separates what paging costs from what the
 kernel costs), and SDPA held to its FlashAttention-2 backend as a second peer ("FA2"; torch 2.11
 dispatches these shapes to cuDNN, which is faster and is the target). Reported: TB/s over the bytes
-each call must move, % of the device's copy bandwidth measured in the same run, the SDPA ratio, and
-whether the automatic split count is within 5% of the best forced one.
+each call must move, % of the device's copy bandwidth and % of its streaming-read bandwidth (a kernel
+that only reads: decode's ceiling) measured in the same run, the SDPA ratio, and whether the
+automatic split count is within 5% of the best forced one.
 
 What paging costs, measured with this command on an H100 (2026-11-22, fp16, d=128, block_size 16,
 random blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
@@ -130,6 +131,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
     shapes = [tuple(s) for s in (shapes or REFERENCE_SHAPES)]
     summary = cuda_timing.device_summary()
     copy_bw = cuda_timing.copy_bandwidth()  # bytes/s, read + write, same run
+    read_bw = cuda_timing.read_bandwidth()  # bytes/s, a kernel that only reads: the ceiling
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -182,6 +184,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "auto_splits": auto_splits, "sm_count_plan": plan["sm_count"], "BLOCK_N": block_n,
             "median_ms": t_auto["median_ms"], "min_ms": t_auto["min_ms"], "max_ms": t_auto["max_ms"],
             "TB_s": tb(t_auto), "pct_copy_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / copy_bw,
+            "pct_read_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / read_bw,
             "TFLOP_s": _flops(b, h_q, ctx, d, d) / (t_auto["median_ms"] * 1e-3) / 1e12,
             "sdpa_ms": t_sdpa["median_ms"], "sdpa_TB_s": tb(t_sdpa),
             "vs_sdpa": t_sdpa["median_ms"] / t_auto["median_ms"],
@@ -189,7 +192,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "sdpa_fa2_TB_s": tb(t["sdpa_fa2"]) if "sdpa_fa2" in t else None,
             "forced_ms": forced, "best_splits": best_s, "best_forced_ms": forced.get(best_s),
             "auto_within_5pct": None if best_s is None else t_auto["median_ms"] <= AUTO_TOLERANCE * forced[best_s],
-            "copy_bw_TB_s": copy_bw / 1e12,
+            "copy_bw_TB_s": copy_bw / 1e12, "read_bw_TB_s": read_bw / 1e12,
             "device": summary["device"], "sm_count": summary["sm_count"],
             "driver": summary["driver"],
             "torch": summary["torch"], "triton": triton_decode.triton.__version__,
@@ -243,6 +246,10 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
     return rows
 
 
+def _tbs(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def format_table(rows, command: str | None = None) -> str:
     """The rows as a text table under a header with their conditions; ``command``: the command
     line that produced them (default: the module's, with the rows' block order)."""
@@ -253,18 +260,20 @@ def format_table(rows, command: str | None = None) -> str:
             f"({r0['block_order']} block order), inputs rotated past 3x L2, CUDA-graph replay, "
             f"{r0.get('rounds', 1)} interleaved rounds, median (spread: min-max of the round medians)\n"
             f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
-            f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s\n"
+            f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s (read + "
+            f"write), streaming-read bandwidth {_tbs(r0.get('read_bw_TB_s'))} TB/s (%read: the ceiling)\n"
             f"command: {command or 'python -m flashcl.triton.bench_decode --block-order ' + r0['block_order']}\n"
             f"contig = the same kernel on SDPA's contiguous KV (no block table); SDPA = torch's own "
             f"dispatch (the target), FA2 = SDPA held to its FlashAttention-2 backend (a weaker peer)\n")
-    cols = ("shape", "KV MB", "splits", "ms", "spread", "TB/s", "%copy", "SDPA TB/s", "xSDPA",
+    cols = ("shape", "KV MB", "splits", "ms", "spread", "TB/s", "%copy", "%read", "SDPA TB/s", "xSDPA",
             "contig TB/s", "FA2 TB/s", "best forced", "auto<=5%")
     lines = [cols]
     for r in rows:
         lines.append((
             r["shape"], f"{r['kv_MB']:.0f}", str(r["auto_splits"]), f"{r['median_ms']:.4f}",
             f"{r['min_ms']:.4f}-{r['max_ms']:.4f}", f"{r['TB_s']:.2f}", f"{r['pct_copy_bw']:.0f}",
-            f"{r['sdpa_TB_s']:.2f}", f"{r['vs_sdpa']:.2f}", f"{r['contig_TB_s']:.2f}",
+            "n/a" if r.get("pct_read_bw") is None else f"{r['pct_read_bw']:.1f}",
+            f"{r['sdpa_TB_s']:.2f}", f"{r['vs_sdpa']:.3f}", f"{r['contig_TB_s']:.2f}",
             "n/a" if r.get("sdpa_fa2_TB_s") is None else f"{r['sdpa_fa2_TB_s']:.2f}",
             "-" if r["best_splits"] is None else f"{r['best_splits']}: {r['best_forced_ms']:.4f}",
             {None: "-", True: "yes", False: "NO"}[r["auto_within_5pct"]],

@@ -246,8 +246,9 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
     return rows
 
 
-def _tbs(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+def _or_na(x, spec: str = ".2f") -> str:
+    """A measurement that a row may lack (older JSON rows, a peer that did not run)."""
+    return "n/a" if x is None else format(x, spec)
 
 
 def format_table(rows, command: str | None = None) -> str:
@@ -261,7 +262,7 @@ def format_table(rows, command: str | None = None) -> str:
             f"{r0.get('rounds', 1)} interleaved rounds, median (spread: min-max of the round medians)\n"
             f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
             f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s (read + "
-            f"write), streaming-read bandwidth {_tbs(r0.get('read_bw_TB_s'))} TB/s (%read: the ceiling)\n"
+            f"write), streaming-read bandwidth {_or_na(r0.get('read_bw_TB_s'))} TB/s (%read: the ceiling)\n"
             f"command: {command or 'python -m flashcl.triton.bench_decode --block-order ' + r0['block_order']}\n"
             f"contig = the same kernel on SDPA's contiguous KV (no block table); SDPA = torch's own "
             f"dispatch (the target), FA2 = SDPA held to its FlashAttention-2 backend (a weaker peer)\n")
@@ -272,9 +273,9 @@ def format_table(rows, command: str | None = None) -> str:
         lines.append((
             r["shape"], f"{r['kv_MB']:.0f}", str(r["auto_splits"]), f"{r['median_ms']:.4f}",
             f"{r['min_ms']:.4f}-{r['max_ms']:.4f}", f"{r['TB_s']:.2f}", f"{r['pct_copy_bw']:.0f}",
-            "n/a" if r.get("pct_read_bw") is None else f"{r['pct_read_bw']:.1f}",
+            _or_na(r.get("pct_read_bw"), ".1f"),
             f"{r['sdpa_TB_s']:.2f}", f"{r['vs_sdpa']:.3f}", f"{r['contig_TB_s']:.2f}",
-            "n/a" if r.get("sdpa_fa2_TB_s") is None else f"{r['sdpa_fa2_TB_s']:.2f}",
+            _or_na(r.get("sdpa_fa2_TB_s")),
             "-" if r["best_splits"] is None else f"{r['best_splits']}: {r['best_forced_ms']:.4f}",
             {None: "-", True: "yes", False: "NO"}[r["auto_within_5pct"]],
         ))

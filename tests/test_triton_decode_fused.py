@@ -445,6 +445,112 @@ def test_gluon_gqa_rule(monkeypatch):
     assert plan(8, 32, 8, config={"gluon_gqa": True})[:2] == (True, 2)  # forced: the dot path's count
 
 
+def _run_ptx_warp(ptx: str, regs: list[list[int]]) -> list[list[int]]:
+    """Execute ``ptx`` (inline-asm text over 32-bit registers, the subset bitonic_ptx emits) on the
+    32 lanes of a warp in lockstep; regs[lane] are the inputs $R.. $2R-1, the outputs come back."""
+    n_in = len(regs[0])
+    lanes = [{"%laneid": lane, **{f"${n_in + r}": v for r, v in enumerate(regs[lane])}} for lane in range(32)]
+
+    def val(env, x):
+        return env[x] if x in env else int(x, 0)
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op.startswith("shfl.sync.bfly"):
+            src = [env[a[1]] for env in lanes]
+            for lane, env in enumerate(lanes):
+                env[a[0]] = src[lane ^ int(a[2], 0)]
+            continue
+        for env in lanes:
+            if op in ("mov.u32", "mov.b32"):
+                env[a[0]] = val(env, a[1])
+            elif op == "and.b32":
+                env[a[0]] = val(env, a[1]) & val(env, a[2])
+            elif op in ("setp.eq.u32", "setp.ne.u32"):
+                env[a[0]] = (val(env, a[1]) == val(env, a[2])) == (op == "setp.eq.u32")
+            elif op == "xor.pred":
+                env[a[0]] = env[a[1]] != env[a[2]]
+            elif op in ("min.s32", "max.s32"):
+                env[a[0]] = (min if op == "min.s32" else max)(val(env, a[1]), val(env, a[2]))
+            elif op == "selp.b32":
+                env[a[0]] = env[a[1]] if env[a[3]] else env[a[2]]
+            else:
+                raise AssertionError(f"unexpected instruction {line!r}")
+    return [[env[f"${r}"] for r in range(n_in)] for env in lanes]
+
+
+@pytest.mark.parametrize("keys", [32, 64, 128, 256, 512])
+def test_bitonic_ptx_sorts(keys):
+    """The PTX of the GQA kernel's page sort (decode_gluon.bitonic_ptx), executed instruction by
+    instruction for a warp: random keys, ties, the int32 maximum that pads a split's unsorted
+    positions, and keys already in either order come out ascending in lane-major order."""
+    ptx, constraints = tg.bitonic_ptx(keys)
+    per_lane = keys // 32
+    assert constraints.count("=r") == per_lane and constraints.count(",r") == per_lane
+    rng = np.random.default_rng(keys)
+    for data in (rng.integers(0, 1 << 20, keys), rng.integers(0, 4, keys),
+                 np.where(np.arange(keys) < keys // 3, rng.integers(0, 1 << 31, keys), 2**31 - 1),
+                 np.arange(keys), np.arange(keys)[::-1]):
+        data = [int(x) for x in data]
+        out = _run_ptx_warp(ptx, [data[lane * per_lane:(lane + 1) * per_lane] for lane in range(32)])
+        assert sum(out, []) == sorted(data)
+
+
+def test_sort_size_rule():
+    """decode_gluon.sort_size: the power of two that holds a split's pages, where a split has 256 to
+    512 pages of a size dividing the 64-token tile; 0 otherwise."""
+    assert tg.sort_size(8192, 16, 32) == 256  # (1, 32/8, 128k) at 32 splits
+    assert tg.sort_size(512, 16, 1) == 512 and tg.sort_size(513, 16, 1) == 0  # 8k, one split
+    assert tg.sort_size(2048, 16, 16) == 0 and tg.sort_size(2048, 16, 8) == 256  # 128 and 256 pages
+    assert tg.sort_size(300, 16, 1) == 512  # rounded up to a power of two
+    assert tg.sort_size(4096, 32, 8) == 512 and tg.sort_size(8192, 128, 4) == 0  # pages > the tile
+    assert tg.sort_size(1023, 16, 4) == 256  # 256 pages a split, the last one short
+
+
+@gluon_only
+@pytest.mark.parametrize("h_q,h_kv,block_size,splits", [(8, 2, 16, (1, 2)), (16, 2, 32, (1,))])
+def test_gluon_gqa_sorted_pages(h_q, h_kv, block_size, splits, poison, gqa_calls):
+    """The GQA kernel visits the pages of splits of 256 to 512 pages in address order (the
+    in-kernel sort): ragged contexts (a partial last page, a sequence shorter than two tiles, an
+    empty one), a table whose pages repeat (ties in the sort) and one already sorted, against
+    float64 over the gathered pages; the same bits on every call and in a CUDA graph, and close to
+    the kernel without the sort."""
+    lens = [8192, 8150, 100, 0, 4200]
+    c = _case("cuda", "float16", b=5, h_q=h_q, h_kv=h_kv, lens=lens, dk=128, block_size=block_size, seed=61)
+    width = c["block_table"].shape[1]
+    assert all(tg.sort_size(width, block_size, ns) >= 256 for ns in splits)
+    tables = {"random": c["block_table"],
+              "repeated": c["block_table"].view(5, -1, 4)[:, :, :1].expand(5, width // 4, 4).reshape(5, width).contiguous(),
+              "sorted": torch.sort(c["block_table"], dim=1).values.contiguous()}
+    for name, table in tables.items():
+        # the float64 oracle over what the table names: (B, H_kv, N, D) gathered from the pages
+        k = c["k_pages"][table.long()].flatten(1, 2).transpose(1, 2)
+        v = c["v_pages"][table.long()].flatten(1, 2).transpose(1, 2)
+        ref, ref_lse = reference.decode_attention(_np(c["q"]), _np(k), _np(v), context_lens=np.array(lens),
+                                                  scale=c["scale"], return_lse=True)
+        case = {**c, "block_table": table}
+        for ns in splits:
+            out, lse = _run(case, ns, GQA)
+            _check(out, ref, "float16", f"sorted pages, {name} table, splits={ns}", lse=lse, lse_ref=ref_lse)
+            again, again_lse = _run(case, ns, GQA)
+            assert torch.equal(out, again) and torch.equal(lse, again_lse)
+            plain, plain_lse = _run(case, ns, {**GQA, "sort_pages": False})
+            assert torch.allclose(out.float(), plain.float(), rtol=0, atol=2e-3)
+            assert torch.allclose(lse, plain_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert len(gqa_calls) == 3 * 3 * len(splits)
+    g = torch.cuda.CUDAGraph()  # the scratch is allocated in the capture, from the graph's pool
+    with torch.cuda.graph(g):
+        graph_out, graph_lse = _run(c, splits[-1], GQA)
+    g.replay()
+    torch.cuda.synchronize()
+    out, lse = _run(c, splits[-1], GQA)
+    assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
+
+
 @pytest.mark.parametrize("config", [MHA_FMA, {"mha_fma": False}])
 def test_strided_block_table_and_context_lens(triton_device, config):
     """Views: a block table with a column stride of 2 (the Triton kernel follows its strides; the

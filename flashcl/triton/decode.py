@@ -65,6 +65,10 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   two programs per SM where that gives 1.5 programs per SM or more and splits of
                   1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
                   merged by ``_reduce_kernel``.
+    sort_pages    (default on) the GQA kernel's splits of 256 to 512 pages visit the pages after
+                  their first two tiles in ascending order of address, sorted in the kernel into
+                  an int32 scratch array per program (``decode_gluon.sort_size``): +1% at
+                  (1, 32/8, 128k) on H100.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -718,6 +722,9 @@ _KNOBS = {
     # decode_gluon.gqa_takes measured it faster, at its own split count (gqa_splits) unless one
     # is given; True: wherever it can run, at the dot path's split count
     "gluon_gqa": None,
+    # the GQA kernel visits the pages of splits of 256 to 512 pages in ascending order of address,
+    # sorted in the kernel (decode_gluon.sort_size): (1, 32/8, 128k) 0.997-1.003 -> 1.007-1.012
+    "sort_pages": True,
 }
 
 
@@ -1013,7 +1020,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 and decode_gluon.gqa_fits(q, k_cache, v_cache, block_table, context_lens)):
             decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
                                     evict_first=bool(cfg["kv_evict_first"]), num_splits=num_splits,
-                                    partials=(part_m, part_l, part_acc) if split else None)
+                                    partials=(part_m, part_l, part_acc) if split else None,
+                                    sort_pages=bool(cfg["sort_pages"]))
             if not split:
                 return out, lse
             gluon_ran = True  # its splits are merged by the reduce kernel (fused_reduce is off)

@@ -206,12 +206,93 @@ def _gqa_layouts(warps: int, rows: int):
     return mma, k_layout, v_layout, q_layout, merge
 
 
+# The GQA kernel visits the pages of each split, after its first two tiles, in ascending order of
+# address, sorted in the kernel (_sort_pages), where a split holds SORT_MIN_PAGES to SORT_MAX_PAGES
+# pages. Every program then sweeps the cache from low to high addresses, all at about the same pace.
+# H100 (.lead/s20c.py, 2026-11-22, fp16, ratio to SDPA in the same run): tables sorted on the host
+# within segments of P pages, read without the kernel's sort, at (1, 32/8, 128k) (32 splits of 256
+# pages): random 0.997, P = 16 0.998, 32 0.997, 64 1.003, 128 1.009, 256 1.017, the whole table
+# 1.028; at (8, 32/32, 8k) (the MHA kernel, 512 pages a program): random 1.001, 256 1.005, 512
+# 1.013. The sort itself (a bitonic network, 36 steps for 256 keys) costs about 1 us a program,
+# 0.5-0.8% at 128k (sorted but visited in table order: 0.991-0.992 against 0.997-0.999). With it
+# (.lead/s19e.py, .lead/s20b.py, five rounds each): 128k 1.007-1.012 against 0.997-1.003 without;
+# (32, 32/8, 8k) (512 pages) 0.993-0.995 against 0.988-0.991; below 256 pages it does not pay:
+# (2, 32/8, 32k) (128 pages) 1.017-1.024 against 1.020-1.022, (1, 32/8, 32k) (64) 1.046-1.050
+# against 1.038-1.052. The same sort in the MHA kernel (.lead/s20e.py) lost: (8, 32/32, 8k) 0.964
+# against 0.998 (512 keys, 16 a lane, in a kernel that otherwise runs lighter than this one).
+SORT_MIN_PAGES = 256
+SORT_MAX_PAGES = 512  # 16 keys a lane, unrolled
+
+
+def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -> int:
+    """The power of two (keys) _sort_pages sorts per program of a GQA launch, 0 for no sort: a
+    split's pages, where that is SORT_MIN_PAGES to SORT_MAX_PAGES and a tile holds whole pages."""
+    chunk = -(-(-(-table_width * page // num_splits)) // block_n) * block_n  # a split's tokens (_gqa_decode)
+    pages = chunk // page
+    if block_n % page or not SORT_MIN_PAGES <= pages <= SORT_MAX_PAGES:
+        return 0
+    return 1 << (pages - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sort_layout(keys: int, warps: int):
+    """[keys] for _sort_pages: keys / 32 consecutive ones per lane, every warp all of them."""
+    return gl.BlockedLayout([keys // 32], [32], [warps], [0])
+
+
+@functools.lru_cache(maxsize=None)
+def bitonic_ptx(n: int) -> tuple[str, str]:
+    """(PTX, constraints) for inline_asm_elementwise(pack=n / 32): one warp sorts n = 32 R int32
+    keys ascending, R per lane (key lane * R + r in register r, the order of a BlockedLayout([R],
+    [32], ...) tensor). A bitonic network: for k = 2, 4, .., n and j = k / 2, .., 1, the pair
+    (i, i ^ j) keeps its minimum at the lower index where i & k is 0, at the higher one otherwise.
+    Distances below R pair registers of a lane; the others pair lanes, by shfl.bfly (both lanes
+    of a pair compute the same min and max and keep one each). Straight-line code: 36 steps for
+    256 keys, about 650 instructions."""
+    R = n // 32
+    assert n == 32 * R and R & (R - 1) == 0
+    L = ["{", f".reg .b32 x<{R}>, y, t, u, lane, w;", ".reg .pred pk, pd;", "mov.u32 lane, %laneid;"]
+    L += [f"mov.b32 x{r}, ${R + r};" for r in range(R)]
+    k = 2
+    while k <= n:
+        j = k // 2
+        while j >= 1:
+            if j < R:  # registers r and r | j of every lane
+                lane_dir = R <= k < n  # the direction bit i & k is a lane bit
+                if lane_dir:
+                    L += [f"and.b32 w, lane, {k // R};", "setp.ne.u32 pd, w, 0;"]
+                for r in range(R):
+                    if r & j:
+                        continue
+                    a, b = f"x{r}", f"x{r | j}"
+                    if lane_dir:
+                        L += [f"min.s32 t, {a}, {b};", f"max.s32 u, {a}, {b};",
+                              f"selp.b32 {a}, u, t, pd;", f"selp.b32 {b}, t, u, pd;"]
+                    else:
+                        lo, hi = (b, a) if k < n and r & k else (a, b)
+                        L += [f"min.s32 t, {a}, {b};", f"max.s32 {hi}, {a}, {b};", f"mov.b32 {lo}, t;"]
+            else:  # lanes l and l ^ (j / R): the minimum where (i & j == 0) == (i & k == 0)
+                m = j // R
+                L += [f"and.b32 w, lane, {m};", "setp.eq.u32 pk, w, 0;"]
+                if k < n:
+                    L += [f"and.b32 w, lane, {k // R};", "setp.ne.u32 pd, w, 0;", "xor.pred pk, pk, pd;"]
+                for r in range(R):
+                    L += [f"shfl.sync.bfly.b32 y, x{r}, {m}, 0x1f, 0xffffffff;",
+                          f"min.s32 t, x{r}, y;", f"max.s32 u, x{r}, y;", f"selp.b32 x{r}, t, u, pk;"]
+            j //= 2
+        k *= 2
+    L += [f"mov.b32 ${r}, x{r};" for r in range(R)]
+    L.append("}")
+    return "\n".join(L), ",".join(["=r"] * R + ["r"] * R)
+
+
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
-               evict_first: bool = True, num_splits: int = 1, partials=None) -> None:
+               evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
-    its reduce kernel)."""
+    its reduce kernel). ``sort_pages``: the pages of long splits visited in address order
+    (sort_size; decode's sort_pages knob)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -221,13 +302,18 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     part_m, part_l, part_acc = partials if split else (lse, lse, lse)
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
+    keys = sort_size(block_table.shape[1], k_cache.shape[1], num_splits, 16 * warps) if sort_pages else 0
+    # the sorted copies of the tables (int32, one per program); lse stands in where none is read
+    order = torch.empty(h_kv * b * num_splits * keys, dtype=torch.int32, device=q.device) if keys else lse
+    sort_asm, sort_constraints = bitonic_ptx(max(keys, 32))
     _gqa_decode[(h_kv, b, num_splits)](
-        q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc,
+        q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
         qk_scale_log2, block_table.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
+        SORT_N=keys, SL=_sort_layout(max(keys, 32), warps), SORT_ASM=sort_asm, SORT_CONSTRAINTS=sort_constraints,
         MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 
@@ -386,14 +472,45 @@ if gluon is not None:
             x = gl.expand_dims(gl.expand_dims(x, 0), 1)
         return x
 
+    @gluon.jit
+    def _table_slice(bt, first, max_blocks, SORT_N: gl.constexpr, SL: gl.constexpr):
+        """The table entries first .. first + SORT_N - 1 (clamped to the table), in SL."""
+        return gl.load(bt + gl.minimum(first + gl.arange(0, SORT_N, SL), max_blocks - 1))
+
+    @gluon.jit
+    def _sort_pages(table, later, order, lo, hi, LEAD: gl.constexpr, PAGE: gl.constexpr,
+                    SORT_N: gl.constexpr, SL: gl.constexpr, SORT_ASM: gl.constexpr,
+                    SORT_CONSTRAINTS: gl.constexpr):
+        """Write this split's table entries to ``order`` (SORT_N int32 of scratch) with the pages
+        after its first LEAD in ascending order of address, and return the pointer that indexes
+        them by token as the table does. table, later: the entries from the split's first page
+        and from its page LEAD on (_table_slice). The first LEAD pages (loaded in table order
+        while this runs) and the last one (which may be partial: its rows are masked by
+        position) keep their places, so the scores' masks stay positional. Every warp sorts all
+        the keys (bitonic_ptx) and stores them (the same values); one barrier, then any thread
+        reads any entry."""
+        n_pg = gl.cdiv(hi - lo, PAGE)  # the split's pages (<= 0: empty)
+        i = gl.arange(0, SORT_N, SL)
+        sortable = n_pg - 1 - LEAD  # positions LEAD .. n_pg - 2
+        gl.store(order + i, table, mask=(i < LEAD) | (i == n_pg - 1))
+        if sortable > 0:  # a branch: ptxas keeps the first tile's loads above the sort (in one
+            # basic block it moved them below, and the sort's time added to the kernel's)
+            keys = gl.where(i < sortable, later, 0x7FFFFFFF)
+            keys = gl.inline_asm_elementwise(SORT_ASM, SORT_CONSTRAINTS, [keys], dtype=gl.int32, is_pure=True,
+                                             pack=SORT_N // 32)
+            gl.store(order + LEAD + i, keys, mask=i < sortable)
+        _cta_barrier()
+        return order - lo // PAGE
+
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc,
+    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order,
                     qk_scale_log2, max_blocks, num_splits,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
                     GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
+                    SORT_N: gl.constexpr, SL: gl.constexpr, SORT_ASM: gl.constexpr, SORT_CONSTRAINTS: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
         """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
         tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
@@ -433,6 +550,9 @@ if gluon is not None:
         # rows past the end are masked (the split may be empty)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
+        if SORT_N > 0:  # loaded with the first tile's entries, sorted after its K/V loads
+            table = _table_slice(bt, lo // PAGE, max_blocks, SORT_N, SL)
+            later = _table_slice(bt, lo // PAGE + 2 * BLOCK_N // PAGE, max_blocks, SORT_N, SL)
         n_ctx = gl.load(ContextLens + pid_b)
         hi = gl.minimum(lo + chunk, n_ctx)
         last = gl.maximum(hi - 1, 0)
@@ -449,8 +569,14 @@ if gluon is not None:
                          mask=(tok_k < hi) & (col_k < D), other=0.0)
         v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
                          mask=(tok_v < hi) & (col_v < D), other=0.0)
+        # the second tile's entries from the table; with SORT_N, those of the later tiles from
+        # this program's sorted copy of it (_sort_pages: sorted behind these loads)
         page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)
         page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
+        if SORT_N > 0:
+            order = Order + ((pid_s.to(gl.int64) * gl.num_programs(1) + pid_b) * gl.num_programs(0) + pid_h) * SORT_N
+            bt = _sort_pages(table, later, order, lo, hi, 2 * BLOCK_N // PAGE, PAGE, SORT_N, SL, SORT_ASM,
+                             SORT_CONSTRAINTS)
 
         key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 2, MMA)  # the key of each score column
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)

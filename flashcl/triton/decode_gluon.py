@@ -219,7 +219,8 @@ def _gqa_layouts(warps: int, rows: int):
 # (32, 32/8, 8k) (512 pages) 0.993-0.995 against 0.988-0.991; below 256 pages it does not pay:
 # (2, 32/8, 32k) (128 pages) 1.017-1.024 against 1.020-1.022, (1, 32/8, 32k) (64) 1.046-1.050
 # against 1.038-1.052. The same sort in the MHA kernel (.lead/s20e.py) lost: (8, 32/32, 8k) 0.964
-# against 0.998 (512 keys, 16 a lane, in a kernel that otherwise runs lighter than this one).
+# against 0.998 (512 keys, 16 a lane; docs/decode-h100-notes.md, "The pages sorted in the GQA
+# kernel by a bitonic network").
 SORT_MIN_PAGES = 256
 SORT_MAX_PAGES = 512  # 16 keys a lane, unrolled
 

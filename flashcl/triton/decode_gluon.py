@@ -228,8 +228,9 @@ SORT_MAX_PAGES = 512  # 16 keys a lane, unrolled
 def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -> int:
     """The power of two (keys) _sort_pages sorts per program of a GQA launch, 0 for no sort: a
     split's pages, where that is SORT_MIN_PAGES to SORT_MAX_PAGES and a tile holds whole pages."""
-    chunk = -(-(-(-table_width * page // num_splits)) // block_n) * block_n  # a split's tokens (_gqa_decode)
-    pages = chunk // page
+    # a split's tokens, as _gqa_decode cuts them: ceil(bound / splits) rounded up to whole tiles
+    tokens = -(-table_width * page // num_splits)
+    pages = -(-tokens // block_n) * block_n // page
     if block_n % page or not SORT_MIN_PAGES <= pages <= SORT_MAX_PAGES:
         return 0
     return 1 << (pages - 1).bit_length()

@@ -214,8 +214,8 @@ def _gqa_layouts(warps: int, rows: int):
 # pages): random 0.997, P = 16 0.998, 32 0.997, 64 1.003, 128 1.009, 256 1.017, the whole table
 # 1.028; at (8, 32/32, 8k) (the MHA kernel, 512 pages a program): random 1.001, 256 1.005, 512
 # 1.013. The sort itself (a bitonic network, 36 steps for 256 keys) costs about 1 us a program,
-# 0.5-0.8% at 128k (sorted but visited in table order: 0.991-0.992 against 0.997-0.999). With it
-# (.lead/s19e.py, .lead/s20b.py, five rounds each): 128k 1.007-1.012 against 0.997-1.003 without;
+# 0.5-0.8% at 128k (sorted but visited in table order: 0.990-0.992 against 0.996-1.003). With it
+# (.lead/s19e.py, .lead/s20b.py, five rounds each): 128k 1.0065-1.012 against 0.996-1.003 without;
 # (32, 32/8, 8k) (512 pages) 0.993-0.995 against 0.988-0.991; below 256 pages it does not pay:
 # (2, 32/8, 32k) (128 pages) 1.017-1.024 against 1.020-1.022, (1, 32/8, 32k) (64) 1.046-1.050
 # against 1.038-1.052. The same sort in the MHA kernel (.lead/s20e.py) lost: (8, 32/32, 8k) 0.964
@@ -307,7 +307,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     keys = sort_size(block_table.shape[1], k_cache.shape[1], num_splits, 16 * warps) if sort_pages else 0
     # the sorted copies of the tables (int32, one per program); lse stands in where none is read
     order = torch.empty(h_kv * b * num_splits * keys, dtype=torch.int32, device=q.device) if keys else lse
-    sort_asm, sort_constraints = bitonic_ptx(max(keys, 32))
+    sort_asm, sort_constraints = bitonic_ptx(keys) if keys else ("", "")
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
         qk_scale_log2, block_table.shape[1], num_splits,
@@ -315,7 +315,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
-        SORT_N=keys, SL=_sort_layout(max(keys, 32), warps), SORT_ASM=sort_asm, SORT_CONSTRAINTS=sort_constraints,
+        SORT_N=keys, SL=_sort_layout(keys, warps) if keys else None, SORT_ASM=sort_asm, SORT_CONSTRAINTS=sort_constraints,
         MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 

@@ -485,7 +485,7 @@ def _run_ptx_warp(ptx: str, regs: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("keys", [32, 64, 128, 256, 512])
 def test_bitonic_ptx_sorts(keys):
-    """The PTX of the GQA kernel's page sort (decode_gluon.bitonic_ptx), executed instruction by
+    """The PTX of the page sort's per-warp network (decode_gluon.bitonic_ptx), executed instruction by
     instruction for a warp: random keys, ties, the int32 maximum that pads a split's unsorted
     positions, and keys already in either order come out ascending in lane-major order."""
     ptx, constraints = tg.bitonic_ptx(keys)
@@ -500,6 +500,80 @@ def test_bitonic_ptx_sorts(keys):
         assert sum(out, []) == sorted(data)
 
 
+def _sort_keys_model(keys: list[int], warps: int) -> list[int]:
+    """decode_gluon._sort_keys on lists, with its PTX executed by _run_ptx_warp: row w of warps
+    rows in warp w sorts (odd rows negated, so descending), then each level negates the rows it
+    merges descending, runs rows_merge_ptx over the column each thread holds (one lane a column)
+    and bitonic_ptx(merge_only) in each warp, and negates back."""
+    n = len(keys)
+    cols = n // warps
+    per_lane = cols // 32
+    rows = [keys[w * cols:(w + 1) * cols] for w in range(warps)]
+
+    def negate(level):
+        return [[-v if (w >> level) & 1 else v for v in row] for w, row in enumerate(rows)]
+
+    def in_warps(merge_only):
+        ptx = tg.bitonic_ptx(cols, merge_only)[0]
+        return [sum(_run_ptx_warp(ptx, [row[lane * per_lane:(lane + 1) * per_lane] for lane in range(32)]), [])
+                for row in rows]
+
+    rows = negate(0)
+    rows = in_warps(False)
+    rows = negate(0)
+    level = 1
+    while 1 << level <= warps:
+        rows = negate(level)
+        ptx = tg.rows_merge_ptx(warps, 1 << (level - 1))[0]
+        for c0 in range(0, cols, 32):
+            merged = _run_ptx_warp(ptx, [[row[c] for row in rows] for c in range(c0, c0 + 32)])
+            for c in range(32):
+                for w in range(warps):
+                    rows[w][c0 + c] = merged[c][w]
+        rows = in_warps(True)
+        rows = negate(level)
+        level += 1
+    return sum(rows, [])
+
+
+@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (256, 8), (512, 8), (64, 2)])
+def test_sort_keys_network(keys, warps):
+    """The warps' sort of the page sort (decode_gluon._sort_keys: a sort per warp, then bitonic
+    merges across warps), its PTX executed for every warp: random keys, ties, the int32 maximum
+    that pads the positions past a split and keys in either order come out ascending."""
+    rng = np.random.default_rng(keys + warps)
+    for data in (rng.integers(0, 1 << 20, keys), rng.integers(0, 4, keys),
+                 np.where(np.arange(keys) < keys // 3, rng.integers(0, 1 << 31, keys), 2**31 - 1),
+                 np.arange(keys), np.arange(keys)[::-1]):
+        data = [int(x) for x in data]
+        assert _sort_keys_model(data, warps) == sorted(data)
+
+
+if tg.gluon is not None:
+    gl = tg.gl
+
+    @tg.gluon.jit
+    def _sort_keys_kernel(Keys, Out, N: gl.constexpr):
+        i = tg._sort_index(N)
+        gl.store(Out + i, tg._sort_keys(gl.load(Keys + i), N))
+
+
+@gluon_only
+@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (256, 8), (512, 8)])
+def test_sort_keys_kernel(keys, warps):
+    """decode_gluon._sort_keys compiled and run (its layout conversions between the warps' rows
+    and the threads' columns included) against torch.sort."""
+    gen = torch.Generator().manual_seed(keys + warps)
+    for data in (torch.randint(0, 1 << 20, (keys,), generator=gen), torch.randint(0, 4, (keys,), generator=gen),
+                 torch.where(torch.arange(keys) < keys // 3, torch.randint(-(1 << 30), 1 << 30, (keys,), generator=gen),
+                             2**31 - 1),
+                 torch.arange(keys).flip(0)):
+        x = data.to(torch.int32).cuda()
+        out = torch.empty_like(x)
+        _sort_keys_kernel[(1,)](x, out, N=keys, num_warps=warps)
+        assert torch.equal(out, torch.sort(x).values)
+
+
 def test_sort_size_rule():
     """decode_gluon.sort_size: the power of two that holds a split's pages, where a split has 256 to
     512 pages of a size dividing the 64-token tile; 0 otherwise."""
@@ -509,6 +583,22 @@ def test_sort_size_rule():
     assert tg.sort_size(300, 16, 1) == 512  # rounded up to a power of two
     assert tg.sort_size(4096, 32, 8) == 512 and tg.sort_size(8192, 128, 4) == 0  # pages > the tile
     assert tg.sort_size(1023, 16, 4) == 256  # 256 pages a split, the last one short
+
+
+def _page_tables(c, lens):
+    """(name, case, out, lse) for the page sort's tables: the case's random one, one whose pages
+    repeat (ties in the sort) and one already sorted; out/lse the float64 oracle over the pages
+    each names ((B, H_kv, N, D) gathered from the pages)."""
+    bt = c["block_table"]
+    b, width = bt.shape
+    repeated = bt.view(b, -1, 4)[:, :, :1].expand(b, width // 4, 4).reshape(b, width).contiguous()
+    tables = {"random": bt, "repeated": repeated, "sorted": torch.sort(bt, dim=1).values.contiguous()}
+    for name, table in tables.items():
+        k = c["k_pages"][table.long()].flatten(1, 2).transpose(1, 2)
+        v = c["v_pages"][table.long()].flatten(1, 2).transpose(1, 2)
+        ref, ref_lse = reference.decode_attention(_np(c["q"]), _np(k), _np(v), context_lens=np.array(lens),
+                                                  scale=c["scale"], return_lse=True)
+        yield name, {**c, "block_table": table}, ref, ref_lse
 
 
 @gluon_only
@@ -523,16 +613,7 @@ def test_gluon_gqa_sorted_pages(h_q, h_kv, block_size, splits, poison, gqa_calls
     c = _case("cuda", "float16", b=5, h_q=h_q, h_kv=h_kv, lens=lens, dk=128, block_size=block_size, seed=61)
     width = c["block_table"].shape[1]
     assert all(tg.sort_size(width, block_size, ns) >= 256 for ns in splits)
-    tables = {"random": c["block_table"],
-              "repeated": c["block_table"].view(5, -1, 4)[:, :, :1].expand(5, width // 4, 4).reshape(5, width).contiguous(),
-              "sorted": torch.sort(c["block_table"], dim=1).values.contiguous()}
-    for name, table in tables.items():
-        # the float64 oracle over what the table names: (B, H_kv, N, D) gathered from the pages
-        k = c["k_pages"][table.long()].flatten(1, 2).transpose(1, 2)
-        v = c["v_pages"][table.long()].flatten(1, 2).transpose(1, 2)
-        ref, ref_lse = reference.decode_attention(_np(c["q"]), _np(k), _np(v), context_lens=np.array(lens),
-                                                  scale=c["scale"], return_lse=True)
-        case = {**c, "block_table": table}
+    for name, case, ref, ref_lse in _page_tables(c, lens):
         for ns in splits:
             out, lse = _run(case, ns, GQA)
             _check(out, ref, "float16", f"sorted pages, {name} table, splits={ns}", lse=lse, lse_ref=ref_lse)
@@ -548,6 +629,36 @@ def test_gluon_gqa_sorted_pages(h_q, h_kv, block_size, splits, poison, gqa_calls
     g.replay()
     torch.cuda.synchronize()
     out, lse = _run(c, splits[-1], GQA)
+    assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
+
+
+@gluon_only
+@pytest.mark.parametrize("dk,rows,warps,block_size", [(128, 64, 4, 16), (128, 64, 4, 32), (64, 128, 8, 16)])
+def test_gluon_mha_sorted_pages(dk, rows, warps, block_size, poison, gluon_calls):
+    """The MHA kernel visits the pages of sequences of 256 to 512 pages in address order (the
+    in-kernel sort, on the kernel's 4- and 8-warp tiles): ragged contexts, a table whose pages
+    repeat and one already sorted, against float64 over the gathered pages; the same bits on
+    every call and in a CUDA graph, and close to the kernel without the sort."""
+    lens = [8192, 8150, 100, 0, 4200]
+    c = _case("cuda", "float16", b=5, h_q=2, h_kv=2, lens=lens, dk=dk, block_size=block_size, seed=63)
+    width = c["block_table"].shape[1]
+    config = {**MHA_FMA, "BLOCK_N": rows, "num_warps": warps}
+    assert tg.sort_size(width, block_size, 1, rows) >= 256
+    for name, case, ref, ref_lse in _page_tables(c, lens):
+        out, lse = _run(case, 1, config)
+        _check(out, ref, "float16", f"mha sorted pages, {name} table", lse=lse, lse_ref=ref_lse)
+        again, again_lse = _run(case, 1, config)
+        assert torch.equal(out, again) and torch.equal(lse, again_lse)
+        plain, plain_lse = _run(case, 1, {**config, "sort_pages": False})
+        assert torch.allclose(out.float(), plain.float(), rtol=0, atol=2e-3)
+        assert torch.allclose(lse, plain_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert len(gluon_calls) == 3 * 3
+    g = torch.cuda.CUDAGraph()  # the scratch is allocated in the capture, from the graph's pool
+    with torch.cuda.graph(g):
+        graph_out, graph_lse = _run(c, 1, config)
+    g.replay()
+    torch.cuda.synchronize()
+    out, lse = _run(c, 1, config)
     assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
 
 

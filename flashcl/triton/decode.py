@@ -65,10 +65,10 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   two programs per SM where that gives 1.5 programs per SM or more and splits of
                   1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
                   merged by ``_reduce_kernel``.
-    sort_pages    (default on) the GQA kernel's splits of 256 to 512 pages visit the pages after
-                  their first two tiles in ascending order of address, sorted in the kernel into
-                  an int32 scratch array per program (``decode_gluon.sort_size``): +1% at
-                  (1, 32/8, 128k) on H100.
+    sort_pages    (default on) the Gluon kernels (gluon_mha, gluon_gqa) visit the pages of
+                  splits of 256 to 512 pages in ascending order of address, sorted in the kernel
+                  into an int32 scratch array per program (``decode_gluon.sort_size``): +1.2% at
+                  (8, 32/32, 8k) and +1.3% at (1, 32/8, 128k) on H100.
 
 ``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
 """
@@ -722,8 +722,9 @@ _KNOBS = {
     # decode_gluon.gqa_takes measured it faster, at its own split count (gqa_splits) unless one
     # is given; True: wherever it can run, at the dot path's split count
     "gluon_gqa": None,
-    # the GQA kernel visits the pages of splits of 256 to 512 pages in ascending order of address,
-    # sorted in the kernel (decode_gluon.sort_size): (1, 32/8, 128k) 0.997-1.003 -> 1.007-1.012
+    # the Gluon kernels visit the pages of splits of 256 to 512 pages in ascending order of address,
+    # sorted in the kernel (decode_gluon.sort_size; ratio to SDPA, .lead/s21h.py): (8, 32/32, 8k)
+    # 0.997 -> 1.009, (1, 32/8, 128k) 0.996 -> 1.009
     "sort_pages": True,
 }
 
@@ -1014,7 +1015,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             if knobs["OFFS32"] and decode_gluon.fits(q, k_cache, v_cache, block_table, context_lens,
                                                      num_splits, cfg):
                 decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
-                                    cfg["BLOCK_N"], cfg["num_warps"], evict_first=bool(cfg["kv_evict_first"]))
+                                    cfg["BLOCK_N"], cfg["num_warps"], evict_first=bool(cfg["kv_evict_first"]),
+                                    sort_pages=bool(cfg["sort_pages"]))
                 return out, lse
         if (cfg["gluon_gqa"] and knobs["OFFS32"]
                 and decode_gluon.gqa_fits(q, k_cache, v_cache, block_table, context_lens)):

@@ -52,6 +52,9 @@ try:
 except ImportError:  # a Triton without Gluon
     gluon = None
 
+# Python called by the kernels at compile time (Gluon's constexpr functions); plain functions without Gluon
+_compile_time = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
+
 # Padded head dim -> the tiles (rows, warps) the kernel runs: a row is BLOCK_D // 8 lanes of 8
 # columns. The first is for grids of at most two programs per SM, the second for larger ones (see
 # ``tile``).
@@ -126,18 +129,21 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ta
 
 
 def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
-           num_warps: int, evict_first: bool = True) -> None:
+           num_warps: int, evict_first: bool = True, sort_pages: bool = True) -> None:
     """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``), tiles of
     ``block_n`` rows on ``num_warps`` warps; ``evict_first``: the K/V loads marked L1::evict_first
-    (decode's kv_evict_first knob)."""
+    (decode's kv_evict_first knob); ``sort_pages``: the pages of sequences of 256 to 512 pages
+    visited in address order (sort_size; decode's sort_pages knob)."""
     b, h, d = q.shape
+    keys = sort_size(block_table.shape[1], k_cache.shape[1], 1, block_n) if sort_pages else 0
+    order = torch.empty(h * b * keys, dtype=torch.int32, device=q.device) if keys else lse
     _mha_decode[(h, b)](
-        q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2, block_table.shape[1],
+        q, k_cache, v_cache, block_table, context_lens, out, lse, order, qk_scale_log2, block_table.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         BLOCK_N=block_n, D=d, BLOCK_D=_block_d(d), PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "",
-        num_warps=num_warps)
+        SORT_N=keys, num_warps=num_warps)
 
 
 # ---- GQA: one online-softmax state per warp, mma.sync ----------------------------------------
@@ -206,28 +212,31 @@ def _gqa_layouts(warps: int, rows: int):
     return mma, k_layout, v_layout, q_layout, merge
 
 
-# The GQA kernel visits the pages of each split, after its first two tiles, in ascending order of
-# address, sorted in the kernel (_sort_pages), where a split holds SORT_MIN_PAGES to SORT_MAX_PAGES
-# pages. Every program then sweeps the cache from low to high addresses, all at about the same pace.
-# H100 (.lead/s20c.py, 2026-11-22, fp16, ratio to SDPA in the same run): tables sorted on the host
-# within segments of P pages, read without the kernel's sort, at (1, 32/8, 128k) (32 splits of 256
-# pages): random 0.997, P = 16 0.998, 32 0.997, 64 1.003, 128 1.009, 256 1.017, the whole table
-# 1.028; at (8, 32/32, 8k) (the MHA kernel, 512 pages a program): random 1.001, 256 1.005, 512
-# 1.013. The sort itself (a bitonic network, 36 steps for 256 keys) costs about 1 us a program,
-# 0.5-0.8% at 128k (sorted but visited in table order: 0.990-0.992 against 0.996-1.003). With it
-# (.lead/s19e.py, .lead/s20b.py, five rounds each): 128k 1.0065-1.012 against 0.996-1.003 without;
-# (32, 32/8, 8k) (512 pages) 0.993-0.995 against 0.988-0.991; below 256 pages it does not pay:
-# (2, 32/8, 32k) (128 pages) 1.017-1.024 against 1.020-1.022, (1, 32/8, 32k) (64) 1.046-1.050
-# against 1.038-1.052. The same sort in the MHA kernel (.lead/s20e.py) lost: (8, 32/32, 8k) 0.964
-# against 0.998 (512 keys, 16 a lane; docs/decode-h100-notes.md, "The pages sorted in the GQA
-# kernel by a bitonic network").
+# ---- the page sort (both kernels) ------------------------------------------------------------
+
+# Both kernels visit the pages of a split (in the MHA kernel: of the sequence) in ascending order of
+# address where it holds SORT_MIN_PAGES to SORT_MAX_PAGES pages. Before its first loads each
+# program sorts its table entries into an int32 scratch array (_sorted_table; the last page, which
+# may be partial, keeps its place) and reads them from there: every program then sweeps the cache
+# from low to high addresses, all at about the same pace. The W warps sort together (_sort_keys):
+# each warp a row of SORT_N / W keys (bitonic_ptx), then log2 W levels of bitonic merges across
+# the rows (rows_merge_ptx, on the rows a thread holds after a layout conversion through shared
+# memory). H100 (.lead/s21h.py, 2026-11-22, fp16, ratio to SDPA in the same run, five rounds; the
+# same kernel without the sort, then on tables sorted on the host, in brackets): (8, 32/32, 8k)
+# (MHA, 512 pages) 1.009 (0.997, 1.013); (1, 32/8, 128k) (GQA, 32 splits of 256 pages) 1.009
+# (0.996; the whole table sorted 1.024); (32, 32/8, 8k) (GQA, 512 pages) 1.004 (0.990, 1.007).
+# Below 256 pages a split it did not pay (.lead/s20b.py, an earlier sort): (2, 32/8, 32k) (128
+# pages) 1.017-1.024 against 1.020-1.022. That earlier sort, every warp sorting all the keys (16 a
+# lane at 512), cost the MHA kernel 3.5% for a reason not found (docs/decode-h100-notes.md, "The
+# page sort shared by the warps, in both kernels").
 SORT_MIN_PAGES = 256
-SORT_MAX_PAGES = 512  # 16 keys a lane, unrolled
+SORT_MAX_PAGES = 512  # 4 keys a lane on 4 warps, 2 on 8
 
 
 def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -> int:
-    """The power of two (keys) _sort_pages sorts per program of a GQA launch, 0 for no sort: a
-    split's pages, where that is SORT_MIN_PAGES to SORT_MAX_PAGES and a tile holds whole pages."""
+    """The power of two (keys) _sorted_table sorts per program of a launch of ``block_n``-token
+    tiles, 0 for no sort: a split's pages, where that is SORT_MIN_PAGES to SORT_MAX_PAGES and a
+    tile holds whole pages."""
     # a split's tokens, as _gqa_decode cuts them: ceil(bound / splits) rounded up to whole tiles
     tokens = -(-table_width * page // num_splits)
     pages = -(-tokens // block_n) * block_n // page
@@ -236,26 +245,20 @@ def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -
     return 1 << (pages - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def _sort_layout(keys: int, warps: int):
-    """[keys] for _sort_pages: keys / 32 consecutive ones per lane, every warp all of them."""
-    return gl.BlockedLayout([keys // 32], [32], [warps], [0])
-
-
-@functools.lru_cache(maxsize=None)
-def bitonic_ptx(n: int) -> tuple[str, str]:
+@_compile_time
+def bitonic_ptx(n: int, merge_only: bool = False) -> tuple[str, str]:
     """(PTX, constraints) for inline_asm_elementwise(pack=n / 32): one warp sorts n = 32 R int32
     keys ascending, R per lane (key lane * R + r in register r, the order of a BlockedLayout([R],
     [32], ...) tensor). A bitonic network: for k = 2, 4, .., n and j = k / 2, .., 1, the pair
     (i, i ^ j) keeps its minimum at the lower index where i & k is 0, at the higher one otherwise.
     Distances below R pair registers of a lane; the others pair lanes, by shfl.bfly (both lanes
-    of a pair compute the same min and max and keep one each). Straight-line code: 36 steps for
-    256 keys, about 650 instructions."""
+    of a pair compute the same min and max and keep one each). ``merge_only``: the last level
+    alone (k = n), which sorts a bitonic sequence. Straight-line code: 36 steps for 256 keys."""
     R = n // 32
     assert n == 32 * R and R & (R - 1) == 0
     L = ["{", f".reg .b32 x<{R}>, y, t, u, lane, w;", ".reg .pred pk, pd;", "mov.u32 lane, %laneid;"]
     L += [f"mov.b32 x{r}, ${R + r};" for r in range(R)]
-    k = 2
+    k = n if merge_only else 2
     while k <= n:
         j = k // 2
         while j >= 1:
@@ -288,6 +291,23 @@ def bitonic_ptx(n: int) -> tuple[str, str]:
     return "\n".join(L), ",".join(["=r"] * R + ["r"] * R)
 
 
+@_compile_time
+def rows_merge_ptx(rows: int, top: int) -> tuple[str, str]:
+    """(PTX, constraints) for inline_asm_elementwise(pack=rows): the registers r and r ^ j of a
+    thread, for j = top, top / 2, .., 1, keep their minimum at the lower one (the steps of a
+    bitonic merge, ascending, over the rows a thread holds)."""
+    L = ["{", f".reg .b32 x<{rows}>, t;"] + [f"mov.b32 x{r}, ${rows + r};" for r in range(rows)]
+    j = top
+    while j >= 1:
+        for r in range(rows):
+            if not r & j:
+                L += [f"min.s32 t, x{r}, x{r | j};", f"max.s32 x{r | j}, x{r}, x{r | j};", f"mov.b32 x{r}, t;"]
+        j //= 2
+    L += [f"mov.b32 ${r}, x{r};" for r in range(rows)]
+    L.append("}")
+    return "\n".join(L), ",".join(["=r"] * rows + ["r"] * rows)
+
+
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
                evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
@@ -307,7 +327,6 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     keys = sort_size(block_table.shape[1], k_cache.shape[1], num_splits, 16 * warps) if sort_pages else 0
     # the sorted copies of the tables (int32, one per program); lse stands in where none is read
     order = torch.empty(h_kv * b * num_splits * keys, dtype=torch.int32, device=q.device) if keys else lse
-    sort_asm, sort_constraints = bitonic_ptx(keys) if keys else ("", "")
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
         qk_scale_log2, block_table.shape[1], num_splits,
@@ -315,8 +334,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
-        SORT_N=keys, SL=_sort_layout(keys, warps) if keys else None, SORT_ASM=sort_asm, SORT_CONSTRAINTS=sort_constraints,
-        MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
+        SORT_N=keys, MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 
 if gluon is not None:
@@ -364,12 +382,12 @@ if gluon is not None:
         return x
 
     @gluon.jit
-    def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, qk_scale_log2, max_blocks,
+    def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, Order, qk_scale_log2, max_blocks,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, BLOCK_D: gl.constexpr, PAGE: gl.constexpr,
-                    EVICT: gl.constexpr):
+                    EVICT: gl.constexpr, SORT_N: gl.constexpr):
         """One program per (head, sequence); the loop of decode._mha_fma_loop over whole pages.
         A head dim D below BLOCK_D reads its padding columns as zeros."""
         W: gl.constexpr = gl.num_warps()
@@ -395,6 +413,9 @@ if gluon is not None:
         # table's width); its rows past the end are masked (the sequence may be empty). Its loads
         # keep the default L1 policy: with EVICT as well, 2-4% slower at 1k-2k tokens (7% faster
         # at 64: decode._KNOBS, kv_evict_first)
+        if SORT_N > 0:  # the pages in address order (_sorted_table) before the first tile's loads
+            order = Order + (pid_b.to(gl.int64) * gl.num_programs(0) + pid_h) * SORT_N
+            bt = _sorted_table(bt, order, 0, gl.load(ContextLens + pid_b), max_blocks, PAGE, SORT_N)
         page = gl.load(bt + gl.minimum(tok0 // PAGE, max_blocks - 1))
         n_ctx = gl.load(ContextLens + pid_b)
         last = gl.maximum(n_ctx - 1, 0)  # the last token (token 0 of an empty sequence: never read)
@@ -474,33 +495,85 @@ if gluon is not None:
             x = gl.expand_dims(gl.expand_dims(x, 0), 1)
         return x
 
-    @gluon.jit
-    def _table_slice(bt, first, max_blocks, SORT_N: gl.constexpr, SL: gl.constexpr):
-        """The table entries first .. first + SORT_N - 1 (clamped to the table), in SL."""
-        return gl.load(bt + gl.minimum(first + gl.arange(0, SORT_N, SL), max_blocks - 1))
+    @gluon.constexpr_function
+    def _warp_rows(keys, warps):
+        """[warps, keys / warps]: row w in warp w, keys / warps / 32 consecutive ones a lane."""
+        return gl.BlockedLayout([1, keys // warps // 32], [1, 32], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _thread_rows(warps):
+        """[warps, n]: the warps rows of a column in one thread's registers."""
+        return gl.BlockedLayout([warps, 1], [1, 32], [1, warps], [0, 1])
+
+    @gluon.constexpr_function
+    def _log2(n):
+        return n.bit_length() - 1
+
+    @gluon.constexpr_function
+    def _bitonic_asm(n, merge_only):
+        return bitonic_ptx(n, merge_only)[0]
+
+    @gluon.constexpr_function
+    def _bitonic_constraints(n):
+        return bitonic_ptx(n)[1]
+
+    @gluon.constexpr_function
+    def _rows_asm(rows, top):
+        return rows_merge_ptx(rows, top)[0]
+
+    @gluon.constexpr_function
+    def _rows_constraints(rows):
+        return rows_merge_ptx(rows, 1)[1]
 
     @gluon.jit
-    def _sort_pages(table, later, order, lo, hi, LEAD: gl.constexpr, PAGE: gl.constexpr,
-                    SORT_N: gl.constexpr, SL: gl.constexpr, SORT_ASM: gl.constexpr,
-                    SORT_CONSTRAINTS: gl.constexpr):
-        """Write this split's table entries to ``order`` (SORT_N int32 of scratch) with the pages
-        after its first LEAD in ascending order of address, and return the pointer that indexes
-        them by token as the table does. table, later: the entries from the split's first page
-        and from its page LEAD on (_table_slice). The first LEAD pages (loaded in table order
-        while this runs) and the last one (which may be partial: its rows are masked by
-        position) keep their places, so the scores' masks stay positional. Every warp sorts all
-        the keys (bitonic_ptx) and stores them (the same values); one barrier, then any thread
-        reads any entry."""
-        n_pg = gl.cdiv(hi - lo, PAGE)  # the split's pages (<= 0: empty)
-        i = gl.arange(0, SORT_N, SL)
-        sortable = n_pg - 1 - LEAD  # positions LEAD .. n_pg - 2
-        gl.store(order + i, table, mask=(i < LEAD) | (i == n_pg - 1))
-        if sortable > 0:  # a branch: ptxas keeps the first tile's loads above the sort (in one
-            # basic block it moved them below, and the sort's time added to the kernel's)
-            keys = gl.where(i < sortable, later, 0x7FFFFFFF)
-            keys = gl.inline_asm_elementwise(SORT_ASM, SORT_CONSTRAINTS, [keys], dtype=gl.int32, is_pure=True,
-                                             pack=SORT_N // 32)
-            gl.store(order + LEAD + i, keys, mask=i < sortable)
+    def _sort_index(N: gl.constexpr):
+        """0 .. N - 1 as [W, N / W] in _warp_rows (row-major: row w holds w N / W ..)."""
+        W: gl.constexpr = gl.num_warps()
+        LA: gl.constexpr = _warp_rows(N, W)
+        row = gl.expand_dims(gl.arange(0, W, gl.SliceLayout(1, LA)), 1)
+        col = gl.expand_dims(gl.arange(0, N // W, gl.SliceLayout(0, LA)), 0)
+        return row * (N // W) + col
+
+    @gluon.jit
+    def _sort_keys(x, N: gl.constexpr):
+        """The N int32 keys of x ([W, N / W] in _warp_rows) in ascending row-major order. Each warp
+        sorts its row (bitonic_ptx), then log2 W levels of a bitonic merge double the sorted
+        runs: the steps between rows on the rows a thread holds (rows_merge_ptx, after a layout
+        conversion through shared memory), the steps within a row back in the warp
+        (bitonic_ptx, merge_only). The runs a level merges in descending order are negated
+        around it, so that every network sorts ascending (a permutation whatever the keys)."""
+        W: gl.constexpr = gl.num_warps()
+        P: gl.constexpr = N // W
+        LA: gl.constexpr = _warp_rows(N, W)
+        row = gl.expand_dims(gl.arange(0, W, gl.SliceLayout(1, LA)), 1)
+        down = (row % 2) == 1  # odd rows sorted descending: each pair of rows a bitonic sequence
+        x = gl.where(down, -x, x)
+        x = gl.inline_asm_elementwise(_bitonic_asm(P, False), _bitonic_constraints(P), [x], dtype=gl.int32,
+                                      is_pure=True, pack=P // 32)
+        x = gl.where(down, -x, x)
+        for level in gl.static_range(1, _log2(W) + 1):  # merge runs of 2^(level - 1) rows
+            down = ((row >> level) % 2) == 1
+            x = gl.convert_layout(gl.where(down, -x, x), _thread_rows(W))
+            x = gl.inline_asm_elementwise(_rows_asm(W, 1 << (level - 1)), _rows_constraints(W), [x],
+                                          dtype=gl.int32, is_pure=True, pack=W)
+            x = gl.convert_layout(x, LA)
+            x = gl.inline_asm_elementwise(_bitonic_asm(P, True), _bitonic_constraints(P), [x], dtype=gl.int32,
+                                          is_pure=True, pack=P // 32)
+            x = gl.where(down, -x, x)
+        return x
+
+    @gluon.jit
+    def _sorted_table(bt, order, lo, hi, max_blocks, PAGE: gl.constexpr, SORT_N: gl.constexpr):
+        """The split [lo, hi)'s table entries in ``order`` (SORT_N int32 of scratch), all but the
+        last in ascending order of address, and the pointer that indexes them by token as ``bt``
+        does. The last page keeps its place: it may be partial, and the scores' masks are
+        positional. The warps sort the entries together (_sort_keys); one barrier, then any
+        thread reads any entry. Positions past the split hold the table's (clamped) entries."""
+        i = _sort_index(SORT_N)
+        table = gl.load(bt + gl.minimum(lo // PAGE + i, max_blocks - 1))
+        sortable = gl.cdiv(hi - lo, PAGE) - 1  # the split's pages but the last
+        keys = _sort_keys(gl.where(i < sortable, table, 0x7FFFFFFF), SORT_N)
+        gl.store(order + i, gl.where(i < sortable, keys, table))
         _cta_barrier()
         return order - lo // PAGE
 
@@ -512,7 +585,7 @@ if gluon is not None:
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
                     GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
-                    SORT_N: gl.constexpr, SL: gl.constexpr, SORT_ASM: gl.constexpr, SORT_CONSTRAINTS: gl.constexpr,
+                    SORT_N: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
         """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
         tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
@@ -549,12 +622,14 @@ if gluon is not None:
         tok_v = lo + _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
         col_v = _vec3(D, 2, VL)
         # the first tile's entries are loaded with the length (clamped to the table's width); its
-        # rows past the end are masked (the split may be empty)
+        # rows past the end are masked (the split may be empty). With SORT_N, all entries from
+        # this program's sorted copy of the split's (_sorted_table), sorted before these loads
+        if SORT_N > 0:
+            order = Order + ((pid_s.to(gl.int64) * gl.num_programs(1) + pid_b) * gl.num_programs(0) + pid_h) * SORT_N
+            bt = _sorted_table(bt, order, lo, gl.minimum(lo + chunk, gl.load(ContextLens + pid_b)), max_blocks, PAGE,
+                               SORT_N)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
-        if SORT_N > 0:  # loaded with the first tile's entries, sorted after its K/V loads
-            table = _table_slice(bt, lo // PAGE, max_blocks, SORT_N, SL)
-            later = _table_slice(bt, lo // PAGE + 2 * BLOCK_N // PAGE, max_blocks, SORT_N, SL)
         n_ctx = gl.load(ContextLens + pid_b)
         hi = gl.minimum(lo + chunk, n_ctx)
         last = gl.maximum(hi - 1, 0)
@@ -571,14 +646,8 @@ if gluon is not None:
                          mask=(tok_k < hi) & (col_k < D), other=0.0)
         v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
                          mask=(tok_v < hi) & (col_v < D), other=0.0)
-        # the second tile's entries from the table; with SORT_N, those of the later tiles from
-        # this program's sorted copy of it (_sort_pages: sorted behind these loads)
-        page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)
+        page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)  # the second tile's
         page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
-        if SORT_N > 0:
-            order = Order + ((pid_s.to(gl.int64) * gl.num_programs(1) + pid_b) * gl.num_programs(0) + pid_h) * SORT_N
-            bt = _sort_pages(table, later, order, lo, hi, 2 * BLOCK_N // PAGE, PAGE, SORT_N, SL, SORT_ASM,
-                             SORT_CONSTRAINTS)
 
         key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 2, MMA)  # the key of each score column
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)

@@ -9,9 +9,8 @@ cross-warp ``tl.max``/``tl.sum`` is lowered with its own shared-memory rounds an
 barriers after the loop). This kernel runs the same loop on the same distribution of the tile,
 but lays the tile out 4-D, [R, W, LP, D] (register repeat, warp, lane group, head dim; LP = 2
 rows per warp instruction at d = 128, 4 at 64, 8 at 32), so that the merge can be written step by
-step: the R slots a thread holds in registers, the LP lane groups with shuffles, then the W warps'
-states (m, l, acc) through shared memory behind one barrier, each thread finishing one column of
-the output.
+step: the R slots a thread holds in registers, then the W LP states (m, l, acc) of the warps' lane
+groups through shared memory behind one barrier, each thread finishing one column of the output.
 
 Measured on H100 (fp16, paged block 16 in random order, CUDA-graph replay; .lead/g1_bench.py,
 2026-11-22), ratio to SDPA on contiguous KV in the same run, the op's Triton MHA loop (gluon_mha
@@ -455,22 +454,24 @@ if gluon is not None:
             acc = acc * gl.expand_dims(alpha, 3) + v.to(gl.float32) * gl.expand_dims(p, 3)
             m_r = m_new
 
-        # the merge, as [.., 1] tensors of L4: the R slots of a thread in registers, then the LP
-        # lane groups (log2 LP shuffles): one state per warp, [1, W, 1, BLOCK_D]
+        # the merge: the R slots of a thread in registers, [1, W, LP, BLOCK_D] states in L4 (one
+        # per warp and lane group), then those W LP states through shared memory behind one
+        # barrier, each thread merging the states of one column. m and l are stored for every
+        # column, so that no two threads store the same element (the per-row values that the LC
+        # lanes of a row share made write-write hazards in compute-sanitizer's racecheck)
         m_w, l_w, acc_w = _merge_states(gl.expand_dims(m_r, 3), gl.expand_dims(l_r, 3), acc, 0)
-        m_w, l_w, acc_w = _merge_states(m_w, l_w, acc_w, 2)
-        # then the warps' states through shared memory behind one barrier, each thread merging the
-        # W states of one column
+        cols_of = gl.zeros([1, W, LP, BLOCK_D], gl.float32, L4)
         smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        acc_s = gl.allocate_shared_memory(gl.float32, [1, W, 1, BLOCK_D], smem)
-        m_s = gl.allocate_shared_memory(gl.float32, [1, W, 1, 1], smem)
-        l_s = gl.allocate_shared_memory(gl.float32, [1, W, 1, 1], smem)
+        acc_s = gl.allocate_shared_memory(gl.float32, [1, W, LP, BLOCK_D], smem)
+        m_s = gl.allocate_shared_memory(gl.float32, [1, W, LP, BLOCK_D], smem)
+        l_s = gl.allocate_shared_memory(gl.float32, [1, W, LP, BLOCK_D], smem)
         acc_s.store(acc_w)
-        m_s.store(m_w)
-        l_s.store(l_w)
+        m_s.store(m_w + cols_of)
+        l_s.store(l_w + cols_of)
         _cta_barrier()
-        COLS: gl.constexpr = gl.BlockedLayout([1, W, 1, 1], [1, 1, 1, 32], [1, 1, 1, W], [3, 2, 1, 0])
-        m, l, acc_row = _merge_states(m_s.load(COLS), l_s.load(COLS), acc_s.load(COLS), 1)  # [.., D]
+        COLS: gl.constexpr = gl.BlockedLayout([1, W, LP, 1], [1, 1, 1, 32], [1, 1, 1, W], [3, 2, 1, 0])
+        m, l, acc_row = _merge_states(m_s.load(COLS), l_s.load(COLS), acc_s.load(COLS), 2)
+        m, l, acc_row = _merge_states(m, l, acc_row, 1)  # [1, 1, 1, BLOCK_D]
         seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
         l_safe = gl.where(seen, l, 1.0)
         col = _index(BLOCK_D, 3, COLS, 4)

@@ -536,7 +536,7 @@ def _sort_keys_model(keys: list[int], warps: int) -> list[int]:
     return sum(rows, [])
 
 
-@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (256, 8), (512, 8), (64, 2)])
+@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (1024, 4), (256, 8), (512, 8), (1024, 8), (64, 2)])
 def test_sort_keys_network(keys, warps):
     """The warps' sort of the page sort (decode_gluon._sort_keys: a sort per warp, then bitonic
     merges across warps), its PTX executed for every warp: random keys, ties, the int32 maximum
@@ -559,7 +559,7 @@ if tg.gluon is not None:
 
 
 @gluon_only
-@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (256, 8), (512, 8)])
+@pytest.mark.parametrize("keys,warps", [(256, 4), (512, 4), (1024, 4), (256, 8), (512, 8), (1024, 8)])
 def test_sort_keys_kernel(keys, warps):
     """decode_gluon._sort_keys compiled and run (its layout conversions between the warps' rows
     and the threads' columns included) against torch.sort."""
@@ -576,9 +576,10 @@ def test_sort_keys_kernel(keys, warps):
 
 def test_sort_size_rule():
     """decode_gluon.sort_size: the power of two that holds a split's pages, where a split has 256 to
-    512 pages of a size dividing the 64-token tile; 0 otherwise."""
+    1024 pages of a size dividing the 64-token tile; 0 otherwise."""
     assert tg.sort_size(8192, 16, 32) == 256  # (1, 32/8, 128k) at 32 splits
-    assert tg.sort_size(512, 16, 1) == 512 and tg.sort_size(513, 16, 1) == 0  # 8k, one split
+    assert tg.sort_size(512, 16, 1) == 512 and tg.sort_size(513, 16, 1) == 1024  # 8k, one split
+    assert tg.sort_size(1024, 16, 1) == 1024 and tg.sort_size(1025, 16, 1) == 0  # 16k
     assert tg.sort_size(2048, 16, 16) == 0 and tg.sort_size(2048, 16, 8) == 256  # 128 and 256 pages
     assert tg.sort_size(300, 16, 1) == 512  # rounded up to a power of two
     assert tg.sort_size(4096, 32, 8) == 512 and tg.sort_size(8192, 128, 4) == 0  # pages > the tile
@@ -604,7 +605,7 @@ def _page_tables(c, lens):
 @gluon_only
 @pytest.mark.parametrize("h_q,h_kv,block_size,splits", [(8, 2, 16, (1, 2)), (16, 2, 32, (1,))])
 def test_gluon_gqa_sorted_pages(h_q, h_kv, block_size, splits, poison, gqa_calls):
-    """The GQA kernel visits the pages of splits of 256 to 512 pages in address order (the
+    """The GQA kernel visits the pages of splits of 256 to 1024 pages in address order (the
     in-kernel sort): ragged contexts (a partial last page, a sequence shorter than two tiles, an
     empty one), a table whose pages repeat (ties in the sort) and one already sorted, against
     float64 over the gathered pages; the same bits on every call and in a CUDA graph, and close to
@@ -633,9 +634,10 @@ def test_gluon_gqa_sorted_pages(h_q, h_kv, block_size, splits, poison, gqa_calls
 
 
 @gluon_only
-@pytest.mark.parametrize("dk,rows,warps,block_size", [(128, 64, 4, 16), (128, 64, 4, 32), (64, 128, 8, 16)])
+@pytest.mark.parametrize("dk,rows,warps,block_size", [(128, 64, 4, 16), (128, 64, 4, 32), (128, 64, 4, 8),
+                                                      (64, 128, 8, 16)])
 def test_gluon_mha_sorted_pages(dk, rows, warps, block_size, poison, gluon_calls):
-    """The MHA kernel visits the pages of sequences of 256 to 512 pages in address order (the
+    """The MHA kernel visits the pages of sequences of 256 to 1024 pages in address order (the
     in-kernel sort, on the kernel's 4- and 8-warp tiles): ragged contexts, a table whose pages
     repeat and one already sorted, against float64 over the gathered pages; the same bits on
     every call and in a CUDA graph, and close to the kernel without the sort."""

@@ -66,7 +66,7 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
                   merged by ``_reduce_kernel``.
     sort_pages    (default on) the Gluon kernels (gluon_mha, gluon_gqa) visit the pages of
-                  splits of 256 to 512 pages in ascending order of address, sorted in the kernel
+                  splits of 256 to 1024 pages in ascending order of address, sorted in the kernel
                   into an int32 scratch array per program (``decode_gluon.sort_size``): +1.2% at
                   (8, 32/32, 8k) and +1.3% at (1, 32/8, 128k) on H100.
 
@@ -722,7 +722,7 @@ _KNOBS = {
     # decode_gluon.gqa_takes measured it faster, at its own split count (gqa_splits) unless one
     # is given; True: wherever it can run, at the dot path's split count
     "gluon_gqa": None,
-    # the Gluon kernels visit the pages of splits of 256 to 512 pages in ascending order of address,
+    # the Gluon kernels visit the pages of splits of 256 to 1024 pages in ascending order of address,
     # sorted in the kernel (decode_gluon.sort_size; ratio to SDPA, .lead/s21h.py): (8, 32/32, 8k)
     # 0.997 -> 1.009, (1, 32/8, 128k) 0.996 -> 1.009
     "sort_pages": True,

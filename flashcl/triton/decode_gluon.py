@@ -131,7 +131,7 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
            num_warps: int, evict_first: bool = True, sort_pages: bool = True) -> None:
     """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``), tiles of
     ``block_n`` rows on ``num_warps`` warps; ``evict_first``: the K/V loads marked L1::evict_first
-    (decode's kv_evict_first knob); ``sort_pages``: the pages of sequences of 256 to 512 pages
+    (decode's kv_evict_first knob); ``sort_pages``: the pages of sequences of 256 to 1024 pages
     visited in address order (sort_size; decode's sort_pages knob)."""
     b, h, d = q.shape
     keys = sort_size(block_table.shape[1], k_cache.shape[1], 1, block_n) if sort_pages else 0
@@ -223,13 +223,15 @@ def _gqa_layouts(warps: int, rows: int):
 # memory). H100 (.lead/s21h.py, 2026-11-22, fp16, ratio to SDPA in the same run, five rounds; the
 # same kernel without the sort, then on tables sorted on the host, in brackets): (8, 32/32, 8k)
 # (MHA, 512 pages) 1.009 (0.997, 1.013); (1, 32/8, 128k) (GQA, 32 splits of 256 pages) 1.009
-# (0.996; the whole table sorted 1.024); (32, 32/8, 8k) (GQA, 512 pages) 1.004 (0.990, 1.007).
+# (0.996; the whole table sorted 1.024); (32, 32/8, 8k) (GQA, 512 pages) 1.004 (0.990, 1.007);
+# 1024 pages (.lead/s21j.py): (8, 32/32, 16k) (MHA) 1.000 (0.987, 1.007), (32, 32/8, 16k) (GQA)
+# 0.993 (0.986, 0.999).
 # Below 256 pages a split it did not pay (.lead/s20b.py, an earlier sort): (2, 32/8, 32k) (128
 # pages) 1.017-1.024 against 1.020-1.022. That earlier sort, every warp sorting all the keys (16 a
 # lane at 512), cost the MHA kernel 3.5% for a reason not found (docs/decode-h100-notes.md, "The
 # page sort shared by the warps, in both kernels").
 SORT_MIN_PAGES = 256
-SORT_MAX_PAGES = 512  # 4 keys a lane on 4 warps, 2 on 8
+SORT_MAX_PAGES = 1024  # 8 keys a lane on 4 warps, 4 on 8
 
 
 def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -> int:

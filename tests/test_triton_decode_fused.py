@@ -488,7 +488,8 @@ def test_bitonic_ptx_sorts(keys):
     """The PTX of the page sort's per-warp network (decode_gluon.bitonic_ptx), executed instruction by
     instruction for a warp: random keys, ties, the int32 maximum that pads a split's unsorted
     positions, and keys already in either order come out ascending in lane-major order."""
-    ptx, constraints = tg.bitonic_ptx(keys)
+    ptx = tg.bitonic_ptx(keys)
+    constraints = tg.asm_constraints(keys // 32)
     per_lane = keys // 32
     assert constraints.count("=r") == per_lane and constraints.count(",r") == per_lane
     rng = np.random.default_rng(keys)
@@ -502,36 +503,27 @@ def test_bitonic_ptx_sorts(keys):
 
 def _sort_keys_model(keys: list[int], warps: int) -> list[int]:
     """decode_gluon._sort_keys on lists, with its PTX executed by _run_ptx_warp: row w of warps
-    rows in warp w sorts (odd rows negated, so descending), then each level negates the rows it
-    merges descending, runs rows_merge_ptx over the column each thread holds (one lane a column)
-    and bitonic_ptx(merge_only) in each warp, and negates back."""
+    rows in warp w; level 0 sorts each row, each level after it merges pairs of runs: the rows
+    each thread holds by rows_merge_ptx (one lane a column), then each row by bitonic_ptx
+    (merge_only); the runs a level leaves descending are negated around it."""
     n = len(keys)
     cols = n // warps
     per_lane = cols // 32
     rows = [keys[w * cols:(w + 1) * cols] for w in range(warps)]
-
-    def negate(level):
-        return [[-v if (w >> level) & 1 else v for v in row] for w, row in enumerate(rows)]
-
-    def in_warps(merge_only):
-        ptx = tg.bitonic_ptx(cols, merge_only)[0]
-        return [sum(_run_ptx_warp(ptx, [row[lane * per_lane:(lane + 1) * per_lane] for lane in range(32)]), [])
-                for row in rows]
-
-    rows = negate(0)
-    rows = in_warps(False)
-    rows = negate(0)
-    level = 1
+    level = 0
     while 1 << level <= warps:
-        rows = negate(level)
-        ptx = tg.rows_merge_ptx(warps, 1 << (level - 1))[0]
-        for c0 in range(0, cols, 32):
-            merged = _run_ptx_warp(ptx, [[row[c] for row in rows] for c in range(c0, c0 + 32)])
-            for c in range(32):
-                for w in range(warps):
-                    rows[w][c0 + c] = merged[c][w]
-        rows = in_warps(True)
-        rows = negate(level)
+        rows = [[-v if (w >> level) & 1 else v for v in row] for w, row in enumerate(rows)]
+        if level > 0:
+            ptx = tg.rows_merge_ptx(warps, 1 << (level - 1))
+            for c0 in range(0, cols, 32):
+                merged = _run_ptx_warp(ptx, [[row[c] for row in rows] for c in range(c0, c0 + 32)])
+                for c in range(32):
+                    for w in range(warps):
+                        rows[w][c0 + c] = merged[c][w]
+        ptx = tg.bitonic_ptx(cols, level > 0)
+        rows = [sum(_run_ptx_warp(ptx, [row[lane * per_lane:(lane + 1) * per_lane] for lane in range(32)]), [])
+                for row in rows]
+        rows = [[-v if (w >> level) & 1 else v for v in row] for w, row in enumerate(rows)]
         level += 1
     return sum(rows, [])
 

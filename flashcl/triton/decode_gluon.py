@@ -135,6 +135,7 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
     visited in address order (sort_size; decode's sort_pages knob)."""
     b, h, d = q.shape
     keys = sort_size(block_table.shape[1], k_cache.shape[1], 1, block_n) if sort_pages else 0
+    # the sorted copies of the table (int32, one per program); lse stands in where none is read
     order = torch.empty(h * b * keys, dtype=torch.int32, device=q.device) if keys else lse
     _mha_decode[(h, b)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, order, qk_scale_log2, block_table.shape[1],
@@ -247,8 +248,14 @@ def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -
 
 
 @_compile_time
-def bitonic_ptx(n: int, merge_only: bool = False) -> tuple[str, str]:
-    """(PTX, constraints) for inline_asm_elementwise(pack=n / 32): one warp sorts n = 32 R int32
+def asm_constraints(regs: int) -> str:
+    """The constraints of the sort's inline PTX: ``regs`` 32-bit outputs, then as many inputs."""
+    return ",".join(["=r"] * regs + ["r"] * regs)
+
+
+@_compile_time
+def bitonic_ptx(n: int, merge_only: bool = False) -> str:
+    """PTX for inline_asm_elementwise(pack=n / 32): one warp sorts n = 32 R int32
     keys ascending, R per lane (key lane * R + r in register r, the order of a BlockedLayout([R],
     [32], ...) tensor). A bitonic network: for k = 2, 4, .., n and j = k / 2, .., 1, the pair
     (i, i ^ j) keeps its minimum at the lower index where i & k is 0, at the higher one otherwise.
@@ -289,12 +296,12 @@ def bitonic_ptx(n: int, merge_only: bool = False) -> tuple[str, str]:
         k *= 2
     L += [f"mov.b32 ${r}, x{r};" for r in range(R)]
     L.append("}")
-    return "\n".join(L), ",".join(["=r"] * R + ["r"] * R)
+    return "\n".join(L)
 
 
 @_compile_time
-def rows_merge_ptx(rows: int, top: int) -> tuple[str, str]:
-    """(PTX, constraints) for inline_asm_elementwise(pack=rows): the registers r and r ^ j of a
+def rows_merge_ptx(rows: int, top: int) -> str:
+    """PTX for inline_asm_elementwise(pack=rows): the registers r and r ^ j of a
     thread, for j = top, top / 2, .., 1, keep their minimum at the lower one (the steps of a
     bitonic merge, ascending, over the rows a thread holds)."""
     L = ["{", f".reg .b32 x<{rows}>, t;"] + [f"mov.b32 x{r}, ${rows + r};" for r in range(rows)]
@@ -306,7 +313,7 @@ def rows_merge_ptx(rows: int, top: int) -> tuple[str, str]:
         j //= 2
     L += [f"mov.b32 ${r}, x{r};" for r in range(rows)]
     L.append("}")
-    return "\n".join(L), ",".join(["=r"] * rows + ["r"] * rows)
+    return "\n".join(L)
 
 
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
@@ -512,22 +519,6 @@ if gluon is not None:
     def _log2(n):
         return n.bit_length() - 1
 
-    @gluon.constexpr_function
-    def _bitonic_asm(n, merge_only):
-        return bitonic_ptx(n, merge_only)[0]
-
-    @gluon.constexpr_function
-    def _bitonic_constraints(n):
-        return bitonic_ptx(n)[1]
-
-    @gluon.constexpr_function
-    def _rows_asm(rows, top):
-        return rows_merge_ptx(rows, top)[0]
-
-    @gluon.constexpr_function
-    def _rows_constraints(rows):
-        return rows_merge_ptx(rows, 1)[1]
-
     @gluon.jit
     def _sort_index(N: gl.constexpr):
         """0 .. N - 1 as [W, N / W] in _warp_rows (row-major: row w holds w N / W ..)."""
@@ -549,19 +540,16 @@ if gluon is not None:
         P: gl.constexpr = N // W
         LA: gl.constexpr = _warp_rows(N, W)
         row = gl.expand_dims(gl.arange(0, W, gl.SliceLayout(1, LA)), 1)
-        down = (row % 2) == 1  # odd rows sorted descending: each pair of rows a bitonic sequence
-        x = gl.where(down, -x, x)
-        x = gl.inline_asm_elementwise(_bitonic_asm(P, False), _bitonic_constraints(P), [x], dtype=gl.int32,
-                                      is_pure=True, pack=P // 32)
-        x = gl.where(down, -x, x)
-        for level in gl.static_range(1, _log2(W) + 1):  # merge runs of 2^(level - 1) rows
-            down = ((row >> level) % 2) == 1
-            x = gl.convert_layout(gl.where(down, -x, x), _thread_rows(W))
-            x = gl.inline_asm_elementwise(_rows_asm(W, 1 << (level - 1)), _rows_constraints(W), [x],
-                                          dtype=gl.int32, is_pure=True, pack=W)
-            x = gl.convert_layout(x, LA)
-            x = gl.inline_asm_elementwise(_bitonic_asm(P, True), _bitonic_constraints(P), [x], dtype=gl.int32,
-                                          is_pure=True, pack=P // 32)
+        for level in gl.static_range(0, _log2(W) + 1):  # level l > 0 merges runs of 2^(l - 1) rows
+            down = ((row >> level) % 2) == 1  # runs this level leaves descending (none at the last)
+            x = gl.where(down, -x, x)
+            if level > 0:
+                x = gl.convert_layout(x, _thread_rows(W))
+                x = gl.inline_asm_elementwise(rows_merge_ptx(W, 1 << (level - 1)), asm_constraints(W), [x],
+                                              dtype=gl.int32, is_pure=True, pack=W)
+                x = gl.convert_layout(x, LA)
+            x = gl.inline_asm_elementwise(bitonic_ptx(P, level > 0), asm_constraints(P // 32), [x],
+                                          dtype=gl.int32, is_pure=True, pack=P // 32)
             x = gl.where(down, -x, x)
         return x
 

@@ -134,9 +134,7 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
     (decode's kv_evict_first knob); ``sort_pages``: the pages of sequences of 256 to 1024 pages
     visited in address order (sort_size; decode's sort_pages knob)."""
     b, h, d = q.shape
-    keys = sort_size(block_table.shape[1], k_cache.shape[1], 1, block_n) if sort_pages else 0
-    # the sorted copies of the table (int32, one per program); lse stands in where none is read
-    order = torch.empty(h * b * keys, dtype=torch.int32, device=q.device) if keys else lse
+    keys, order = _page_order(block_table, k_cache.shape[1], 1, block_n, h * b, sort_pages, lse)
     _mha_decode[(h, b)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, order, qk_scale_log2, block_table.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -247,6 +245,17 @@ def sort_size(table_width: int, page: int, num_splits: int, block_n: int = 64) -
     return 1 << (pages - 1).bit_length()
 
 
+def _page_order(block_table, page: int, num_splits: int, block_n: int, programs: int, sort_pages: bool,
+                stand_in: torch.Tensor):
+    """(SORT_N, scratch) of a launch: the keys each program sorts (sort_size; 0 without
+    ``sort_pages``) and its int32 scratch for the sorted copies, one per program (``stand_in``
+    where none is read)."""
+    keys = sort_size(block_table.shape[1], page, num_splits, block_n) if sort_pages else 0
+    if not keys:
+        return 0, stand_in
+    return keys, torch.empty(programs * keys, dtype=torch.int32, device=block_table.device)
+
+
 @_compile_time
 def asm_constraints(regs: int) -> str:
     """The constraints of the sort's inline PTX: ``regs`` 32-bit outputs, then as many inputs."""
@@ -332,9 +341,8 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     part_m, part_l, part_acc = partials if split else (lse, lse, lse)
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
-    keys = sort_size(block_table.shape[1], k_cache.shape[1], num_splits, 16 * warps) if sort_pages else 0
-    # the sorted copies of the tables (int32, one per program); lse stands in where none is read
-    order = torch.empty(h_kv * b * num_splits * keys, dtype=torch.int32, device=q.device) if keys else lse
+    keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
+                              sort_pages, lse)
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
         qk_scale_log2, block_table.shape[1], num_splits,

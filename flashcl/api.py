@@ -13,6 +13,7 @@ import numpy as np
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
 _BACKENDS = ("auto", "opencl", "triton")
+_LOG2E = 1.0 / math.log(2.0)
 
 
 # --------------------------------------------------------------------------- input kinds
@@ -77,6 +78,10 @@ def _check_scale(scale):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale: expected a finite float, got {scale}")
+    # The kernels compute in float32, with the scale folded into a base-2 exponent.
+    if abs(float(scale)) * _LOG2E > float(np.finfo(np.float32).max):
+        raise ValueError(f"scale: {scale} is not finite in float32 once multiplied by log2(e), "
+                         f"which the kernels do; expected |scale| < {np.finfo(np.float32).max / _LOG2E:.3g}")
     return float(scale)
 
 
@@ -112,16 +117,11 @@ def _prefill_shapes(q, k, v) -> tuple[int, tuple, tuple, tuple]:
         raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
     if h_kv != h_v:
         raise ValueError(f"k has {h_kv} heads but v has {h_v}")
-    if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
     if dk != dkk:
         raise ValueError(f"q has head dim {dk} but k has {dkk}")
     if n_kv != n_v:
         raise ValueError(f"k has {n_kv} keys but v has {n_v}")
-    if min(b, h_q, n_q, n_kv) == 0:
-        raise ValueError(f"empty input: q shape {qs}, k shape {ks} (every dimension must be >= 1)")
-    _check_head_dim("q/k", dk)
-    _check_head_dim("v", dv)
+    check_prefill_problem(b, h_q, h_kv, n_q, n_kv, dk, dv)
     return rank, qs, ks, vs
 
 
@@ -260,16 +260,51 @@ def decode(q, k_cache, v_cache, *, block_table=None, context_lens=None, scale=No
 
 # --------------------------------------------------------------------------- merge
 
+def _merge_inputs(outs, lses) -> str:
+    """Validate merge_states' inputs as prefill's are; return their kind ("numpy" or "torch")."""
+    for name, parts in (("outs", outs), ("lses", lses)):
+        if not isinstance(parts, (list, tuple)):
+            raise TypeError(f"{name}: expected a list or tuple of arrays, got {type(parts).__name__}")
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"merge_states needs equally many outs and lses (>= 1), got {len(outs)} and {len(lses)}")
+    kinds = {f"{name}[{i}]": _kind(x, f"{name}[{i}]") for name, parts in (("outs", outs), ("lses", lses))
+             for i, x in enumerate(parts)}
+    if "cl" in kinds.values():
+        raise TypeError("merge_states takes numpy arrays or torch tensors; call .get() on pyopencl Arrays")
+    families = {k: ("numpy" if v == "numpy" else "torch") for k, v in kinds.items()}
+    if len(set(families.values())) > 1:
+        desc = ", ".join(f"{n}={kinds[n]}" for n in kinds)
+        raise TypeError(f"merge_states: inputs must all be numpy arrays or all torch tensors; got {desc}")
+    devices = {str(x.device) for x in (*outs, *lses)} if families["outs[0]"] == "torch" else set()
+    if len(devices) > 1:
+        raise TypeError(f"merge_states: torch inputs must share one device, got {sorted(devices)}")
+    shape = tuple(outs[0].shape)
+    if len(shape) < 1:
+        raise ValueError(f"outs[0]: expected (..., DV), got shape {shape}")
+    out_dtype = _dtype_name(outs[0])
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != shape:
+            raise ValueError(f"outs[{i}]: shape {tuple(o.shape)} differs from outs[0]'s {shape}")
+        if tuple(l.shape) != shape[:-1]:
+            raise ValueError(f"lses[{i}]: expected shape {shape[:-1]} (outs' shape without DV), got {tuple(l.shape)}")
+        if _dtype_name(o) != out_dtype:
+            raise TypeError(f"outs[{i}]: dtype {_dtype_name(o)} differs from outs[0]'s {out_dtype}")
+        if _dtype_name(o) not in ("float32", "float16", "bfloat16", "float64"):
+            raise TypeError(f"outs[{i}]: expected a floating dtype, got {_dtype_name(o)}")
+        if _dtype_name(l) not in ("float32", "float64"):
+            raise TypeError(f"lses[{i}]: expected float32 (as return_lse gives), got {_dtype_name(l)}")
+    return families["outs[0]"]
+
+
 def merge_states(outs, lses):
     """Exact merge of normalized partial results over disjoint key sets.
 
     ``outs[i]`` (..., DV) and ``lses[i]`` (...) from calls with ``return_lse=True``; returns the
     merged (out, lse). Each part is weighted by exp(lse_i - lse_max); parts with lse -inf (no key
-    seen) contribute nothing, and a row no part saw stays (0, -inf).
+    seen) contribute nothing, and a row no part saw stays (0, -inf). A row with NaN in any part
+    (its lse or its out) is NaN in both results.
     """
-    if len(outs) != len(lses) or not outs:
-        raise ValueError(f"merge_states needs equally many outs and lses (>= 1), got {len(outs)} and {len(lses)}")
-    if _is_torch(outs[0]):
+    if _merge_inputs(outs, lses) == "torch":
         import torch
 
         xp_o = torch.stack([o.float() for o in outs])
@@ -281,16 +316,35 @@ def merge_states(outs, lses):
         out = (w[..., None] * xp_o).sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
         lse = torch.where(den > 0, m_safe + torch.log(torch.where(den > 0, den, torch.ones_like(den))),
                           torch.full_like(den, -float("inf")))
+        bad = torch.isnan(xp_l).any(0) | torch.isnan(out).any(-1)
+        out = torch.where(bad[..., None], torch.full_like(out, float("nan")), out)
+        lse = torch.where(bad, torch.full_like(lse, float("nan")), lse)
         return out.to(outs[0].dtype), lse
     o = np.stack([np.asarray(x, dtype=np.float64) for x in outs])
     l = np.stack([np.asarray(x, dtype=np.float64) for x in lses])
-    if o.shape[:-1] != l.shape:
-        raise ValueError(f"outs {o.shape[1:]} and lses {l.shape[1:]} shapes do not agree")
     m = l.max(0)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    w = np.exp(l - m_safe)
-    den = w.sum(0)
-    seen = den > 0
-    out = (w[..., None] * o).sum(0) / np.where(seen, den, 1.0)[..., None]
-    lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
+    m_safe = np.where(np.isneginf(m) | np.isnan(m), 0.0, m)
+    with np.errstate(invalid="ignore"):
+        w = np.exp(l - m_safe)
+        den = w.sum(0)
+        seen = den > 0
+        out = (w[..., None] * o).sum(0) / np.where(seen, den, 1.0)[..., None]
+        lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
+    bad = np.isnan(l).any(0) | np.isnan(out).any(-1)
+    out[bad] = np.nan
+    lse[bad] = np.nan
     return out.astype(np.asarray(outs[0]).dtype), lse.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- problem checks
+
+def check_prefill_problem(b: int, h_q: int, h_kv: int, n_q: int, n_kv: int, dk: int, dv: int) -> None:
+    """The checks ``prefill`` applies to a problem's sizes (it calls this), for callers that hold
+    sizes rather than arrays (``flashcl tune``, ``bench``, ``show-config``): ValueError naming the
+    size that is wrong and what is expected."""
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
+    if min(b, h_q, n_q, n_kv) < 1:
+        raise ValueError(f"empty input: B={b}, H_q={h_q}, N_q={n_q}, N_kv={n_kv} (every dimension must be >= 1)")
+    _check_head_dim("q/k", dk)
+    _check_head_dim("v", dv)

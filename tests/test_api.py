@@ -115,10 +115,10 @@ def _all_cl_devices():
 
 def test_selection_takes_the_first_device_whose_compiler_works(cpu_device, monkeypatch):
     """Where several devices match, the first whose compiler builds is taken; a single candidate is
-    not probed. The verdict on the other device is set here (on most machines every compiler
-    works); the probe itself runs on the real device."""
+    taken as it is. The verdict on the other device is set here (on most machines every compiler
+    works); the probe itself runs on the real device (tests/test_probe.py)."""
     import pyopencl as cl
-    from flashcl.opencl import runtime
+    from flashcl.opencl import probe, runtime
 
     pi, di = (int(x) for x in cpu_device.split(":"))
     dev = cl.get_platforms()[pi].get_devices()[di]
@@ -126,11 +126,15 @@ def test_selection_takes_the_first_device_whose_compiler_works(cpu_device, monke
     other = next((d for d in _all_cl_devices() if d != dev), None)
     if other is None:
         pytest.skip("needs a second OpenCL device (Oclgrind: pip install 'flashcl[oclgrind]')")
-    monkeypatch.setitem(runtime._probe_results, other.int_ptr, "error: unknown target CPU 'generic'")
+    broken_log = "error: unknown target CPU 'generic'"
+    broken = {other.int_ptr}
+    real = runtime.capabilities
+    monkeypatch.setattr(runtime, "capabilities", lambda d: probe.Capabilities(
+        {probe.BASELINE: probe.Verdict(False, broken_log)}) if d.int_ptr in broken else real(d))
     assert runtime._first_usable([other, dev]) == dev
     assert runtime._first_usable([dev, other]) == dev
     assert runtime._first_usable([other]) == other  # alone: taken, its builds raise with the log
-    monkeypatch.setitem(runtime._probe_results, dev.int_ptr, "error: unknown target CPU 'generic'")
+    broken.add(dev.int_ptr)
     assert runtime._first_usable([other, dev]) == other  # none works: the first
 
 

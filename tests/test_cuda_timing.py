@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashcl import cuda_timing
+cuda_timing = pytest.importorskip("flashcl.cuda_timing", reason="the CUDA timing tools need torch")
 
 
 def test_interleaved_rounds_take_turns_and_rotate():

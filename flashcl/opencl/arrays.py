@@ -4,6 +4,7 @@ numpy / torch CPU / pyopencl inputs to device arrays the kernels can address."""
 from __future__ import annotations
 
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 
 from .runtime import DeviceHandle, get_device
@@ -47,9 +48,55 @@ def to_device_4d(x, queue, rank: int) -> cla.Array:
                              f"bytes), got strides {arr.strides}; pass arr.copy() or a numpy array")
         if any(s < 0 or s % arr.dtype.itemsize for s in arr.strides):
             raise ValueError(f"pyopencl Array strides {arr.strides} must be non-negative multiples of the item size")
+        if not arr.dtype.isnative:
+            raise TypeError(f"pyopencl Array of dtype {arr.dtype.str}: the kernels read the device's byte "
+                            "order; convert on the host first")
         return arr
-    host = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-    host = np.ascontiguousarray(host)
+    host = native_host(x)
     if rank == 3:
         host = host[None]
     return cla.to_device(queue, host)
+
+
+def native_host(x) -> np.ndarray:
+    """numpy / torch CPU -> a C-contiguous numpy array in the machine's byte order (a '>f4' array
+    read as little-endian floats would be garbage, mostly NaN)."""
+    host = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    if not host.dtype.isnative:
+        host = host.astype(host.dtype.newbyteorder("="))
+    return np.ascontiguousarray(host)
+
+
+def check_fits(handle: DeviceHandle, buffers: dict) -> None:
+    """Fail before any copy when a buffer (name -> bytes) exceeds the device's largest allocation
+    or all of them its global memory; the message names the limit."""
+    dev, gib = handle.device, 2.0 ** 30
+    max_alloc, total = int(dev.max_mem_alloc_size), int(dev.global_mem_size)
+    for name, nbytes in buffers.items():
+        if nbytes > max_alloc:
+            raise ValueError(f"{name}: {nbytes / gib:.2f} GiB exceeds the largest buffer {handle.name} allows "
+                             f"(CL_DEVICE_MAX_MEM_ALLOC_SIZE = {max_alloc / gib:.2f} GiB)")
+    need = sum(buffers.values())
+    if need > total:
+        raise ValueError(f"inputs, outputs and workspace need {need / gib:.2f} GiB, more than {handle.name}'s "
+                         f"global memory (CL_DEVICE_GLOBAL_MEM_SIZE = {total / gib:.2f} GiB)")
+
+
+def nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+
+
+def wait_for_inputs(queue, tensors) -> None:
+    """Make the kernels enqueued next on ``queue`` wait for the events of pyopencl Array inputs
+    (their producers may still be running, on this queue or another of the context)."""
+    events = [e for t in tensors if isinstance(t, cla.Array) for e in t.events]
+    if events:
+        cl.enqueue_barrier(queue, wait_for=events)
+
+
+def attach_events(arrays, events) -> None:
+    """A device-resident result carries the events that write it, so ``out.finish()`` waits."""
+    for arr in arrays:
+        if arr is not None:
+            for e in events:
+                arr.add_event(e)

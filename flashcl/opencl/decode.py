@@ -67,8 +67,9 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
-from .arrays import dtype_name, elem_strides, handle_for_inputs, to_device_4d
-from .runtime import DeviceHandle, build, launch, launch_sequence, spill_report
+from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
+                     nbytes, to_device_4d, wait_for_inputs)
+from .runtime import DeviceHandle, build, check_variant, launch, launch_sequence, spill_report
 
 KERNEL = "decode"
 _LOG2E = 1.0 / math.log(2.0)
@@ -271,6 +272,8 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
     def errors(p):
         return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
                             max_work_group=handle.max_work_group)
+
+    check_variant(handle, KERNEL, prob.dtype, params or {})
 
     return tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
@@ -507,6 +510,9 @@ def _int_to_device(x, queue, fill=None, shape=None):
     if isinstance(x, cla.Array):
         if not x.flags.c_contiguous:
             raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
+        if not x.dtype.isnative:
+            raise TypeError(f"block_table/context_lens: a pyopencl Array of dtype {x.dtype.str} is not "
+                            "in the device's byte order")
         return x
     return cla.to_device(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
 
@@ -532,6 +538,9 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     b, h_q, h_kv = geo["B"], geo["H_q"], geo["H_kv"]
     prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype)
     n_ctx = max_context(geo, context_lens)
+    check_fits(handle, {"q": nbytes(q.shape, dtype), "k_cache": nbytes(k_cache.shape, dtype),
+                        "v_cache": nbytes(v_cache.shape, dtype), "out": nbytes((b, h_q, geo["DV"]), dtype),
+                        "partial states": nbytes((b, h_q, num_splits or 1, geo["DV"] + 2), np.float32)})
     choice = choose_params(handle, prob, params, n_ctx)
     kern = DecodeKernel(handle, prob, choice.params)
     if num_splits is None:
@@ -541,17 +550,21 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     if is_cl:
         if q.strides[2] != q.dtype.itemsize:
             raise ValueError(f"q: a pyopencl Array needs a contiguous head dim, got strides {q.strides}")
+        if not q.dtype.isnative:
+            raise TypeError(f"q: a pyopencl Array of dtype {q.dtype.str} is not in the device's byte order")
         qd = q
     else:
-        qd = cla.to_device(queue, np.ascontiguousarray(_host(q)))
+        qd = cla.to_device(queue, native_host(q))
     kd, vd = (to_device_4d(t, queue, 4) for t in (k_cache, v_cache))
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,)) if geo["paged"] else lens_d
     out = cla.empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q), np.float32)
-    kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits)
+    wait_for_inputs(queue, (q, k_cache, v_cache, block_table, context_lens))
+    events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits)
 
     if is_cl:
+        attach_events((out, lse), events[-1:])
         return (out, lse) if return_lse else out
     out_h, lse_h = out.get(), lse.get()
     if hasattr(q, "detach"):  # torch CPU in, torch out

@@ -10,8 +10,9 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
-from .arrays import dtype_name, elem_strides, handle_for_inputs, to_device_4d
-from .runtime import DeviceHandle, build, launch, spill_report
+from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, nbytes,
+                     to_device_4d, wait_for_inputs)
+from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
 _LOG2E = 1.0 / math.log(2.0)
@@ -46,11 +47,12 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
     """User override, else the tuning database, else the profile default; always validated."""
     def errors(p):
         return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
-                                   max_work_group=handle.max_work_group)
+                                   max_work_group=handle.max_work_group) or probe_errors(handle, KERNEL, prob.dtype, p)
 
     if (params is not None and params.get("VARIANT", "rows") == "rows" and "VEC" not in params
             and {"BLOCK_N", "DV_TILE"} <= params.keys()):
         params = dict(params, VEC=tuning.widest_vec(params["BLOCK_N"], params["DV_TILE"], 4))
+    check_variant(handle, KERNEL, prob.dtype, params or {})
     return tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
         causal=prob.causal, n=max(prob.n_q, prob.n_kv),
@@ -135,6 +137,9 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     handle = handle_for_inputs({"q": q, "k": k, "v": v}, device)
     dtype = dtype_name(q)
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype)
+    check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": nbytes(shapes[1], dtype),
+                        "v": nbytes(shapes[2], dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
+                        "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
     kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse)
 
@@ -142,12 +147,14 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     qd, kd, vd = (to_device_4d(t, queue, rank) for t in (q, k, v))
     out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
-    kern(qd, kd, vd, out, lse, scale)
+    wait_for_inputs(queue, (q, k, v))
+    event = kern(qd, kd, vd, out, lse, scale)
 
     if rank == 3:
         out = out.reshape(h_q, n_q, dv)
         lse = lse.reshape(h_q, n_q) if lse is not None else None
     if is_cl:
+        attach_events((out, lse), [event])
         return (out, lse) if return_lse else out
     out_h = out.get()
     lse_h = lse.get() if lse is not None else None

@@ -12,7 +12,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import pyopencl as cl
@@ -21,6 +21,7 @@ from .._resources import kernel_dir
 from .._version import __version__
 from ..errors import KernelBuildError, KernelLaunchError
 from ..profiles import DeviceProfile, profile_for
+from . import probe
 
 
 @dataclass
@@ -32,6 +33,11 @@ class DeviceHandle:
     queue: cl.CommandQueue
     # built programs by cache key, least recently used first; bounded by MAX_PROGRAMS (build())
     programs: OrderedDict = field(default_factory=OrderedDict)
+    # Kernel objects are shared by every caller of a program, and an OpenCL kernel's arguments
+    # are state: setting them and enqueueing is one step per device (launch_sequence).
+    launch_lock: threading.Lock = field(default_factory=threading.Lock)
+    # One build at a time per device: some compilers (PoCL) are not safe to enter concurrently.
+    build_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def name(self) -> str:
@@ -51,8 +57,11 @@ class DeviceHandle:
 
     @cached_property
     def profile(self) -> DeviceProfile:
-        return profile_for(self.device.vendor, self.name, self.device.opencl_c_version,
+        """The device's profile, its SIMD width cut to the widest VEC its compiler builds."""
+        prof = profile_for(self.device.vendor, self.name, self.device.opencl_c_version,
                            "cpu" if self.is_cpu else "gpu")
+        max_vec = capabilities(self.device).max_vec
+        return replace(prof, simd=max_vec) if prof.simd > max_vec else prof
 
     @property
     def local_mem(self) -> int:
@@ -95,34 +104,49 @@ def _is_oclgrind(p) -> bool:
     return "oclgrind" in p.name.lower()
 
 
-# PoCL from PyPI (pocl-binary-distribution 3.0, LLVM 14) builds nothing on a CPU newer than its
-# LLVM knows (AMD Zen 5, for one): LLVM names such a host "generic", a target CPU that clang 14
-# rejects. A newer PoCL (Debian's or Ubuntu's pocl-opencl-icd, conda-forge's pocl) can, and is then
-# listed next to it. So where a device spec or the default matches several devices, selection takes
-# the first whose compiler builds a one-line kernel (compiler_error), and a build that fails this
-# way says what to install (_UNKNOWN_CPU_HINT).
-_PROBE_SOURCE = "__kernel void flashcl_probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
-_probe_results: dict = {}
+# PoCL from PyPI (3.0, LLVM 14) builds nothing on a CPU newer than its LLVM knows ("unknown target
+# CPU 'generic'" on AMD Zen 5) and aborts the process on some variants elsewhere. Each device's
+# compiler is therefore probed in a subprocess (probe.py); where a device spec or the default
+# matches several devices, selection takes the first whose compiler builds.
 _UNKNOWN_CPU_HINT = (
     "\nThis OpenCL compiler does not know the host CPU (PoCL 3.0 from PyPI ships LLVM 14, which calls "
     "CPUs newer than it 'generic', AMD Zen 5 for one). A newer PoCL can: on Debian or Ubuntu "
     "`apt-get install pocl-opencl-icd`; flashcl then picks the PoCL device whose compiler works.")
 
 
+def capabilities(dev: cl.Device) -> probe.Capabilities:
+    """What ``dev``'s compiler builds and runs (probe.py); everything inside the probe's child."""
+    if probe.in_child():
+        return probe.Capabilities()
+    return probe.capabilities(dev)
+
+
 def compiler_error(dev: cl.Device) -> str | None:
-    """None if ``dev``'s OpenCL compiler builds a one-line kernel, else why not (its build log).
-    Probed once per device and process."""
-    with _lock:
-        if dev.int_ptr in _probe_results:
-            return _probe_results[dev.int_ptr]
-    try:
-        cl.Program(cl.Context([dev]), _PROBE_SOURCE).build(devices=[dev])
-        error = None
-    except cl.Error as exc:
-        error = str(exc).strip() or type(exc).__name__
-    with _lock:
-        _probe_results[dev.int_ptr] = error
-    return error
+    """None if ``dev``'s OpenCL compiler builds flashcl's kernels, else why not (its log)."""
+    return capabilities(dev).error
+
+
+def probe_failure(handle: "DeviceHandle", kernel: str, dtype: str, params: dict) -> str:
+    """Why the probe found that ``kernel`` with ``params`` fails on this device ("" if it works)."""
+    caps = capabilities(handle.device)
+    return caps.error or next((caps.failure(v) for v in probe.variants_for(kernel, dtype, params)
+                               if caps.failure(v)), "")
+
+
+def probe_errors(handle: "DeviceHandle", kernel: str, dtype: str, params: dict) -> list[str]:
+    """probe_failure as a constraint violation (tuning entries that fail here are skipped)."""
+    why = probe_failure(handle, kernel, dtype, params)
+    return [f"the device's compiler fails on this variant ({why.strip().splitlines()[0]})"] if why else []
+
+
+def check_variant(handle: "DeviceHandle", kernel: str, dtype: str, params: dict) -> None:
+    """Raise KernelBuildError, with the probe's log, where the probe found that ``kernel`` with
+    ``params`` fails to build or kills the process on this device."""
+    log = probe_failure(handle, kernel, dtype, params)
+    if log:
+        if "unknown target CPU" in log and _UNKNOWN_CPU_HINT not in log:
+            log += _UNKNOWN_CPU_HINT
+        raise KernelBuildError(kernel, params, handle.describe(), f"(probed in a subprocess) {log}")
 
 
 def _first_usable(devices: list):
@@ -224,6 +248,7 @@ def list_devices(include_oclgrind: bool = True) -> list[dict]:
             "profile": profile_for(d.vendor, d.name, d.opencl_c_version,
                                    "cpu" if d.type & cl.device_type.CPU else "gpu").name,
             "compiles": compiler_error(d) is None,
+            "builds": capabilities(d).summary(),
         })
     return rows
 
@@ -258,10 +283,12 @@ class BuiltProgram:
     kernels: dict = field(default_factory=dict)
 
     def kernel(self, name: str) -> cl.Kernel:
-        """One Kernel object per name, reused (launches set all arguments every time)."""
-        if name not in self.kernels:
-            self.kernels[name] = cl.Kernel(self.program, name)
-        return self.kernels[name]
+        """One Kernel object per name, reused (launches set all arguments every time, under the
+        device's launch lock)."""
+        with _lock:
+            if name not in self.kernels:
+                self.kernels[name] = cl.Kernel(self.program, name)
+            return self.kernels[name]
 
 
 def build_options(defines: dict, handle: DeviceHandle, verbose: bool = False, extra=()) -> list[str]:
@@ -294,6 +321,16 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
             handle.programs.move_to_end(key)  # most recently used
     if cached is not None:
         return cached
+    with handle.build_lock:
+        with _lock:
+            cached = handle.programs.get(key)  # built by another thread while this one waited
+        if cached is not None:
+            return cached
+        return _build_locked(handle, key, text, options, defines, kernel, verbose)
+
+
+def _build_locked(handle: DeviceHandle, key, text: str, options: list, defines: dict, kernel: str,
+                  verbose: bool) -> BuiltProgram:
     program = cl.Program(handle.context, text)
     try:
         # A verbose build is one whose compiler report we read (ptxas registers and spills). A
@@ -367,17 +404,18 @@ def launch_sequence(handle: DeviceHandle, launches, *, params: dict) -> list[cl.
     local_size, args)]: every kernel's arguments are set before the first is enqueued, so that
     the GPU starts the next one without waiting for Python to set its arguments (tens of
     microseconds for PyOpenCL's set_args of ~30 arguments, longer than a short decode kernel)."""
-    for name, kernel, _, _, args in launches:
-        try:
-            kernel.set_args(*args)
-        except cl.Error as exc:
-            raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
     events = []
-    for name, kernel, global_size, local_size, _ in launches:
-        try:
-            events.append(cl.enqueue_nd_range_kernel(handle.queue, kernel, global_size, local_size))
-        except cl.Error as exc:
-            raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
+    with handle.launch_lock:
+        for name, kernel, _, _, args in launches:
+            try:
+                kernel.set_args(*args)
+            except cl.Error as exc:
+                raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
+        for name, kernel, global_size, local_size, _ in launches:
+            try:
+                events.append(cl.enqueue_nd_range_kernel(handle.queue, kernel, global_size, local_size))
+            except cl.Error as exc:
+                raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
     return events
 
 

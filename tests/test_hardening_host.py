@@ -1,0 +1,207 @@
+"""Regression tests of the host side's edges: concurrent callers, byte order, events of device
+results, scales, device limits, merge_states' validation, and a suite that collects without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flashcl
+from flashcl import reference
+
+from ._check import TOL, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- threads
+
+def _prefill_case(rng, n_q, n_kv, d, causal):
+    q = rng.standard_normal((2, n_q, d)).astype(np.float32)
+    k, v = (rng.standard_normal((1, n_kv, d)).astype(np.float32) for _ in range(2))
+    return ("prefill", (q, k, v), {"causal": causal}, reference.attention(q, k, v, causal=causal))
+
+
+def _decode_case(rng, ctx, d, splits):
+    q = rng.standard_normal((2, 4, d)).astype(np.float32)
+    k, v = (rng.standard_normal((9, 8, 2, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(9)[:8].reshape(2, 4).astype(np.int32)
+    lens = np.array([ctx, max(1, ctx - 5)], np.int32)
+    ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens)
+    return ("decode", (q, k, v), {"block_table": table, "context_lens": lens, "num_splits": splits}, ref)
+
+
+def test_concurrent_calls_on_one_device_are_all_right(cpu_device):
+    """Four threads calling prefill and decode (mixed shapes, so mixed programs) on one device with a
+    tiny switch interval: every result matches the oracle."""
+    rng = np.random.default_rng(7)
+    cases = [_prefill_case(rng, 33, 47, 32, True), _prefill_case(rng, 16, 16, 64, False),
+             _decode_case(rng, 29, 32, 1), _decode_case(rng, 31, 32, 3), _decode_case(rng, 17, 64, 2)]
+    for kind, args, kw, _ in cases:  # build every program once, so the threads race on launches
+        getattr(flashcl, kind)(*args, device=cpu_device, **kw)
+    wrong, errors = [], []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+
+    def worker(seed):
+        order = np.random.default_rng(seed).integers(0, len(cases), 30)
+        for i in order:
+            kind, args, kw, ref = cases[i]
+            try:
+                out = getattr(flashcl, kind)(*args, device=cpu_device, **kw)
+            except Exception as exc:  # noqa: BLE001 - any failure is a finding
+                errors.append(f"{kind}: {exc!r}")
+                continue
+            if not rel_err(out, ref) <= TOL["float32"]:
+                wrong.append((kind, kw.get("num_splits"), rel_err(out, ref)))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:5]
+    assert not wrong, f"{len(wrong)} of 120 results wrong: {wrong[:5]}"
+
+
+# --------------------------------------------------------------------------- byte order
+
+@pytest.mark.parametrize("dtype", [">f4", ">f2"])
+def test_non_native_byte_order_is_converted(cpu_device, dtype):
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 40, 32)).astype(dtype) for _ in range(3))
+    out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)
+    name = np.dtype(dtype).newbyteorder("=").name
+    assert out.dtype == np.dtype(name)
+    assert rel_err(out, reference.attention(q, k, v, causal=True)) <= TOL[name]
+
+    qd = rng.standard_normal((2, 4, 32)).astype(dtype)
+    kc, vc = (rng.standard_normal((2, 2, 24, 32)).astype(dtype) for _ in range(2))
+    lens = np.array([24, 13], dtype=">i4")
+    out = flashcl.decode(qd, kc, vc, context_lens=lens, device=cpu_device)
+    assert rel_err(out, reference.decode_attention(qd, kc, vc, context_lens=lens)) <= TOL[name]
+
+
+# --------------------------------------------------------------------------- device results
+
+def test_device_results_carry_the_events_that_write_them(cpu_device):
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    from flashcl.opencl.runtime import get_device
+
+    queue = get_device(cpu_device).queue
+    rng = np.random.default_rng(4)
+    q = cla.to_device(queue, rng.standard_normal((2, 300, 64)).astype(np.float32))
+    out, lse = flashcl.prefill(q, q, q, causal=True, return_lse=True)
+    assert out.events and lse.events
+    out.finish()
+    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in out.events)
+
+    kc = cla.to_device(queue, rng.standard_normal((1, 2, 64, 64)).astype(np.float32))
+    qd = cla.to_device(queue, rng.standard_normal((1, 4, 64)).astype(np.float32))
+    out = flashcl.decode(qd, kc, kc, num_splits=2)
+    assert out.events
+    out.finish()
+    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in out.events)
+
+
+# --------------------------------------------------------------------------- scale
+
+@pytest.mark.parametrize("scale", [1e39, -3e38, float("inf"), float("nan")])
+def test_a_scale_not_finite_in_float32_is_an_error(scale):
+    q = np.ones((1, 4, 32), np.float32)
+    with pytest.raises(ValueError, match="scale"):
+        flashcl.prefill(q, q, q, scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        flashcl.decode(q, q[None], q[None], scale=scale)
+
+
+# --------------------------------------------------------------------------- device limits
+
+def test_inputs_beyond_the_device_fail_before_any_copy(cpu_device):
+    """A 64 GiB (broadcast) input: a ValueError naming the limit, at once, not after host copies."""
+    big = np.broadcast_to(np.zeros((1, 1, 1, 64), np.float32), (64, 64, 65536, 64))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="CL_DEVICE_MAX_MEM_ALLOC_SIZE"):
+        flashcl.prefill(big, big, big, device=cpu_device)
+    cache = np.broadcast_to(np.zeros((1, 1, 1, 64), np.float32), (64, 8, 1 << 20, 64))
+    with pytest.raises(ValueError, match="k_cache.*CL_DEVICE_MAX_MEM_ALLOC_SIZE"):
+        flashcl.decode(np.zeros((64, 8, 64), np.float32), cache, cache, device=cpu_device)
+    assert time.perf_counter() - t0 < 5.0
+
+
+# --------------------------------------------------------------------------- merge_states
+
+def _parts(rng, n=3, shape=(2, 5)):
+    outs = [rng.standard_normal((*shape, 8)).astype(np.float32) for _ in range(n)]
+    lses = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+    return outs, lses
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda o, l: (o, l[:2]), "equally many"),
+    (lambda o, l: ([], []), "equally many"),
+    (lambda o, l: (o[:2] + [o[2][:, :4]], l), r"outs\[2\]: shape"),
+    (lambda o, l: (o, l[:2] + [l[2][:, :4]]), r"lses\[2\]: expected shape"),
+    (lambda o, l: (o[:2] + [o[2].astype(np.float16)], l), r"outs\[2\]: dtype"),
+    (lambda o, l: (o, l[:2] + [l[2].astype(np.int32)]), r"lses\[2\]"),
+    (lambda o, l: (o[0], l), "list or tuple"),
+    (lambda o, l: (o[:2] + ["x"], l), r"outs\[2\]"),
+])
+def test_merge_states_validates_its_inputs(bad, match):
+    outs, lses = bad(*_parts(np.random.default_rng(0)))
+    with pytest.raises((ValueError, TypeError), match=match):
+        flashcl.merge_states(outs, lses)
+
+
+def test_merge_states_refuses_mixed_numpy_and_torch():
+    torch = pytest.importorskip("torch")
+    outs, lses = _parts(np.random.default_rng(0))
+    with pytest.raises(TypeError, match="all be numpy arrays or all torch tensors"):
+        flashcl.merge_states([torch.from_numpy(outs[0]), *outs[1:]], lses)
+
+
+def test_merge_states_keeps_nan_rows_nan():
+    outs, lses = _parts(np.random.default_rng(0))
+    outs[1][0, 2, 3] = np.nan
+    lses[2][1, 4] = np.nan
+    out, lse = flashcl.merge_states(outs, lses)
+    assert np.isnan(out[0, 2]).all() and np.isnan(lse[0, 2])
+    assert np.isnan(out[1, 4]).all() and np.isnan(lse[1, 4])
+    good = np.ones(lse.shape, bool)
+    good[0, 2] = good[1, 4] = False
+    assert np.isfinite(out[good]).all() and np.isfinite(lse[good]).all()
+
+
+# --------------------------------------------------------------------------- collection
+
+def test_the_suite_collects_without_torch(tmp_path):
+    """torch and triton made invisible (the path finder does not find them): collection succeeds."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import importlib.machinery
+        _find = importlib.machinery.PathFinder.find_spec
+        def _hidden(cls, name, path=None, target=None):
+            return None if name.split(".")[0] in ("torch", "triton") else _find(name, path, target)
+        importlib.machinery.PathFinder.find_spec = classmethod(_hidden)
+    """))
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "tests")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "tests collected" in last and "error" not in last, proc.stdout[-2000:]

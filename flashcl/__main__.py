@@ -1,0 +1,5 @@
+"""``python -m flashcl``: the same command as ``flashcl``."""
+
+from .cli import main
+
+main()

@@ -29,6 +29,19 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 
+# Relative error allowed against this oracle, by the dtype a kernel stores in (it always
+# accumulates in float32). bfloat16 keeps 8 mantissa bits: rounding the output alone costs ~2e-3.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def rel_err(got, ref) -> float:
+    """``||got - ref|| / ||ref||`` in float64; against an all-zero reference, ``||got||``."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (den if den > 0 else 1.0))
+
+
 class AttentionState(NamedTuple):
     m: np.ndarray
     l: np.ndarray

@@ -25,7 +25,6 @@ from .api import decode, prefill
 # More classes than MAX_PROGRAMS would measure the eviction path rather than steady state; these
 # are 16 prefill + 12 decode programs.
 HEAD_DIMS = ((32, 32), (64, 64))
-TOL = {"float32": 1e-5, "float16": 2e-3}
 
 
 def rss_kib() -> int:
@@ -106,9 +105,8 @@ def _one_call(rng, i: int, device, check: bool):
         ref = reference.decode_attention(q, k, v, **kw) if check else None
     if not check:
         return None
-    den = np.linalg.norm(ref)
-    err = float(np.linalg.norm(out.astype(np.float64) - ref) / (den if den > 0 else 1.0))
-    if not np.all(np.isfinite(out)) or err > TOL[dtype]:
+    err = reference.rel_err(out, ref)
+    if not np.all(np.isfinite(out)) or err > reference.TOLERANCE[dtype]:
         raise AssertionError(f"soak call {i}: relative error {err:.3e} ({dtype}) or non-finite output")
     return err
 

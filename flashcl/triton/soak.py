@@ -25,17 +25,13 @@ import torch
 
 from .. import reference
 from ..api import decode, prefill
-from ..soak import TOL as _OPENCL_TOL
 from ..soak import rss_kib
 
-# relative error against float64: DESIGN.md's bounds, and for bfloat16 (3 mantissa bits fewer
-# than float16) the bound the Triton tests use
-TOL = {**_OPENCL_TOL, "bfloat16": 1.6e-2}
+TOL = reference.TOLERANCE
 
 
 def _rel_err(got: torch.Tensor, ref: np.ndarray) -> float:
-    g = got.double().cpu().numpy()
-    return float(np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-30))
+    return reference.rel_err(got.double().cpu().numpy(), ref)
 
 
 def one_call(rnd: random.Random, gen: torch.Generator, dev: torch.device, check: bool) -> tuple[str, float]:

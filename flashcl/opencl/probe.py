@@ -229,21 +229,26 @@ def _run_variant(spec: str, name: str) -> str | None:
     """Build, launch and check one variant on device ``spec``; None if right, else why not."""
     import numpy as np
 
-    from .. import api, reference
+    from .. import reference
+    from . import decode, prefill
 
     kind, dtype, params = VARIANTS[name]
     rng = np.random.default_rng(0)
     if kind == "prefill":
         q = rng.standard_normal((1, 2, 37, 32)).astype(dtype)
         k, v = (rng.standard_normal((1, 1, 45, 32)).astype(dtype) for _ in range(2))
-        out = api.prefill(q, k, v, causal=True, device=spec, params=params)
+        out = prefill.prefill(q, k, v, rank=4, shapes=(q.shape, k.shape, v.shape), causal=True,
+                              scale=32 ** -0.5, device=spec, params=params, return_lse=False)
         ref = reference.attention(q, k, v, causal=True)
     else:
         q = rng.standard_normal((2, 4, 32)).astype(dtype)
         k, v = (rng.standard_normal((6, 16, 2, 32)).astype(dtype) for _ in range(2))
         table = np.array([[3, 0, 5], [1, 4, 2]], dtype=np.int32)
         lens = np.array([40, 33], dtype=np.int32)
-        out = api.decode(q, k, v, block_table=table, context_lens=lens, num_splits=2, device=spec)
+        geo = {"B": 2, "H_q": 4, "H_kv": 2, "DK": 32, "DV": 32, "paged": True, "block_size": 16,
+               "num_blocks": 6, "N_max": 48}
+        out = decode.decode(q, k, v, geo=geo, block_table=table, context_lens=lens, scale=32 ** -0.5,
+                            num_splits=2, device=spec, params=None, return_lse=False)
         ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens)
     err, tol = reference.rel_err(out, ref), reference.TOLERANCE[dtype]
     return None if err <= tol else f"wrong result: relative error {err:.2e} against the oracle (> {tol:g})"

@@ -9,7 +9,7 @@ See README.md and DESIGN.md for shapes and semantics. Nothing here touches a dev
 from ._version import __version__
 from . import reference
 from .api import decode, merge_states, prefill
-from .errors import FlashCLError, KernelBuildError, KernelLaunchError
+from .errors import FlashCLError, KernelBuildError, KernelLaunchError, TuningDatabaseError
 
 __all__ = ["prefill", "decode", "merge_states", "reference", "FlashCLError", "KernelBuildError",
-           "KernelLaunchError", "__version__"]
+           "KernelLaunchError", "TuningDatabaseError", "__version__"]

@@ -131,7 +131,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
 
 
 def conditions(handle: DeviceHandle, command: str) -> dict:
-    return {"device": handle.name, "platform": handle.platform, "driver": handle.driver,
+    return {"backend": "opencl", "device": handle.name, "platform": handle.platform, "driver": handle.driver,
             "profile": handle.profile.name, "is_cpu": handle.is_cpu, "flashcl": __version__,
             "date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
             "command": command}

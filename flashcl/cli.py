@@ -1,33 +1,60 @@
 """The ``flashcl`` command: ``devices``, ``bench prefill|decode``, ``tune``, ``show-config``, ``soak``.
 
-Human tables by default, ``--json`` for scripts (progress and notes then go to stderr only).
+Human tables by default, ``--json`` for scripts (standard JSON: NaN and infinities are null;
+progress and notes then go to stderr only). Every error is one line on stderr, ``error: ...``.
+Compiler output (PyOpenCL's CompilerWarning) goes to the log, shown with ``flashcl -v``.
 
 Exit codes:
   0    success
   1    a check failed: a benchmark's error above tolerance, no tuning configuration both
        built and passed the correctness check, or ``soak`` saw memory keep growing
-  2    bad usage (click's own), or an option the chosen backend cannot take
-  3    no usable device: nothing matches --device, no OpenCL platform, or --require-device given
-       and the device is not attached
+  2    bad usage: an option click rejects, a malformed --shape or --params, a problem the API
+       rejects (head dims, H_q not a multiple of H_kv), or an option the chosen backend cannot take
+  3    no usable device: nothing matches --device, no OpenCL platform, no CUDA GPU for
+       --backend triton, or --require-device given and the device is not attached
   4    a tuning database file is corrupt or unreadable (the message names the file)
   5    an optional dependency is missing (e.g. matplotlib for --plot: pip install 'flashcl[plot]')
+  6    the device failed: a kernel did not build or launch (the message names kernel and device)
   130  interrupted (Ctrl-C); ``tune`` keeps what it measured, ``tune --resume`` continues
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import sys
+import warnings
 
 import click
 
-from .api import _check_head_dim
+from .api import _check_head_dim, check_prefill_problem
+from .errors import FlashCLError, TuningDatabaseError
+from .tuner import TunerError
 
-EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_DATABASE, EXIT_MISSING_DEP, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
+(EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_DATABASE, EXIT_MISSING_DEP, EXIT_DEVICE_FAILED,
+ EXIT_INTERRUPTED) = 1, 2, 3, 4, 5, 6, 130
+
+# One dtype for tune, bench and show-config, so show-config finds what tune stored; half is what
+# models are deployed in.
+DEFAULT_DTYPE = "float16"
+
+_log = logging.getLogger("flashcl")
+
+
+def _one_line(text: str) -> str:
+    """The first line of a message, and the first line after it that names an error (a build log's)."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    cause = next((ln for ln in lines[1:] if "error" in ln.lower()), lines[1])
+    return f"{lines[0]} {cause}"
 
 
 def _fail(msg: str, code: int):
-    click.echo(f"error: {msg}", err=True)
+    _log.debug("%s", msg)
+    click.echo(f"error: {_one_line(msg)}", err=True)
     sys.exit(code)
 
 
@@ -40,10 +67,94 @@ def _handle(device):
         _fail(f"{exc}. Run `flashcl devices` to see what is attached.", EXIT_NO_DEVICE)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _finite(x):
+    """``x`` with NaN and infinities as None: JSON has neither (json.dumps would write NaN)."""
+    if type(x).__module__ == "numpy" and hasattr(x, "item"):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _echo_json(obj):
+    click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False, default=str))
+
+
+class _StderrLog(logging.Handler):
+    def emit(self, record):
+        click.echo(f"log: {self.format(record)}", err=True)
+
+
+_stderr_log = _StderrLog()
+
+
+@contextlib.contextmanager
+def _compiler_output_to_log():
+    """PyOpenCL warns (CompilerWarning) whenever a build log is not empty, PoCL's notes included;
+    a failed build raises instead. Printed, they would land between the rows of a table."""
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if category.__name__ == "CompilerWarning":
+                _log.info("compiler output: %s", message)
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        yield
+
+
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
+class _Main(click.Group):
+    """click's group, with every error one line on stderr and the exit code of its kind."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        rv = 0
+        with _compiler_output_to_log():
+            try:
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except _NO_ARGS_IS_HELP as exc:  # a bare group: its help, as click prints it
+                exc.show()
+                sys.exit(exc.exit_code)
+            except click.UsageError as exc:
+                hint = f"; see '{exc.ctx.command_path} --help'" if exc.ctx else ""
+                _fail(exc.format_message().rstrip(".") + hint, EXIT_USAGE)
+            except click.ClickException as exc:
+                exc.show()
+                sys.exit(exc.exit_code)
+            except click.Abort:  # Ctrl-C outside a sweep (click turns KeyboardInterrupt into Abort)
+                _fail("interrupted", EXIT_INTERRUPTED)
+            except TuningDatabaseError as exc:
+                _fail(str(exc), EXIT_DATABASE)
+            except TunerError as exc:
+                _fail(str(exc), EXIT_NO_DEVICE)
+            except FlashCLError as exc:
+                _fail(str(exc), EXIT_DEVICE_FAILED)
+            except ValueError as exc:  # the API's checks of what the options asked for
+                _fail(str(exc), EXIT_USAGE)
+            finally:
+                _log.removeHandler(_stderr_log)
+                _log.setLevel(logging.NOTSET)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="flashcl")
-def main():
+@click.option("-v", "--verbose", is_flag=True, help="Log details (compiler output, full error messages) to stderr.")
+def main(verbose):
     """Exact flash-attention kernels for OpenCL GPUs and CUDA: devices, benchmarks, tuning."""
+    if verbose:
+        _log.addHandler(_stderr_log)
+        _log.setLevel(logging.DEBUG)
 
 
 @main.command()
@@ -58,20 +169,23 @@ def devices(as_json, include_oclgrind):
     except RuntimeError as exc:
         _fail(str(exc), EXIT_NO_DEVICE)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        _echo_json(rows)
         return
     if not rows:
         _fail("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
     click.echo(f"{'id':5} {'platform':28} {'device':44} {'type':5} {'CUs':>4} {'local KiB':>9} "
-               f"{'max WG':>6} {'fp16':5} {'builds':6} profile")
+               f"{'max WG':>6} {'fp16':5} {'profile':10} builds")
     for r in rows:
         click.echo(f"{r['id']:5} {r['platform'][:28]:28} {r['device'][:44]:44} {r['type'][:5]:5} "
                    f"{r['compute_units']:4d} {r['local_mem_kib']:9d} {r['max_work_group']:6d} "
-                   f"{str(r['fp16']):5} {'yes' if r['compiles'] else 'NO':6} {r['profile']}")
+                   f"{str(r['fp16']):5} {r['profile']:10} {r['builds']}")
     if not all(r["compiles"] for r in rows):
-        click.echo("builds NO: the device's OpenCL compiler fails on a one-line kernel; selection by name "
-                   "or profile skips it where another device matches (a PoCL 3.0 from PyPI on a CPU its "
-                   "LLVM 14 does not know: install a newer PoCL, e.g. apt-get install pocl-opencl-icd)")
+        click.echo("builds NO: the device's OpenCL compiler fails on flashcl's kernels (each variant is built "
+                   "and run once per device and driver in a subprocess); selection by name or profile skips it "
+                   "where another device matches. PoCL 3.0 from PyPI on a CPU its LLVM 14 does not know: "
+                   "install a newer PoCL, e.g. apt-get install pocl-opencl-icd")
+    if any(r["compiles"] and r["builds"] != "yes" for r in rows):
+        click.echo("builds 'yes, not X': variant X failed or crashed the compiler; the defaults avoid it")
 
 
 @main.group()
@@ -79,12 +193,79 @@ def bench():
     """Throughput benchmarks (commands, not tests)."""
 
 
+_CAUSAL = {"1": True, "t": True, "true": True, "causal": True,
+           "0": False, "f": False, "false": False, "non-causal": False, "noncausal": False}
+
+
+def _ints(text: str, parts, expected: str) -> list[int]:
+    try:
+        return [int(x) for x in parts]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected {expected}") from None
+
+
 def _parse_shape(text: str):
-    parts = text.split(",")
-    if len(parts) != 6:
-        raise click.BadParameter(f"{text!r}: expected B,H_q,H_kv,N,d,causal (e.g. 1,32,8,2048,128,1)")
-    b, hq, hkv, n, d = (int(x) for x in parts[:5])
-    return (b, hq, hkv, n, d, parts[5].strip().lower() in ("1", "t", "true", "causal"))
+    """B,H_q,H_kv,N,d,causal, checked as flashcl.prefill checks its inputs."""
+    expected = "B,H_q,H_kv,N,d,causal: five integers and 1/0 (e.g. 1,32,8,2048,128,1)"
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) != 6 or parts[5].lower() not in _CAUSAL:
+        raise click.BadParameter(f"{text!r}: expected {expected}")
+    b, hq, hkv, n, d = _ints(text, parts[:5], expected)
+    try:
+        check_prefill_problem(b, hq, hkv, n, n, d, d)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: {exc}") from None
+    return (b, hq, hkv, n, d, _CAUSAL[parts[5].lower()])
+
+
+def _shapes_option(ctx, param, value):
+    if value is None:
+        return None
+    return tuple(_parse_shape(v) for v in value) if isinstance(value, tuple) else _parse_shape(value)
+
+
+def _params_option(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        params = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{value!r} is not JSON ({exc})") from None
+    if not isinstance(params, dict):
+        raise click.BadParameter(f"{value!r}: expected a JSON object, e.g. "
+                                 '\'{"BLOCK_M":64,"BLOCK_N":32,"DV_TILE":64,"VEC":4}\'')
+    return params
+
+
+def _triton_bench(name: str):
+    """The Triton benchmark module of ``name`` ("prefill", "decode"), or exit 5 (torch or triton
+    missing) or 3 (no CUDA GPU)."""
+    try:
+        import torch
+    except ImportError as exc:
+        _fail(f"--backend triton needs torch and triton ({exc}); pip install 'flashcl[cuda]'", EXIT_MISSING_DEP)
+    if not torch.cuda.is_available():
+        _fail("--backend triton needs a CUDA GPU and torch finds none; use --backend opencl", EXIT_NO_DEVICE)
+    try:
+        from .triton import bench_decode, bench_prefill
+    except ImportError as exc:
+        _fail(f"--backend triton needs torch and triton ({exc}); pip install 'flashcl[cuda]'", EXIT_MISSING_DEP)
+    return {"prefill": bench_prefill, "decode": bench_decode}[name]
+
+
+def _triton_conditions(command: str) -> dict:
+    """The run's conditions, with the keys of ``bench.conditions`` (the OpenCL runs')."""
+    import datetime
+    import platform
+
+    import torch
+
+    from ._version import __version__
+
+    return {"backend": "triton", "device": torch.cuda.get_device_name(), "platform": "CUDA",
+            "driver": torch.version.cuda, "profile": None, "is_cpu": False, "flashcl": __version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "command": command}
 
 
 @bench.command("prefill")
@@ -92,29 +273,34 @@ def _parse_shape(text: str):
 @click.option("--backend", type=click.Choice(["opencl", "triton"]), default="opencl", show_default=True)
 @click.option("--preset", type=click.Choice(["auto", "reference", "target", "cpu"]), default="auto",
               show_default=True, help="Shape set; auto = 'cpu' on CPU devices, else 'reference'.")
-@click.option("--shape", "shapes", multiple=True, help="B,H_q,H_kv,N,d,causal (repeatable; overrides --preset).")
-@click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default="float16", show_default=True)
-@click.option("--repeats", default=10, show_default=True, help="Timed runs per shape (median reported).")
-@click.option("--params", "params_json", default=None, help='Tile override as JSON, e.g. \'{"BLOCK_M":64,...}\'.')
+@click.option("--shape", "shapes", multiple=True, callback=_shapes_option,
+              help="B,H_q,H_kv,N,d,causal (repeatable; overrides --preset).")
+@click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default=DEFAULT_DTYPE,
+              show_default=True)
+@click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
+              help="Timed runs per shape (median reported).")
+@click.option("--params", "params", default=None, callback=_params_option,
+              help='Tile override as JSON, e.g. \'{"BLOCK_M":64,...}\'.')
 @click.option("--no-check", is_flag=True, help="Skip the error check against the float64 oracle.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_prefill(device, backend, preset, shapes, dtype, repeats, params_json, no_check, as_json):
+def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
     if backend == "triton":
-        from .triton import bench_prefill as tb
-
-        rows = tb.run(shapes=[_parse_shape(s) for s in shapes] or None, dtype=dtype)
-        click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows))
+        tb = _triton_bench("prefill")
+        rows = tb.run(shapes=list(shapes) or None, dtype=dtype)
+        if as_json:
+            _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+        else:
+            click.echo(tb.format_table(rows))
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
     from . import bench as b
 
     handle = _handle(device)
-    params = json.loads(params_json) if params_json else None
     if shapes:
-        shape_list = [_parse_shape(s) for s in shapes]
+        shape_list = list(shapes)
     else:
         shape_list = b.PREFILL_PRESETS["cpu" if preset == "auto" and handle.is_cpu else
                                        "reference" if preset == "auto" else preset]
@@ -126,7 +312,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params_json, 
                            progress=None if as_json else lambda r: click.echo(
                                f"#   {r.shape} causal={r.causal}: {r.gflops:.1f} GFLOP/s", err=True))
     if as_json:
-        click.echo(json.dumps({"conditions": cond, "rows": b.rows_as_dicts(rows)}, indent=2))
+        _echo_json({"conditions": cond, "rows": b.rows_as_dicts(rows)})
     else:
         click.echo(b.format_prefill(rows, cond))
     tol = 2e-3 if dtype == "float16" else 1e-5
@@ -138,35 +324,34 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params_json, 
 
 # --------------------------------------------------------------------------- bench decode
 
-# (B, H_q, H_kv, ctx), DESIGN.md §6; used when flashcl.bench_decode has no presets of its own
-_DECODE_PRESETS = {
-    "reference": [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048), (4, 64, 8, 2048),
-                  (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072)],
-    "cpu": [(1, 8, 8, 1024), (2, 8, 2, 2048), (1, 8, 1, 4096)],
-}
-
-
-def _parse_decode_shape(text: str):
-    parts = text.split(",")
-    if len(parts) != 4:
-        raise click.BadParameter(f"{text!r}: expected B,H_q,H_kv,ctx (e.g. 8,32,8,2048)")
-    return tuple(int(x) for x in parts)
+def _decode_shapes_option(ctx, param, value):
+    expected = "B,H_q,H_kv,ctx: four integers (e.g. 8,32,8,2048)"
+    out = []
+    for text in value:
+        parts = text.split(",")
+        if len(parts) != 4:
+            raise click.BadParameter(f"{text!r}: expected {expected}")
+        out.append(tuple(_ints(text, parts, expected)))
+    return tuple(out)
 
 
 @bench.command("decode")
 @click.option("--device", default=None, help="Device: substring, profile name or P:D (default: first GPU).")
 @click.option("--backend", type=click.Choice(["opencl", "triton"]), default="opencl", show_default=True)
 @click.option("--preset", default="auto", show_default=True,
-              help="Shape set (reference, cpu, ...); auto = 'cpu' on CPU devices, else 'reference'.")
-@click.option("--shape", "shapes", multiple=True, help="B,H_q,H_kv,ctx (repeatable; overrides --preset).")
-@click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default="float16", show_default=True)
+              help="Shape set (reference, target, cpu); auto = 'cpu' on CPU devices, else 'reference'.")
+@click.option("--shape", "shapes", multiple=True, callback=_decode_shapes_option,
+              help="B,H_q,H_kv,ctx (repeatable; overrides --preset).")
+@click.option("--dtype", type=click.Choice(["float16", "float32", "bfloat16"]), default=DEFAULT_DTYPE,
+              show_default=True)
 @click.option("--head-dim", default=128, show_default=True, help="Head dim of q, K and V (a multiple of 8, 8..256).")
 @click.option("--block-size", default=16, show_default=True, help="Paged-KV block size (a power of two, 1..256).")
 @click.option("--block-order", type=click.Choice(["random", "sequential", "ascending"]), default="random",
               show_default=True,
               help="Block table order: random (a cache after some serving), sequential (allocation order: a "
                    "fresh cache) or ascending (random blocks, each sequence's in address order).")
-@click.option("--repeats", default=10, show_default=True, help="Timed runs per shape (median reported).")
+@click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
+              help="Timed runs per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
@@ -177,45 +362,42 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         _fail(str(exc), EXIT_USAGE)
     if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
         _fail(f"--block-size {block_size}: expected a power of two from 1 to 256", EXIT_USAGE)
-    shape_list = [_parse_decode_shape(s) for s in shapes] or None
+    for b_, h_q, h_kv, ctx in shapes:
+        try:  # one query row: decode takes the sizes prefill does
+            check_prefill_problem(b_, h_q, h_kv, 1, ctx, head_dim, head_dim)
+        except ValueError as exc:
+            raise click.BadParameter(f"'{b_},{h_q},{h_kv},{ctx}': {exc}", param_hint=["--shape"]) from None
+    shape_list = list(shapes) or None
     if backend == "triton":
-        try:
-            from .triton import bench_decode as tb
-        except ImportError as exc:
-            _fail(f"the Triton backend needs torch and triton ({exc}); pip install 'flashcl[cuda]'",
-                  EXIT_MISSING_DEP)
+        tb = _triton_bench("decode")
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
         rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order,
                       head_dim=head_dim)
-        click.echo(json.dumps(rows, indent=2, default=str) if as_json else tb.format_table(rows, command))
+        if as_json:
+            _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+        else:
+            click.echo(tb.format_table(rows, command))
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
-    try:
-        from . import bench_decode as bd
-    except ImportError as exc:
-        _fail(f"the OpenCL decode benchmark is not available in this build ({exc})", EXIT_MISSING_DEP)
     from . import bench as b
+    from . import bench_decode as bd
 
     handle = _handle(device)
     if shape_list is None:
-        presets = dict(_DECODE_PRESETS, **getattr(bd, "DECODE_PRESETS", {}))
         name = ("cpu" if handle.is_cpu else "reference") if preset == "auto" else preset
-        if name not in presets:
-            _fail(f"--preset {preset}: unknown; choose one of {', '.join(sorted(presets))} or give --shape",
-                  EXIT_USAGE)
-        shape_list = presets[name]
+        if name not in bd.DECODE_PRESETS:
+            _fail(f"--preset {preset}: unknown; choose one of {', '.join(sorted(bd.DECODE_PRESETS))} or give "
+                  f"--shape", EXIT_USAGE)
+        shape_list = bd.DECODE_PRESETS[name]
     cond = b.conditions(handle, command)
     if not as_json:
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
                            block_order=block_order, head_dim=head_dim)
     if as_json:
-        from dataclasses import asdict, is_dataclass
-
-        click.echo(json.dumps({"conditions": cond, "rows": [asdict(r) if is_dataclass(r) else r for r in rows]},
-                              indent=2, default=str))
+        _echo_json({"conditions": cond, "rows": b.rows_as_dicts(rows)})
     else:
         click.echo(bd.format_decode(rows, cond))
 
@@ -249,16 +431,19 @@ def _parse_overrides(items) -> dict:
               help="Device to tune: substring, P:D, or a profile name (adreno, adreno-6xx, adreno-8xx, mali, "
                    "apple, intel, nvidia, cpu). A profile with no such device attached tunes in model mode.")
 @click.option("--kernel", type=click.Choice(["prefill"]), default="prefill", show_default=True)
-@click.option("--shape", default=None,
+@click.option("--shape", default=None, callback=_shapes_option,
               help="Tuning problem B,H_q,H_kv,N,d,causal (default: 1,32,8,2048,128,1 on GPUs; "
                    "1,8,2,512,128,1 on CPUs; --quick on CPUs: 1,4,2,256,64,1).")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
-@click.option("--quick", is_flag=True, help="A small candidate list (the tuning space's 'quick' values).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
+@click.option("--quick", is_flag=True, help="A small candidate list (the tuning space's 'quick' values, and "
+                                             "the largest tile predicted not to spill where none of them is).")
 @click.option("--param", "params", multiple=True, metavar="NAME=v1,v2",
               help="Restrict a parameter's candidates, e.g. --param BLOCK_M=32,64 (repeatable).")
-@click.option("--repeats", default=7, show_default=True, help="Timed runs per configuration (at least 5).")
-@click.option("--retime", default=3, show_default=True, help="Re-time the fastest N, interleaved.")
-@click.option("--timeout", default=120.0, show_default=True,
+@click.option("--repeats", default=7, show_default=True, type=click.IntRange(1),
+              help="Timed runs per configuration (at least 5 are made).")
+@click.option("--retime", default=3, show_default=True, type=click.IntRange(0),
+              help="Re-time the fastest N, interleaved.")
+@click.option("--timeout", default=120.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds one configuration may take (build, check, timing) before it counts as hung.")
 @click.option("--no-isolate", is_flag=True, help="Run configurations in this process (faster; a driver "
                                                   "crash then ends the sweep).")
@@ -276,7 +461,7 @@ def _parse_overrides(items) -> dict:
 def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, no_isolate, require_device,
          resume, output, no_save, plot_file, extra_options, as_json):
     """Sweep the kernel's tiles, detect spills, verify, time, and store the winner."""
-    from . import tuner, tuning
+    from . import tuner
 
     command = "flashcl " + " ".join(sys.argv[1:])
     if plot_file:
@@ -285,14 +470,11 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
         except ImportError:
             _fail("--plot needs matplotlib; pip install 'flashcl[plot]' (or drop --plot)", EXIT_MISSING_DEP)
     overrides = _parse_overrides(params)
-    try:
-        target = tuner.resolve_target(device, require_device=require_device)
-    except tuner.TunerError as exc:
-        _fail(str(exc), exc.code)
+    target = tuner.resolve_target(device, require_device=require_device)
     # first line of output: what is measured, or that the profile's model stands in
     click.echo(("# " if not as_json else "") + target.describe(), err=as_json)
     if shape:
-        problem = _parse_shape(shape)
+        problem = shape
     elif target.mode == "measured" and target.profile.name == "cpu":
         problem = tuner.CPU_QUICK_PROBLEM if quick else tuner.CPU_PROBLEM
     else:
@@ -322,31 +504,33 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
                                  retime_top=retime, isolate=not no_isolate, timeout=timeout, resume=resume,
                                  extra_options=extra_options, on_start=on_start, on_result=on_result,
                                  command=command)
-    except tuner.TunerError as exc:
-        _fail(str(exc), exc.code)
     finally:
         if "bar" in bar_ctx:
             bar_ctx["bar"].__exit__(None, None, None)
-    if report.winner is not None and not no_save and not report.interrupted:
+    if report.interrupted:
+        if as_json:
+            _echo_json(report.as_dict())
+        _fail(f"interrupted; {len(report.results)} configurations kept in {report.resume_file}; "
+              f"rerun with --resume to continue", EXIT_INTERRUPTED)
+    if report.winner is not None and not no_save:
         try:
             tuner.save(report, output)
-        except tuning.TuningDatabaseError as exc:
-            click.echo(tuner.format_report(report) if not as_json else json.dumps(report.as_dict(), indent=2,
-                                                                                   default=str))
+        except TuningDatabaseError as exc:
+            if as_json:
+                _echo_json(report.as_dict())
+            else:
+                click.echo(tuner.format_report(report))
             _fail(f"{exc}", EXIT_DATABASE)
         except OSError as exc:
             _fail(f"cannot write the tuning database ({exc}); choose another file with --output", EXIT_DATABASE)
     if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+        _echo_json(report.as_dict())
     else:
         click.echo(tuner.format_report(report))
     if plot_file and report.results:
         tuner.plot(report, plot_file)
         if not as_json:
             click.echo(f"# plot: {plot_file}")
-    if report.interrupted:
-        _fail(f"interrupted; {len(report.results)} configurations kept in {report.resume_file}; "
-              f"rerun with --resume to continue", EXIT_INTERRUPTED)
     if report.winner is None:
         _fail("no configuration built and passed the correctness check; see the table", EXIT_CHECK_FAILED)
 
@@ -360,43 +544,40 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
 @click.option("--d", "d", default=128, show_default=True, help="Head dim DK.")
 @click.option("--dv", default=None, type=int, help="Value head dim (default: = d).")
 @click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float16", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show_config(device, kernel, n, d, dv, causal, dtype, as_json):
     """Which tile parameters a call would use on a device, and where they came from."""
-    import warnings
-
     from . import tuner, tuning
 
-    dv = dv or d
+    dv = d if dv is None else dv
     try:
-        target = tuner.resolve_target(device)
-    except tuner.TunerError as exc:
-        _fail(str(exc), exc.code)
+        check_prefill_problem(1, 1, 1, n, n, d, dv)
+    except ValueError as exc:
+        raise click.UsageError(f"--n {n} --d {d} --dv {dv}: {exc}") from None
+    target = tuner.resolve_target(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            if target.mode == "measured":
-                from .opencl.prefill import PrefillProblem, choose_params
-                from .opencl.runtime import get_device
+        if target.mode == "measured":
+            from .opencl.prefill import PrefillProblem, choose_params
+            from .opencl.runtime import get_device
 
-                handle = get_device(target.device_spec)
-                choice = choose_params(handle, PrefillProblem(1, 1, 1, n, n, d, dv, causal, dtype))
-            else:
-                def errors(p):
-                    return tuning.check_params(kernel, p, d, dv, local_mem=target.local_mem,
-                                               max_work_group=target.max_work_group)
+            handle = get_device(target.device_spec)
+            choice = choose_params(handle, PrefillProblem(1, 1, 1, n, n, d, dv, causal, dtype))
+        else:
+            def errors(p):
+                return tuning.check_params(kernel, p, d, dv, local_mem=target.local_mem,
+                                           max_work_group=target.max_work_group)
 
-                choice = tuning.lookup(kernel, target.key, dtype=dtype, dk=d, dv=dv, causal=causal, n=n,
-                                       validate=errors)
-                if choice is None:
-                    p = tuning.default_params(kernel, target.profile, d, dv, local_mem=target.local_mem,
-                                              max_work_group=target.max_work_group)
-                    choice = tuning.Choice(p, f"profile default ({target.profile.name})")
-        except tuning.TuningDatabaseError as exc:
-            _fail(str(exc), EXIT_DATABASE)
-        except ValueError as exc:
-            _fail(str(exc), EXIT_USAGE)
+            choice = tuning.lookup(kernel, target.key, dtype=dtype, dk=d, dv=dv, causal=causal, n=n,
+                                   validate=errors)
+            if choice is None:
+                p = tuning.default_params(kernel, target.profile, d, dv, local_mem=target.local_mem,
+                                          max_work_group=target.max_work_group)
+                choice = tuning.Choice(p, f"profile default ({target.profile.name})")
+    for w in caught:
+        if w.category.__name__ == "CompilerWarning":
+            _log.info("compiler output: %s", w.message)
     model = tuning.spill_model(kernel, choice.params, d, dv, target.profile)
     info = {"device": target.name, "mode": "attached" if target.mode == "measured" else "model (not attached)",
             "profile": target.profile.name, "key": {"device": target.key.name, "arch": target.key.arch,
@@ -405,10 +586,11 @@ def show_config(device, kernel, n, d, dv, causal, dtype, as_json):
                         "bucket": tuning.seq_bucket(n)},
             "params": choice.params, "source": choice.source,
             "provenance": (choice.entry or {}).get("provenance"),
-            "model": model, "warnings": [str(w.message) for w in caught],
+            "model": model, "warnings": [str(w.message) for w in caught
+                                         if w.category.__name__ != "CompilerWarning"],
             "searched": [str(tuning.user_tuning_dir()), str(tuning.shipped_tuning_dir())]}
     if as_json:
-        click.echo(json.dumps(info, indent=2, default=str))
+        _echo_json(info)
         return
     for w in info["warnings"]:
         click.echo(f"warning: {w}", err=True)
@@ -457,9 +639,8 @@ def soak(device, calls, every, check_every, max_growth, as_json):
     except AssertionError as exc:
         _fail(str(exc), EXIT_CHECK_FAILED)
     if as_json:
-        click.echo(json.dumps({"command": command, "device": handle.describe(), "ok": res.ok,
-                               "verdict": res.verdict, "checked": res.checked, "max_err": res.max_err,
-                               "samples": [vars(s) for s in res.samples]}, indent=2))
+        _echo_json({"command": command, "device": handle.describe(), "ok": res.ok, "verdict": res.verdict,
+                    "checked": res.checked, "max_err": res.max_err, "samples": [vars(s) for s in res.samples]})
     else:
         click.echo(f"checked {res.checked} calls against the oracle, max relative error {res.max_err:.2e}")
         click.echo(res.verdict)

@@ -21,3 +21,8 @@ class KernelLaunchError(FlashCLError):
     def __init__(self, kernel: str, params: dict, device: str, reason: str):
         self.kernel, self.params, self.device = kernel, dict(params), device
         super().__init__(f"launching kernel {kernel!r} with {self.params} on {device} failed: {reason}")
+
+
+class TuningDatabaseError(ValueError):
+    """A tuning database file is not valid JSON, has the wrong structure, is nested too deeply or
+    cannot be read; the message names the file."""

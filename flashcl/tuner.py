@@ -33,14 +33,17 @@ this process). Every result is appended to a resume file as it arrives; Ctrl-C k
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
 import math
 import multiprocessing
 import os
+import signal
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,14 +65,7 @@ CPU_QUICK_PROBLEM = (1, 4, 2, 256, 64, True)
 
 
 class TunerError(RuntimeError):
-    """A tuning run cannot start or finish; ``code`` is the CLI's exit code."""
-
-    def __init__(self, msg: str, code: int):
-        super().__init__(msg)
-        self.code = code
-
-
-EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_DATABASE = 1, 3, 4
+    """A tuning run cannot start: no usable device, compiler or worker (the CLI exits 3)."""
 
 
 # --------------------------------------------------------------------------- target device
@@ -113,14 +109,14 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
     try:
         rows = list_devices(include_oclgrind=False)
     except RuntimeError as exc:
-        raise TunerError(f"{exc}", EXIT_NO_DEVICE) from None
+        raise TunerError(f"{exc}") from None
     prof = find_profile(spec) if spec else None
     if prof is None:
         try:
             handle = get_device(spec)
         except (ValueError, RuntimeError) as exc:
             raise TunerError(f"{exc}. Run `flashcl devices` to list devices; a profile name "
-                             f"({', '.join(_profile_names())}) tunes in model mode", EXIT_NO_DEVICE) from None
+                             f"({', '.join(_profile_names())}) tunes in model mode") from None
         return _measured(handle)
     want = spec.strip().lower()
     for r in rows:  # an attached device of that profile (a bare family name matches its variants)
@@ -129,10 +125,10 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
     if require_device:
         raise TunerError(f"--device {spec}: no {prof.name} device is attached (have: "
                          f"{', '.join(r['device'] for r in rows) or 'none'}); drop --require-device "
-                         f"to tune in model mode", EXIT_NO_DEVICE)
+                         f"to tune in model mode")
     if not rows:
         raise TunerError("model mode needs an OpenCL compiler and none is installed; "
-                         "pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
+                         "pip install 'flashcl[pocl]'")
     compiler = next((r for r in rows if "CPU" in r["type"] and r["compiles"]),
                     next((r for r in rows if r["compiles"]), rows[0]))
     h = get_device(compiler["id"])
@@ -149,7 +145,7 @@ def _measured(handle) -> Target:
     spec = next((r["id"] for r in list_devices() if r["device"] == handle.name
                  and r["platform"] == handle.platform), None)
     if spec is None:
-        raise TunerError(f"cannot address {handle.describe()} by index", EXIT_NO_DEVICE)
+        raise TunerError(f"cannot address {handle.describe()} by index")
     return Target(handle.profile, key, "measured", spec, handle.describe(), handle.driver,
                   handle.local_mem, handle.max_work_group, handle.is_nvidia)
 
@@ -210,6 +206,7 @@ class Evaluator:
         queue = self.h.queue
         self.small_io = [cla.to_device(queue, x) for x in (q, k, v)]
         self.small_out = cla.empty(queue, (1, 2, CHECK_N, d), dt)
+        self.poison = np.full(self.small_out.shape, np.nan, dt)
         self.big_io = None
         if setup.mode == "measured":
             self.big_io = [cla.to_device(queue, rand(b, h_q, n, d)), cla.to_device(queue, rand(b, h_kv, n, d)),
@@ -248,7 +245,8 @@ class Evaluator:
         res["info"].update(_intel_spill(kern, self.h))
         # correctness on the small problem, output poisoned so unwritten elements fail
         try:
-            self.small_out.fill(np.nan)
+            # from the host: Array.fill builds a kernel, which takes no half without cl_khr_fp16
+            self.small_out.set(self.poison)
             kern(*self.small_io, self.small_out, None, self.scale).wait()
             got = self.small_out.get().astype(np.float64)
         except FlashCLError as exc:
@@ -311,6 +309,14 @@ def _key(params: dict) -> str:
 # --------------------------------------------------------------------------- runners
 
 def _worker_main(conn, setup: Setup):
+    import warnings
+
+    import pyopencl
+
+    # Ctrl-C is the parent's to handle (it stops the sweep and kills this worker); and PyOpenCL's
+    # CompilerWarning for a non-empty build log would land between the parent's table rows.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    warnings.simplefilter("ignore", pyopencl.CompilerWarning)
     try:
         ev = Evaluator(setup)
     except Exception as exc:  # pragma: no cover - reported to the parent
@@ -331,6 +337,20 @@ def _worker_main(conn, setup: Setup):
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """A process started in here inherits SIGINT ignored (Python leaves an inherited SIG_IGN in
+    place), so a Ctrl-C while it starts up, before _worker_main runs, prints no traceback there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class IsolatedRunner:
     """One worker process (spawned, so no OpenCL state is forked); a configuration that hangs
     past ``timeout`` or kills the driver costs that configuration, and a fresh worker goes on."""
@@ -343,16 +363,17 @@ class IsolatedRunner:
     def _start(self):
         parent, child = self.ctx.Pipe()
         self.proc = self.ctx.Process(target=_worker_main, args=(child, self.setup), daemon=True)
-        self.proc.start()
+        with _sigint_ignored():
+            self.proc.start()
         child.close()
         self.conn = parent
         if not parent.poll(max(self.timeout, 60)):
             self.close()
-            raise TunerError("the tuning worker did not start within its timeout", EXIT_NO_DEVICE)
+            raise TunerError("the tuning worker did not start within its timeout")
         kind, payload = parent.recv()
         if kind != "ready":
             self.close()
-            raise TunerError(f"the tuning worker could not open the device: {payload}", EXIT_NO_DEVICE)
+            raise TunerError(f"the tuning worker could not open the device: {payload}")
 
     def _call(self, msg, timeout):
         if self.proc is None or not self.proc.is_alive():
@@ -558,10 +579,8 @@ def plan(target: Target, shape, *, quick: bool = False, overrides: dict | None =
     variants = target.profile.prefill_variants
     if target.mode == "modeled":
         variants = tuple(v for v in variants if v in MODELED_VARIANTS)
-    cands = tuning.candidate_configs(KERNEL, d, d, target.profile.simd, quick=quick, overrides=overrides,
-                                     variants=variants)
-    keep, pruned = [], []
-    for p in cands:
+
+    def violations(p):
         v = tuning.violations(KERNEL, p, d, d, local_mem=target.local_mem, max_work_group=target.max_work_group)
         if target.mode == "modeled" and not v:
             kwg = target.profile.kernel_max_work_group(tuning.private_floats(KERNEL, p, d, d))
@@ -569,7 +588,24 @@ def plan(target: Target, shape, *, quick: bool = False, overrides: dict | None =
             if wg > kwg:
                 v = [("work_group_fits", f"a work-group of {wg} exceeds the modeled kernel work-group "
                       f"limit {kwg} at {tuning.private_floats(KERNEL, p, d, d)} registers per work-item")]
+        return v
+
+    def spills(p):
+        return tuning.private_floats(KERNEL, p, d, d) > target.profile.regs_hard
+
+    keep, pruned = [], []
+    for p in tuning.candidate_configs(KERNEL, d, d, target.profile.simd, quick=quick, overrides=overrides,
+                                      variants=variants):
+        v = violations(p)
         (pruned.append((p, v)) if v else keep.append(p))
+    if quick and all(spills(p) for p in keep):
+        # The quick values are typical tiles; where the model predicts every one to spill (at d=128
+        # the q row alone takes most of Adreno's 192 registers), the full space's largest tile
+        # predicted not to spill joins them, so a quick sweep still has a safe tile to choose.
+        safe = [p for p in tuning.candidate_configs(KERNEL, d, d, target.profile.simd, overrides=overrides,
+                                                    variants=variants) if not spills(p) and not violations(p)]
+        if safe:
+            keep.append(max(safe, key=lambda p: tile_rank(p, target.profile, d)))
     return keep, pruned
 
 

@@ -18,8 +18,11 @@ Adreno the model from the OpenCL C version string), then the profile (modeled en
 vendor — trying the user's folder (``$FLASHCL_TUNING_DIR`` or the platform's user cache dir)
 before the shipped ``tuning/`` at each level; else the profile default. Within a level the
 nearest sequence-length bucket wins, measured before modeled. An entry whose parameters are
-invalid for the problem or device is skipped with a warning naming its file. A file that is not
-valid JSON is an error naming the file (``TuningDatabaseError``).
+invalid for the problem or device is skipped with a warning naming its file. Each file is parsed
+once per version (its size, mtime and inode): a malformed entry (a field of the wrong type) is
+skipped with one warning per version naming the file; a file that is not valid JSON, lacks the
+``entries`` list, is nested too deeply or cannot be read is an error naming the file
+(``TuningDatabaseError``).
 
 Writing (``save_entry``) is a locked read-modify-write through a temporary file and
 ``os.replace``: concurrent tuners never corrupt a file and readers never see half of one.
@@ -27,16 +30,19 @@ Writing (``save_entry``) is a locked read-modify-write through a temporary file 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ._resources import shipped_tuning_dir
+from .errors import TuningDatabaseError
 from .profiles import DeviceProfile, adreno_model
 
 DB_VERSION = 1
@@ -372,29 +378,169 @@ def user_tuning_dir() -> Path:
     return Path(platformdirs.user_cache_dir("flashcl")) / "tuning"
 
 
-class TuningDatabaseError(ValueError):
-    pass
+# Deeper than this, a provenance is not one flashcl wrote (flashcl's go two levels deep), and
+# printing it (show-config) would recurse as deep.
+_MAX_PROVENANCE_DEPTH = 8
 
 
-def load_file(path: Path) -> list[dict]:
+def _json_kind(x) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(x), type(x).__name__)
+
+
+def _deeper_than(x, levels: int) -> bool:
+    if not isinstance(x, (dict, list)):
+        return False
+    if levels == 0:
+        return True
+    return any(_deeper_than(v, levels - 1) for v in (x.values() if isinstance(x, dict) else x))
+
+
+def _entry_problem(e) -> str | None:
+    """Why ``e`` cannot be an entry (a field lookup would fail or match wrongly), or None.
+    Whether its params suit a device is checked at lookup, against that device."""
+    if not isinstance(e, dict):
+        return f"is {_json_kind(e)}, not an object"
+
+    def field_kind(name):
+        return _json_kind(e[name]) if name in e else "missing"
+
+    for name in ("kernel", "dtype"):
+        if not isinstance(e.get(name), str):
+            return f"'{name}' is {field_kind(name)}, expected a string"
+    for name in ("dk", "dv", "bucket"):
+        v = e.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"'{name}' is {v!r}, expected a positive integer" if name in e else f"'{name}' is missing"
+    if not isinstance(e.get("causal"), bool):
+        return f"'causal' is {field_kind('causal')}, expected true or false"
+    for name in ("device", "arch", "vendor", "profile"):
+        if e.get(name) is not None and not isinstance(e[name], str):
+            return f"'{name}' is {field_kind(name)}, expected a string or null"
+    if not isinstance(e.get("params"), dict):
+        return f"'params' is {field_kind('params')}, expected an object"
+    prov = e.get("provenance")
+    if prov is not None and not isinstance(prov, dict):
+        return f"'provenance' is {field_kind('provenance')}, expected an object"
+    if _deeper_than(prov, _MAX_PROVENANCE_DEPTH):
+        return f"'provenance' is nested more than {_MAX_PROVENANCE_DEPTH} levels deep"
+    return None
+
+
+def _read(path: Path) -> dict:
+    """The file's JSON, checked to be ``{"entries": [...], ...}``; TuningDatabaseError otherwise."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_bytes())
     except json.JSONDecodeError as exc:
         raise TuningDatabaseError(f"tuning database {path} is not valid JSON ({exc}); fix or delete it") from None
+    except RecursionError:
+        raise TuningDatabaseError(f"tuning database {path} is nested too deeply to be a tuning database; "
+                                  f"fix or delete it") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TuningDatabaseError(f"tuning database {path} cannot be read ({exc}); fix or delete it") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise TuningDatabaseError(f"tuning database {path} has no 'entries' list; fix or delete it")
-    return [dict(e, _file=str(path)) for e in data["entries"] if isinstance(e, dict)]
+    return data
 
 
-def _entries(folder: Path) -> list[dict]:
+@dataclass(frozen=True)
+class _DbFile:
+    """One parsed version of a database file: its well-formed entries (each with ``_file``), in
+    file order and indexed by problem; ``candidates`` remembers each level's matches per device,
+    so a repeated lookup costs no scan of the file."""
+
+    entries: tuple
+    by_problem: dict
+    matches: dict = field(default_factory=dict, compare=False)
+
+    def candidates(self, problem: tuple, level: str, match, dev) -> list:
+        key = (problem, level, dev)
+        found = self.matches.get(key)
+        if found is None:
+            found = self.matches[key] = [e for e in self.by_problem.get(problem, ()) if match(e, dev)]
+        return found
+
+
+def _problem_key(kernel, dtype, dk, dv, causal) -> tuple:
+    return (kernel, dtype, dk, dv, bool(causal))
+
+
+def _parse(path: Path) -> _DbFile:
+    entries, bad, by_problem = [], [], {}
+    for i, raw in enumerate(_read(path)["entries"]):
+        problem = _entry_problem(raw)
+        if problem:
+            bad.append(f"entries[{i}] {problem}")
+            continue
+        e = dict(raw, _file=str(path))
+        entries.append(e)
+        by_problem.setdefault(_problem_key(e["kernel"], e["dtype"], e["dk"], e["dv"], e["causal"]), []).append(e)
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        warnings.warn(f"tuning database {path}: skipped {len(bad)} malformed entr{'y' if len(bad) == 1 else 'ies'} "
+                      f"({'; '.join(bad[:3])}{more}); fix or delete them", stacklevel=2)
+    return _DbFile(tuple(entries), by_problem)
+
+
+# path -> (stamp, _DbFile or the TuningDatabaseError it raised): every call of flashcl.prefill
+# looks the database up, so a file is parsed (and warned about) once per version.
+_parsed: dict[str, tuple] = {}
+_parsed_lock = threading.Lock()
+
+
+def _load(path: Path) -> _DbFile | None:
+    """The parsed file, None if it does not exist."""
+    path = Path(path)
+    # Stat before reading: a write racing the read leaves a stamp newer than the one cached, so
+    # the next call parses again. os.replace gives every save a new inode, so two saves of the
+    # same size within one clock tick still differ.
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TuningDatabaseError(f"tuning database {path} cannot be read ({exc}); fix or delete it") from None
+    stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+    with _parsed_lock:
+        hit = _parsed.get(str(path))
+        if hit is None or hit[0] != stamp:
+            try:
+                hit = (stamp, _parse(path))
+            except TuningDatabaseError as exc:
+                hit = (stamp, exc)
+            _parsed[str(path)] = hit
+    if isinstance(hit[1], TuningDatabaseError):
+        raise TuningDatabaseError(*hit[1].args)
+    return hit[1]
+
+
+def load_file(path: Path) -> list[dict]:
+    """The well-formed entries of one database file, each with ``_file`` (copies: the parsed file
+    is shared by every lookup). Malformed entries are skipped with one warning per file version;
+    a file that cannot be one raises TuningDatabaseError naming it."""
+    db = _load(path)
+    if db is None:
+        raise TuningDatabaseError(f"tuning database {path} does not exist")
+    return [_copy_entry(e) for e in db.entries]
+
+
+def _files(folder: Path) -> list[_DbFile]:
     if not folder.is_dir():
         return []
-    out = []
-    for f in sorted(folder.glob("*.json")):
-        out.extend(load_file(f))
-    return out
+    found = (_load(f) for f in sorted(folder.glob("*.json")))
+    return [db for db in found if db is not None]  # None: removed since the listing
+
+
+def _copy_entry(e: dict) -> dict:
+    """A copy to hand out: its params and provenance (the parts callers read) are its own. Not a
+    deepcopy: a field flashcl does not read may be nested deeper than copying recurses."""
+    return dict(e, params=dict(e["params"]), provenance=copy.deepcopy(e.get("provenance")))
+
+
+def _mode(e) -> str | None:
+    prov = e.get("provenance") if isinstance(e, dict) else None
+    return prov.get("mode") if isinstance(prov, dict) else None
 
 
 @dataclass(frozen=True)
@@ -447,32 +593,23 @@ def lookup(kernel: str, dev: DeviceKey, *, dtype: str, dk: int, dv: int, causal:
     An entry whose parameters fail ``validate`` (a hand-edited file, a database from another
     device) is skipped with a warning naming the file; the next match or the defaults are used.
     """
-    folders = [user_tuning_dir(), shipped_tuning_dir()]
-    entries_by_folder = [_entries(f) for f in folders]
+    problem = _problem_key(kernel, dtype, dk, dv, causal)
+    files_by_folder = [_files(folder) for folder in (user_tuning_dir(), shipped_tuning_dir())]
     bucket = seq_bucket(n)
     for level, match in _LEVELS:
-        for entries in entries_by_folder:
-            cands = [e for e in entries if e.get("kernel") == kernel and e.get("dtype") == dtype
-                     and e.get("dk") == dk and e.get("dv") == dv and bool(e.get("causal")) == causal
-                     and match(e, dev)]
+        for files in files_by_folder:
+            cands = [e for db in files for e in db.candidates(problem, level, match, dev)]
             # nearest bucket; at equal distance a measured entry beats a modeled one
-            cands.sort(key=lambda e: (abs(math.log2(max(_as_int(e.get("bucket"), bucket), 1)) - math.log2(bucket)),
-                                      (e.get("provenance") or {}).get("mode") != "measured"))
+            cands.sort(key=lambda e: (abs(math.log2(e["bucket"]) - math.log2(bucket)), _mode(e) != "measured"))
             for e in cands:
-                params = e.get("params")
-                errs = validate(params) if validate and isinstance(params, dict) else (
-                    [] if isinstance(params, dict) else ["params is not a dict"])
+                errs = validate(e["params"]) if validate else []
                 if errs:
                     warnings.warn(f"ignoring tuning entry in {e['_file']} for {kernel} on {dev.name or dev.profile}: "
                                   f"{'; '.join(errs)}; using the next match or the defaults", stacklevel=3)
                     continue
-                mode = (e.get("provenance") or {}).get("mode", "measured")
-                return Choice(dict(params), f"tuned {e['_file']} ({level}, bucket {e.get('bucket')}, {mode})", e)
+                return Choice(dict(e["params"]), f"tuned {e['_file']} ({level}, bucket {e['bucket']}, "
+                                                 f"{_mode(e) or 'measured'})", _copy_entry(e))
     return None
-
-
-def _as_int(x, default: int) -> int:
-    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else default
 
 
 # --------------------------------------------------------------------------- writing
@@ -492,8 +629,7 @@ def _same_slot(a: dict, b: dict) -> bool:
 
 def _superseded(old: dict, new: dict) -> bool:
     """A measured entry replaces the modeled entry of its profile for the same problem."""
-    return ((new.get("provenance") or {}).get("mode") == "measured"
-            and (old.get("provenance") or {}).get("mode") == "modeled"
+    return (_mode(new) == "measured" and _mode(old) == "modeled"
             and all(old.get(f) == new.get(f) for f in _PROBLEM_FIELDS)
             and old.get("profile") == new.get("profile") and not old.get("device"))
 
@@ -512,7 +648,7 @@ def save_entry(entry: dict, path: Path) -> list[dict]:
     entries it replaced. Concurrent writers are serialized by an exclusive lock on
     ``path.lock``; the file is rewritten through a temporary file and ``os.replace``, so a reader
     never sees half a file and a crash leaves the old one intact. A corrupt file is an error
-    naming it, never silently overwritten."""
+    naming it, never silently overwritten; malformed entries are kept as they are."""
     import fcntl
     import tempfile
 
@@ -521,9 +657,11 @@ def save_entry(entry: dict, path: Path) -> list[dict]:
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            old = [{k: v for k, v in e.items() if k != "_file"} for e in load_file(path)] if path.exists() else []
-            replaced = [e for e in old if _same_slot(e, entry) or _superseded(e, entry)]
-            kept = [e for e in old if not (_same_slot(e, entry) or _superseded(e, entry))]
+            # read here, not through the cache: the lock makes this read the one the write replaces
+            old = _read(path)["entries"] if path.exists() else []
+            gone = [isinstance(e, dict) and (_same_slot(e, entry) or _superseded(e, entry)) for e in old]
+            replaced = [e for e, g in zip(old, gone) if g]
+            kept = [e for e, g in zip(old, gone) if not g]
             data = {"version": DB_VERSION, "entries": kept + [entry]}
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             try:

@@ -21,7 +21,7 @@ def run(*args):
 
 def test_exit_codes_are_documented():
     doc = cli.__doc__
-    for code in ("0", "1", "2", "3", "4", "5", "130"):
+    for code in ("0", "1", "2", "3", "4", "5", "6", "130"):
         assert f"\n  {code} " in doc
 
 
@@ -37,8 +37,8 @@ def test_tune_model_mode_for_adreno(cpu_device, tuning_dir):
     # at d=128 the q row alone (128 floats) plus the ~48 scalars leave Adreno's 192 registers no
     # room for scores and accumulator, so the model's largest safe tile re-reads q per KV tile
     assert e["params"] == {"BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 64, "VEC": 4, "Q_IN_REGS": 0}
-    # show-config for the absent device reads the modeled entry
-    s = run("show-config", "--device", "adreno", "--dtype", "float32")
+    # show-config for the absent device reads the modeled entry (tune and show-config share a dtype)
+    s = run("show-config", "--device", "adreno")
     assert s.exit_code == 0, s.output
     assert "BLOCK_M=64 BLOCK_N=32 DV_TILE=64 VEC=4 Q_IN_REGS=0" in s.stdout and f.name in s.stdout and "modeled" in s.stdout
 
@@ -147,3 +147,196 @@ def test_bench_decode_head_dim(cpu_device):
     (row,) = json.loads(r.stdout)["rows"]
     assert row["shape"] == "(1,4/2,64,64)" and row["bytes_moved"] == 2 * 64 * 2 * 64 * 2 + 4 * 2 * 64 * 2
     assert row["rel_err"] < 1e-2
+
+
+# --------------------------------------------------------------------------- one-line errors
+
+def _one_error_line(r, code):
+    """The one line of stderr that is neither a progress note ("# ...") nor the progress bar."""
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith(("#", "tuning"))]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,why", [
+    (["tune", "--shape", "1,x,2,128,64,1"], "five integers"),
+    (["tune", "--shape", "1,4,2,128,64"], "B,H_q,H_kv,N,d,causal"),
+    (["tune", "--shape", "1,4,2,128,64,maybe"], "B,H_q,H_kv,N,d,causal"),
+    # H_q not a multiple of H_kv: the sweep read past the K/V buffers
+    (["tune", "--device", "adreno", "--shape", "1,3,2,128,64,1"], "H_q=3 must be a multiple of H_kv=2"),
+    (["tune", "--device", "adreno", "--shape", "1,4,2,128,12,1"], "head dim 12 is not supported"),
+    (["tune", "--device", "adreno", "--shape", "1,4,2,0,64,1"], "empty input"),
+    (["tune", "--timeout", "0"], "--timeout"),
+    (["tune", "--repeats", "0"], "--repeats"),
+    (["bench", "prefill", "--shape", "1,3,2,128,64,1"], "H_q=3 must be a multiple of H_kv=2"),
+    (["bench", "prefill", "--params", "{BLOCK_M: 64}"], "is not JSON"),
+    (["bench", "prefill", "--params", "[64, 32]"], "expected a JSON object"),
+    (["bench", "decode", "--shape", "1,3,2,64"], "H_q=3 must be a multiple of H_kv=2"),
+    (["bench", "decode", "--shape", "1,x,2,64"], "four integers"),
+    (["show-config", "--device", "adreno", "--d", "12"], "head dim 12 is not supported"),
+    (["show-config", "--device", "adreno", "--dv", "0"], "head dim 0 is not supported"),
+    (["show-config", "--device", "adreno", "--d", "264"], "head dim 264 is not supported"),
+    (["show-config", "--dtype", "float64"], "float64"),
+    (["no-such-command"], "no-such-command"),
+])
+def test_usage_errors_are_one_line_exit_2(args, why):
+    """Checked before any device is touched: none of these needs one."""
+    assert why in _one_error_line(run(*args), 2)
+
+
+def test_bare_group_prints_its_help():
+    r = run("bench")
+    assert r.exit_code in (0, 2) and "Usage:" in r.output and "prefill" in r.output  # 2 from click 8.2
+    assert "error:" not in r.output
+
+
+def test_flashcl_errors_are_one_line_with_their_exit_code(monkeypatch, tuning_dir):
+    from flashcl import tuner
+    from flashcl.errors import KernelBuildError
+
+    def build_fails(*a, **k):
+        raise KernelBuildError("prefill", {"BLOCK_M": 64}, "some GPU", "note: first\nerror: no such builtin\nmore")
+
+    monkeypatch.setattr(tuner, "run_sweep", build_fails)
+    line = _one_error_line(run("tune", "--device", "adreno", "--no-isolate"), 6)
+    assert "building kernel 'prefill'" in line and "error: no such builtin" in line
+
+    def rejected(*a, **k):
+        raise ValueError("params: BLOCK_M=3 is not a power of two")
+
+    monkeypatch.setattr(tuner, "run_sweep", rejected)
+    assert "BLOCK_M=3" in _one_error_line(run("tune", "--device", "adreno", "--no-isolate"), 2)
+
+
+def test_deeply_nested_database_is_exit_4_naming_the_file(tuning_dir):
+    tuning_dir.mkdir(parents=True)
+    (tuning_dir / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    line = _one_error_line(run("show-config", "--device", "adreno"), 4)
+    assert "deep.json" in line and "nested too deeply" in line
+
+
+def test_string_provenance_is_skipped_with_a_warning(tuning_dir):
+    e = tuning.make_entry("prefill", tuning.DeviceKey("", None, "adreno", "adreno"), dtype="float16", dk=128,
+                          dv=128, causal=True, n=2048, params={"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 32,
+                                                              "VEC": 4, "Q_IN_REGS": 0}, provenance={})
+    e["provenance"] = "tuned by hand"
+    tuning_dir.mkdir(parents=True)
+    (tuning_dir / "hand.json").write_text(json.dumps({"version": 1, "entries": [e]}))
+    r = run("show-config", "--device", "adreno")
+    assert r.exit_code == 0, r.output
+    assert "profile default (adreno)" in r.stdout
+    assert "hand.json" in r.stderr and "'provenance' is a string" in r.stderr
+
+
+def test_triton_backend_without_cuda_is_exit_3(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cmd in ("prefill", "decode"):
+        assert "CUDA" in _one_error_line(run("bench", cmd, "--backend", "triton"), 3)
+
+
+def test_ctrl_c_in_tune_is_one_line_exit_130(cpu_device, monkeypatch):
+    from flashcl import tuner
+
+    calls = []
+    evaluate = tuner.InlineRunner.evaluate
+
+    def interrupted_on_second(self, params):
+        calls.append(params)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(self, params)
+
+    monkeypatch.setattr(tuner.InlineRunner, "evaluate", interrupted_on_second)
+    r = run("tune", "--device", "adreno", "--param", "BLOCK_M=64", "--param", "BLOCK_N=16,32", "--param",
+            "DV_TILE=32", "--no-isolate")
+    line = _one_error_line(r, 130)
+    assert "interrupted; 1 configurations kept in" in line and "--resume" in line
+    assert "BLOCK_M BLOCK_N" not in r.stdout
+
+
+# --------------------------------------------------------------------------- output
+
+def _strict_json(text):
+    def no_constant(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=no_constant)
+
+
+def test_tune_json_is_standard_json(cpu_device, tuning_dir):
+    r = run("tune", "--device", "adreno", "--param", "BLOCK_M=64", "--param", "BLOCK_N=16", "--param",
+            "DV_TILE=32", "--no-isolate", "--json")
+    assert r.exit_code == 0, r.output
+    data = _strict_json(r.stdout)  # model mode has no times: NaN before, null now
+    assert data["winner"]["median_ms"] is None and data["winner"]["spread_ms"] == [None, None]
+
+
+def test_bench_json_is_standard_json_with_conditions_and_rows(cpu_device):
+    r = run("bench", "prefill", "--device", cpu_device, "--shape", "1,2,1,32,16,1", "--repeats", "1",
+            "--no-check", "--json")
+    assert r.exit_code == 0, r.output
+    data = _strict_json(r.stdout)
+    assert set(data) == {"conditions", "rows"} and data["conditions"]["backend"] == "opencl"
+    assert data["rows"][0]["rel_err"] is None
+
+
+def test_triton_json_conditions_have_the_opencl_keys(monkeypatch):
+    import types
+
+    torch = pytest.importorskip("torch")
+    from flashcl import bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    handle = types.SimpleNamespace(name="dev", platform="p", driver="d", profile=types.SimpleNamespace(name="cpu"),
+                                   is_cpu=True)
+    assert set(cli._triton_conditions("flashcl bench")) == set(bench.conditions(handle, "flashcl bench"))
+
+
+def test_compiler_warnings_go_to_the_log(cpu_device, monkeypatch, tuning_dir):
+    import warnings
+
+    import pyopencl
+
+    from flashcl import tuner
+
+    sweep = tuner.run_sweep
+
+    def noisy(*a, **k):
+        warnings.warn("Non-empty compiler output encountered", pyopencl.CompilerWarning)
+        return sweep(*a, **k)
+
+    monkeypatch.setattr(tuner, "run_sweep", noisy)
+    args = ["tune", "--device", "adreno", "--param", "BLOCK_M=64", "--param", "BLOCK_N=16", "--param",
+            "DV_TILE=32", "--no-isolate", "--no-save"]
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert "compiler output" not in r.output
+    r = run("-v", *args)
+    assert r.exit_code == 0, r.output
+    assert "log: compiler output: Non-empty compiler output encountered" in r.stderr
+    assert "compiler output" not in r.stdout
+
+
+def test_commands_share_one_default_dtype():
+    commands = [cli.tune, cli.show_config, cli.bench_prefill, cli.bench_decode]
+    assert {next(p.default for p in c.params if p.name == "dtype") for c in commands} == {cli.DEFAULT_DTYPE}
+
+
+def test_quick_model_tune_stores_a_non_spilling_tile(cpu_device, tuning_dir):
+    """At d=128 every quick tile keeps q in registers and spills Adreno's 192; the stored tile
+    must still be one the model predicts not to spill, and show-config must find it."""
+    r = run("tune", "--device", "adreno", "--quick", "--no-isolate")
+    assert r.exit_code == 0, r.output
+    [f] = list(tuning_dir.glob("*.json"))
+    [e] = tuning.load_file(f)
+    from flashcl import profiles
+
+    assert tuning.private_floats("prefill", e["params"], 128, 128) <= profiles.PROFILES["adreno"].regs_hard
+    assert e["dtype"] == cli.DEFAULT_DTYPE
+    s = run("show-config", "--device", "adreno", "--json")
+    assert s.exit_code == 0, s.output
+    cfg = _strict_json(s.stdout)
+    assert cfg["params"] == e["params"] and f.name in cfg["source"] and not cfg["model"]["spills"]

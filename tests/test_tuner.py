@@ -124,6 +124,28 @@ def test_model_mode_plan_prunes_by_profile_limits():
     assert all(v for _, v in pruned)
 
 
+@pytest.mark.parametrize("profile,d", [("adreno", 128), ("adreno-6xx", 128), ("apple", 256), ("intel", 256)])
+def test_quick_plan_has_a_non_spilling_tile_where_the_space_has_one(profile, d):
+    """The quick list keeps q in registers; where that spills every quick tile, the full space's
+    largest tile predicted not to spill is added (and so chosen in model mode)."""
+    t = _target(profile)
+    hard = t.profile.regs_hard
+    quick, _ = tuner.plan(t, (1, 32, 8, 2048, d, True), quick=True)
+    full, _ = tuner.plan(t, (1, 32, 8, 2048, d, True))
+    safe = [p for p in full if tuning.private_floats("prefill", p, d, d) <= hard]
+    assert safe and any(tuning.private_floats("prefill", p, d, d) <= hard for p in quick)
+    assert len(quick) < len(full) // 4  # still quick
+    best = max(safe, key=lambda p: tuner.tile_rank(p, t.profile, d))
+    assert best in quick
+
+
+def test_quick_plan_adds_nothing_where_nothing_fits():
+    t = _target("mali")  # 64 registers: every tile of the space spills
+    quick, _ = tuner.plan(t, (1, 32, 8, 2048, 128, True), quick=True)
+    only, _ = tuner.plan(t, (1, 32, 8, 2048, 128, True), quick=True, overrides={"Q_IN_REGS": [1]})
+    assert quick == only and all(tuning.private_floats("prefill", p, 128, 128) > 64 for p in quick)
+
+
 # --------------------------------------------------------------------------- database
 
 def _entry(mode, bucket_n=2048, device="", params=None, profile="adreno"):
@@ -270,6 +292,24 @@ def test_hung_configuration_costs_only_itself(cpu_device):
     finally:
         runner.close()
     assert res["status"] == "failed" and res["error"].startswith("timeout")
+
+
+def test_worker_ignores_ctrl_c(cpu_device, capfd):
+    """Ctrl-C reaches the whole process group; the parent stops the sweep and kills the worker,
+    so the worker must neither die of it nor print a KeyboardInterrupt traceback."""
+    import os
+    import signal
+
+    setup = tuner.Setup(cpu_device, (1, 2, 1, 128, 64, True), "float32", "modeled", 5, False)
+    runner = tuner.IsolatedRunner(setup, timeout=120)
+    try:
+        runner._start()
+        os.kill(runner.proc.pid, signal.SIGINT)
+        res = runner.evaluate({"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 16})
+    finally:
+        runner.close()
+    assert res["status"] == "ok", res["error"]
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 def test_model_mode_sweep_builds_and_chooses_largest_non_spilling(cpu_device):

@@ -1,11 +1,16 @@
 """Bad parameters from a tuning database (issue 7): a hand-edited file, or one tuned on another
 device, must never crash a call or change its result. Every invalid entry is skipped with a
 warning that names the file and the violated rule; the profile default runs instead, exactly.
-(Complements test_tuner.py's DV_TILE case, for both kernels and every kind of bad entry.)"""
+(Complements test_tuner.py's DV_TILE case, for both kernels and every kind of bad entry.)
+
+The database itself: each file is parsed once per version; malformed entries are skipped with one
+warning per version; a file that cannot be a database is a TuningDatabaseError naming it."""
 
 from __future__ import annotations
 
 import json
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -29,7 +34,6 @@ BAD_PREFILL = [
     ({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4, "TURBO": 1}, r"unknown \['TURBO'\]"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64}, r"missing \['VEC'\]"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4, "Q_IN_REGS": 2}, r"Q_IN_REGS=2 must be 0 or 1"),
-    ([64, 16, 64, 4], r"params is not a dict"),
 ]
 BAD_DECODE = [
     ({"ROWS": "4", "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}, r"ROWS='4' must be a positive int"),
@@ -41,7 +45,6 @@ BAD_DECODE = [
     ({"ROWS": 64, "UNROLL": 1024, "HEAD_TILE": 1, "MERGE_WG": 64}, r"bytes of local memory"),
     ({"ROWS": 4, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64, "BLOCK_N": 8}, r"unknown \['BLOCK_N'\]"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4}, r"missing \['ROWS'"),  # a prefill entry
-    ("fast", r"params is not a dict"),
 ]
 
 
@@ -110,3 +113,145 @@ def test_valid_decode_entry_is_used(cpu_device, tuning_dir):
     _write(tuning_dir, "decode", h, params, dtype="float16", dk=64, dv=64, causal=False, n=70)
     got = choose_params(h, prob, n_ctx=70)
     assert got.params == params and "hand.json" in got.source
+
+
+# --------------------------------------------------------------------------- the database files
+
+KEY = tuning.DeviceKey("Some GPU", None, "nvidia", "nvidia")
+PROBLEM = dict(dtype="float16", dk=64, dv=64, causal=True, n=1024)
+
+
+TILES = {"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4}
+
+
+def _good(params=TILES, **fields):
+    e = tuning.make_entry("prefill", KEY, **PROBLEM, params=params,
+                          provenance={"mode": "measured", "device": "Some GPU"})
+    e.update(fields)
+    return e
+
+
+def _db(tuning_dir, entries, name="db.json"):
+    tuning_dir.mkdir(parents=True, exist_ok=True)
+    f = tuning_dir / name
+    f.write_text(json.dumps({"version": 1, "entries": entries}))
+    return f
+
+
+def _count_reads(monkeypatch):
+    reads = []
+    read = tuning._read
+    monkeypatch.setattr(tuning, "_read", lambda path: reads.append(path) or read(path))
+    return reads
+
+
+def test_a_file_is_parsed_once_per_version(tuning_dir, monkeypatch):
+    reads = _count_reads(monkeypatch)
+    f = _db(tuning_dir, [_good()])
+    for _ in range(3):
+        assert tuning.lookup("prefill", KEY, **PROBLEM).params["BLOCK_N"] == 16
+    assert reads.count(f) == 1
+    tuning.save_entry(_good({"BLOCK_M": 32, "BLOCK_N": 32, "DV_TILE": 64, "VEC": 4}), f)  # a new version
+    reads.clear()
+    assert tuning.lookup("prefill", KEY, **PROBLEM).params["BLOCK_N"] == 32
+    assert tuning.lookup("prefill", KEY, **PROBLEM).params["BLOCK_N"] == 32
+    assert reads.count(f) == 1
+    # the entry a lookup returns is a copy: changing it changes no later lookup
+    tuning.lookup("prefill", KEY, **PROBLEM).entry["params"]["BLOCK_N"] = 8
+    assert tuning.lookup("prefill", KEY, **PROBLEM).params["BLOCK_N"] == 32
+
+
+def test_concurrent_first_lookups_parse_once(tuning_dir, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    reads = _count_reads(monkeypatch)
+    f = _db(tuning_dir, [_good(device=f"GPU {i}") for i in range(2000)] + [_good()])
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda _: tuning.lookup("prefill", KEY, **PROBLEM), range(8)))
+    assert all(c is not None and c.entry["device"] == "Some GPU" for c in found)
+    assert reads.count(f) == 1
+
+
+MALFORMED = [
+    (lambda e: dict(e, provenance="tuned by hand"), "'provenance' is a string, expected an object"),
+    (lambda e: [e], "is an array, not an object"),
+    (lambda e: dict(e, dk="64"), "'dk' is '64', expected a positive integer"),
+    (lambda e: dict(e, causal="false"), "'causal' is a string, expected true or false"),
+    (lambda e: {k: v for k, v in e.items() if k != "kernel"}, "'kernel' is missing"),
+    (lambda e: dict(e, bucket=0), "'bucket' is 0"),
+    (lambda e: dict(e, device=["Some GPU"]), "'device' is an array"),
+    (lambda e: dict(e, params=[64, 16, 64, 4]), "'params' is an array, expected an object"),
+    (lambda e: dict(e, provenance=json.loads('{"a":' * 20 + "1" + "}" * 20)), "nested more than 8 levels"),
+]
+
+
+@pytest.mark.parametrize("mangle,why", MALFORMED, ids=[w.split(",")[0] for _, w in MALFORMED])
+def test_malformed_entry_is_skipped_with_one_warning(tuning_dir, mangle, why):
+    """The well-formed entry of the same file is still found; the warning names the file and the
+    fault once per file version, not once per call."""
+    good = _good({"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4}, bucket=4096)
+    f = _db(tuning_dir, [mangle(_good()), good])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            found = tuning.lookup("prefill", KEY, **PROBLEM)
+            assert found is not None and found.params == good["params"]
+    [w] = caught
+    assert str(f) in str(w.message) and "entries[0]" in str(w.message) and why in str(w.message)
+    f.write_text(f.read_text() + "\n")  # a new version warns again
+    with pytest.warns(UserWarning, match=re.escape(why)):
+        tuning.lookup("prefill", KEY, **PROBLEM)
+
+
+def test_malformed_params_skipped_and_the_call_stays_exact(cpu_device, tuning_dir):
+    """Params that are not an object at all, on a device: one warning, then the profile default."""
+    from flashcl.opencl.prefill import PrefillProblem, choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    prob = PrefillProblem(1, 4, 2, 100, 100, 64, 64, True, "float32")
+    default = choose_params(h, prob)
+    _write(tuning_dir, "prefill", h, [64, 16, 64, 4], dtype="float32", dk=64, dv=64, causal=True, n=100)
+    with pytest.warns(UserWarning, match=r"hand\.json.*'params' is an array"):
+        got = choose_params(h, prob)
+    assert got.params == default.params and got.source.startswith("profile default")
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((4, 100, 64), (2, 100, 64), (2, 100, 64)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # parsed and warned about already
+        out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)
+    assert_close(out, reference.attention(q, k, v, causal=True), "float32", "prefill after a malformed entry")
+
+
+BAD_FILES = [
+    (b"{ not json", "is not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"entries": {"a": 1}}', "has no 'entries' list"),
+    (b"[]", "has no 'entries' list"),
+    (b'{"version": 1, "entries": []}\xff\xfe', "cannot be read"),
+]
+
+
+@pytest.mark.parametrize("content,why", BAD_FILES, ids=["not-json", "deep", "entries-object", "array", "bytes"])
+def test_bad_file_raises_naming_it(tuning_dir, content, why):
+    tuning_dir.mkdir(parents=True)
+    (tuning_dir / "bad.json").write_bytes(content)
+    for _ in range(2):  # the verdict is kept for the file's version, and raised on every call
+        with pytest.raises(flashcl.TuningDatabaseError, match=rf"bad\.json.*{why}"):
+            tuning.lookup("prefill", KEY, **PROBLEM)
+
+
+def test_unreadable_file_raises_naming_it(tuning_dir):
+    (tuning_dir / "folder.json").mkdir(parents=True)  # globbed like a file, read like none
+    with pytest.raises(tuning.TuningDatabaseError, match=r"folder\.json cannot be read"):
+        tuning.lookup("prefill", KEY, **PROBLEM)
+    assert tuning.TuningDatabaseError is flashcl.TuningDatabaseError
+
+
+def test_save_keeps_malformed_entries(tuning_dir):
+    """A save never drops what a lookup skips: the hand edit stays for its author to fix."""
+    odd = dict(_good(), device="Other GPU", provenance="tuned by hand")
+    f = _db(tuning_dir, [odd, "note"])
+    tuning.save_entry(_good(), f)
+    entries = json.loads(f.read_text())["entries"]
+    assert entries[:2] == [odd, "note"] and entries[2]["provenance"]["mode"] == "measured"

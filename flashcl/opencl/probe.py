@@ -25,7 +25,7 @@ from pathlib import Path
 from .._resources import kernel_dir
 from .._version import __version__
 
-PROBE_FORMAT = 1
+PROBE_FORMAT = 2
 CHILD_TIMEOUT_S = 600.0  # Adreno compilers take seconds per program; a hung child is a failure
 
 # name -> what the child runs: (kind, dtype, params). "prefill-vec4" is the baseline: a device
@@ -264,7 +264,7 @@ def _child(argv: list[str]) -> int:
         try:
             why = _run_variant(spec, name)
         except Exception as exc:  # a build error, an out-of-resources launch: a clean failure
-            why = f"{type(exc).__name__}: {exc}"
+            why = getattr(exc, "log", None) or f"{type(exc).__name__}: {exc}"
         print("flashcl-probe " + json.dumps({"variant": name, "ok": why is None, "log": why or ""}), flush=True)
     return 0
 

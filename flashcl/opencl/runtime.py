@@ -143,10 +143,17 @@ def check_variant(handle: "DeviceHandle", kernel: str, dtype: str, params: dict)
     """Raise KernelBuildError, with the probe's log, where the probe found that ``kernel`` with
     ``params`` fails to build or kills the process on this device."""
     log = probe_failure(handle, kernel, dtype, params)
-    if log:
-        if "unknown target CPU" in log and _UNKNOWN_CPU_HINT not in log:
-            log += _UNKNOWN_CPU_HINT
-        raise KernelBuildError(kernel, params, handle.describe(), f"(probed in a subprocess) {log}")
+    if not log:
+        return
+    first = next((ln.strip() for ln in log.splitlines() if "error" in ln.lower()), log.strip().splitlines()[0])
+    what = ("this device's OpenCL compiler builds none of flashcl's kernels" if capabilities(handle.device).error
+            else "this variant fails on this device")
+    if "unknown target CPU" in log:
+        first += "; a newer PoCL builds here (Debian/Ubuntu: apt-get install pocl-opencl-icd)"
+    log = f"error: {what} (probed in a subprocess; see `flashcl devices`): {first}\n{log}"
+    if "unknown target CPU" in log and _UNKNOWN_CPU_HINT not in log:
+        log += _UNKNOWN_CPU_HINT
+    raise KernelBuildError(kernel, params, handle.describe(), log)
 
 
 def _first_usable(devices: list):

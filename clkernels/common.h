@@ -35,10 +35,11 @@
 #define LDS_ALIGNED __attribute__((aligned(64)))
 
 /* Natural-log sum-exp of an online-softmax state kept in log2 units (max m, sum l of exp2(s - m));
- * a row that saw no key (l = 0) has lse = -inf. */
+ * a row that saw no key (l = 0) has lse = -inf, a NaN state (NaN in q or in a visible K, which
+ * makes out NaN too) has lse = NaN: never -inf, which would read as "saw no key". */
 static inline float lse_of_state(const float m, const float l)
 {
-    return (l > 0.0f) ? (m + log2(l)) * M_LN2_F : -INFINITY;
+    return (l == 0.0f) ? -INFINITY : (m + log2(l)) * M_LN2_F;
 }
 
 #endif

@@ -11,6 +11,14 @@
  *   flash_decode_split  writes the unnormalized float32 state (m in log2 units, l, acc) per split
  *   flash_decode_merge  rescales the splits to their shared max and writes out and lse
  *
+ * Keys at or past ctx[b] are never read (their chunks are zeros), so whatever the cache holds
+ * there (the tail of a contiguous cache, the unwritten slots of a partial last block) cannot
+ * reach out. NaN in q or in a visible K makes out and lse NaN, never lse = -inf ("saw no key").
+ * The tables may be device-resident and are checked here (decode_common.h): a sequence whose
+ * context length is outside [0, capacity] (capacity = max_blocks * block_size paged, N_max
+ * contiguous) or whose used blocks include an id outside [0, num_blocks) reads nothing out of
+ * bounds and gets NaN out and lse.
+ *
  * Buffers (element offsets and strides from the host; the head dim is contiguous):
  *   q        [B][H_q][HEAD_DK]                        at q + q_off + b*q_sb + h*q_sh
  *   k, v     contiguous: [B][H_kv][N_max][D]           row j at b*k_s0 + kvh*k_sh + j*k_s1
@@ -21,7 +29,7 @@
  *   out      [B][H_q][HEAD_DV]                        at out + o_off + b*o_sb + h*o_sh
  *   lse      [B][H_q] float32, natural log, contiguous
  *   part_m, part_l  [B][H_q][num_splits] float32; part_acc [B][H_q][num_splits][HEAD_DV] float32
- *   block_table [B][bt_stride] int32; context_lens [B] int32
+ *   block_table [B][bt_stride] int32; context_lens [B] int32 (checked: see above)
  *
  * Work-group of WG = LANES x ROWS x NHT work-items (lane fastest):
  *
@@ -155,25 +163,29 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
     const int batch = get_group_id(2);
     const int head0 = kv_head * GROUP + ht * HEAD_TILE;  /* first query head of this work-item */
 
-    int k0, k1;  /* this split's keys */
-    split_range(context_lens[batch], num_splits, split, BLOCK_N, &k0, &k1);
+    int k0, k1;  /* this split's keys; none for a bad context length */
+    const int n_ctx = context_lens[batch];
+    const bool ctx_ok = context_ok(n_ctx, capacity);
+    split_range(ctx_ok ? n_ctx : 0, num_splits, split, BLOCK_N, &k0, &k1);
 
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;
     __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
     __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
 
-    /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros */
+    /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros.
+     * The empty state, or NaN for a bad context length (it survives every merge). */
     floatW qv[HEAD_TILE], acc[HEAD_TILE];
     float m[HEAD_TILE], l[HEAD_TILE];
     for (int i = 0; i < HEAD_TILE; ++i) {
         __global const store_t *q_row = q + q_off + batch * q_sb + (head0 + i) * q_sh;
         qv[i] = (lane < CK) ? LOAD_W(q_row, lane) * scale_log2 : (floatW)(0.0f);
-        acc[i] = (floatW)(0.0f);
+        acc[i] = (floatW)(ctx_ok ? 0.0f : NAN);
         m[i] = -INFINITY;
-        l[i] = 0.0f;
+        l[i] = ctx_ok ? 0.0f : NAN;
     }
 
-    /* keys past k1 are never loaded: their chunks stay zero (p * garbage could be NaN) */
+    /* keys past k1 are never loaded: their chunks stay zero (p * garbage could be NaN); the rows
+     * of an out-of-range block read as NaN (load_chunk) */
 #if STAGED
     raw_t pre[LOADS];
 #define FETCH_TILE(t0)                                                                      \
@@ -182,8 +194,9 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
         const int key = c / (CK + CV), part = c % (CK + CV), j = (t0) + key;                \
         pre[c_] = (raw_t)(0);                                                               \
         if (c < TILE_CHUNKS && j < k1)                                                      \
-            pre[c_] = (part < CK) ? k_base[row_offset(j, bt_row, block_shift, k_s0, k_s1) + part] \
-                                  : v_base[row_offset(j, bt_row, block_shift, v_s0, v_s1) + part - CK]; \
+            pre[c_] = (part < CK)                                                           \
+                ? load_chunk(k_base, j, bt_row, block_shift, num_blocks, k_s0, k_s1, part)  \
+                : load_chunk(v_base, j, bt_row, block_shift, num_blocks, v_s0, v_s1, part - CK); \
     }
 #else
     raw_t kn[UNROLL], vn[UNROLL];
@@ -193,8 +206,10 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
         kn[u] = (raw_t)(0);                                                                 \
         vn[u] = (raw_t)(0);                                                                 \
         if (j < k1) {                                                                       \
-            if (lane < CK) kn[u] = k_base[row_offset(j, bt_row, block_shift, k_s0, k_s1) + lane]; \
-            if (lane < CV) vn[u] = v_base[row_offset(j, bt_row, block_shift, v_s0, v_s1) + lane]; \
+            if (lane < CK)                                                                  \
+                kn[u] = load_chunk(k_base, j, bt_row, block_shift, num_blocks, k_s0, k_s1, lane); \
+            if (lane < CV)                                                                  \
+                vn[u] = load_chunk(v_base, j, bt_row, block_shift, num_blocks, v_s0, v_s1, lane); \
         }                                                                                   \
     }
 #endif

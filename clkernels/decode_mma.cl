@@ -30,7 +30,9 @@
  * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
  * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
  * (as every tensor-core flash attention does), keys past the split's end are -inf with zeroed
- * K/V (0 x garbage could be NaN).
+ * K/V (0 x garbage could be NaN), and the tables are checked as in decode.cl (decode_common.h): a
+ * context length outside [0, capacity] or a used block id outside [0, num_blocks) reads nothing
+ * out of bounds and gives the sequence NaN out and lse.
  *
  * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
  * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
@@ -227,7 +229,9 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
 #endif
 
     int k0, k1;  /* this split's keys; every warp runs `rounds` iterations (uniform barriers) */
-    split_range(context_lens[batch], num_splits, split, ROUND, &k0, &k1);
+    const int n_ctx = context_lens[batch];
+    const bool ctx_ok = context_ok(n_ctx, capacity);   /* else no key and a NaN state */
+    split_range(ctx_ok ? n_ctx : 0, num_splits, split, ROUND, &k0, &k1);
     const int rounds = (k1 - k0 + ROUND - 1) / ROUND;
 
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;
@@ -251,29 +255,34 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
     float acc[NTV][2 * NH];          /* O's C fragments: [d][2h + i] = row g + 8h, dim (2c + i) * NTV + d */
     for (int h = 0; h < NH; ++h) {
         m[h] = -INFINITY;
-        l[h] = 0.0f;
+        l[h] = ctx_ok ? 0.0f : NAN;
         for (int d = 0; d < NTV; ++d)
-            acc[d][2 * h] = acc[d][2 * h + 1] = 0.0f;
+            acc[d][2 * h] = acc[d][2 * h + 1] = ctx_ok ? 0.0f : NAN;
     }
 
     /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
-     * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros. */
+     * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros, rows
+     * of an out-of-range block as NaN (not read). */
     uint kw[2][KQ / 2], vw[4][NTV / 2];
 #define LOAD_K(t0, LOAD)                                                                     \
     for (int t = 0; t < 2; ++t) {                                                            \
         const int j = (t0) + 8 * t + g;                                                      \
-        const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, k_s0, k_s1) + c * KCH : 0; \
+        bool ok = false;  /* j < k1 and its block id in range */                             \
+        const ulong off = (j < k1)                                                           \
+            ? row_offset(j, bt_row, block_shift, num_blocks, k_s0, k_s1, &ok) + c * KCH : 0; \
         for (int i = 0; i < KCH; ++i) {                                                      \
-            const uint4 x = (j < k1) ? LOAD(k_base + off + i) : (uint4)(0u);                 \
+            const uint4 x = ok ? LOAD(k_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u);  \
             kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
         }                                                                                    \
     }
 #define LOAD_V(t0)                                                                           \
     for (int r = 0; r < 4; ++r) {                                                            \
         const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
-        const ulong off = (j < k1) ? row_offset(j, bt_row, block_shift, v_s0, v_s1) + g * VCH : 0; \
+        bool ok = false;  /* j < k1 and its block id in range */                             \
+        const ulong off = (j < k1)                                                           \
+            ? row_offset(j, bt_row, block_shift, num_blocks, v_s0, v_s1, &ok) + g * VCH : 0; \
         for (int i = 0; i < VCH; ++i) {                                                      \
-            const uint4 x = (j < k1) ? load_kv_streamed(v_base + off + i) : (uint4)(0u);     \
+            const uint4 x = ok ? load_kv_streamed(v_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u); \
             vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
         }                                                                                    \
     }

@@ -27,7 +27,10 @@
  * file of small GPUs; each DV slice is its own work-group (they recompute the scores, but run side
  * by side on a large GPU instead of one pass after another). DV_TILE = HEAD_DV is a single pass.
  * Causal work-groups stop at the last KV tile their last row can see: tiles wholly above the
- * diagonal are never loaded.
+ * diagonal are never loaded. A key a row cannot see never reaches it, whatever its K or V hold
+ * (NaN, inf): scores are masked by a select, keys past N_kv are staged as zeros, and in a tile that
+ * crosses the diagonal each row skips the V rows of the keys it cannot see (p = 0 times inf is
+ * NaN); the tiles below the diagonal take the unguarded P V loop.
  */
 
 /* ---- tunables ------------------------------------------------------------------------------ */
@@ -86,6 +89,18 @@
  * work-item, where the accumulators stay in registers. `row > INT_MAX - 1` is never true. */
 #define PER_ITEM(n) ((n) + (row > 0x7ffffffe))
 #endif
+
+/* acc += p[j] * v_tile[j] over the keys j of the tile for which `sees` holds */
+#define PV_PRODUCT(sees)                                                                     \
+    UNROLL                                                                                   \
+    for (int j = 0; j < BLOCK_N; ++j) {                                                      \
+        if (sees) {                                                                          \
+            const floatV pj = (floatV)(p[j]);                                                \
+            UNROLL                                                                           \
+            for (int c = 0; c < PER_ITEM(DVV); ++c)                                          \
+                acc[c] = fma(pj, LDS_LOADV(c, v_tile + j * DV_TILE), acc[c]);                \
+        }                                                                                    \
+    }
 
 __kernel FLASHCL_REQD_WG(BLOCK_M)
 void flash_prefill(__global const store_t *q, __global const store_t *k,
@@ -202,12 +217,14 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             VSTOREV(pv, jv, p);
         }
         l_i += HSUM_V(lv);
-        UNROLL
-        for (int j = 0; j < BLOCK_N; ++j) {
-            const floatV pj = (floatV)(p[j]);
-            UNROLL
-            for (int c = 0; c < PER_ITEM(DVV); ++c)
-                acc[c] = fma(pj, LDS_LOADV(c, v_tile + j * DV_TILE), acc[c]);
+#if IS_CAUSAL
+        /* a tile that crosses the diagonal (some row of the block cannot see its last key) */
+        if (n0 + BLOCK_N - 1 > m_block * BLOCK_M + n_kv - n_q) {
+            PV_PRODUCT(n0 + j <= row_limit)
+        } else
+#endif
+        {
+            PV_PRODUCT(1)
         }
         m_i = m_new;
     }

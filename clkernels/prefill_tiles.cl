@@ -30,7 +30,9 @@
  * max over the TN work-items sharing a row (local memory) -> load V over K, P = exp2(S - m) to
  * local memory -> O = O * alpha + P V. The running
  * row sum l is kept per work-item over its own keys (every work-item of a row rescales by the
- * same alpha) and summed across the row once at the end.
+ * same alpha) and summed across the row once at the end. In a KV tile that crosses the causal
+ * diagonal the P V product skips, per row, the keys that row cannot see (p = 0 times inf or NaN in
+ * their V is NaN); tiles below the diagonal take the unguarded loop.
  */
 
 /* ---- tunables ------------------------------------------------------------------------------ */
@@ -102,6 +104,27 @@
 #define LDS_TM(p) (*(__local const floatTM *)(p))
 #define LDS_TN(p) (*(__local const floatTN *)(p))
 #define LDS_4(p) (*(__local const float4 *)(p))
+
+/* O += P V for this work-item's TILE_M x RD block, over the (key j, row a) pairs where `sees` holds */
+#define PV_PRODUCT(sees)                                                                     \
+    UNROLL_OUTER                                                                             \
+    for (int j = 0; j < BLOCK_N; ++j) {                                                      \
+        float pa[TILE_M];                                                                    \
+        vstoreTM(LDS_TM(p_t + j * P_STRIDE + r0), 0, pa);                                    \
+        UNROLL                                                                               \
+        for (int c4 = 0; c4 < RD / 4; ++c4) {                                                \
+            const float4 vv = LDS_4(v_s + j * DV_TILE + c0 + 4 * c4);                        \
+            UNROLL                                                                           \
+            for (int a = 0; a < TILE_M; ++a) {                                               \
+                if (sees) {                                                                  \
+                    acc[a][4 * c4 + 0] = fma(pa[a], vv.x, acc[a][4 * c4 + 0]);               \
+                    acc[a][4 * c4 + 1] = fma(pa[a], vv.y, acc[a][4 * c4 + 1]);               \
+                    acc[a][4 * c4 + 2] = fma(pa[a], vv.z, acc[a][4 * c4 + 2]);               \
+                    acc[a][4 * c4 + 3] = fma(pa[a], vv.w, acc[a][4 * c4 + 3]);               \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
 
 __kernel FLASHCL_REQD_WG(WG)
 void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
@@ -233,22 +256,14 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
         /* P and the V slice are complete before the P V product reads them */
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        /* O += P V for this work-item's TILE_M x RD block */
-        UNROLL_OUTER
-        for (int j = 0; j < BLOCK_N; ++j) {
-            float pa[TILE_M];
-            vstoreTM(LDS_TM(p_t + j * P_STRIDE + r0), 0, pa);
-            UNROLL
-            for (int c4 = 0; c4 < RD / 4; ++c4) {
-                const float4 vv = LDS_4(v_s + j * DV_TILE + c0 + 4 * c4);
-                UNROLL
-                for (int a = 0; a < TILE_M; ++a) {
-                    acc[a][4 * c4 + 0] = fma(pa[a], vv.x, acc[a][4 * c4 + 0]);
-                    acc[a][4 * c4 + 1] = fma(pa[a], vv.y, acc[a][4 * c4 + 1]);
-                    acc[a][4 * c4 + 2] = fma(pa[a], vv.z, acc[a][4 * c4 + 2]);
-                    acc[a][4 * c4 + 3] = fma(pa[a], vv.w, acc[a][4 * c4 + 3]);
-                }
-            }
+#if IS_CAUSAL
+        /* a tile that crosses the diagonal (some row of the block cannot see its last key) */
+        if (n0 + BLOCK_N - 1 > row_base + offset) {
+            PV_PRODUCT(n0 + j <= row_base + r0 + a + offset)
+        } else
+#endif
+        {
+            PV_PRODUCT(1)
         }
     }
 

@@ -301,8 +301,8 @@ def merge_states(outs, lses):
 
     ``outs[i]`` (..., DV) and ``lses[i]`` (...) from calls with ``return_lse=True``; returns the
     merged (out, lse). Each part is weighted by exp(lse_i - lse_max); parts with lse -inf (no key
-    seen) contribute nothing, and a row no part saw stays (0, -inf). A row with NaN in any part
-    (its lse or its out) is NaN in both results.
+    seen) contribute nothing, and a row no part saw stays (0, -inf). A row whose lse is NaN in any
+    part is NaN in both results; NaN in a part's out reaches only those columns of out.
     """
     if _merge_inputs(outs, lses) == "torch":
         import torch
@@ -316,7 +316,7 @@ def merge_states(outs, lses):
         out = (w[..., None] * xp_o).sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
         lse = torch.where(den > 0, m_safe + torch.log(torch.where(den > 0, den, torch.ones_like(den))),
                           torch.full_like(den, -float("inf")))
-        bad = torch.isnan(xp_l).any(0) | torch.isnan(out).any(-1)
+        bad = torch.isnan(xp_l).any(0)
         out = torch.where(bad[..., None], torch.full_like(out, float("nan")), out)
         lse = torch.where(bad, torch.full_like(lse, float("nan")), lse)
         return out.to(outs[0].dtype), lse
@@ -330,7 +330,7 @@ def merge_states(outs, lses):
         seen = den > 0
         out = (w[..., None] * o).sum(0) / np.where(seen, den, 1.0)[..., None]
         lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
-    bad = np.isnan(l).any(0) | np.isnan(out).any(-1)
+    bad = np.isnan(l).any(0)
     out[bad] = np.nan
     lse[bad] = np.nan
     return out.astype(np.asarray(outs[0]).dtype), lse.astype(np.float32)

@@ -97,7 +97,13 @@ def attend_partial(q, k, v, *, scale: float | None = None, mask=None) -> Attenti
     m = s.max(axis=-1)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # a fully hidden row: every p becomes exp(-inf) = 0
     p = np.exp(s - m_safe[..., None])
-    return AttentionState(m, p.sum(axis=-1), np.einsum("bhqk,bhkd->bhqd", p, v))
+    if np.isfinite(v).all():
+        acc = np.einsum("bhqk,bhkd->bhqd", p, v)
+    else:  # a hidden key's NaN/inf must not reach the row (p = 0 times inf is NaN); a visible one does
+        visible = np.broadcast_to(True if mask is None else mask, p.shape)
+        with np.errstate(invalid="ignore"):
+            acc = np.where(visible[..., None], p[..., None] * v[:, :, None], 0.0).sum(axis=3)
+    return AttentionState(m, p.sum(axis=-1), acc)
 
 
 def merge(a: AttentionState, b: AttentionState) -> AttentionState:
@@ -120,11 +126,15 @@ def merge_partials(states: Sequence[AttentionState]) -> AttentionState:
 
 
 def finalize(state: AttentionState) -> tuple[np.ndarray, np.ndarray]:
-    """Normalize a state: (out, lse). Rows that saw no key give out 0 and lse -inf."""
+    """Normalize a state: (out, lse). Rows that saw no key give out 0 and lse -inf; rows whose
+    scores hold NaN (NaN in q or in a key they see) give out and lse NaN."""
     seen = state.l > 0
+    broken = np.isnan(state.l) | np.isnan(state.m)
     l_safe = np.where(seen, state.l, 1.0)
     out = np.where(seen[..., None], state.acc / l_safe[..., None], 0.0)
     lse = np.where(seen, state.m + np.log(l_safe), -np.inf)
+    out = np.where(broken[..., None], np.nan, out)
+    lse = np.where(broken, np.nan, lse)
     return out, lse
 
 

@@ -14,6 +14,9 @@ work-groups of one work-item and of several subgroups, partial tiles on both axe
 not, N_q != N_kv, float16 and float32 storage; for decode single pass and split-k with the merge,
 more splits than blocks (empty splits), block_size 1, paged and contiguous, MHA and GQA with the
 K/V tile staged or not — with problems a few dozen keys long: Oclgrind is ~1000x slower than PoCL.
+The hardening cases run checks of tests/test_hardening_kernels.py on small shapes: the guarded
+P V product of causal prefill with poisoned K/V, and decode on out-of-range device-resident
+tables, where Oclgrind's bounds checks are what proves that nothing is read out of bounds.
 """
 
 from __future__ import annotations
@@ -165,6 +168,33 @@ DECODE_CASES = [
 ]
 
 
+def H(name, call, **kwargs):
+    return pytest.param({"kernel": "hardening", "call": call, "kwargs": kwargs}, id=name)
+
+
+# Checks of test_hardening_kernels.py (poison: a key of its POISONS; decode paths: its DECODE_PATHS,
+# whose params want a GQA group of 4).
+HARDENING_CASES = [
+    # prefill, both layouts, the diagonal crossing two KV tiles per query block; chunked causal
+    # (N_q < N_kv) with NaN and square causal with inf past each batch entry's cut
+    H("prefill-rows-poisoned-chunked-causal", "check_prefill_poisoned", n_q=6, n_kv=11, causal=True,
+      dtype="float32", poison="nan", d=16, h_q=1, pad=2,
+      params=dict(BLOCK_M=8, BLOCK_N=4, DV_TILE=8, VEC=4)),
+    H("prefill-tiles-poisoned-causal-f16", "check_prefill_poisoned", n_q=9, n_kv=9, causal=True,
+      dtype="float16", poison="inf", d=16, h_q=1, pad=2,
+      params=dict(VARIANT="tiles", BLOCK_M=8, BLOCK_N=4, DV_TILE=8, TILE_M=2, TILE_N=2)),
+    # decode on device tables holding every class of bad value: decode.cl direct loads (paged),
+    # the staged tile (contiguous: bad context lengths only), decode_mma.cl emulated (paged)
+    H("decode-bad-tables-direct-paged", "check_bad_device_tables", path="direct-f32", layout="paged",
+      splits=[1, 2], public_api=False, h_q=4, h_kv=1, d=32, block_size=4, n=10),
+    H("decode-bad-tables-staged-contig", "check_bad_device_tables", path="staged-f16",
+      layout="contiguous", splits=[1, 2], public_api=False, h_q=4, h_kv=1, d=32, block_size=4, n=10),
+    # (one split: its 64-key rounds hold every sequence here, a second split would be empty)
+    H("decode-bad-tables-mma-emulated-paged", "check_bad_device_tables", path="mma-f16",
+      layout="paged", splits=[1], public_api=False, h_q=4, h_kv=1, d=64, block_size=4, n=10),
+]
+
+
 # --------------------------------------------------------------------------- subprocess worker
 
 def _worker(spec_json: str) -> None:
@@ -199,7 +229,14 @@ def _worker(spec_json: str) -> None:
 
     spec = json.loads(spec_json)
     rng = np.random.default_rng(zlib.crc32(spec_json.encode()))  # same data every run
-    if spec["kernel"] == "prefill":
+    if spec["kernel"] == "hardening":
+        from tests import test_hardening_kernels as hard
+
+        kwargs = dict(spec["kwargs"])
+        if "poison" in kwargs:
+            kwargs["poison"] = hard.POISONS[kwargs["poison"]]
+        getattr(hard, spec["call"])("oclgrind", **kwargs)
+    elif spec["kernel"] == "prefill":
         b, h_q, h_kv, n_q, n_kv, dk, dv = spec["shape"]
         q, k, v = pre._inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, spec["dtype"])
         pre.check("oclgrind", q, k, v, spec["causal"], spec["params"], what="oclgrind")
@@ -244,6 +281,12 @@ def test_prefill_under_oclgrind(spec, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", DECODE_CASES)
 def test_decode_under_oclgrind(spec, tmp_path):
+    _run_case(spec, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", HARDENING_CASES)
+def test_hardening_under_oclgrind(spec, tmp_path):
     _run_case(spec, tmp_path)
 
 
@@ -311,3 +354,14 @@ def test_cases_fit_default_oclgrind_limits():
         b, h_q, h_kv = spec["heads"]
         assert not cl_decode.check_params(spec["params"], h_q // h_kv, *spec["dims"], spec["dtype"],
                                           local_mem=32768, max_work_group=1024), case.id
+    from tests.test_hardening_kernels import DECODE_PATHS
+
+    for case in HARDENING_CASES:
+        kw = case.values[0]["kwargs"]
+        if "params" in kw:
+            assert not tuning.check_params("prefill", kw["params"], kw["d"], kw["d"], local_mem=32768,
+                                           max_work_group=1024), case.id
+        elif DECODE_PATHS[kw["path"]][0] is not None:
+            params, _, dtype = DECODE_PATHS[kw["path"]]
+            assert not cl_decode.check_params(params, kw["h_q"] // kw["h_kv"], kw["d"], kw["d"], dtype,
+                                              local_mem=32768, max_work_group=1024), case.id

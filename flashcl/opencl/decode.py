@@ -73,130 +73,62 @@ from .runtime import DeviceHandle, build, check_variant, launch, launch_sequence
 
 KERNEL = "decode"
 _LOG2E = 1.0 / math.log(2.0)
-CHUNK_BYTES = 16  # K/V rows are read in 16-byte chunks: 8 halves or 4 floats per work-item
+CHUNK_BYTES = tuning.CHUNK_BYTES  # K/V rows are read in 16-byte chunks: 8 halves or 4 floats per work-item
 
-# The decode tuning space as data (to move into tuning.TUNING_SPACE["decode"]).
-DECODE_SPACE = {
-    "params": {
-        "ROWS": (1, 2, 4, 8, 16),
-        "UNROLL": (1, 2, 4),
-        "HEAD_TILE": "divisors of the GQA group G = H_q / H_kv, at most 8",
-        "MERGE_WG": (32, 64, 128, 256),
-    },
-    "constraints": (
-        tuning.Constraint("head_tile_divides", "HEAD_TILE must divide G: each work-item keeps the "
-                          "q and accumulator chunks of HEAD_TILE heads, the head tiles cover G exactly"),
-        tuning.Constraint("work_group_fits", "LANES * ROWS * G / HEAD_TILE work-items (LANES = "
-                          "max(DK, DV) / chunk elements) must not exceed the device's or kernel's max "
-                          "work-group"),
-        tuning.Constraint("local_fits", "partial dots, scores, the staged K/V tile (G > HEAD_TILE) and "
-                          "the row-slot merge buffer (local_bytes) must fit in local memory"),
-        tuning.Constraint("merge_pow2", "MERGE_WG must be a power of two: the merge reduces by halving"),
-    ),
-    "metric": "median time of decode (+ merge) by profiling events; GB/s = (K+V read + q + out) / t",
-}
-_PARAM_NAMES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")
+# The decode tuning space (parameters, constraints with their reasons, the register and local
+# memory model, the defaults) is data in the tuning layer; what follows reads it.
+DECODE_SPACE = tuning.SPACES[KERNEL]
+_PARAM_NAMES = tuning.DECODE_DEFINES  # the kernel's -D tunables; SPLIT_* are read by the host
 
-MERGE_WG = 256          # default work-group of the merge kernel (see default_params)
+MERGE_WG = tuning.DECODE_MERGE_WG   # default work-group of the merge kernel (see default_params)
 
-# Split heuristic constants (see choose_num_splits).
-WAVES = 4               # work-groups per compute unit the split count aims for
-KEYS_PER_SPLIT = 512    # keys one split aims to cover on long contexts
+# Split heuristic constants (see choose_num_splits); WAVES and KEYS_PER_SPLIT are the defaults of
+# the tunables SPLIT_WAVES and SPLIT_KEYS.
+WAVES = tuning.SPLIT_WAVES          # work-groups per compute unit the split count aims for
+KEYS_PER_SPLIT = tuning.SPLIT_KEYS  # keys one split aims to cover on long contexts
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64         # automatic choice only; a forced num_splits may go up to MAX_FORCED_SPLITS
 MAX_FORCED_SPLITS = 4096  # the merge keeps one weight per split in local memory
 
 
+def _dims(group: int, dk: int, dv: int, dtype: str) -> tuning.Dims:
+    return tuning.Dims(dk, dv, group, dtype)
+
+
 def chunk_elems(dtype: str) -> int:
-    return CHUNK_BYTES // np.dtype(dtype).itemsize
+    return tuning.chunk_elems(dtype)
 
 
 def lanes(dk: int, dv: int, dtype: str) -> int:
-    return max(dk, dv) // chunk_elems(dtype)
+    return tuning.lanes(dk, dv, dtype)
 
 
 def work_group_size(params: dict, group: int, dk: int, dv: int, dtype: str) -> int:
-    return lanes(dk, dv, dtype) * params["ROWS"] * (group // params["HEAD_TILE"])
+    return DECODE_SPACE.work_group_size(params, _dims(group, dk, dv, dtype))
 
 
 def local_bytes(params: dict, group: int, dk: int, dv: int, dtype: str) -> int:
     """Local memory of the decode kernel (decode.cl's __local arrays), bytes."""
-    ln, rows, nht = lanes(dk, dv, dtype), params["ROWS"], group // params["HEAD_TILE"]
-    block_n = rows * params["UNROLL"]
-    floats = group * block_n * (ln + 1) + group * block_n + 2 * rows * group
-    floats += rows * nht * dv if rows > 1 else 4
-    tile = block_n * (dk + dv) * np.dtype(dtype).itemsize if nht > 1 else CHUNK_BYTES
-    return 4 * floats + tile
+    return DECODE_SPACE.local_bytes(params, _dims(group, dk, dv, dtype))
 
 
 def private_floats(params: dict, dk: int, dv: int, dtype: str) -> int:
-    """Register model per work-item: q and acc chunks of HEAD_TILE heads, m/l, the current and
-    prefetched K/V chunks (raw, 4 registers each) and their float conversions, ~24 scalars."""
-    w, ht, u = chunk_elems(dtype), params["HEAD_TILE"], params["UNROLL"]
-    return 2 * ht * w + 2 * ht + u * (4 * 4 + 2 * w) + 24
+    """The register model per work-item (DECODE_SPACE.private_floats)."""
+    return DECODE_SPACE.private_floats(params, _dims(1, dk, dv, dtype))
 
 
 def check_params(params: dict, group: int, dk: int, dv: int, dtype: str, *, local_mem: int,
                  max_work_group: int) -> list[str]:
     """Every violated constraint as a sentence; [] when valid."""
-    missing = [p for p in _PARAM_NAMES if p not in params]
-    unknown = [p for p in params if p not in _PARAM_NAMES]
-    if missing or unknown:
-        return [f"params must set exactly {_PARAM_NAMES}; missing {missing}, unknown {unknown}"]
-    errors = [f"{p}={params[p]!r} must be a positive int" for p in _PARAM_NAMES
-              if isinstance(params[p], bool) or not isinstance(params[p], int) or params[p] < 1]
-    if errors:
-        return errors
-    if group % params["HEAD_TILE"]:
-        errors.append(f"HEAD_TILE={params['HEAD_TILE']} must divide the GQA group G={group}")
-        return errors
-    if params["MERGE_WG"] & (params["MERGE_WG"] - 1):
-        errors.append(f"MERGE_WG={params['MERGE_WG']} must be a power of two")
-    wg = work_group_size(params, group, dk, dv, dtype)
-    if wg > max_work_group:
-        errors.append(f"ROWS={params['ROWS']}, HEAD_TILE={params['HEAD_TILE']} give a work-group of {wg} "
-                      f"for G={group}, D={max(dk, dv)}; the device allows {max_work_group}")
-    if params["MERGE_WG"] > max_work_group:
-        errors.append(f"MERGE_WG={params['MERGE_WG']} exceeds the device's max work-group {max_work_group}")
-    lb = local_bytes(params, group, dk, dv, dtype)
-    if lb > local_mem:
-        errors.append(f"ROWS={params['ROWS']}, UNROLL={params['UNROLL']}, HEAD_TILE={params['HEAD_TILE']} "
-                      f"need {lb} bytes of local memory for G={group}; the device has {local_mem}")
-    return errors
+    return DECODE_SPACE.check(params, _dims(group, dk, dv, dtype),
+                              {"local_mem": local_mem, "max_work_group": max_work_group})
 
 
 def default_params(profile, group: int, dk: int, dv: int, dtype: str, *, local_mem: int,
                    max_work_group: int) -> dict:
-    """Working parameters for an untuned device.
-
-    HEAD_TILE: the largest divisor of G up to 4 (8 where the profile has no register cliff, i.e.
-    CPUs): q + acc chunks of 4 heads are 64 registers for half at d=128, within NVIDIA's 128-register
-    occupancy budget. ROWS: enough row slots for a work-group of ~128 work-items (4 warps; 64 on
-    CPUs, where PoCL runs a work-group as loops and barriers are costly). UNROLL: at least 8 keys
-    per iteration, so that barriers and the score reduction are amortized over a tile. MERGE_WG:
-    256, i.e. 8 groups of splits by 32 float4 columns at DV=128 (H100, (1, 32, 8, 32k) at 64
-    splits: the whole decode 0.0943 ms with a 64-work-item merge, 0.0907 with 256).
-    """
-    ht_max = 8 if profile.regs_hard >= 1024 else 4
-    ht = max(d for d in range(1, min(group, ht_max) + 1) if group % d == 0)
-    ln, nht = lanes(dk, dv, dtype), group // ht
-    target = 64 if profile.regs_hard >= 1024 else 128
-    rows = 1
-    while rows < 16 and ln * nht * rows * 2 <= min(target, max_work_group):
-        rows *= 2
-    unroll = max(1, min(4, 8 // rows))
-    p = {"ROWS": rows, "UNROLL": unroll, "HEAD_TILE": ht, "MERGE_WG": 64}
-    while check_params(p, group, dk, dv, dtype, local_mem=local_mem, max_work_group=max_work_group):
-        if p["UNROLL"] > 1:
-            p["UNROLL"] //= 2
-        elif p["ROWS"] > 1:
-            p["ROWS"] //= 2
-        elif p["HEAD_TILE"] < group:  # fewer head tiles: a smaller work-group
-            p["HEAD_TILE"] = min(d for d in range(p["HEAD_TILE"] + 1, group + 1) if group % d == 0)
-        else:
-            break
-    p["MERGE_WG"] = _pow2_floor(min(MERGE_WG, max_work_group))
-    return p
+    """Working parameters for an untuned device (DECODE_SPACE.defaults says how they are chosen)."""
+    return DECODE_SPACE.default(profile, _dims(group, dk, dv, dtype), local_mem=local_mem,
+                                max_work_group=max_work_group)
 
 
 def _pow2_floor(x: int) -> int:
@@ -205,7 +137,7 @@ def _pow2_floor(x: int) -> int:
 
 def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves: int = WAVES,
                       keys_per_split: int = KEYS_PER_SPLIT, min_keys: int = MIN_KEYS_PER_SPLIT,
-                      max_splits: int = MAX_SPLITS) -> int:
+                      max_splits: int = MAX_SPLITS, params: dict | None = None) -> int:
     """The split-k count when the caller does not force one.
 
     Decode is bandwidth bound, so the whole device must be reading, and each work-group must have
@@ -226,13 +158,19 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     measured optimum always was one: on an H100 3 splits of (32, 32, 8, 2k) took 0.200 ms against
     0.163 for 2 and 0.167 for 4 (uneven tile counts per split).
 
-    Checked against forced splits {1..64} on the H100 through NVIDIA OpenCL (2026-11-21, fp16,
-    d=128, block_size 16, ``flashcl bench decode --device nvidia --preset reference``; these
+    Checked against forced splits {1..64} on the H100 through NVIDIA OpenCL (fp16, d=128,
+    block_size 16, ``flashcl bench decode --device nvidia --preset reference``; these
     constants were chosen on that data): the rule picks 4, 16, 8, 4, 8, 8, 16, 64, 64 for the
     nine reference shapes, each within 4% of the best forced count measured there. With 2 waves
     (the rule before the merge kernel got faster) it picked 4 for (8, 32, 8, 2k) and (8, 64, 8, 2k),
     12% and 9% behind 8 and 16 splits. ``n_ctx`` is the longest context of the batch.
+
+    ``params``: the configuration in use; its SPLIT_WAVES and SPLIT_KEYS, where set (a tuned
+    entry, measured on the path that runs), replace ``waves`` and ``keys_per_split``.
     """
+    if params:
+        waves = params.get("SPLIT_WAVES", waves)
+        keys_per_split = params.get("SPLIT_KEYS", keys_per_split)
     fill = _pow2_floor(waves * max(1, compute_units) // max(1, batch_heads))
     if waves * max(1, compute_units) < max(1, batch_heads):
         fill = 1
@@ -277,7 +215,7 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
 
     return tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
-        causal=False, n=max(n_ctx, 1),
+        causal=False, n=max(n_ctx, 1), group=prob.group,
         default=lambda: default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
                                        local_mem=handle.local_mem, max_work_group=handle.max_work_group))
 
@@ -332,7 +270,14 @@ class DecodeKernel:
     elsewhere (the merge always comes from decode.cl); False forces decode.cl; "emulate" builds
     decode_mma.cl with its PTX instructions emulated in local memory, on any device (tests of
     the fragment bookkeeping, slow). ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever
-    row_shuffle_ok (False forces the local-memory sums, for comparisons)."""
+    row_shuffle_ok (False forces the local-memory sums, for comparisons).
+
+    The kernels check the tables themselves (they may be device-resident, never read back): a
+    sequence whose context length is outside [0, capacity] (max_blocks * block_size paged, N_max
+    contiguous) or whose used blocks include an id outside [0, num_blocks) reads nothing out of
+    bounds and gets NaN in every element of its out and lse rows, so that a bad table shows
+    instead of passing for an answer; the other sequences are unaffected. Cache rows at or past
+    a sequence's context length are never read."""
 
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
                  verbose: bool = False, extra_options=(), row_shuffle: bool | None = None,
@@ -415,7 +360,8 @@ class DecodeKernel:
         q (B, H_q, DK) and out (B, H_q, DV): head dim contiguous. k/v: contiguous (B, H_kv, N_max, D)
         or paged (num_blocks, block_size, H_kv, D), head dim contiguous, offsets and other strides
         multiples of 16 bytes. block_table (B, max_blocks) int32 (paged; any int32 array otherwise),
-        context_lens (B,) int32, lse (B, H_q) float32; all contiguous.
+        context_lens (B,) int32, lse (B, H_q) float32; all contiguous. Bad table values: see the
+        class docstring.
         """
         p, h = self.prob, self.handle
         w = chunk_elems(p.dtype)
@@ -434,9 +380,13 @@ class DecodeKernel:
             kv_args += [np.uint64(off // w), np.uint64(s0 // w), np.uint64(sh // w), np.uint64(s1 // w)]
         block_size = k.shape[1] if p.paged else 1
         bt_stride = block_table.shape[1] if p.paged else 0
+        # what the kernels check the tables against: block ids < num_blocks, lengths <= capacity
+        num_blocks = min(k.shape[0], v.shape[0]) if p.paged else 0
+        capacity = bt_stride * block_size if p.paged else min(k.shape[2], v.shape[2])
         qs, os_ = elem_strides(q), elem_strides(out)
         common = [np.int32(p.h_q), np.int32(num_splits), np.int32(bt_stride),
-                  np.int32(int(block_size).bit_length() - 1), np.float32(scale * _LOG2E),
+                  np.int32(int(block_size).bit_length() - 1), np.int32(min(num_blocks, 2**31 - 1)),
+                  np.int32(min(capacity, 2**31 - 1)), np.float32(scale * _LOG2E),
                   np.uint64(q.offset // q.dtype.itemsize), np.uint64(qs[0]), np.uint64(qs[1]),
                   *kv_args,
                   np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1])]

@@ -404,17 +404,22 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
 
 # --------------------------------------------------------------------------- tune
 
-def _parse_overrides(items) -> dict:
+KERNELS = ("prefill", "decode")
+
+
+def _parse_overrides(items, kernel: str = "prefill") -> dict:
     from . import tuning
 
-    names = sorted(tuning.tunable_names("prefill"))
+    names = sorted(tuning.tunable_names(kernel))
+    example = "--param BLOCK_M=32,64 or --param VARIANT=tiles" if kernel == "prefill" else \
+        "--param ROWS=4,8 or --param SPLIT_WAVES=2,4"
     out = {}
     for item in items:
         name, _, values = item.partition("=")
         name = name.strip().upper()
         if name not in names or not values:
             raise click.BadParameter(f"{item!r}: expected NAME=v1,v2,... with NAME one of {', '.join(names)} "
-                                     f"(e.g. --param BLOCK_M=32,64 or --param VARIANT=tiles)", param_hint="--param")
+                                     f"(e.g. {example})", param_hint="--param")
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if name == "VARIANT":
             out[name] = vals
@@ -426,14 +431,32 @@ def _parse_overrides(items) -> dict:
     return out
 
 
+def _parse_tune_shape(text: str, kernel: str):
+    """The tuning problem of ``kernel``: prefill B,H_q,H_kv,N,d,causal; decode B,H_q,H_kv,ctx,d;
+    checked as the API checks its inputs."""
+    if kernel == "prefill":
+        return _parse_shape(text)
+    expected = "B,H_q,H_kv,ctx,d: five integers (e.g. 8,32,8,2048,128)"
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) != 5:
+        raise click.BadParameter(f"{text!r}: expected {expected}", param_hint="--shape")
+    b, hq, hkv, ctx, d = _ints(text, parts, expected)
+    try:
+        check_prefill_problem(b, hq, hkv, 1, ctx, d, d)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: {exc}", param_hint="--shape") from None
+    return (b, hq, hkv, ctx, d)
+
+
 @main.command()
 @click.option("--device", default=None,
               help="Device to tune: substring, P:D, or a profile name (adreno, adreno-6xx, adreno-8xx, mali, "
                    "apple, intel, nvidia, cpu). A profile with no such device attached tunes in model mode.")
-@click.option("--kernel", type=click.Choice(["prefill"]), default="prefill", show_default=True)
-@click.option("--shape", default=None, callback=_shapes_option,
-              help="Tuning problem B,H_q,H_kv,N,d,causal (default: 1,32,8,2048,128,1 on GPUs; "
-                   "1,8,2,512,128,1 on CPUs; --quick on CPUs: 1,4,2,256,64,1).")
+@click.option("--kernel", type=click.Choice(KERNELS), default="prefill", show_default=True)
+@click.option("--shape", default=None,
+              help="Tuning problem. prefill: B,H_q,H_kv,N,d,causal (default 1,32,8,2048,128,1 on GPUs; "
+                   "1,8,2,512,128,1 on CPUs; --quick on CPUs: 1,4,2,256,64,1). decode: B,H_q,H_kv,ctx,d "
+                   "(default 8,32,8,2048,128 on GPUs; 2,8,2,1024,64 on CPUs; --quick on CPUs: 1,4,2,512,64).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--quick", is_flag=True, help="A small candidate list (the tuning space's 'quick' values, and "
                                              "the largest tile predicted not to spill where none of them is).")
@@ -460,31 +483,27 @@ def _parse_overrides(items) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, no_isolate, require_device,
          resume, output, no_save, plot_file, extra_options, as_json):
-    """Sweep the kernel's tiles, detect spills, verify, time, and store the winner."""
+    """Sweep a kernel's tiles, detect spills, verify, time, and store the winner."""
     from . import tuner
 
     command = "flashcl " + " ".join(sys.argv[1:])
+    shape = _parse_tune_shape(shape, kernel) if shape else None
     if plot_file:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             _fail("--plot needs matplotlib; pip install 'flashcl[plot]' (or drop --plot)", EXIT_MISSING_DEP)
-    overrides = _parse_overrides(params)
+    overrides = _parse_overrides(params, kernel)
     target = tuner.resolve_target(device, require_device=require_device)
     # first line of output: what is measured, or that the profile's model stands in
     click.echo(("# " if not as_json else "") + target.describe(), err=as_json)
-    if shape:
-        problem = shape
-    elif target.mode == "measured" and target.profile.name == "cpu":
-        problem = tuner.CPU_QUICK_PROBLEM if quick else tuner.CPU_PROBLEM
-    else:
-        problem = tuner.GPU_PROBLEM
-    configs, pruned = tuner.plan(target, problem, quick=quick, overrides=overrides)
+    problem = shape or tuner.default_problem(kernel, target, quick)
+    configs, pruned = tuner.plan(target, problem, kernel=kernel, dtype=dtype, quick=quick, overrides=overrides)
     if not configs:
         _fail(f"no configuration satisfies the constraints ({len(pruned)} pruned: "
               + "; ".join(m for _, v in pruned[:3] for _, m in v[:1]) + "); widen --param", EXIT_USAGE)
     if not as_json:
-        click.echo(f"# {len(configs)} configurations of {kernel} for {tuner._shape_text(problem)} {dtype}"
+        click.echo(f"# {len(configs)} configurations of {kernel} for {tuner._shape_text(problem, kernel)} {dtype}"
                    + (f" ({len(pruned)} pruned by constraints)" if pruned else ""), err=True)
 
     bar_ctx = {}
@@ -500,10 +519,10 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
         bar_ctx["bar"].update(1, r)
 
     try:
-        report = tuner.run_sweep(target, problem, dtype, quick=quick, overrides=overrides, repeats=repeats,
-                                 retime_top=retime, isolate=not no_isolate, timeout=timeout, resume=resume,
-                                 extra_options=extra_options, on_start=on_start, on_result=on_result,
-                                 command=command)
+        report = tuner.run_sweep(target, problem, dtype, kernel=kernel, quick=quick, overrides=overrides,
+                                 repeats=repeats, retime_top=retime, isolate=not no_isolate, timeout=timeout,
+                                 resume=resume, extra_options=extra_options, on_start=on_start,
+                                 on_result=on_result, command=command)
     finally:
         if "bar" in bar_ctx:
             bar_ctx["bar"].__exit__(None, None, None)
@@ -539,70 +558,95 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
 
 @main.command("show-config")
 @click.option("--device", default=None, help="Device (substring, P:D) or a profile name for an absent device.")
-@click.option("--kernel", type=click.Choice(["prefill"]), default="prefill", show_default=True)
-@click.option("--n", "n", default=2048, show_default=True, help="Sequence length (N_q = N_kv).")
+@click.option("--kernel", type=click.Choice(KERNELS), default="prefill", show_default=True)
+@click.option("--n", "n", default=2048, show_default=True,
+              help="Sequence length: N_q = N_kv (prefill), the context length (decode).")
 @click.option("--d", "d", default=128, show_default=True, help="Head dim DK.")
 @click.option("--dv", default=None, type=int, help="Value head dim (default: = d).")
-@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--causal/--no-causal", default=True, show_default=True, help="Prefill only.")
+@click.option("--group", default=4, show_default=True, type=click.IntRange(1),
+              help="Decode only: the GQA group H_q / H_kv.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show_config(device, kernel, n, d, dv, causal, dtype, as_json):
-    """Which tile parameters a call would use on a device, and where they came from."""
+def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
+    """Which tile parameters a call would use on a device, where they came from, and why they apply."""
     from . import tuner, tuning
 
     dv = d if dv is None else dv
     try:
-        check_prefill_problem(1, 1, 1, n, n, d, dv)
+        check_prefill_problem(1, group, 1, n, n, d, dv)
     except ValueError as exc:
         raise click.UsageError(f"--n {n} --d {d} --dv {dv}: {exc}") from None
+    decode = kernel == "decode"
+    causal = causal and not decode
+    g = group if decode else None
     target = tuner.resolve_target(device)
+    space = tuning.SPACES[kernel]
+    dims = tuning.Dims(d, dv, group if decode else 1, dtype)
+    driver_warning = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if target.mode == "measured":
-            from .opencl.prefill import PrefillProblem, choose_params
             from .opencl.runtime import get_device
 
             handle = get_device(target.device_spec)
-            choice = choose_params(handle, PrefillProblem(1, 1, 1, n, n, d, dv, causal, dtype))
-        else:
-            def errors(p):
-                return tuning.check_params(kernel, p, d, dv, local_mem=target.local_mem,
-                                           max_work_group=target.max_work_group)
+            if decode:
+                from .opencl.decode import DecodeProblem, choose_params
 
-            choice = tuning.lookup(kernel, target.key, dtype=dtype, dk=d, dv=dv, causal=causal, n=n,
-                                   validate=errors)
+                choice = choose_params(handle, DecodeProblem(1, group, 1, d, dv, True, dtype), None, n)
+            else:
+                from .opencl.prefill import PrefillProblem, choose_params
+
+                choice = choose_params(handle, PrefillProblem(1, 1, 1, n, n, d, dv, causal, dtype))
+            driver_warning = tuning.driver_mismatch(choice, handle.driver)
+        else:
+            limits = {"local_mem": target.local_mem, "max_work_group": target.max_work_group}
+            choice = tuning.lookup(kernel, target.key, dtype=dtype, dk=d, dv=dv, causal=causal, n=n, group=g,
+                                   validate=lambda p: space.check(p, dims, limits))
             if choice is None:
-                p = tuning.default_params(kernel, target.profile, d, dv, local_mem=target.local_mem,
-                                          max_work_group=target.max_work_group)
-                choice = tuning.Choice(p, f"profile default ({target.profile.name})")
+                choice = tuning.default_choice(target.profile.name, space.default(
+                    target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group))
     for w in caught:
         if w.category.__name__ == "CompilerWarning":
             _log.info("compiler output: %s", w.message)
-    model = tuning.spill_model(kernel, choice.params, d, dv, target.profile)
+    model = space.spill_model(choice.params, dims, target.profile)
+    warned = [str(w.message) for w in caught if w.category.__name__ != "CompilerWarning"]
+    if driver_warning:
+        warned.append(driver_warning)
     info = {"device": target.name, "mode": "attached" if target.mode == "measured" else "model (not attached)",
             "profile": target.profile.name, "key": {"device": target.key.name, "arch": target.key.arch,
-                                                    "profile": target.key.profile, "vendor": target.key.vendor},
+                                                    "family": target.key.family, "profile": target.key.profile,
+                                                    "vendor": target.key.vendor},
             "problem": {"kernel": kernel, "dtype": dtype, "dk": d, "dv": dv, "causal": causal, "n": n,
-                        "bucket": tuning.seq_bucket(n)},
-            "params": choice.params, "source": choice.source,
+                        "bucket": tuning.seq_bucket(n), **({"group": group} if decode else {})},
+            "params": choice.params, "source": choice.source, "why": choice.reason,
             "provenance": (choice.entry or {}).get("provenance"),
-            "model": model, "warnings": [str(w.message) for w in caught
-                                         if w.category.__name__ != "CompilerWarning"],
+            "model": model, "warnings": warned,
             "searched": [str(tuning.user_tuning_dir()), str(tuning.shipped_tuning_dir())]}
+    if decode:
+        info["split_rule"] = {name: space.value(choice.params, name) for name in ("SPLIT_WAVES", "SPLIT_KEYS")}
+        info["split_rule"]["tuned"] = any(name in choice.params for name in ("SPLIT_WAVES", "SPLIT_KEYS"))
     if as_json:
         _echo_json(info)
         return
     for w in info["warnings"]:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"device:  {info['device']} ({info['mode']}, profile {info['profile']})")
-    click.echo(f"problem: {kernel} {dtype} DK={d} DV={dv} {'causal' if causal else 'non-causal'} N={n} "
+    click.echo(f"device:  {info['device']} ({info['mode']}, profile {info['profile']}"
+               + (f", architecture {tuning.arch_label(target.key.arch)}" if target.key.arch else "") + ")")
+    what = (f"G={group}" if decode else ("causal" if causal else "non-causal"))
+    click.echo(f"problem: {kernel} {dtype} DK={d} DV={dv} {what} {'ctx' if decode else 'N'}={n} "
                f"(bucket {info['problem']['bucket']})")
     click.echo("params:  " + " ".join(f"{k}={v}" for k, v in choice.params.items()))
     click.echo(f"source:  {choice.source}")
+    click.echo(f"why:     {choice.reason}")
     if info["provenance"]:
         pv = info["provenance"]
         click.echo(f"         {pv.get('mode', '?')} on {pv.get('device', '?')}, driver {pv.get('driver', '?')}, "
                    f"flashcl {pv.get('flashcl', '?')}, {pv.get('date', '?')}")
+    if decode:
+        sr = info["split_rule"]
+        click.echo(f"splits:  {sr['SPLIT_WAVES']} work-groups per compute unit, {sr['SPLIT_KEYS']} keys per split "
+                   f"({'tuned' if sr['tuned'] else 'the defaults of decode.cl; decode_mma.cl has its own'})")
     click.echo(f"model:   {model['floats']} floats per work-item (hard {model['regs_hard']}, budget "
                f"{model['regs_budget']}): {'spills' if model['spills'] else 'no spill predicted'}"
                f"{', over the occupancy budget' if model['over_budget'] and not model['spills'] else ''}")

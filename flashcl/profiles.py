@@ -25,8 +25,11 @@ class DeviceProfile:
     simd: int = 4           # vector width a work-item computes with (VEC): 4 on GPUs, SIMD lanes on CPUs
     reg_file: int = 0       # 32-bit registers one compute unit (SP/SM/core) shares among the
                             # work-items of a work-group; 0 = the work-group size does not shrink
-    # prefill layouts the tuner sweeps here (tuning.TUNING_SPACE["prefill"]["variants"])
+    # prefill layouts the tuner sweeps here (tuning.PREFILL_SPACE's layouts)
     prefill_variants: tuple[str, ...] = ("rows", "tiles")
+    model_margin: int = 0   # registers a default leaves below regs_hard: the model's error where a
+                            # compiler has shown it
+
     sources: tuple[str, ...] = field(default=())
     notes: str = ""
 
@@ -107,12 +110,15 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
               "work-group 1024 (the device's own limit wins)"),
     DeviceProfile(
         "nvidia", "nvidia", regs_hard=255, regs_budget=128, local_mem=48 * 1024, subgroup=32,
-        max_work_group=1024, fp16=False, reg_file=64 * 1024,
+        max_work_group=1024, fp16=False, reg_file=64 * 1024, model_margin=32,
         sources=("CUDA C Programming Guide, compute capabilities table: 255 registers per thread, "
                  "64 K 32-bit registers per SM, 48 KiB static shared memory per block",
                  "CUDA occupancy calculator: 128 registers per thread keeps 16 warps per SM, 255 "
                  "allows 256 threads per block",
-                 "NVIDIA OpenCL reports no cl_khr_fp16; -cl-nv-verbose prints ptxas spill stores/loads"),
+                 "NVIDIA OpenCL reports no cl_khr_fp16; -cl-nv-verbose prints ptxas spill stores/loads",
+                 "ptxas on H100 and H200: the prefill default at d=128 (BLOCK_N=8, DV_TILE=64), 254 modeled "
+                 "registers, spilled 52 B, so the model under-counts by 14 or more there; the margin is "
+                 "twice that"),
         notes="128 registers per thread keeps 16 warps per SM"),
     DeviceProfile(
         "cpu", "cpu", regs_hard=4096, regs_budget=4096, local_mem=1024 * 1024, subgroup=8,
@@ -139,6 +145,70 @@ def adreno_model(text: str) -> int | None:
 
     m = re.search(r"Adreno\s*\(TM\)\s*(\d{3})", text, re.IGNORECASE)
     return int(m.group(1)) if m else None
+
+
+# A device's architecture from the strings OpenCL reports (vendor, name, OpenCL C version), for
+# the tuning database's nearest measured relative: (pattern, arch). NVIDIA (compute capability)
+# and Adreno (model number) come first, in device_arch.
+ARCH_PATTERNS = (
+    (r"(?:Mali|Immortalis)-(G\d+)", "mali-{0}"),
+    (r"\b(gfx\d+[0-9a-f]?)\b", "amd-{0}"),          # ROCm names the device by its gfx id
+    (r"Arc\(TM\) A\d", "intel-xe-hpg"),
+    (r"Arc\(TM\) B\d", "intel-xe2-hpg"),
+    (r"Data Center GPU Max", "intel-xe-hpc"),
+    (r"Data Center GPU Flex", "intel-xe-hpg"),
+    (r"Iris\(R\) Xe", "intel-xe-lp"),
+    (r"UHD Graphics 7\d\d", "intel-xe-lp"),
+    (r"UHD Graphics P?6\d\d", "intel-gen9"),
+    (r"Iris\(R\) Plus", "intel-gen11"),
+)
+
+# Mali GPUs of the Bifrost generation; every later G-series part is Valhall or its successor,
+# which kept Valhall's register file per thread.
+MALI_BIFROST = ("g31", "g51", "g52", "g71", "g72", "g76")
+
+
+def device_arch(name: str, opencl_c_version: str = "", vendor: str = "",
+                compute_capability: tuple | None = None) -> str | None:
+    """"nvidia-sm90" from the compute capability, "adreno-740" from the OpenCL C version string,
+    else the first of ARCH_PATTERNS that matches; None when nothing does."""
+    import re
+
+    if compute_capability:
+        return f"nvidia-sm{compute_capability[0]}{compute_capability[1]}"
+    model = adreno_model(f"{name} {opencl_c_version}")
+    if model is not None:
+        return f"adreno-{model}"
+    text = f"{vendor} {name} {opencl_c_version}"
+    for pattern, arch in ARCH_PATTERNS:
+        m = re.search(pattern, text, re.IGNORECASE)
+        if m:
+            return arch.format(*m.groups()).lower()
+    return None
+
+
+def arch_family(arch: str | None) -> str | None:
+    """The coarser group an architecture belongs to: NVIDIA by major compute capability
+    ("nvidia-sm9x"), Adreno by series ("adreno-7xx"), Mali by generation ("mali-valhall"), AMD by
+    gfx major ("amd-gfx9"). None for Intel: its product lines differ in SIMD width and register
+    mode, so only the exact line is a relative."""
+    import re
+
+    if not arch:
+        return None
+    m = re.fullmatch(r"nvidia-sm(\d+)\d", arch)
+    if m:
+        return f"nvidia-sm{m.group(1)}x"
+    m = re.fullmatch(r"adreno-(\d)\d\d", arch)
+    if m:
+        return f"adreno-{m.group(1)}xx"
+    m = re.fullmatch(r"mali-(g\d+)", arch)
+    if m:
+        return "mali-bifrost" if m.group(1) in MALI_BIFROST else "mali-valhall"
+    m = re.fullmatch(r"amd-(gfx\d+)[0-9a-f]{2}", arch)
+    if m:
+        return f"amd-{m.group(1)}"
+    return None
 
 
 def profile_for(vendor: str, name: str, opencl_c_version: str = "", device_type: str = "gpu") -> DeviceProfile:

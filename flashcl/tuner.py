@@ -1,29 +1,40 @@
-"""``flashcl tune``: sweep a kernel's tiles on a device and store the winner (DESIGN.md §5).
+"""``flashcl tune``: sweep a kernel's tiles on a device and store the winner.
 
-For every configuration of the kernel's tuning space (``tuning.TUNING_SPACE``) that satisfies the
-named constraints:
+Both kernels go through their tuning space (``tuning.SPACES``: parameters, constraints, the
+register model). For every configuration that satisfies the named constraints:
 
 1. **build** it (a failed build is recorded and the sweep goes on);
 2. read the **spill signals**, strongest first: the vendor compiler's report (NVIDIA
    ``-cl-nv-verbose`` ptxas spill stores/loads and registers; Intel's spill size), then
    ``CL_KERNEL_PRIVATE_MEM_SIZE`` (Adreno, NVIDIA), then a kernel ``CL_KERNEL_WORK_GROUP_SIZE``
-   below BLOCK_M, then the profile's register model (``tuning.private_floats`` against
-   ``regs_hard``);
+   below the configuration's work-group, then the profile's register model (the space's
+   ``private_floats`` against ``regs_hard``);
 3. check it against the float64 oracle on a small problem that crosses every tile edge (a wrong
    configuration is marked and never chosen);
 4. **time** it on the tuning problem with profiling events (a warm-up, then ``repeats`` >= 5
    runs, the median); the fastest few are re-timed, interleaved, to beat noise.
 
-The result names both the largest non-spilling tile and the fastest configuration (a spilling
-one may win; the report says so), and the winner goes into the tuning database with its
-provenance. ``flashcl.prefill`` reads it on the next call on that device.
+The result names both the largest non-spilling tile (by the space's ``rank``) and the fastest
+configuration (a spilling one may win; the report says so), and the winner goes into the tuning
+database with its provenance (device, driver, flashcl version, date). ``flashcl.prefill`` and
+``flashcl.decode`` read it on the next call on that device.
+
+**Decode.** The tuning problem is a paged cache (block size 16, a random block table), every
+sequence ``ctx`` keys long; a configuration is timed from the decode kernel's start to the merge
+kernel's end at the split count the split rule gives it. The split rule's constants (SPLIT_WAVES,
+SPLIT_KEYS) are host parameters: a configuration's tiles are built once and timed at each
+distinct split count the candidate constants give on this device and problem, the constants
+nearest the defaults standing for each count (one problem cannot tell the others apart). Where
+decode_mma.cl runs (NVIDIA sm_80+, fp16), ROWS, UNROLL and HEAD_TILE do not apply and stay at the
+default; MERGE_WG and the split rule are swept.
 
 **Model mode.** When the named device is not attached (``--device adreno`` on a laptop or in
 CI), the profile stands in for it: every configuration is still built, and checked, with the
 OpenCL compiler at hand (the PoCL CPU device), so compile errors surface; the spill verdict,
 local memory and work-group limits come from the profile; the largest tile predicted not to
 spill wins, and the entry is stored as *modeled* under the profile, where a later measured entry
-for a real device of that profile replaces it.
+for a real device of that profile replaces it. Nothing is timed, so the split rule keeps its
+defaults.
 
 **Robustness.** Each configuration's build and launches run in a worker process with a timeout,
 so a driver crash or hang costs one configuration, not the sweep (``isolate=False`` runs them in
@@ -40,6 +51,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import tempfile
@@ -51,17 +63,11 @@ from pathlib import Path
 from . import tuning
 from ._version import __version__
 from .profiles import DeviceProfile, find_profile
+from .reference import TOLERANCE
 
-KERNEL = "prefill"
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 CHECK_N = 261        # the correctness problem: N not a multiple of any tile, > the largest BLOCK_M
 MIN_REPEATS = 5
-
-# Default tuning problems, (B, H_q, H_kv, N, d, causal): the GQA reference shape on GPUs; on CPU
-# devices a problem a 2-core machine times in tens of milliseconds per configuration.
-GPU_PROBLEM = (1, 32, 8, 2048, 128, True)
-CPU_PROBLEM = (1, 8, 2, 512, 128, True)
-CPU_QUICK_PROBLEM = (1, 4, 2, 256, 64, True)
+BLOCK_SIZE = 16      # decode's paged cache, as the reference shapes use
 
 
 class TunerError(RuntimeError):
@@ -83,10 +89,17 @@ class Target:
     local_mem: int
     max_work_group: int
     is_nvidia: bool
+    compute_units: int = 0   # measured only: the split rule's device size
 
     @property
     def name(self) -> str:
         return self.key.name or f"{self.profile.name} (profile)"
+
+    @property
+    def mma(self) -> bool:
+        """NVIDIA sm_80+: decode_mma.cl can run here."""
+        m = re.fullmatch(r"nvidia-sm(\d+)\d", self.key.arch or "")
+        return bool(m) and int(m.group(1)) >= 8
 
     def describe(self) -> str:
         if self.mode == "modeled":
@@ -138,8 +151,7 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
 
 
 def _measured(handle) -> Target:
-    key = tuning.DeviceKey.of(handle.name, handle.device.opencl_c_version, handle.device.vendor,
-                              handle.profile.name)
+    key = tuning.DeviceKey.for_device(handle.device, handle.profile.name)
     from .opencl.runtime import list_devices
 
     spec = next((r["id"] for r in list_devices() if r["device"] == handle.name
@@ -147,7 +159,8 @@ def _measured(handle) -> Target:
     if spec is None:
         raise TunerError(f"cannot address {handle.describe()} by index")
     return Target(handle.profile, key, "measured", spec, handle.describe(), handle.driver,
-                  handle.local_mem, handle.max_work_group, handle.is_nvidia)
+                  handle.local_mem, handle.max_work_group, handle.is_nvidia,
+                  int(handle.device.max_compute_units))
 
 
 def _profile_names():
@@ -156,14 +169,146 @@ def _profile_names():
     return list(PROFILES)
 
 
-# --------------------------------------------------------------------------- one configuration
+# --------------------------------------------------------------------------- what each kernel is tuned on
 
-def _problem(shape, dtype: str):
+class PrefillWorkload:
+    """Prefill: shape (B, H_q, H_kv, N, d, causal), N_q = N_kv = N, DK = DV = d."""
+
+    kernel = "prefill"
+    fields = "B,H_q,H_kv,N,d,causal"
+    # the GQA reference shape on GPUs; on CPU devices a problem a 2-core machine times in tens of
+    # milliseconds per configuration
+    gpu_problem = (1, 32, 8, 2048, 128, True)
+    cpu_problem = (1, 8, 2, 512, 128, True)
+    cpu_quick_problem = (1, 4, 2, 256, 64, True)
+    rate_unit, rate_key = "GFLOP/s", "gflops"
+    plot_axes = ("BLOCK_M", "DV_TILE", "BLOCK_N")   # x, y, one panel per value
+
+    def dims(self, shape, dtype: str) -> tuning.Dims:
+        return tuning.Dims(shape[4], shape[4], 1, dtype)
+
+    def n(self, shape) -> int:
+        return shape[3]
+
+    def causal(self, shape) -> bool:
+        return bool(shape[5])
+
+    def group(self, shape):
+        return None
+
+    def text(self, shape) -> str:
+        b, h_q, h_kv, n, d, causal = shape
+        return f"B={b} H_q={h_q} H_kv={h_kv} N={n} d={d} {'causal' if causal else 'non-causal'}"
+
+    def rate(self, shape, dtype: str, ms: float) -> float:
+        return _prefill_problem(shape, dtype).flops / (ms * 1e-3) / 1e9
+
+    def header(self) -> str:
+        return f"{'BLOCK_M':>7} {'BLOCK_N':>7} {'DV_TILE':>7} {'layout':>12}  "
+
+    def columns(self, r) -> str:
+        p = r.params
+        return f"{p['BLOCK_M']:7d} {p['BLOCK_N']:7d} {p['DV_TILE']:7d} {_layout(p):>12}  "
+
+    def label(self, p: dict) -> str:
+        head = f"BLOCK_M={p['BLOCK_M']} BLOCK_N={p['BLOCK_N']} DV_TILE={p['DV_TILE']}"
+        if tuning.variant_of(p) == "tiles":
+            return f"tiles {head} TILE_M={p['TILE_M']} TILE_N={p['TILE_N']} UNROLL_K={p.get('UNROLL_K', 0)}"
+        return f"{head} VEC={p['VEC']} Q_IN_REGS={p.get('Q_IN_REGS', 1)}"
+
+
+class DecodeWorkload:
+    """Decode: shape (B, H_q, H_kv, ctx, d), DK = DV = d, every sequence ctx keys long."""
+
+    kernel = "decode"
+    fields = "B,H_q,H_kv,ctx,d"
+    # the (8, 32/8, 2k) reference shape on GPUs; on CPUs contexts long enough to split in two
+    gpu_problem = (8, 32, 8, 2048, 128)
+    cpu_problem = (2, 8, 2, 1024, 64)
+    cpu_quick_problem = (1, 4, 2, 512, 64)
+    rate_unit, rate_key = "GB/s", "gbps"
+    plot_axes = ("ROWS", "UNROLL", "HEAD_TILE")
+
+    def dims(self, shape, dtype: str) -> tuning.Dims:
+        return tuning.Dims(shape[4], shape[4], shape[1] // shape[2], dtype)
+
+    def n(self, shape) -> int:
+        return shape[3]
+
+    def causal(self, shape) -> bool:
+        return False
+
+    def group(self, shape) -> int:
+        return shape[1] // shape[2]
+
+    def text(self, shape) -> str:
+        b, h_q, h_kv, ctx, d = shape
+        return f"B={b} H_q={h_q} H_kv={h_kv} ctx={ctx} d={d}"
+
+    def rate(self, shape, dtype: str, ms: float) -> float:
+        b, h_q, h_kv, ctx, d = shape
+        return _decode_problem(shape, dtype).bytes_moved(b * ctx) / (ms * 1e-3) / 1e9
+
+    def header(self) -> str:
+        return f"{'ROWS':>4} {'UNROLL':>6} {'HEAD_TILE':>9} {'MERGE_WG':>8} {'waves':>5} {'keys':>5} {'splits':>6}  "
+
+    def columns(self, r) -> str:
+        p = r.params
+        return (f"{p['ROWS']:4d} {p['UNROLL']:6d} {p['HEAD_TILE']:9d} {p['MERGE_WG']:8d} "
+                f"{_fmt(p.get('SPLIT_WAVES'), '5d'):>5} {_fmt(p.get('SPLIT_KEYS'), '5d'):>5} "
+                f"{_fmt(r.info.get('num_splits'), '6d'):>6}  ")
+
+    def label(self, p: dict) -> str:
+        split = "".join(f" {k}={p[k]}" for k in ("SPLIT_WAVES", "SPLIT_KEYS") if k in p)
+        return f"ROWS={p['ROWS']} UNROLL={p['UNROLL']} HEAD_TILE={p['HEAD_TILE']} MERGE_WG={p['MERGE_WG']}{split}"
+
+
+WORKLOADS = {"prefill": PrefillWorkload(), "decode": DecodeWorkload()}
+
+
+def default_problem(kernel: str, target: Target, quick: bool = False) -> tuple:
+    """The kernel's tuning problem for ``target``: the GPU one, or on an attached CPU device a
+    small one (smaller still with ``quick``)."""
+    wl = WORKLOADS[kernel]
+    if target.mode == "measured" and target.profile.name == "cpu":
+        return wl.cpu_quick_problem if quick else wl.cpu_problem
+    return wl.gpu_problem
+
+
+def _prefill_problem(shape, dtype: str):
     from .opencl.prefill import PrefillProblem
 
     b, h_q, h_kv, n, d, causal = shape
     return PrefillProblem(b, h_q, h_kv, n, n, d, d, bool(causal), dtype)
 
+
+def _decode_problem(shape, dtype: str, *, b: int | None = None, h_kv: int | None = None):
+    from .opencl.decode import DecodeProblem
+
+    b0, h_q, h_kv0, ctx, d = shape
+    b, h_kv = b or b0, h_kv or h_kv0
+    return DecodeProblem(b, h_kv * (h_q // h_kv0), h_kv, d, d, True, dtype)
+
+
+def _decode_path(tensor_cores: bool) -> dict:
+    """The split rule's defaults for the decode kernel that runs."""
+    from .opencl import decode as cd
+
+    if tensor_cores:
+        return {"waves": cd.MMA_WAVES, "keys_per_split": cd.MMA_KEYS_PER_SPLIT, "min_keys": cd.MMA_MIN_KEYS_PER_SPLIT}
+    return {"waves": cd.WAVES, "keys_per_split": cd.KEYS_PER_SPLIT, "min_keys": cd.MIN_KEYS_PER_SPLIT}
+
+
+def decode_splits(compute_units: int, shape, params: dict, tensor_cores: bool) -> int:
+    """The split count the split rule gives ``params`` on the tuning problem."""
+    from .opencl import decode as cd
+
+    b, h_q, h_kv, ctx, d = shape
+    heads = b * h_kv * (cd.mma_tiles(h_q // h_kv) if tensor_cores else 1)
+    return cd.choose_num_splits(compute_units, heads, ctx, params=params, **_decode_path(tensor_cores))
+
+
+# --------------------------------------------------------------------------- one configuration
 
 @dataclass
 class Setup:
@@ -177,52 +322,37 @@ class Setup:
     verbose: bool
     extra_options: tuple = ()
     seed: int = 0
+    kernel: str = "prefill"
 
 
 class Evaluator:
-    """Builds, checks and times configurations on one device; lives in the worker process."""
+    """Builds, checks and times configurations on one device; lives in the worker process. A
+    kernel's evaluator provides ``_kernel``, ``_check`` (the relative error on the small problem,
+    inf when an output is not finite) and ``_run`` (one timed launch on the tuning problem)."""
 
     def __init__(self, setup: Setup):
         import numpy as np
-        import pyopencl.array as cla
 
-        from . import reference
         from .opencl.runtime import get_device
 
         self.s = setup
         self.h = get_device(setup.device_spec)
-        self.prob = _problem(setup.shape, setup.dtype)
-        b, h_q, h_kv, n, d, causal = setup.shape
-        self.small = _problem((1, 2, 1, CHECK_N, d, causal), setup.dtype)
-        rng = np.random.default_rng(setup.seed)
-        dt = np.dtype(setup.dtype)
-
-        def rand(*shape):
-            return rng.standard_normal(shape).astype(dt)
-
-        q, k, v = rand(1, 2, CHECK_N, d), rand(1, 1, CHECK_N, d), rand(1, 1, CHECK_N, d)
-        self.scale = 1.0 / math.sqrt(d)
-        self.ref = reference.attention(q, k, v, causal=bool(causal), scale=self.scale)
-        queue = self.h.queue
-        self.small_io = [cla.to_device(queue, x) for x in (q, k, v)]
-        self.small_out = cla.empty(queue, (1, 2, CHECK_N, d), dt)
-        self.poison = np.full(self.small_out.shape, np.nan, dt)
-        self.big_io = None
-        if setup.mode == "measured":
-            self.big_io = [cla.to_device(queue, rand(b, h_q, n, d)), cla.to_device(queue, rand(b, h_kv, n, d)),
-                           cla.to_device(queue, rand(b, h_kv, n, d))]
-            self.big_out = cla.empty(queue, (b, h_q, n, d), dt)
+        self.rng = np.random.default_rng(setup.seed)
         self.kernels = {}
+        self._prepare()
 
-    def _kernel(self, prob, params):
-        from .opencl.prefill import PrefillKernel
-
-        return PrefillKernel(self.h, prob, params, write_lse=False, verbose=self.s.verbose,
-                             extra_options=self.s.extra_options)
-
-    def evaluate(self, params: dict) -> dict:
+    def _rand(self, *shape):
         import numpy as np
 
+        return self.rng.standard_normal(shape).astype(np.dtype(self.s.dtype))
+
+    def _spills(self, kern) -> dict:
+        return kern.spills()
+
+    def _cl_kernel(self, kern):
+        return kern.kernel
+
+    def evaluate(self, params: dict) -> dict:
         from .errors import FlashCLError
 
         res = {"params": dict(params), "status": "ok", "error": "", "info": {}, "times_ms": []}
@@ -232,30 +362,23 @@ class Evaluator:
         except FlashCLError as exc:
             res.update(status="failed", error=_first_lines(str(exc)))
             return res
-        except ValueError as exc:  # the built kernel's work-group limit is below BLOCK_M
+        except ValueError as exc:  # the built kernel's work-group limit is below the configuration's
             res.update(status="failed", error=str(exc))
-            import re
-
-            m = re.search(r"max work-group size (\d+)", str(exc))
+            m = re.search(r"(?:max work-group size|the kernel allows) (\d+)", str(exc))
             if m:
                 res["info"]["kernel_max_work_group"] = int(m.group(1))
             return res
         res["build_s"] = time.perf_counter() - t0
-        res["info"] = kern.spills()
-        res["info"].update(_intel_spill(kern, self.h))
-        # correctness on the small problem, output poisoned so unwritten elements fail
+        res["info"] = self._spills(kern)
+        res["info"].update(_intel_spill(self._cl_kernel(kern), self.h))
         try:
-            # from the host: Array.fill builds a kernel, which takes no half without cl_khr_fp16
-            self.small_out.set(self.poison)
-            kern(*self.small_io, self.small_out, None, self.scale).wait()
-            got = self.small_out.get().astype(np.float64)
+            err = self._check(kern)
         except FlashCLError as exc:
             res.update(status="failed", error=_first_lines(str(exc)))
             return res
-        if not np.all(np.isfinite(got)):
+        if not math.isfinite(err):
             res.update(status="wrong", rel_err=float("inf"), error="non-finite output")
             return res
-        err = float(np.linalg.norm(got - self.ref) / np.linalg.norm(self.ref))
         res["rel_err"] = err
         if err > TOLERANCE[self.s.dtype]:
             res.update(status="wrong", error=f"relative error {err:.2e} > {TOLERANCE[self.s.dtype]:g}")
@@ -264,35 +387,182 @@ class Evaluator:
             try:
                 big = self._kernel(self.prob, params)
                 self.kernels[_key(params)] = big
-                res["times_ms"] = self._time(big, self.s.repeats)
+                res["info"].update(self._run_info(big, params))
+                res["times_ms"] = self._time(big, params, self.s.repeats)
             except FlashCLError as exc:
                 res.update(status="failed", error=_first_lines(str(exc)))
         return res
 
-    def _time(self, kern, repeats: int) -> list[float]:
+    def _run_info(self, kern, params) -> dict:
+        return {}
+
+    def _time(self, kern, params, repeats: int) -> list[float]:
         from .opencl.runtime import event_times  # lazily, like every OpenCL import here
 
-        q, k, v = self.big_io
-        return event_times(lambda i: kern(q, k, v, self.big_out, None, self.scale), repeats)
+        return event_times(lambda i: self._run(kern, params), repeats)
 
     def retime(self, configs: list[dict], repeats: int) -> list[list[float]]:
         """Interleaved re-timing (round robin) so drift in clocks or load hits all alike."""
         kerns = [self.kernels.get(_key(p)) or self._kernel(self.prob, p) for p in configs]
-        for kern in kerns:
-            self._time(kern, 0)
+        for kern, p in zip(kerns, configs):
+            self._time(kern, p, 0)
         times = [[] for _ in kerns]
         for _ in range(repeats):
-            for i, kern in enumerate(kerns):
-                times[i] += self._time(kern, 1)[-1:]
+            for i, (kern, p) in enumerate(zip(kerns, configs)):
+                times[i] += self._time(kern, p, 1)[-1:]
         return times
 
 
-def _intel_spill(kern, handle) -> dict:
+class PrefillEvaluator(Evaluator):
+    def _prepare(self):
+        import numpy as np
+        import pyopencl.array as cla
+
+        from . import reference
+
+        b, h_q, h_kv, n, d, causal = self.s.shape
+        self.prob = _prefill_problem(self.s.shape, self.s.dtype)
+        self.small = _prefill_problem((1, 2, 1, CHECK_N, d, causal), self.s.dtype)
+        q, k, v = self._rand(1, 2, CHECK_N, d), self._rand(1, 1, CHECK_N, d), self._rand(1, 1, CHECK_N, d)
+        self.scale = 1.0 / math.sqrt(d)
+        self.ref = reference.attention(q, k, v, causal=bool(causal), scale=self.scale)
+        queue = self.h.queue
+        self.small_io = [cla.to_device(queue, x) for x in (q, k, v)]
+        self.small_out = cla.empty(queue, (1, 2, CHECK_N, d), np.dtype(self.s.dtype))
+        self.poison = np.full(self.small_out.shape, np.nan, np.dtype(self.s.dtype))
+        if self.s.mode == "measured":
+            self.big_io = [cla.to_device(queue, self._rand(b, h_q, n, d)),
+                           cla.to_device(queue, self._rand(b, h_kv, n, d)),
+                           cla.to_device(queue, self._rand(b, h_kv, n, d))]
+            self.big_out = cla.empty(queue, (b, h_q, n, d), np.dtype(self.s.dtype))
+
+    def _kernel(self, prob, params):
+        from .opencl.prefill import PrefillKernel
+
+        return PrefillKernel(self.h, prob, params, write_lse=False, verbose=self.s.verbose,
+                             extra_options=self.s.extra_options)
+
+    def _check(self, kern) -> float:
+        from . import reference
+
+        # from the host, output poisoned so unwritten elements fail (Array.fill builds a kernel,
+        # which takes no half without cl_khr_fp16)
+        self.small_out.set(self.poison)
+        kern(*self.small_io, self.small_out, None, self.scale).wait()
+        got = self.small_out.get()
+        return reference.rel_err(got, self.ref) if _finite(got) else float("inf")
+
+    def _run(self, kern, params):
+        q, k, v = self.big_io
+        return kern(q, k, v, self.big_out, None, self.scale)
+
+
+class DecodeEvaluator(Evaluator):
+    """The check: B=2, contexts CHECK_N and 100 in a paged cache whose blocks are permuted, with
+    spare blocks, the tuning problem's GQA group; single pass and 3 splits (the merge kernel)."""
+
+    def _prepare(self):
+        import numpy as np
+        import pyopencl.array as cla
+
+        from . import reference
+
+        b, h_q, h_kv, ctx, d = self.s.shape
+        dt = np.dtype(self.s.dtype)
+        queue = self.h.queue
+        self.prob = _decode_problem(self.s.shape, self.s.dtype)
+        self.small = _decode_problem(self.s.shape, self.s.dtype, b=2, h_kv=1)
+        g = self.small.h_q
+        lens = np.array([CHECK_N, 100], np.int32)
+        per_seq = -(-CHECK_N // BLOCK_SIZE)
+        num_blocks = 2 * per_seq + 3
+        table = self.rng.permutation(num_blocks)[: 2 * per_seq].reshape(2, per_seq).astype(np.int32)
+        q = self._rand(2, g, d)
+        k, v = self._rand(num_blocks, BLOCK_SIZE, 1, d), self._rand(num_blocks, BLOCK_SIZE, 1, d)
+        self.scale = 1.0 / math.sqrt(d)
+        self.ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens, scale=self.scale)
+        self.small_io = [cla.to_device(queue, x) for x in (q, k, v)]
+        self.small_tables = [cla.to_device(queue, x) for x in (table, lens)]
+        self.small_out = cla.empty(queue, (2, g, d), dt)
+        self.small_lse = cla.empty(queue, (2, g), np.float32)
+        self.poison = np.full(self.small_out.shape, np.nan, dt)
+        self.compute_units = int(self.h.device.max_compute_units)
+        if self.s.mode == "measured":
+            blocks = -(-ctx // BLOCK_SIZE)
+            big_table = self.rng.permutation(b * blocks).astype(np.int32).reshape(b, blocks)
+            self.big_io = [cla.to_device(queue, x) for x in (
+                self._rand(b, h_q, d), self._rand(b * blocks, BLOCK_SIZE, h_kv, d),
+                self._rand(b * blocks, BLOCK_SIZE, h_kv, d))]
+            self.big_tables = [cla.to_device(queue, x) for x in (big_table, np.full(b, ctx, np.int32))]
+            self.big_out = cla.empty(queue, (b, h_q, d), dt)
+            self.big_lse = cla.empty(queue, (b, h_q), np.float32)
+
+    def _kernel(self, prob, params):
+        from .opencl.decode import DecodeKernel
+
+        return DecodeKernel(self.h, prob, params, verbose=self.s.verbose, extra_options=self.s.extra_options)
+
+    def _cl_kernel(self, kern):
+        return kern.kernels["flash_decode_split"]
+
+    def _spills(self, kern) -> dict:
+        """The worst of the decode kernels' signals (both share the tiles); the merge kernel's
+        spills count too, its work-group limit is checked when the kernel is built."""
+        per = kern.spills()
+        info = {}
+        for name, k in per.items():
+            merge = name == "flash_decode_merge"
+            for key in ("spill_stores", "spill_loads", "private_mem") + (() if merge else ("registers",)):
+                if key in k:
+                    info[key] = max(info.get(key, 0), k[key])
+            if not merge and "kernel_max_work_group" in k:
+                info["kernel_max_work_group"] = min(info.get("kernel_max_work_group", k["kernel_max_work_group"]),
+                                                    k["kernel_max_work_group"])
+        return info
+
+    def _check(self, kern) -> float:
+        from . import reference
+
+        worst = 0.0
+        for splits in (1, 3):
+            self.small_out.set(self.poison)
+            for ev in kern(*self.small_io, self.small_out, self.small_lse, *self.small_tables, self.scale, splits):
+                ev.wait()
+            got = self.small_out.get()
+            if not _finite(got):
+                return float("inf")
+            worst = max(worst, reference.rel_err(got, self.ref))
+        return worst
+
+    def _splits(self, kern, params) -> int:
+        return decode_splits(self.compute_units, self.s.shape, params, bool(kern.tensor_cores))
+
+    def _run_info(self, kern, params) -> dict:
+        return {"num_splits": self._splits(kern, params), "path": kern.path}
+
+    def _run(self, kern, params):
+        return kern(*self.big_io, self.big_out, self.big_lse, *self.big_tables, self.scale, self._splits(kern, params))
+
+
+EVALUATORS = {"prefill": PrefillEvaluator, "decode": DecodeEvaluator}
+
+
+def make_evaluator(setup: Setup) -> Evaluator:
+    return EVALUATORS[setup.kernel](setup)
+
+
+def _finite(x) -> bool:
+    import numpy as np
+
+    return bool(np.all(np.isfinite(x)))
+
+
+def _intel_spill(kernel, handle) -> dict:
     """Intel's own spill report: CL_KERNEL_SPILL_MEM_SIZE_INTEL (0x4109), where the driver has it."""
     if "intel" not in handle.platform.lower() or handle.is_cpu:
         return {}
     try:
-        return {"intel_spill": int(kern.kernel.get_work_group_info(0x4109, handle.device))}
+        return {"intel_spill": int(kernel.get_work_group_info(0x4109, handle.device))}
     except Exception:  # not supported by this driver or this pyopencl
         return {}
 
@@ -318,7 +588,7 @@ def _worker_main(conn, setup: Setup):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warnings.simplefilter("ignore", pyopencl.CompilerWarning)
     try:
-        ev = Evaluator(setup)
+        ev = make_evaluator(setup)
     except Exception as exc:  # pragma: no cover - reported to the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -422,7 +692,7 @@ class InlineRunner:
     """Everything in this process: fastest, but a driver crash ends the sweep."""
 
     def __init__(self, setup: Setup, timeout: float = 0):
-        self.ev = Evaluator(setup)
+        self.ev = make_evaluator(setup)
 
     def evaluate(self, params):
         try:
@@ -440,8 +710,10 @@ class InlineRunner:
 
 # --------------------------------------------------------------------------- verdicts
 
-def spill_verdict(info: dict, model: dict, params: dict, target: Target) -> tuple[bool | None, str]:
-    """(spills, which signal said so), strongest signal first (DESIGN.md §5)."""
+def spill_verdict(info: dict, model: dict, params: dict, target: Target, *, work_group: int | None = None,
+                  kernel: str = "prefill") -> tuple[bool | None, str]:
+    """(spills, which signal said so), strongest signal first. ``work_group``: the configuration's
+    work-items (default: the kernel's space computes it from ``params``)."""
     floats, hard = model["floats"], model["regs_hard"]
     model_text = f"model: {floats} floats {'>' if model['spills'] else '<='} {hard} regs"
     if target.mode == "modeled":
@@ -454,8 +726,9 @@ def spill_verdict(info: dict, model: dict, params: dict, target: Target) -> tupl
     if target.profile.vendor in ("qualcomm", "nvidia") and info.get("private_mem", 0) > 0:
         return True, f"CL_KERNEL_PRIVATE_MEM_SIZE {info['private_mem']} B"
     kwg = info.get("kernel_max_work_group")
-    if kwg is not None and kwg < tuning.work_group_size(KERNEL, params):
-        return True, f"kernel work-group {kwg} < {tuning.work_group_size(KERNEL, params)}"
+    wg = work_group if work_group is not None else tuning.work_group_size(kernel, params)
+    if kwg is not None and kwg < wg:
+        return True, f"kernel work-group {kwg} < {wg}"
     return model["spills"], model_text
 
 
@@ -470,52 +743,40 @@ class ConfigResult:
     median_ms: float = float("nan")
     spread_ms: tuple = (float("nan"), float("nan"))
     runs: int = 0
-    gflops: float = float("nan")
+    rate: float = float("nan")       # GFLOP/s (prefill) or GB/s (decode) at the median
     rel_err: float = float("nan")
     build_s: float = float("nan")
     error: str = ""
     retimed: bool = False
     info: dict = field(default_factory=dict)
+    kernel: str = "prefill"
 
     @property
     def label(self) -> str:
-        p = self.params
-        head = f"BLOCK_M={p['BLOCK_M']} BLOCK_N={p['BLOCK_N']} DV_TILE={p['DV_TILE']}"
-        if tuning.variant_of(p) == "tiles":
-            return f"tiles {head} TILE_M={p['TILE_M']} TILE_N={p['TILE_N']} UNROLL_K={p.get('UNROLL_K', 0)}"
-        return f"{head} VEC={p['VEC']} Q_IN_REGS={p.get('Q_IN_REGS', 1)}"
+        return WORKLOADS[self.kernel].label(self.params)
 
 
-def _finish(raw: dict, target: Target, prob, d: int) -> ConfigResult:
+def _finish(raw: dict, target: Target, kernel: str, shape, dtype: str) -> ConfigResult:
     params = raw["params"]
-    model = tuning.spill_model(KERNEL, params, d, d, target.profile)
+    space, dims = tuning.SPACES[kernel], WORKLOADS[kernel].dims(shape, dtype)
+    model = space.spill_model(params, dims, target.profile)
     info = raw.get("info") or {}
-    spills, signal = spill_verdict(info, model, params, target)
-    times = raw.get("times_ms") or []
+    spills, signal = spill_verdict(info, model, params, target, work_group=space.work_group_size(params, dims))
     r = ConfigResult(params=params, status=raw["status"], spills=spills, signal=signal,
                      registers=info.get("registers"), model_floats=model["floats"],
                      rel_err=raw.get("rel_err", float("nan")), build_s=raw.get("build_s", float("nan")),
-                     error=raw.get("error", ""), info=info)
-    _set_times(r, times, prob)
+                     error=raw.get("error", ""), info=info, kernel=kernel)
+    _set_times(r, raw.get("times_ms") or [], shape, dtype)
     return r
 
 
-def _set_times(r: ConfigResult, times, prob):
+def _set_times(r: ConfigResult, times, shape, dtype: str):
     if times:
         r.median_ms = statistics.median(times)
         r.spread_ms = (min(times), max(times))
         r.runs = len(times)
-        r.gflops = prob.flops / (r.median_ms * 1e-3) / 1e9
+        r.rate = WORKLOADS[r.kernel].rate(shape, dtype, r.median_ms)
         r.info["times_ms"] = list(times)
-
-
-def tile_rank(params: dict, profile: DeviceProfile, d: int):
-    """Order of "largest tile": the register tile first (DV_TILE + BLOCK_N: fewer passes and
-    barriers), more output columns at a tie, then the largest BLOCK_M that still lets two
-    work-groups share a compute unit (one's barrier wait hidden by the other's math)."""
-    kwg = profile.kernel_max_work_group(tuning.private_floats(KERNEL, params, d, d))
-    return (params["DV_TILE"] + params["BLOCK_N"], params["DV_TILE"],
-            2 * tuning.work_group_size(KERNEL, params) <= kwg, params["BLOCK_M"])
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -538,82 +799,139 @@ class Report:
     date: str = ""
     command: str = ""
     resume_file: str = ""
+    kernel: str = "prefill"
+    notes: list = field(default_factory=list)   # what the sweep left out, and why
+
+    @property
+    def workload(self):
+        return WORKLOADS[self.kernel]
 
     def conditions(self) -> dict:
         t = self.target
         return {"device": t.name, "mode": t.mode, "profile": t.profile.name, "driver": t.driver,
                 "worker_device": t.device_desc, "flashcl": __version__, "date": self.date,
-                "command": self.command, "kernel": KERNEL, "dtype": self.dtype,
-                "problem": _shape_text(self.shape)}
+                "command": self.command, "kernel": self.kernel, "dtype": self.dtype,
+                "problem": self.workload.text(self.shape), "rate_unit": self.workload.rate_unit}
 
     def as_dict(self) -> dict:
+        key = self.workload.rate_key
+
         def row(r):
-            return None if r is None else {k: v for k, v in asdict(r).items() if k != "info"} | {
-                "label": r.label, "private_mem": r.info.get("private_mem"),
-                "kernel_max_work_group": r.info.get("kernel_max_work_group")}
+            return None if r is None else {k: v for k, v in asdict(r).items() if k not in ("info", "rate")} | {
+                key: r.rate, "label": r.label, "private_mem": r.info.get("private_mem"),
+                "kernel_max_work_group": r.info.get("kernel_max_work_group"),
+                "num_splits": r.info.get("num_splits")}
         return {"conditions": self.conditions(), "mode": self.target.mode,
                 "note": self.target.describe(),
                 "results": [row(r) for r in self.results],
                 "pruned": [{"params": p, "violations": [f"{n}: {m}" for n, m in v]} for p, v in self.pruned],
                 "largest_non_spilling": row(self.largest), "fastest": row(self.fastest),
-                "winner": row(self.winner), "summary": self.note, "interrupted": self.interrupted,
-                "saved_to": self.saved_to, "replaced": len(self.replaced)}
+                "winner": row(self.winner), "summary": self.note, "notes": self.notes,
+                "interrupted": self.interrupted, "saved_to": self.saved_to, "replaced": len(self.replaced)}
 
 
-def _shape_text(shape) -> str:
-    b, h_q, h_kv, n, d, causal = shape
-    return f"B={b} H_q={h_q} H_kv={h_kv} N={n} d={d} {'causal' if causal else 'non-causal'}"
+def _shape_text(shape, kernel: str = "prefill") -> str:
+    return WORKLOADS[kernel].text(shape)
 
 
-# Layouts whose register model has been checked against a real compiler under a small register
-# budget (ptxas with -cl-nv-maxrregcount=192, the Adreno profile's: 91% agreement in-sample at
-# d=64/128, 93% on d=80/96/256). Model mode chooses only among these; the micro-tiled layout's
-# model was only compared with ptxas at 255 registers on two configurations, so it is swept on
-# attached devices (where the compiler's own report decides) but not chosen blind.
-MODELED_VARIANTS = ("rows",)
+def decode_uses_tensor_cores(target: Target, shape, dtype: str) -> bool:
+    """Whether decode_mma.cl runs on the attached ``target`` for this problem."""
+    if target.mode != "measured" or not target.mma:
+        return False
+    from .opencl.decode import tensor_cores_ok
+    from .opencl.runtime import get_device
+
+    return bool(tensor_cores_ok(get_device(target.device_spec), _decode_problem(shape, dtype)))
 
 
-def plan(target: Target, shape, *, quick: bool = False, overrides: dict | None = None):
+# decode.cl's tiles, which decode_mma.cl does not read
+MMA_INERT = ("ROWS", "UNROLL", "HEAD_TILE")
+
+
+def _split_settings(space: tuning.KernelSpace, target: Target, shape, dims: tuning.Dims, *, quick: bool,
+                    overrides: dict, tensor_cores: bool) -> list[dict]:
+    """One (SPLIT_WAVES, SPLIT_KEYS) per distinct split count the candidates give on the tuning
+    problem, the one nearest the path's defaults (in log2 steps) standing for the others."""
+    waves = space.param_values("SPLIT_WAVES", dims, quick=quick, overrides=overrides)
+    keys = space.param_values("SPLIT_KEYS", dims, quick=quick, overrides=overrides)
+    path = _decode_path(tensor_cores)
+    best = {}
+    for w in waves:
+        for k in keys:
+            p = {"SPLIT_WAVES": w, "SPLIT_KEYS": k}
+            n = decode_splits(target.compute_units, shape, p, tensor_cores)
+            dist = (abs(math.log2(w / path["waves"])) + abs(math.log2(k / path["keys_per_split"])), w, k)
+            if n not in best or dist < best[n][0]:
+                best[n] = (dist, p)
+    return [p for _, (_, p) in sorted(best.items())]
+
+
+def plan(target: Target, shape, *, kernel: str = "prefill", dtype: str = "float16", quick: bool = False,
+         overrides: dict | None = None):
     """(configurations to sweep, pruned (params, violations)) for ``target`` and ``shape``."""
-    d = shape[4]
-    variants = target.profile.prefill_variants
-    if target.mode == "modeled":
-        variants = tuple(v for v in variants if v in MODELED_VARIANTS)
+    space, wl = tuning.SPACES[kernel], WORKLOADS[kernel]
+    dims = wl.dims(shape, dtype)
+    layouts = space.layouts_for(target.profile) if space.layouts_for else space.layout_names
+    if target.mode == "modeled" and space.modeled_layouts:
+        layouts = tuple(v for v in layouts if v in space.modeled_layouts)
+    overrides = dict(overrides or {})
+    tensor_cores = kernel == "decode" and decode_uses_tensor_cores(target, shape, dtype)
+    if tensor_cores:
+        default = space.default(target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group)
+        for name in MMA_INERT:
+            overrides.setdefault(name, [default[name]])
+    host = space.host_params()
+    lim = {"local_mem": target.local_mem, "max_work_group": target.max_work_group}
 
     def violations(p):
-        v = tuning.violations(KERNEL, p, d, d, local_mem=target.local_mem, max_work_group=target.max_work_group)
+        v = space.violations(p, dims, lim)
         if target.mode == "modeled" and not v:
-            kwg = target.profile.kernel_max_work_group(tuning.private_floats(KERNEL, p, d, d))
-            wg = tuning.work_group_size(KERNEL, p)
+            floats = space.private_floats(p, dims)
+            kwg = target.profile.kernel_max_work_group(floats)
+            wg = space.work_group_size(p, dims)
             if wg > kwg:
                 v = [("work_group_fits", f"a work-group of {wg} exceeds the modeled kernel work-group "
-                      f"limit {kwg} at {tuning.private_floats(KERNEL, p, d, d)} registers per work-item")]
+                      f"limit {kwg} at {floats} registers per work-item")]
         return v
 
     def spills(p):
-        return tuning.private_floats(KERNEL, p, d, d) > target.profile.regs_hard
+        return space.private_floats(p, dims) > target.profile.regs_hard
 
     keep, pruned = [], []
-    for p in tuning.candidate_configs(KERNEL, d, d, target.profile.simd, quick=quick, overrides=overrides,
-                                      variants=variants):
+    for p in space.candidates(dims, target.profile.simd, quick=quick, overrides=overrides, layouts=layouts,
+                              skip=host):
         v = violations(p)
         (pruned.append((p, v)) if v else keep.append(p))
     if quick and all(spills(p) for p in keep):
         # The quick values are typical tiles; where the model predicts every one to spill (at d=128
         # the q row alone takes most of Adreno's 192 registers), the full space's largest tile
         # predicted not to spill joins them, so a quick sweep still has a safe tile to choose.
-        safe = [p for p in tuning.candidate_configs(KERNEL, d, d, target.profile.simd, overrides=overrides,
-                                                    variants=variants) if not spills(p) and not violations(p)]
+        safe = [p for p in space.candidates(dims, target.profile.simd, overrides=overrides, layouts=layouts,
+                                            skip=host) if not spills(p) and not violations(p)]
         if safe:
-            keep.append(max(safe, key=lambda p: tile_rank(p, target.profile, d)))
+            keep.append(max(safe, key=lambda p: space.rank(p, dims, target.profile)))
+    if host and target.mode == "measured":
+        settings = _split_settings(space, target, shape, dims, quick=quick, overrides=overrides,
+                                   tensor_cores=tensor_cores)
+        keep = [{**p, **s} for p in keep for s in settings]
     return keep, pruned
 
 
-def resume_path(target: Target, shape, dtype: str, configs, repeats: int) -> Path:
+def _plan_notes(target: Target, kernel: str, shape, dtype: str) -> list:
+    notes = []
+    if kernel == "decode" and target.mode == "modeled":
+        notes.append("the split rule is not swept in model mode (nothing is timed): its defaults apply")
+    if kernel == "decode" and decode_uses_tensor_cores(target, shape, dtype):
+        notes.append("decode_mma.cl (tensor cores) runs here: ROWS, UNROLL and HEAD_TILE do not apply and stay "
+                     "at the default; MERGE_WG and the split rule are swept")
+    return notes
+
+
+def resume_path(target: Target, shape, dtype: str, configs, repeats: int, kernel: str = "prefill") -> Path:
     ident = json.dumps([target.key.name, target.key.profile, target.mode, list(shape), dtype,
                         [_key(p) for p in configs], repeats, __version__])
     h = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return tuning.user_tuning_dir() / "resume" / f"{KERNEL}-{h}.json"
+    return tuning.user_tuning_dir() / "resume" / f"{kernel}-{h}.json"
 
 
 def _save_resume(path: Path, raws: list):
@@ -624,21 +942,22 @@ def _save_resume(path: Path, raws: list):
     os.replace(tmp, path)
 
 
-def run_sweep(target: Target, shape, dtype: str, *, quick: bool = False, overrides: dict | None = None,
-              repeats: int = 7, retime_top: int = 3, isolate: bool = True, timeout: float = 120.0,
-              resume: bool = False, extra_options=(), on_start=None, on_result=None, command: str = "") -> Report:
+def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", quick: bool = False,
+              overrides: dict | None = None, repeats: int = 7, retime_top: int = 3, isolate: bool = True,
+              timeout: float = 120.0, resume: bool = False, extra_options=(), on_start=None, on_result=None,
+              command: str = "") -> Report:
     """Sweep, choose, and return the report (nothing is written to the database here).
 
     ``on_start(n_todo, n_done)`` and ``on_result(ConfigResult)`` drive progress displays. Ctrl-C
     returns the partial report with ``interrupted=True``; the resume file keeps what was measured.
     """
     repeats = max(MIN_REPEATS, repeats)
-    d = shape[4]
-    prob = _problem(shape, dtype)
-    configs, pruned = plan(target, shape, quick=quick, overrides=overrides)
-    report = Report(target, tuple(shape), dtype, [], pruned, len(configs) + len(pruned),
-                    date=_dt.datetime.now().isoformat(timespec="seconds"), command=command)
-    rpath = resume_path(target, shape, dtype, configs, repeats)
+    shape = tuple(shape)
+    configs, pruned = plan(target, shape, kernel=kernel, dtype=dtype, quick=quick, overrides=overrides)
+    report = Report(target, shape, dtype, [], pruned, len(configs) + len(pruned),
+                    date=_dt.datetime.now().isoformat(timespec="seconds"), command=command, kernel=kernel,
+                    notes=_plan_notes(target, kernel, shape, dtype))
+    rpath = resume_path(target, shape, dtype, configs, repeats, kernel)
     raws = []
     if resume and rpath.exists():
         try:
@@ -647,14 +966,14 @@ def run_sweep(target: Target, shape, dtype: str, *, quick: bool = False, overrid
             raws = []
     done = {_key(r["params"]) for r in raws}
     todo = [p for p in configs if _key(p) not in done]
-    report.results = [_finish(r, target, prob, d) for r in raws]
+    report.results = [_finish(r, target, kernel, shape, dtype) for r in raws]
     if on_start:
         on_start(len(todo), len(raws))
     if not todo and not raws:
         report.note = "no configuration satisfies the constraints"
         return report
-    setup = Setup(target.device_spec, tuple(shape), dtype, target.mode, repeats,
-                  verbose=target.is_nvidia, extra_options=tuple(extra_options))
+    setup = Setup(target.device_spec, shape, dtype, target.mode, repeats, verbose=target.is_nvidia,
+                  extra_options=tuple(extra_options), kernel=kernel)
     runner = None
     try:
         for p in todo:
@@ -662,7 +981,7 @@ def run_sweep(target: Target, shape, dtype: str, *, quick: bool = False, overrid
             raw = runner.evaluate(p)
             raws.append(raw)
             _save_resume(rpath, raws)
-            res = _finish(raw, target, prob, d)
+            res = _finish(raw, target, kernel, shape, dtype)
             report.results.append(res)
             if on_result:
                 on_result(res)
@@ -673,7 +992,7 @@ def run_sweep(target: Target, shape, dtype: str, *, quick: bool = False, overrid
                 runner = runner or (IsolatedRunner if isolate else InlineRunner)(setup, timeout)
                 times = runner.retime([r.params for r in ok], repeats)
                 for r, extra in zip(ok, times or []):
-                    _set_times(r, r.info.get("times_ms", []) + list(extra), prob)
+                    _set_times(r, r.info.get("times_ms", []) + list(extra), shape, dtype)
                     r.retimed = True
     except KeyboardInterrupt:
         report.interrupted = True
@@ -693,10 +1012,11 @@ def run_sweep(target: Target, shape, dtype: str, *, quick: bool = False, overrid
 
 
 def _choose(report: Report):
-    t, d = report.target, report.shape[4]
+    t = report.target
+    space, dims = tuning.SPACES[report.kernel], report.workload.dims(report.shape, report.dtype)
     ok = [r for r in report.results if r.status == "ok"]
     safe = [r for r in ok if r.spills is False]
-    rank = lambda r: tile_rank(r.params, t.profile, d)  # noqa: E731
+    rank = lambda r: space.rank(r.params, dims, t.profile)  # noqa: E731
     report.largest = max(safe, key=rank) if safe else None
     if t.mode == "modeled":
         within = [r for r in safe if r.model_floats <= t.profile.regs_budget]
@@ -733,19 +1053,22 @@ def _choose(report: Report):
 
 
 def save(report: Report, path: Path | None = None) -> Path:
-    """Write the winner into the database (``path`` or the user tuning dir's file for the device)."""
-    w, t = report.winner, report.target
-    b, h_q, h_kv, n, d, causal = report.shape
+    """Write the winner into the database (``path`` or the user tuning dir's file for the device).
+    Its provenance records the driver it was measured (or, modeled, built) with."""
+    w, t, wl = report.winner, report.target, report.workload
+    dims = wl.dims(report.shape, report.dtype)
     prov = {"device": t.key.name or f"model of {t.profile.name}", "driver": t.driver, "flashcl": __version__,
-            "date": report.date, "mode": t.mode, "problem": _shape_text(report.shape),
+            "date": report.date, "mode": t.mode, "problem": wl.text(report.shape),
             "spill": {"spills": w.spills, "signal": w.signal}, "command": report.command}
     if t.mode == "measured":
-        prov.update(median_ms=round(w.median_ms, 4), gflops=round(w.gflops, 2), runs=w.runs)
+        prov.update({"median_ms": round(w.median_ms, 4), wl.rate_key: round(w.rate, 2), "runs": w.runs})
+        prov.update({k: w.info[k] for k in ("num_splits", "path") if k in w.info})
     else:
         prov.update(compiler=t.device_desc, model_floats=w.model_floats,
                     regs_hard=t.profile.regs_hard, regs_budget=t.profile.regs_budget)
-    entry = tuning.make_entry(KERNEL, t.key, dtype=report.dtype, dk=d, dv=d, causal=bool(causal), n=n,
-                              params=w.params, provenance=prov)
+    entry = tuning.make_entry(report.kernel, t.key, dtype=report.dtype, dk=dims.dk, dv=dims.dv,
+                              causal=wl.causal(report.shape), n=wl.n(report.shape), params=w.params,
+                              provenance=prov, group=wl.group(report.shape))
     path = Path(path) if path else tuning.default_db_file(t.key)
     report.replaced = tuning.save_entry(entry, path)
     report.saved_to = str(path)
@@ -766,20 +1089,19 @@ def _layout(p: dict) -> str:
 
 
 def format_report(report: Report) -> str:
-    t = report.target
+    t, wl = report.target, report.workload
     c = report.conditions()
-    lines = [f"# flashcl tune {KERNEL} {c['problem']} {report.dtype} on {t.name} "
+    lines = [f"# flashcl tune {report.kernel} {c['problem']} {report.dtype} on {t.name} "
              f"(profile {t.profile.name}, {t.mode}), flashcl {__version__}, {report.date}",
              f"# {t.describe()}",
              f"# command: {report.command}" if report.command else "",
              "# time: median of OpenCL profiling events (warm-up first; * = re-timed); spill: the "
              "strongest signal present; regs: compiler-reported; model: floats live per work-item"]
+    lines += [f"# {n}" for n in report.notes]
     lines = [ln for ln in lines if ln]
-    hdr = (f"{'BLOCK_M':>7} {'BLOCK_N':>7} {'DV_TILE':>7} {'layout':>12}  {'status':6} {'spill':5} "
-           f"{'signal':34} {'regs':>4} {'model':>5} {'ms':>9} {'GFLOP/s':>8} {'rel err':>8}  ")
-    lines.append(hdr)
+    lines.append(wl.header() + f"{'status':6} {'spill':5} {'signal':34} {'regs':>4} {'model':>5} {'ms':>9} "
+                 f"{wl.rate_unit:>8} {'rel err':>8}  ")
     for r in report.results:
-        p = r.params
         mark = []
         if r is report.winner:
             mark.append("winner")
@@ -788,10 +1110,9 @@ def format_report(report: Report) -> str:
         spill = "-" if r.spills is None else ("yes" if r.spills else "no")
         ms = _fmt(r.median_ms, "9.3f") + ("*" if r.retimed else " ")
         lines.append(
-            f"{p['BLOCK_M']:7d} {p['BLOCK_N']:7d} {p['DV_TILE']:7d} {_layout(p):>12}  "
-            f"{r.status:6} {spill:5} "
+            wl.columns(r) + f"{r.status:6} {spill:5} "
             f"{r.signal[:34]:34} {_fmt(r.registers, '4d'):>4} {r.model_floats:5d} {ms:>10} "
-            f"{_fmt(r.gflops, '8.1f'):>8} {_fmt(r.rel_err, '8.1e'):>8}  "
+            f"{_fmt(r.rate, '8.1f'):>8} {_fmt(r.rel_err, '8.1e'):>8}  "
             + (" <- " + ", ".join(mark) if mark else "") + (f"  {r.error[:120]}" if r.error else ""))
     if report.pruned:
         counts = {}
@@ -806,13 +1127,13 @@ def format_report(report: Report) -> str:
     lines.append(f"# {len(report.results)} swept: {n_ok} ok, {n_wrong} wrong, {n_fail} failed")
     if report.largest:
         lines.append(f"# largest non-spilling tile: {report.largest.label}"
-                     + (f"  {report.largest.median_ms:.3f} ms, {report.largest.gflops:.1f} GFLOP/s"
+                     + (f"  {report.largest.median_ms:.3f} ms, {report.largest.rate:.1f} {wl.rate_unit}"
                         if report.largest.runs else f"  ({report.largest.model_floats} floats)"))
     else:
         lines.append("# largest non-spilling tile: none")
     if t.mode == "measured":
         lines.append(f"# fastest: {report.fastest.label}  {report.fastest.median_ms:.3f} ms, "
-                     f"{report.fastest.gflops:.1f} GFLOP/s" if report.fastest else "# fastest: none")
+                     f"{report.fastest.rate:.1f} {wl.rate_unit}" if report.fastest else "# fastest: none")
     if report.note:
         lines.append(f"# {report.note}")
     if report.interrupted:
@@ -825,42 +1146,116 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- plot
+
+@dataclass
+class Cell:
+    """One cell of the plot: the configurations sharing its (panel, x, y), the one that stands for
+    them (the winner or the largest non-spilling tile where the cell holds it, else its best), its
+    value (ms, or modeled floats in model mode) and verdict ("ok", "S" spills, "X" failed or wrong)."""
+
+    results: list
+    shown: ConfigResult
+    value: float
+    verdict: str
+    winner: bool
+    largest: bool
+
+
+def plot_cells(report: Report) -> dict:
+    """{panel value: {(x value, y value): Cell}} over the kernel's plot axes."""
+    space = tuning.SPACES[report.kernel]
+    dims = report.workload.dims(report.shape, report.dtype)
+    xn, yn, pn = report.workload.plot_axes
+    modeled = report.target.mode == "modeled"
+    groups: dict = {}
+    for r in report.results:
+        key = (space.value(r.params, pn), space.value(r.params, xn), space.value(r.params, yn))
+        groups.setdefault(key, []).append(r)
+    panels: dict = {}
+    for (panel, x, y), rs in groups.items():
+        has_winner = any(r is report.winner for r in rs)
+        has_largest = any(r is report.largest for r in rs)
+        ok = [r for r in rs if r.status == "ok"]
+        if has_winner:
+            shown = report.winner
+        elif has_largest:
+            shown = report.largest
+        elif ok and modeled:
+            safe = [r for r in ok if not r.spills]
+            shown = (max(safe, key=lambda r: space.rank(r.params, dims, report.target.profile)) if safe
+                     else min(ok, key=lambda r: r.model_floats))
+        elif ok:
+            timed = [r for r in ok if r.runs]
+            shown = min(timed, key=lambda r: r.median_ms) if timed else ok[0]
+        else:
+            shown = rs[0]
+        if shown.status != "ok":
+            value, verdict = float("nan"), "X"
+        else:
+            value = float(shown.model_floats) if modeled else shown.median_ms
+            verdict = "S" if shown.spills else "ok"
+        panels.setdefault(panel, {})[(x, y)] = Cell(rs, shown, value, verdict, has_winner, has_largest)
+    return panels
+
+
+def color_limits(values) -> tuple[float, float]:
+    """The colour scale: the 5th to 95th percentile of the finite values, so that one outlier (a
+    spilling or failing configuration 100x slower) does not flatten the rest."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if x == x and math.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return 0.0, 1.0
+    lo, hi = (float(x) for x in np.percentile(v, [5, 95]))
+    return (lo, hi) if hi > lo else (lo - 0.5, lo + 0.5)
+
+
 def plot(report: Report, path: str):
-    """Time per BLOCK_M x DV_TILE, one panel per BLOCK_N; spilling configurations hatched with
-    an S, failed/wrong ones X. Model mode plots the modeled registers instead of time."""
+    """One heat map per panel value of the kernel's plot axes (prefill: BLOCK_M x DV_TILE per
+    BLOCK_N; decode: ROWS x UNROLL per HEAD_TILE); each cell shows its best configuration's time
+    (model mode: modeled floats) and verdict, the winner boxed and marked W, the largest
+    non-spilling tile marked L."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches as mpatches
     import matplotlib.pyplot as plt
     import numpy as np
 
-    res = report.results
-    bns = sorted({r.params["BLOCK_N"] for r in res})
-    bms = sorted({r.params["BLOCK_M"] for r in res})
-    dvs = sorted({r.params["DV_TILE"] for r in res})
+    panels = plot_cells(report)
+    xn, yn, pn = report.workload.plot_axes
     modeled = report.target.mode == "modeled"
-    vals = [(r.model_floats if modeled else r.median_ms) for r in res if r.status == "ok"]
-    vals = [v for v in vals if v == v] or [0.0, 1.0]
-    fig, axes = plt.subplots(1, max(1, len(bns)), figsize=(3.6 * max(1, len(bns)), 3.4), squeeze=False)
-    for ax, bn in zip(axes[0], bns):
-        grid = np.full((len(dvs), len(bms)), np.nan)
-        for r in res:
-            if r.params["BLOCK_N"] != bn:
-                continue
-            i, j = dvs.index(r.params["DV_TILE"]), bms.index(r.params["BLOCK_M"])
-            if r.status == "ok":
-                grid[i, j] = r.model_floats if modeled else r.median_ms
-            ax.text(j, i, "X" if r.status != "ok" else ("S" if r.spills else ""), ha="center", va="center",
-                    color="red", fontweight="bold")
-        im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto", vmin=min(vals), vmax=max(vals))
-        ax.set_xticks(range(len(bms)), [str(b) for b in bms])
-        ax.set_yticks(range(len(dvs)), [str(v) for v in dvs])
-        ax.set_xlabel("BLOCK_M")
-        ax.set_ylabel("DV_TILE")
-        ax.set_title(f"BLOCK_N={bn}")
-        fig.colorbar(im, ax=ax, label="model floats" if modeled else "ms (median)")
-    fig.suptitle(f"flashcl tune {KERNEL} on {report.target.name} ({report.target.mode}); "
-                 f"S = spills, X = failed/wrong", fontsize=9)
+    keys = sorted(panels)
+    xs = sorted({x for p in panels.values() for x, _ in p})
+    ys = sorted({y for p in panels.values() for _, y in p})
+    vmin, vmax = color_limits([c.value for p in panels.values() for c in p.values()])
+    all_vals = [c.value for p in panels.values() for c in p.values() if c.value == c.value]
+    extend = ("both" if all_vals and min(all_vals) < vmin and max(all_vals) > vmax else
+              "min" if all_vals and min(all_vals) < vmin else "max" if all_vals and max(all_vals) > vmax else "neither")
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(max(5.5, 3.8 * len(keys)), 3.9), squeeze=False)
+    for ax, panel in zip(axes[0], keys):
+        grid = np.full((len(ys), len(xs)), np.nan)
+        for (x, y), cell in panels[panel].items():
+            i, j = ys.index(y), xs.index(x)
+            grid[i, j] = cell.value
+            text = {"ok": "", "S": "S", "X": "X"}[cell.verdict]
+            text = " ".join(t for t in (text, "W" if cell.winner else "", "L" if cell.largest else "") if t)
+            ax.text(j, i, text, ha="center", va="center", fontweight="bold",
+                    color="red" if cell.verdict != "ok" else "black")
+            if cell.winner:
+                ax.add_patch(mpatches.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.5, ec="black"))
+        im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto", vmin=vmin, vmax=vmax)
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+        ax.set_xlabel(xn)
+        ax.set_ylabel(yn)
+        ax.set_title(f"{pn}={panel}")
+        fig.colorbar(im, ax=ax, extend=extend,
+                     label=("model floats" if modeled else "ms (median)") + ", 5th-95th pct")
+    fig.suptitle(f"flashcl tune {report.kernel} on {report.target.name[:48]} ({report.target.mode})\n"
+                 f"W winner (boxed), L largest non-spilling, S spills, X failed/wrong; a cell shows its best",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -340,3 +340,41 @@ def test_quick_model_tune_stores_a_non_spilling_tile(cpu_device, tuning_dir):
     assert s.exit_code == 0, s.output
     cfg = _strict_json(s.stdout)
     assert cfg["params"] == e["params"] and f.name in cfg["source"] and not cfg["model"]["spills"]
+
+
+def test_show_config_names_the_relative_it_uses(monkeypatch, tuning_dir):
+    """An H200 with no entry of its own: the shipped H100 entry of the same architecture, and
+    show-config says so."""
+    from flashcl import profiles, tuner
+
+    prof = profiles.PROFILES["nvidia"]
+    key = tuning.DeviceKey.of("NVIDIA H200", "OpenCL C 3.0 ", "NVIDIA Corporation", "nvidia", compute_capability=(9, 0))
+    target = tuner.Target(prof, key, "modeled", "0:0", "test", "drv", prof.local_mem, prof.max_work_group, True)
+    monkeypatch.setattr(tuner, "resolve_target", lambda spec, **kw: target)
+    r = run("show-config", "--device", "nvidia", "--dtype", "float32")
+    assert r.exit_code == 0, r.output
+    assert ("why:     no entry for NVIDIA H200; using NVIDIA H100 80GB HBM3's (same architecture sm_90)"
+            in r.stdout.splitlines())
+    assert "nvidia-h100.json (arch, bucket 2048, measured)" in r.stdout and "architecture sm_90" in r.stdout
+    assert "VARIANT=tiles" in r.stdout
+
+
+def test_show_config_warns_once_when_the_driver_differs(cpu_device, tuning_dir):
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    key = tuning.DeviceKey.for_device(h.device, h.profile.name)
+    tuning_dir.mkdir(parents=True)
+    args = ("show-config", "--device", cpu_device, "--d", "64", "--n", "256", "--dtype", "float32")
+    for driver, warned in (("0.0-other", True), (h.driver, False)):
+        e = tuning.make_entry("prefill", key, dtype="float32", dk=64, dv=64, causal=True, n=256,
+                              params={"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4},
+                              provenance={"mode": "measured", "driver": driver})
+        (tuning_dir / "db.json").write_text(json.dumps({"version": 1, "entries": [e]}))
+        r = run(*args)
+        assert r.exit_code == 0 and "db.json" in r.stdout, r.output
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+        if warned:
+            assert len(lines) == 1 and "0.0-other" in lines[0] and h.driver in lines[0]
+        else:
+            assert lines == []

@@ -44,12 +44,27 @@ def test_profiles_have_sources_and_adreno_facts():
 
 # --------------------------------------------------------------------------- the tuning space
 
-def test_space_is_data_with_reasons():
-    space = tuning.TUNING_SPACE["prefill"]
-    assert {"variants", "problem", "metric"} <= space.keys()
-    for variant in space["variants"].values():
-        assert {"params", "constraints", "source", "devices"} <= variant.keys()
-        assert all(c.reason and c.name for c in variant["constraints"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_each_space_is_data_with_reasons(kernel):
+    """Both kernels declare one KernelSpace: parameters with candidates and meanings, constraints
+    with reasons, the models, the problem and the metric."""
+    space = tuning.SPACES[kernel]
+    assert space.kernel == kernel and space.problem and space.metric and space.correctness and space.register_model
+    for lay in space.layouts:
+        assert lay.source.endswith(".cl") and lay.devices and lay.params and lay.constraints
+        assert all(p.meaning and p.values and p.quick for p in lay.params)
+        assert all(c.reason and c.name and c.check for c in lay.constraints)
+        assert set(lay.required) | set(lay.optional) == {p.name for p in lay.params}
+    dims = tuning.Dims(128, 128, 4, "float16")
+    for p in space.candidates(dims):
+        for name in ("private_floats", "local_bytes", "work_group_size"):
+            assert getattr(space, name)(p, dims) > 0
+    assert tuning.tunable_names(kernel) == space.param_names()
+
+
+def test_prefill_space_candidates():
+    space = tuning.SPACES["prefill"]
+    assert space.layout_names == ("rows", "tiles") and space.modeled_layouts == ("rows",)
     cands = tuning.candidate_configs("prefill", 128, 128, 4, variants=("rows",))
     assert len(cands) == 5 * 4 * 4 * 2  # BLOCK_M x BLOCK_N x DV_TILE (16, 32, 64, 128) x Q_IN_REGS
     tiles = tuning.candidate_configs("prefill", 128, 128, 4, variants=("tiles",))
@@ -116,7 +131,7 @@ def test_model_mode_plan_prunes_by_profile_limits():
     configs, pruned = tuner.plan(_target("adreno"), (1, 32, 8, 2048, 128, True))
     assert configs and pruned
     # only layouts whose register model was checked against a compiler are chosen blind
-    assert {tuning.variant_of(p) for p in configs} <= set(tuner.MODELED_VARIANTS)
+    assert {tuning.variant_of(p) for p in configs} <= set(tuning.SPACES["prefill"].modeled_layouts)
     measured, _ = tuner.plan(_target("adreno", "measured"), (1, 32, 8, 2048, 64, True))
     assert "tiles" in {tuning.variant_of(p) for p in measured}
     for p in configs:
@@ -135,7 +150,7 @@ def test_quick_plan_has_a_non_spilling_tile_where_the_space_has_one(profile, d):
     safe = [p for p in full if tuning.private_floats("prefill", p, d, d) <= hard]
     assert safe and any(tuning.private_floats("prefill", p, d, d) <= hard for p in quick)
     assert len(quick) < len(full) // 4  # still quick
-    best = max(safe, key=lambda p: tuner.tile_rank(p, t.profile, d))
+    best = max(safe, key=lambda p: tuning.SPACES["prefill"].rank(p, tuning.Dims(d, d), t.profile))
     assert best in quick
 
 
@@ -144,6 +159,98 @@ def test_quick_plan_adds_nothing_where_nothing_fits():
     quick, _ = tuner.plan(t, (1, 32, 8, 2048, 128, True), quick=True)
     only, _ = tuner.plan(t, (1, 32, 8, 2048, 128, True), quick=True, overrides={"Q_IN_REGS": [1]})
     assert quick == only and all(tuning.private_floats("prefill", p, 128, 128) > 64 for p in quick)
+
+
+# --------------------------------------------------------------------------- profile defaults
+
+def _all_candidates(space, dims):
+    """Every configuration of the space's full candidate lists, plus the default ladder's smaller
+    prefill tiles (BLOCK_N 4, DV_TILE down to 4)."""
+    cands = space.candidates(dims, 4)
+    if space.kernel == "prefill":
+        cands += [{"BLOCK_M": 64, "BLOCK_N": bn, "DV_TILE": t, "VEC": 4, "Q_IN_REGS": q}
+                  for bn in (4, 8) for t in range(4, dims.dv + 1, 4) if dims.dv % t == 0 for q in (0, 1)]
+    return cands
+
+
+@pytest.mark.parametrize("profile", sorted(profiles.PROFILES))
+@pytest.mark.parametrize("kernel,dtype,group", [("prefill", "float16", 1), ("decode", "float16", 1),
+                                               ("decode", "float16", 4), ("decode", "float16", 8),
+                                               ("decode", "float32", 4), ("decode", "float32", 8)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_profile_defaults_do_not_spill(profile, kernel, dtype, group, d):
+    """A profile's default is valid on the profile's limits and fits its register room (regs_hard
+    less the profile's model margin) by the model, with a work-group the modeled kernel allows;
+    where no configuration of the space fits at all (decode with an fp16 cache on Mali's 64
+    registers), it is the one with the fewest registers."""
+    prof = profiles.PROFILES[profile]
+    space, dims = tuning.SPACES[kernel], tuning.Dims(d, d, group, dtype)
+    p = space.default(prof, dims, local_mem=prof.local_mem, max_work_group=prof.max_work_group)
+    assert space.check(p, dims, {"local_mem": prof.local_mem, "max_work_group": prof.max_work_group}) == []
+    floats, room = space.private_floats(p, dims), tuning.register_room(prof)
+    fewest = min(space.private_floats(c, dims) for c in _all_candidates(space, dims))
+    assert floats <= room or floats == fewest > room, f"{profile} {kernel} d={d}: {p} models {floats} > {room}"
+    assert space.work_group_size(p, dims) <= prof.kernel_max_work_group(floats)
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_nvidia_defaults_fit_with_margin(kernel, d):
+    """ptxas spilled 52 B for the former d=128 prefill default, modeled at 254 of 255 registers."""
+    prof = profiles.PROFILES["nvidia"]
+    assert prof.model_margin >= 28
+    for group, dtype in ((1, "float16"), (4, "float16"), (8, "float16"), (8, "float32")):
+        dims = tuning.Dims(d, d, group if kernel == "decode" else 1, dtype)
+        p = tuning.SPACES[kernel].default(prof, dims, local_mem=prof.local_mem, max_work_group=prof.max_work_group)
+        assert tuning.SPACES[kernel].private_floats(p, dims) <= prof.regs_hard - prof.model_margin
+
+
+def test_defaults_that_fit_are_unchanged():
+    """Only defaults the model says spill moved (and NVIDIA's, for its margin): the others are the
+    largest tiles with q in registers, as before."""
+    adreno = profiles.PROFILES["adreno"]
+    assert tuning.default_params("prefill", adreno, 128, 128, local_mem=32768, max_work_group=1024) == {
+        "BLOCK_M": 64, "BLOCK_N": 4, "DV_TILE": 16, "VEC": 4}
+    assert tuning.default_params("prefill", adreno, 64, 64, local_mem=32768, max_work_group=1024) == {
+        "BLOCK_M": 64, "BLOCK_N": 8, "DV_TILE": 64, "VEC": 4}
+    cpu = profiles.PROFILES["cpu"]
+    assert tuning.default_params("prefill", cpu, 128, 128, local_mem=1 << 20, max_work_group=4096) == {
+        "BLOCK_M": 64, "BLOCK_N": 64, "DV_TILE": 128, "VEC": 16}
+    # d=256: q alone exceeds Adreno's 192 registers, so q is re-read per KV tile
+    d256 = tuning.default_params("prefill", adreno, 256, 256, local_mem=32768, max_work_group=1024)
+    assert d256["Q_IN_REGS"] == 0 and tuning.private_floats("prefill", d256, 256, 256) <= 192
+
+
+# --------------------------------------------------------------------------- plot
+
+def _result(params, status="ok", spills=False, ms=1.0, floats=100, kernel="prefill"):
+    return tuner.ConfigResult(params=params, status=status, spills=spills, model_floats=floats, median_ms=ms,
+                              runs=5 if ms == ms else 0, kernel=kernel)
+
+
+def test_plot_cells_show_each_cells_own_verdict_and_the_marks():
+    """Two configurations share a cell (Q_IN_REGS 1 spills, 0 does not): the cell shows the one
+    that stands for it, not a spill mark from the other; winner and largest are marked."""
+    t = _target("adreno")
+    spill = _result({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4}, spills=True, floats=260)
+    fits = _result({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4, "Q_IN_REGS": 0}, floats=136)
+    small = _result({"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 4, "Q_IN_REGS": 0}, floats=136)
+    bad = _result({"BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}, status="failed", ms=float("nan"))
+    rep = tuner.Report(t, (1, 32, 8, 2048, 64, True), "float16", [spill, fits, small, bad], [], 4,
+                       winner=fits, largest=fits)
+    cells = tuner.plot_cells(rep)[16]
+    assert cells[(64, 64)].shown is fits and cells[(64, 64)].verdict == "ok"
+    assert cells[(64, 64)].winner and cells[(64, 64)].largest and len(cells[(64, 64)].results) == 2
+    assert cells[(32, 64)].verdict == "ok" and not cells[(32, 64)].winner
+    assert cells[(64, 32)].verdict == "X"
+    assert cells[(64, 64)].value == 136  # model mode plots the modeled floats
+
+
+def test_plot_colour_scale_ignores_outliers():
+    vals = [1.0 + 0.01 * i for i in range(40)] + [250.0, float("nan")]
+    lo, hi = tuner.color_limits(vals)
+    assert 1.0 <= lo < hi < 2.0
+    assert tuner.color_limits([3.0, 3.0]) == (2.5, 3.5) and tuner.color_limits([]) == (0.0, 1.0)
 
 
 # --------------------------------------------------------------------------- database

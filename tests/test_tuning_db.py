@@ -255,3 +255,139 @@ def test_save_keeps_malformed_entries(tuning_dir):
     tuning.save_entry(_good(), f)
     entries = json.loads(f.read_text())["entries"]
     assert entries[:2] == [odd, "note"] and entries[2]["provenance"]["mode"] == "measured"
+
+
+# --------------------------------------------------------------------------- nearest measured relative
+
+def _key(name, version="OpenCL C 3.0", vendor="", profile="nvidia", cc=None):
+    return tuning.DeviceKey.of(name, version, vendor, profile, compute_capability=cc)
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+FP32_128 = dict(dtype="float32", dk=128, dv=128, causal=True, n=2048)
+
+
+def test_shipped_h100_entries_carry_their_architecture():
+    entries = tuning.load_file(tuning.shipped_tuning_dir() / "nvidia-h100.json")
+    assert {e["arch"] for e in entries} == {"nvidia-sm90"} and {e["device"] for e in entries} == {H100}
+    assert [e["params"] for e in entries] == [
+        {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 128, "TILE_M": 8, "TILE_N": 2, "UNROLL_K": 8},
+        {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 16, "DV_TILE": 64, "TILE_M": 8, "TILE_N": 2, "UNROLL_K": 8}]
+
+
+def test_an_h200_uses_the_h100_entry_of_its_architecture():
+    h200 = _key("NVIDIA H200", vendor="NVIDIA Corporation", cc=(9, 0))
+    assert (h200.arch, h200.family) == ("nvidia-sm90", "nvidia-sm9x")
+    found = tuning.lookup("prefill", h200, **FP32_128)
+    assert found is not None and found.entry["device"] == H100 and "(arch, bucket 2048" in found.source
+    assert found.reason == f"no entry for NVIDIA H200; using {H100}'s (same architecture sm_90)"
+    own = tuning.lookup("prefill", _key(H100, cc=(9, 0)), **FP32_128)
+    assert own.reason == f"tuned for {H100}" and "(device," in own.source
+    # without the compute capability (no cl_nv_device_attribute_query) nothing but the name matches
+    assert tuning.lookup("prefill", _key("NVIDIA H200"), **FP32_128) is None
+    assert tuning.lookup("prefill", _key("NVIDIA A100-SXM4-80GB", cc=(8, 0)), **FP32_128) is None
+
+
+def _measured(device, arch, params=TILES, **problem):
+    key = tuning.DeviceKey(device, arch, "x", "x")
+    return tuning.make_entry("prefill", key, **{**PROBLEM, **problem}, params=params,
+                             provenance={"mode": "measured", "device": device, "driver": "1"})
+
+
+@pytest.mark.parametrize("entry_dev,entry_arch,dev,level,why", [
+    ("NVIDIA A100-SXM4-80GB", "nvidia-sm80", _key("NVIDIA RTX A6000", cc=(8, 6)), "family",
+     "same family nvidia-sm8x as sm_86"),
+    # every Adreno is named "QUALCOMM Adreno(TM)": the name alone must not match another model
+    ("QUALCOMM Adreno(TM)", "adreno-740", _key("QUALCOMM Adreno(TM)", "OpenCL C 3.0 Adreno(TM) 750", "QUALCOMM",
+                                               "adreno"), "family", "same family adreno-7xx as adreno-750"),
+    ("QUALCOMM Adreno(TM)", "adreno-740", _key("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 740", "QUALCOMM",
+                                               "adreno"), "device", "tuned for QUALCOMM Adreno(TM)"),
+    ("Mali-G715", "mali-g715", _key("Mali-G710", "OpenCL C 3.0 v1.r38p1", "ARM", "mali"), "family",
+     "same family mali-valhall"),
+    ("Intel(R) UHD Graphics 770", "intel-xe-lp", _key("Intel(R) Iris(R) Xe Graphics", "OpenCL C 3.0", "Intel",
+                                                      "intel"), "arch", "same architecture intel-xe-lp"),
+    ("gfx90a:sramecc+:xnack-", "amd-gfx90a", _key("gfx942:sramecc+:xnack-", "OpenCL C 2.0", "AMD", "intel"),
+     "family", "same family amd-gfx9"),
+])
+def test_nearest_relative_by_architecture(tuning_dir, entry_dev, entry_arch, dev, level, why):
+    _db(tuning_dir, [_measured(entry_dev, entry_arch)])
+    found = tuning.lookup("prefill", dev, **PROBLEM)
+    assert found is not None and f"({level}, bucket" in found.source and why in found.reason, found
+
+
+@pytest.mark.parametrize("entry_dev,entry_arch,dev", [
+    ("QUALCOMM Adreno(TM)", "adreno-740", _key("QUALCOMM Adreno(TM)", "OpenCL C 2.0 Adreno(TM) 640", "QUALCOMM",
+                                               "adreno-6xx")),
+    ("Mali-G715", "mali-g715", _key("Mali-G52 r1", "OpenCL C 2.0", "ARM", "mali")),
+    ("Intel(R) UHD Graphics 770", "intel-xe-lp", _key("Intel(R) Arc(TM) A770 Graphics", "OpenCL C 3.0", "Intel",
+                                                      "intel")),
+])
+def test_no_relative_across_architectures(tuning_dir, entry_dev, entry_arch, dev):
+    _db(tuning_dir, [_measured(entry_dev, entry_arch)])
+    assert tuning.lookup("prefill", dev, **PROBLEM) is None
+
+
+def test_levels_most_specific_first(tuning_dir):
+    """The device's own entry, then its architecture's, then its family's, then the modeled
+    entry of its profile."""
+    dev = _key("NVIDIA H200", cc=(9, 0))
+    params = [dict(TILES, BLOCK_M=m) for m in (16, 32, 64, 128)]
+    modeled = tuning.make_entry("prefill", tuning.DeviceKey("", None, "nvidia", "nvidia"), **PROBLEM,
+                                params=params[3], provenance={"mode": "modeled"})
+    entries = [modeled, _measured("NVIDIA GH200", "nvidia-sm91", params[2]),
+               _measured("NVIDIA H100 PCIe", "nvidia-sm90", params[1]),
+               _measured("NVIDIA H200", "nvidia-sm90", params[0])]
+    for expect in (16, 32, 64, 128):
+        _db(tuning_dir, entries)
+        assert tuning.lookup("prefill", dev, **PROBLEM).params["BLOCK_M"] == expect
+        entries = entries[:-1]
+
+
+def test_decode_entries_are_keyed_by_group(tuning_dir):
+    key = tuning.DeviceKey("Some GPU", None, "nvidia", "nvidia")
+    p4, p1, anyg = ({"ROWS": r, "UNROLL": 1, "HEAD_TILE": 1, "MERGE_WG": 64} for r in (4, 1, 2))
+    kw = dict(dtype="float16", dk=128, dv=128, causal=False, n=2048)
+    _db(tuning_dir, [tuning.make_entry("decode", key, **kw, params=p4, provenance={}, group=4),
+                     tuning.make_entry("decode", key, **kw, params=anyg, provenance={}),
+                     tuning.make_entry("decode", key, **kw, params=p1, provenance={}, group=1)])
+    assert tuning.lookup("decode", key, **kw, group=4).params == p4
+    assert tuning.lookup("decode", key, **kw, group=1).params == p1
+    assert tuning.lookup("decode", key, **kw, group=8).params == anyg  # no group: any group
+
+
+def test_device_key_of_a_pyopencl_device():
+    import types
+
+    class Device:
+        name, vendor, opencl_c_version = "NVIDIA H200", "NVIDIA Corporation", "OpenCL C 3.0"
+        platform = types.SimpleNamespace(name="NVIDIA CUDA")
+
+        def __init__(self, cc):
+            self.cc = cc
+
+        @property
+        def compute_capability_major_nv(self):
+            if self.cc is None:  # a driver without cl_nv_device_attribute_query
+                raise RuntimeError("clGetDeviceInfo failed: INVALID_VALUE")
+            return self.cc[0]
+
+        @property
+        def compute_capability_minor_nv(self):
+            return self.cc[1]
+
+    k = tuning.DeviceKey.for_device(Device((9, 0)), "nvidia")
+    assert (k.name, k.arch, k.family, k.vendor) == ("NVIDIA H200", "nvidia-sm90", "nvidia-sm9x", "nvidia")
+    assert tuning.DeviceKey.for_device(Device(None), "nvidia").arch is None
+
+
+# --------------------------------------------------------------------------- the driver an entry was measured with
+
+def test_driver_mismatch_is_one_line():
+    measured = _good(provenance={"mode": "measured", "driver": "580.159.04"})
+    choice = tuning.Choice(measured["params"], "tuned x", measured)
+    assert tuning.driver_mismatch(choice, "580.159.04") is None
+    msg = tuning.driver_mismatch(choice, "590.10")
+    assert "580.159.04" in msg and "590.10" in msg and "\n" not in msg
+    modeled = _good(provenance={"mode": "modeled", "driver": "3.1"})
+    assert tuning.driver_mismatch(tuning.Choice({}, "tuned x", modeled), "590.10") is None
+    assert tuning.driver_mismatch(tuning.default_choice("cpu", {}), "590.10") is None

@@ -412,7 +412,8 @@ class DecodeKernel:
         tuned = dict(waves=MMA_WAVES, keys_per_split=MMA_KEYS_PER_SPLIT,
                      min_keys=MMA_MIN_KEYS_PER_SPLIT) if self.tensor_cores else {}
         return choose_num_splits(int(self.handle.device.max_compute_units),
-                                 self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned)
+                                 self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned,
+                                 params=self.params)
 
 
 # --------------------------------------------------------------------------- host-side checks

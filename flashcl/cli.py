@@ -31,7 +31,7 @@ import click
 
 from .api import _check_head_dim, check_prefill_problem
 from .errors import FlashCLError, TuningDatabaseError
-from .tuner import TunerError
+from .tools.tuner import TunerError
 
 (EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_DATABASE, EXIT_MISSING_DEP, EXIT_DEVICE_FAILED,
  EXIT_INTERRUPTED) = 1, 2, 3, 4, 5, 6, 130
@@ -296,7 +296,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
-    from . import bench as b
+    from .tools import bench_prefill as b
 
     handle = _handle(device)
     if shapes:
@@ -381,8 +381,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
-    from . import bench as b
-    from . import bench_decode as bd
+    from .tools import bench_prefill as b
+    from .tools import bench_decode as bd
 
     handle = _handle(device)
     if shape_list is None:
@@ -484,7 +484,7 @@ def _parse_tune_shape(text: str, kernel: str):
 def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, no_isolate, require_device,
          resume, output, no_save, plot_file, extra_options, as_json):
     """Sweep a kernel's tiles, detect spills, verify, time, and store the winner."""
-    from . import tuner
+    from .tools import tuner
 
     command = "flashcl " + " ".join(sys.argv[1:])
     shape = _parse_tune_shape(shape, kernel) if shape else None
@@ -570,7 +570,8 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
     """Which tile parameters a call would use on a device, where they came from, and why they apply."""
-    from . import tuner, tuning
+    from . import tuning
+    from .tools import tuner
 
     dv = d if dv is None else dv
     try:
@@ -665,7 +666,7 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def soak(device, calls, every, check_every, max_growth, as_json):
     """Many mixed prefill/decode calls in one process; fails (exit 1) if memory keeps growing."""
-    from . import soak as soak_mod
+    from .tools import soak as soak_mod
 
     handle = _handle(device)
     command = "flashcl " + " ".join(sys.argv[1:])

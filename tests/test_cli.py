@@ -193,7 +193,7 @@ def test_bare_group_prints_its_help():
 
 
 def test_flashcl_errors_are_one_line_with_their_exit_code(monkeypatch, tuning_dir):
-    from flashcl import tuner
+    from flashcl.tools import tuner
     from flashcl.errors import KernelBuildError
 
     def build_fails(*a, **k):
@@ -238,7 +238,7 @@ def test_triton_backend_without_cuda_is_exit_3(monkeypatch):
 
 
 def test_ctrl_c_in_tune_is_one_line_exit_130(cpu_device, monkeypatch):
-    from flashcl import tuner
+    from flashcl.tools import tuner
 
     calls = []
     evaluate = tuner.InlineRunner.evaluate
@@ -287,7 +287,7 @@ def test_triton_json_conditions_have_the_opencl_keys(monkeypatch):
     import types
 
     torch = pytest.importorskip("torch")
-    from flashcl import bench
+    from flashcl.tools import bench_prefill as bench
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
     handle = types.SimpleNamespace(name="dev", platform="p", driver="d", profile=types.SimpleNamespace(name="cpu"),
@@ -300,7 +300,7 @@ def test_compiler_warnings_go_to_the_log(cpu_device, monkeypatch, tuning_dir):
 
     import pyopencl
 
-    from flashcl import tuner
+    from flashcl.tools import tuner
 
     sweep = tuner.run_sweep
 
@@ -345,7 +345,8 @@ def test_quick_model_tune_stores_a_non_spilling_tile(cpu_device, tuning_dir):
 def test_show_config_names_the_relative_it_uses(monkeypatch, tuning_dir):
     """An H200 with no entry of its own: the shipped H100 entry of the same architecture, and
     show-config says so."""
-    from flashcl import profiles, tuner
+    from flashcl import profiles
+    from flashcl.tools import tuner
 
     prof = profiles.PROFILES["nvidia"]
     key = tuning.DeviceKey.of("NVIDIA H200", "OpenCL C 3.0 ", "NVIDIA Corporation", "nvidia", compute_capability=(9, 0))

@@ -385,7 +385,7 @@ def test_bad_tables_raise(cl_device):
 @pytest.mark.parametrize("block_order", ["random", "sequential", "ascending"])
 def test_bench_block_orders(block_order):
     """The benchmark's block tables use every block once, in the order the name promises."""
-    from flashcl import bench_decode as bd
+    from flashcl.tools import bench_decode as bd
 
     table = bd._block_table(np.random.default_rng(0), 24, 3, block_order)
     assert table.shape == (3, 8) and table.dtype == np.int32

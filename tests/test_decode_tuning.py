@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from flashcl import cli, profiles, reference, tuner, tuning
+from flashcl import cli, profiles, reference, tuning
+from flashcl.tools import tuner
 from flashcl.opencl import decode as cl_decode
 
 from ._check import assert_close

@@ -105,16 +105,18 @@ def test_device_results_carry_the_events_that_write_them(cpu_device):
     rng = np.random.default_rng(4)
     q = cla.to_device(queue, rng.standard_normal((2, 300, 64)).astype(np.float32))
     out, lse = flashcl.prefill(q, q, q, causal=True, return_lse=True)
-    assert out.events and lse.events
+    events = list(out.events)  # finish() waits for them and empties the list
+    assert events and lse.events
     out.finish()
-    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in out.events)
+    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in events)
 
     kc = cla.to_device(queue, rng.standard_normal((1, 2, 64, 64)).astype(np.float32))
     qd = cla.to_device(queue, rng.standard_normal((1, 4, 64)).astype(np.float32))
     out = flashcl.decode(qd, kc, kc, num_splits=2)
-    assert out.events
+    events = list(out.events)
+    assert events
     out.finish()
-    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in out.events)
+    assert all(e.command_execution_status == cl.command_execution_status.COMPLETE for e in events)
 
 
 # --------------------------------------------------------------------------- scale

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from flashcl import soak
+from flashcl.tools import soak
 from flashcl.cli import main
 
 

@@ -10,7 +10,8 @@ import warnings
 
 import pytest
 
-from flashcl import profiles, tuner, tuning
+from flashcl import profiles, tuning
+from flashcl.tools import tuner
 
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .. import reference
 from ..api import decode, prefill
-from ..soak import rss_kib
+from ..tools.soak import rss_kib
 
 TOL = reference.TOLERANCE
 

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyopencl.array as cla
 
-from . import reference
-from ._version import __version__
-from .opencl.prefill import PrefillKernel, PrefillProblem, choose_params
-from .opencl.runtime import DeviceHandle, event_times
+from .. import reference
+from .._version import __version__
+from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
+from ..opencl.runtime import DeviceHandle, event_times
 
 # (B, H_q, H_kv, N, d, causal); DESIGN.md §6 reference shapes, and what the issues' targets name
 PREFILL_PRESETS = {

@@ -27,10 +27,10 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
-from . import reference
-from .bench import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
-from .opencl.decode import DecodeKernel, DecodeProblem, choose_params
-from .opencl.runtime import DeviceHandle, event_times
+from .. import reference
+from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
+from ..opencl.decode import DecodeKernel, DecodeProblem, choose_params
+from ..opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
 AUTO_TOLERANCE = 1.05  # auto must be within 5% of the best forced split count

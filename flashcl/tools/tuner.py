@@ -60,10 +60,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import tuning
-from ._version import __version__
-from .profiles import DeviceProfile, find_profile
-from .reference import TOLERANCE
+from .. import tuning
+from .._version import __version__
+from ..profiles import DeviceProfile, find_profile
+from ..reference import TOLERANCE
 
 CHECK_N = 261        # the correctness problem: N not a multiple of any tile, > the largest BLOCK_M
 MIN_REPEATS = 5
@@ -117,7 +117,7 @@ def _family(name: str) -> str:
 def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
     """``spec`` as in ``flashcl.prefill(device=...)``. A profile name with no such device attached
     gives model mode (or, with ``require_device``, an error)."""
-    from .opencl.runtime import get_device, list_devices
+    from ..opencl.runtime import get_device, list_devices
 
     try:
         rows = list_devices(include_oclgrind=False)
@@ -152,7 +152,7 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
 
 def _measured(handle) -> Target:
     key = tuning.DeviceKey.for_device(handle.device, handle.profile.name)
-    from .opencl.runtime import list_devices
+    from ..opencl.runtime import list_devices
 
     spec = next((r["id"] for r in list_devices() if r["device"] == handle.name
                  and r["platform"] == handle.platform), None)
@@ -164,7 +164,7 @@ def _measured(handle) -> Target:
 
 
 def _profile_names():
-    from .profiles import PROFILES
+    from ..profiles import PROFILES
 
     return list(PROFILES)
 
@@ -276,14 +276,14 @@ def default_problem(kernel: str, target: Target, quick: bool = False) -> tuple:
 
 
 def _prefill_problem(shape, dtype: str):
-    from .opencl.prefill import PrefillProblem
+    from ..opencl.prefill import PrefillProblem
 
     b, h_q, h_kv, n, d, causal = shape
     return PrefillProblem(b, h_q, h_kv, n, n, d, d, bool(causal), dtype)
 
 
 def _decode_problem(shape, dtype: str, *, b: int | None = None, h_kv: int | None = None):
-    from .opencl.decode import DecodeProblem
+    from ..opencl.decode import DecodeProblem
 
     b0, h_q, h_kv0, ctx, d = shape
     b, h_kv = b or b0, h_kv or h_kv0
@@ -292,7 +292,7 @@ def _decode_problem(shape, dtype: str, *, b: int | None = None, h_kv: int | None
 
 def _decode_path(tensor_cores: bool) -> dict:
     """The split rule's defaults for the decode kernel that runs."""
-    from .opencl import decode as cd
+    from ..opencl import decode as cd
 
     if tensor_cores:
         return {"waves": cd.MMA_WAVES, "keys_per_split": cd.MMA_KEYS_PER_SPLIT, "min_keys": cd.MMA_MIN_KEYS_PER_SPLIT}
@@ -301,7 +301,7 @@ def _decode_path(tensor_cores: bool) -> dict:
 
 def decode_splits(compute_units: int, shape, params: dict, tensor_cores: bool) -> int:
     """The split count the split rule gives ``params`` on the tuning problem."""
-    from .opencl import decode as cd
+    from ..opencl import decode as cd
 
     b, h_q, h_kv, ctx, d = shape
     heads = b * h_kv * (cd.mma_tiles(h_q // h_kv) if tensor_cores else 1)
@@ -333,7 +333,7 @@ class Evaluator:
     def __init__(self, setup: Setup):
         import numpy as np
 
-        from .opencl.runtime import get_device
+        from ..opencl.runtime import get_device
 
         self.s = setup
         self.h = get_device(setup.device_spec)
@@ -353,7 +353,7 @@ class Evaluator:
         return kern.kernel
 
     def evaluate(self, params: dict) -> dict:
-        from .errors import FlashCLError
+        from ..errors import FlashCLError
 
         res = {"params": dict(params), "status": "ok", "error": "", "info": {}, "times_ms": []}
         t0 = time.perf_counter()
@@ -397,7 +397,7 @@ class Evaluator:
         return {}
 
     def _time(self, kern, params, repeats: int) -> list[float]:
-        from .opencl.runtime import event_times  # lazily, like every OpenCL import here
+        from ..opencl.runtime import event_times  # lazily, like every OpenCL import here
 
         return event_times(lambda i: self._run(kern, params), repeats)
 
@@ -418,7 +418,7 @@ class PrefillEvaluator(Evaluator):
         import numpy as np
         import pyopencl.array as cla
 
-        from . import reference
+        from .. import reference
 
         b, h_q, h_kv, n, d, causal = self.s.shape
         self.prob = _prefill_problem(self.s.shape, self.s.dtype)
@@ -437,13 +437,13 @@ class PrefillEvaluator(Evaluator):
             self.big_out = cla.empty(queue, (b, h_q, n, d), np.dtype(self.s.dtype))
 
     def _kernel(self, prob, params):
-        from .opencl.prefill import PrefillKernel
+        from ..opencl.prefill import PrefillKernel
 
         return PrefillKernel(self.h, prob, params, write_lse=False, verbose=self.s.verbose,
                              extra_options=self.s.extra_options)
 
     def _check(self, kern) -> float:
-        from . import reference
+        from .. import reference
 
         # from the host, output poisoned so unwritten elements fail (Array.fill builds a kernel,
         # which takes no half without cl_khr_fp16)
@@ -465,7 +465,7 @@ class DecodeEvaluator(Evaluator):
         import numpy as np
         import pyopencl.array as cla
 
-        from . import reference
+        from .. import reference
 
         b, h_q, h_kv, ctx, d = self.s.shape
         dt = np.dtype(self.s.dtype)
@@ -498,7 +498,7 @@ class DecodeEvaluator(Evaluator):
             self.big_lse = cla.empty(queue, (b, h_q), np.float32)
 
     def _kernel(self, prob, params):
-        from .opencl.decode import DecodeKernel
+        from ..opencl.decode import DecodeKernel
 
         return DecodeKernel(self.h, prob, params, verbose=self.s.verbose, extra_options=self.s.extra_options)
 
@@ -521,7 +521,7 @@ class DecodeEvaluator(Evaluator):
         return info
 
     def _check(self, kern) -> float:
-        from . import reference
+        from .. import reference
 
         worst = 0.0
         for splits in (1, 3):
@@ -838,8 +838,8 @@ def decode_uses_tensor_cores(target: Target, shape, dtype: str) -> bool:
     """Whether decode_mma.cl runs on the attached ``target`` for this problem."""
     if target.mode != "measured" or not target.mma:
         return False
-    from .opencl.decode import tensor_cores_ok
-    from .opencl.runtime import get_device
+    from ..opencl.decode import tensor_cores_ok
+    from ..opencl.runtime import get_device
 
     return bool(tensor_cores_ok(get_device(target.device_spec), _decode_problem(shape, dtype)))
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import reference
-from .api import decode, prefill
+from .. import reference
+from ..api import decode, prefill
 
 # Problem classes the soak cycles through (small, so 10,000 calls take minutes on a CPU driver).
 # More classes than MAX_PROGRAMS would measure the eviction path rather than steady state; these
@@ -41,7 +41,7 @@ def rss_kib() -> int:
 
 def cache_sizes() -> dict:
     """Device handles and the programs they cache (all handles together)."""
-    from .opencl import runtime
+    from ..opencl import runtime
 
     with runtime._lock:
         handles = list(runtime._handles.values())

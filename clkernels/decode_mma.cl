@@ -68,9 +68,7 @@ typedef half store_t;
 
 /* KV_EVICT_FIRST (default: with the PTX instructions): the loop's K/V loads are marked
  * L1::evict_first, each row being read once; the first tile's K stays plain (marked too, it was
- * no faster). H100 (.lead/cl_ev.py, same bits): (8, 32/32, 2k) 97.6 -> 96.9 us, (16, 32/32, 1k)
- * 99.5 -> 98.4, (8, 32/8, 2k) 43.0 -> 42.1, 8k -0.6%, (32, 32/8, 2k) and 128k unchanged; the
- * Triton MHA loops gain 2.5-4.5% from it (docs/decode-h100-notes.md). */
+ * no faster). Up to 1% on an H100: docs/notes/opencl-decode-nvidia.md. */
 #ifndef KV_EVICT_FIRST
 #define KV_EVICT_FIRST DECODE_NV_PTX
 #endif

@@ -1,4 +1,4 @@
-/* Storage type vs compute type (DESIGN.md §4): data may be stored as half, arithmetic is float32.
+/* Storage type vs compute type (docs/design.md §4): data may be stored as half, arithmetic is float32.
  * Half data is read and written with vload_halfN/vstore_halfN, which every OpenCL 1.2 device has,
  * so no kernel here needs cl_khr_fp16.
  *

@@ -3,7 +3,7 @@
     out = flashcl.prefill(q, k, v, causal=True)
     out = flashcl.decode(q, k_cache, v_cache, block_table=bt, context_lens=lens)
 
-See README.md and DESIGN.md for shapes and semantics. Nothing here touches a device at import.
+See README.md and docs/design.md for shapes and semantics. Nothing here touches a device at import.
 """
 
 from ._version import __version__

@@ -1,4 +1,4 @@
-"""The public API: validate inputs, pick a backend, dispatch (DESIGN.md §2).
+"""The public API: validate inputs, pick a backend, dispatch (docs/design.md §1).
 
 Everything here runs before any kernel: a malformed call raises ValueError/TypeError naming the
 argument, what it received and what was expected.

@@ -1,4 +1,4 @@
-"""GPU timing for the CUDA benchmarks (DESIGN.md §6): CUDA-graph replay, inputs rotated past L2,
+"""GPU timing for the CUDA benchmarks (docs/design.md §7): CUDA-graph replay, inputs rotated past L2,
 median and spread, and the device's copy bandwidth measured in the same run.
 
 Only the benchmarks import this module; it needs torch with CUDA.
@@ -143,7 +143,7 @@ def read_bandwidth(nbytes: int = 1 << 30, device=None) -> float:
     warps, two and sixteen programs per SM, the faster counts). This is the ceiling of a decode
     kernel, which reads the cache and writes next to nothing. On an H100 80GB HBM3 it is about 5%
     above the copy bandwidth (read + write counted) and within 0.5% of cuDNN's SDPA on the largest
-    reference decode shape (docs/decode-h100-notes.md)."""
+    reference decode shape (docs/notes/decode-h100.md)."""
     block = 4096  # float32: 16 KB per tile
     n_tiles = max(1, nbytes // (4 * block))
     dev = torch.device(device or "cuda")

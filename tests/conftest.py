@@ -1,4 +1,4 @@
-"""Device gating for the whole suite (STYLE.md: in one place, nothing touched at import).
+"""Device gating for the whole suite (in one place; nothing touched at import).
 
 OpenCL tests take the ``cl_device`` fixture, parametrized over every OpenCL device present
 (Oclgrind left out unless asked). Narrow with FLASHCL_TEST_DEVICES=substring[,substring...].

@@ -241,7 +241,7 @@ def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
 
 def test_tensor_cores_split_choice():
     """decode_mma.cl's split rule (2 resident work-groups per SM, 512..4096 keys per split) on the
-    reference decode shapes on an H100 (132 SMs): the counts the H100 bench of 2026-11-21 measured
+    reference decode shapes on an H100 (132 SMs): the counts the H100 bench measured
     best (MQA: 8, within noise of 4)."""
     picks = [choose_num_splits(132, b * h_kv * cl_decode.mma_tiles(h_q // h_kv), ctx,
                                waves=cl_decode.MMA_WAVES, keys_per_split=cl_decode.MMA_KEYS_PER_SPLIT,

@@ -5,7 +5,7 @@ causal, scale, device spelling, tile parameters, non-contiguous and negative-str
 contiguous or paged caches with permuted block tables — and then, half of the time, breaks it in
 one way: an unsupported dtype or rank, mismatched shapes, an invalid device, invalid parameters,
 an out-of-range block id or context length, a bad split count. The contract checked
-(DESIGN.md §2):
+(docs/design.md §1):
 
 * an unbroken call returns the float64 oracle's answer (relative error <= 1e-5 in float32,
   2e-3 in float16), finite, in the input's dtype and shape;

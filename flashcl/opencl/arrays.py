@@ -17,7 +17,7 @@ def dtype_name(x) -> str:
 
 def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
     """pyopencl Array inputs run on their own queue (and must share a context); anything else on
-    ``device`` (DESIGN.md §2 device selection)."""
+    ``device`` (docs/design.md §1, device)."""
     on_device = {name: t for name, t in tensors.items() if isinstance(t, cla.Array)}
     if not on_device:
         return get_device(device)

@@ -9,52 +9,8 @@ that ``flash_decode_merge`` combines exactly. The split count, when not forced, 
 On NVIDIA devices of compute capability 8.0+ with an fp16 cache (``tensor_cores_ok``) the two
 decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), ~12 warp
 instructions per key instead of ~115, so the SMs no longer run out of issue slots before HBM runs
-out of bandwidth. H100, interleaved A/B against decode.cl with ROW_SHUFFLE (2026-11-21, kernel +
-merge, best split count of each): (1, 32/8, 32k) 0.065 ms, 70% of copy, against 0.090 (51%);
-(1, 32/8, 128k) 0.198 (92%) against 0.285 (64%); (32, 32/8, 2k) 0.101 (91%) against 0.156;
-(16, 32/1, 4k) 0.046 against 0.090. Its loads: the next tile's K is in flight while a tile is
-computed (203 registers): 0.0650 ms at 32k against 0.0688 with no prefetch (184 registers) and
-0.0654 with V prefetched too (255 registers, 4 bytes spilled). 8 warps per work-group instead of 4:
-0.0735 against 0.0750 without prefetch, worse at 128k (0.218 against 0.209).
-decode.cl serves every other device and fp32 caches; what follows was measured on it.
-
-Tried on an H100 through NVIDIA's OpenCL and left out (2026-11-21, fp16, (1, 32, 8, 32k), block 16;
-configurations interleaved over 5 rounds after a 2 s warm-up, because one-at-a-time runs drifted
-by up to 25% between runs). The decode kernel alone takes 0.084 ms at 64 splits (54% of the copy
-bandwidth); none of these made it faster, so the remaining gap is not in the loop's structure:
-  * a "keys" layout (one work-item scores whole K rows against the whole group, q in local memory,
-    one barrier per 128 keys instead of three per 8): 0.114 ms in total against 0.116 (lanes);
-  * a second K/V tile in flight per work-item (two register buffers, 128 registers): 0.0838 ms
-    against 0.0840 for the kernel;
-  * the KV heads of a split adjacent in launch order (pages read together): 0.1149 against 0.1155;
-  * a contiguous (B, H_kv, N, D) cache instead of pages: 0.1137 against 0.1155;
-  * each head tile its own work-group (HEAD_TILE 2 or 1: 78 or 55 registers, more work-groups per
-    CU, K/V read from L2 by the second): 0.122 and 0.150 against 0.092 (merge 256 in all three).
-A second round (same method; split kernel alone, 0.0842-0.0847 ms as the reference in each run):
-  * the ceiling: a bare read of the same pages on the same grid (16 lanes x 8 rows, 64 splits,
-    the chunks xor-ed, nothing else) takes 0.058 ms (78% of copy), 0.052 with 2-4 keys per
-    work-item (86-89%): neither the pages nor the grid hold the kernel back;
-  * bisection by diagnostic builds (results wrong on purpose): only the loads and their half ->
-    float conversion 0.066; plus the partial dot products 0.070; plus the barriers 0.076; plus the
-    score reduction and the softmax 0.084. Every part adds a little, none dominates;
-  * fewer instructions per key: an FMA chain for the partial dots 0.0836; skipping the rescale of
-    acc when the row max did not move 0.0870; native_exp2 or -cl-mad-enable 0.0841;
-  * the next tile's loads at the top of the iteration, their block-table entries one tile
-    earlier: 0.0870;
-  * each work-item summing its own scores from double-buffered partials (one barrier per tile
-    instead of three): 0.0943;
-  * two tiles in flight (a three-slot register ring, the loop unrolled by three): 0.0926 (128
-    registers, 8 bytes spilled); at (8, 32/32, 2k), 72 registers and no spill, 0.138 against
-    0.105: more loads in flight made it slower, not faster.
-A third round (same method):
-  * occupancy: the kernel takes 123 registers (4 work-groups of 128 per SM). Capped at 96, 80 or
-    64 (decode.cl now honours -cl-nv-maxrregcount, built with FIXED_WG=0) it spills 80-272 bytes
-    and takes 0.122-0.163 ms; UNROLL 2 capped at 128 (no spill) 0.0821 against 0.0842;
-  * what landed, ROW_SHUFFLE (row_shuffle_ok): the K row's partial dot products summed by warp
-    shuffles, no local memory and no barrier in the loop: the split kernel 0.0805 against 0.0845,
-    in all (merge included) 0.0871 against 0.0909 (52% of copy); (32, 32/8, 2k) 0.156 against
-    0.164; (8, 32/32, 2k) 0.110 against 0.112; (8, 32/8, 2k) within its noise (0.071-0.072).
-    With it, UNROLL 2 is still slower (0.104-0.111 ms, 144 registers).
+out of bandwidth. decode.cl serves every other device and fp32 caches. What was measured for
+both, and every variant that lost: docs/notes/opencl-decode-nvidia.md.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle
 
 
 def get_device(spec=None) -> DeviceHandle:
-    """Resolve ``device=`` (DESIGN.md §2) to a cached DeviceHandle.
+    """Resolve ``device=`` (docs/design.md §1) to a cached DeviceHandle.
 
     None: $FLASHCL_DEVICE, else the first GPU, else the first device. A string: "P:D" indices or a
     substring of the platform/device name or a profile name ("adreno", "nvidia", "cpu"). Or a
@@ -381,7 +381,7 @@ def ptxas_section(log: str, name: str) -> str:
 
 
 def spill_report(built: BuiltProgram, kernel: cl.Kernel, handle: DeviceHandle) -> dict:
-    """Spill signals for one built kernel, strongest first (DESIGN.md §5)."""
+    """Spill signals for one built kernel, strongest first (docs/design.md §6)."""
     info = {}
     section = ptxas_section(built.log, kernel.function_name)
     m = _PTXAS_SPILL.search(section)

@@ -1,4 +1,4 @@
-"""Benchmark of the OpenCL flash-decoding kernels (a command, never a test; DESIGN.md §6).
+"""Benchmark of the OpenCL flash-decoding kernels (a command, never a test; docs/design.md §7).
 
 For each decode shape (B, H_q, H_kv, ctx), d = 128: a paged cache (block_size 16 by default) whose
 blocks are a random permutation (``block_order="sequential"``: in allocation order; "ascending": a
@@ -35,7 +35,7 @@ from ..opencl.runtime import DeviceHandle, event_times
 HEAD_DIM = 128
 AUTO_TOLERANCE = 1.05  # auto must be within 5% of the best forced split count
 
-# (B, H_q, H_kv, ctx); DESIGN.md §6 reference shapes, and the same scaled for a 2-core CPU (ctx/16)
+# (B, H_q, H_kv, ctx); docs/design.md §7 reference shapes, and the same scaled for a 2-core CPU (ctx/16)
 DECODE_PRESETS = {
     "reference": [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048),
                   (4, 64, 8, 2048), (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768),

@@ -1,4 +1,4 @@
-"""Benchmarks of the OpenCL kernels (commands, never tests; DESIGN.md §6).
+"""Benchmarks of the OpenCL kernels (commands, never tests; docs/design.md §7).
 
 Prefill: GFLOP/s = FLOPs / median kernel time, with FLOPs = 2·B·H_q·(DK + DV)·(visible query-key
 pairs) — 4·B·H·N²·d for square non-causal attention, about half of it causal. Times come from
@@ -24,7 +24,7 @@ from .._version import __version__
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
 
-# (B, H_q, H_kv, N, d, causal); DESIGN.md §6 reference shapes, and what the issues' targets name
+# (B, H_q, H_kv, N, d, causal); docs/design.md §7 reference shapes, and what the issues' targets name
 PREFILL_PRESETS = {
     "reference": [(1, 32, 32, 1024, 128, True), (1, 32, 32, 4096, 128, True), (4, 32, 32, 4096, 128, True),
                   (1, 32, 32, 4096, 128, False), (8, 12, 12, 1024, 64, True), (16, 12, 12, 512, 64, False),

@@ -31,6 +31,14 @@ Work decomposition (grid = (H_kv, B, splits))::
 The split count is chosen on the host from shapes only (max_blocks * PAGE_SIZE bounds the context),
 never from context_lens values: the launch path does no host sync and is CUDA-graph capturable.
 
+Nothing the tables hold can make a kernel read or write out of bounds, and they are never read
+back: a context length outside [0, bound] reads no key, a block id outside [0, num_blocks) is
+clamped into the cache where it is used (_clamp_pages, then _pages_in_cache; entries past a
+sequence's end are never used, so never checked), and either makes that sequence's out and lse
+NaN, the other sequences untouched. Keys past context_lens[b] never reach the row, whatever their K/V hold: their scores
+are selected away (tl.where) and their V rows read as zeros or as a real row of the sequence. A
+row whose q or a visible K holds NaN/inf gets NaN out and lse (its l is NaN, never taken for 0).
+
 Launch knobs (``_KNOBS``: keys of ``launch_plan``'s / ``_launch``'s ``config``, next to BLOCK_N,
 num_warps and num_stages; benchmarks force them on or off, the op uses the defaults):
 
@@ -90,11 +98,12 @@ _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log
 # --------------------------------------------------------------------------- kernels
 
 
-# num_splits and the context bound vary from call to call: no recompilation for their values
-@triton.jit(do_not_specialize=["n_ctx_max", "num_splits"])
+# num_splits, the context bound and the block count vary from call to call: no recompilation for
+# their values
+@triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks"])
 def _decode_kernel(
     Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters,
-    qk_scale_log2, n_ctx_max, num_splits,
+    qk_scale_log2, n_ctx_max, num_splits, num_blocks,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
     stride_vblk, stride_vpos, stride_vh, stride_vd,
@@ -163,6 +172,11 @@ def _decode_kernel(
         n_ctx = tl.load(ContextLens + pid_b)
     else:
         n_ctx = n_ctx_max
+    # device tables are never read back: a length outside [0, bound] reads no key, and it or a
+    # block id outside the cache (clamped at use, checked after the loop) makes the rows NaN
+    tables_ok = (n_ctx >= 0) & (n_ctx <= n_ctx_max)
+    n_ctx = tl.where(tables_ok, n_ctx, 0)
+    last_block = (num_blocks - 1).to(tl.uint32)
     if not EARLY_PAGES:
         chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
@@ -187,7 +201,7 @@ def _decode_kernel(
         q_row = Q + pid_b.to(tl.int64) * stride_qb + pid_h * stride_qh + offs_dk * stride_qd
         m_i, l_i, acc = _mha_fma_loop(
             q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
-            lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
+            lo, hi, n_ctx_max, last_block, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
             BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32, KV_EVICT)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
@@ -208,6 +222,7 @@ def _decode_kernel(
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
                 # for it): the K/V loads need no row mask, and those rows' scores are -inf below
+                page = _clamp_pages(page, last_block)
                 row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
                 row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
                 # the next tile's entries, its rows past the end at its first token; clamped to the
@@ -219,11 +234,13 @@ def _decode_kernel(
                 # the tile is BLOCK_N consecutive rows of one page; a row past the end reads the
                 # tile's first row (a real one): no row mask, as with whole pages
                 in_page = (start_n % PAGE_SIZE) + tl.where(valid, offs_n, 0)
+                page = _clamp_pages(page, last_block)
                 row_k = _page_rows(page, True, in_page * stride_kpos, stride_kblk, OFFS32)
                 row_v = _page_rows(page, True, in_page * stride_vpos, stride_vblk, OFFS32)
                 # the next tile's entry (one iteration ahead; past the end it goes unused)
                 page = _table_entries(bt_base, start_n + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
             elif PAGED:
+                page = _clamp_pages(page, last_block)
                 row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
                 row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
                 nxt = tok + BLOCK_N
@@ -250,6 +267,10 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
+
+    if PAGED:
+        tables_ok = tables_ok & _pages_in_cache(bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE)
+    l_i = tl.where(tables_ok, l_i, float("nan"))
 
     if SPLIT:
         # unnormalized partial state; an empty split stores (-inf, 0, 0)
@@ -278,7 +299,9 @@ def _decode_kernel(
                              stride_ob, stride_oh, stride_od, stride_lseb, stride_lseh,
                              GROUP, BLOCK_GM, DV, BLOCK_DV, MERGE_STAGES)
     else:
-        seen = l_i > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        # context_len 0: out 0, lse -inf (no 0/0); a NaN l (NaN/inf in q or a seen K, a bad
+        # table) is not 0: out and lse NaN
+        seen = l_i != 0.0
         l_safe = tl.where(seen, l_i, 1.0)
         out = acc / l_safe[:, None]
         o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
@@ -293,6 +316,27 @@ def _table_entries(bt_base, tok, n_ctx_max, stride_btn, PAGE_SIZE: tl.constexpr)
     """The block-table entries of tokens ``tok``, clamped to the table's bound (an entry past a
     sequence's end is read, never used as an address by whole-page tiles)."""
     return tl.load(bt_base + (tl.minimum(tok, n_ctx_max - 1) // PAGE_SIZE) * stride_btn)
+
+
+@triton.jit
+def _clamp_pages(page, last_block):
+    """Block ids about to address the cache, clamped into it: one unsigned min (a negative id is
+    huge). Whether any was out of it is checked after the loop (_pages_in_cache)."""
+    return tl.minimum(page.to(tl.uint32), last_block).to(tl.int32)
+
+
+@triton.jit
+def _pages_in_cache(bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE: tl.constexpr):
+    """Whether the block-table entries of tokens [lo, hi) all lie in [0, last_block]. Read after
+    the K/V loop that clamped them (from L1 by then) rather than tracked in it: the loop keeps
+    its registers and carries no flag."""
+    offs = tl.arange(0, 128)
+    top = tl.zeros([128], dtype=tl.uint32)
+    n_pages = tl.cdiv(hi, PAGE_SIZE)
+    for first in tl.range(lo // PAGE_SIZE, n_pages, 128, num_stages=1):
+        entry = tl.load(bt_base + (first + offs) * stride_btn, mask=first + offs < n_pages, other=0)
+        top = tl.maximum(top, entry.to(tl.uint32))
+    return tl.max(top, 0) <= last_block
 
 
 @triton.jit
@@ -328,7 +372,7 @@ def _load_rows(ptrs, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK
 
 @triton.jit
 def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
-                  lo, hi, n_ctx_max, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
+                  lo, hi, n_ctx_max, last_block, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
                   BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   OFFS32: tl.constexpr, KV_EVICT: tl.constexpr):
@@ -354,6 +398,7 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     q = tl.load(q_row, mask=offs_dk < DK, other=0.0).to(tl.float32) * qk_scale_log2
 
     valid = lo + offs_n < hi
+    page = _clamp_pages(page, last_block)
     row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
     row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
     # the first tile's loads keep the default L1 policy; only the loop's are KV_EVICT (see _KNOBS)
@@ -373,7 +418,7 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         # the next tile's loads; after the last tile they read the first page's row 0 (unused)
         tok_next = start_n + BLOCK_N + offs_n
         valid_next = tok_next < hi
-        page = tl.where(valid_next, page, page_lo)
+        page = _clamp_pages(tl.where(valid_next, page, page_lo), last_block)
         row_k = _page_rows(page, valid_next, in_page_k, stride_kblk, OFFS32)
         row_v = _page_rows(page, valid_next, in_page_v, stride_vblk, OFFS32)
         k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
@@ -431,7 +476,7 @@ def _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, head0, num_splits,
         l = l * w_old + l_s * w_s
         acc = acc * w_old[:, None] + a_s * w_s[:, None]
         m = m_new
-    seen = l > 0.0
+    seen = l != 0.0  # a NaN l stays NaN: out and lse NaN
     l_safe = tl.where(seen, l, 1.0)
     o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_a)
@@ -488,7 +533,7 @@ def _reduce_kernel(
         acc = acc * w_run + tl.sum(a_c * w, 1, keep_dims=True)
         m_run = m_new
 
-    seen = l_run > 0.0
+    seen = l_run != 0.0  # a NaN l stays NaN: out and lse NaN
     l_safe = tl.where(seen, l_run, 1.0)
     o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads * stride_oh + offs_dv * stride_od
     tl.store(o_ptrs, (acc / l_safe).to(Out.dtype.element_ty), mask=mask_h & (offs_dv < DV))
@@ -965,7 +1010,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
     if paged:
-        _, page_size, h_kv, _ = k_cache.shape
+        num_blocks, page_size, h_kv, _ = k_cache.shape
+        if num_blocks == 0:  # the kernels clamp block ids into the cache: it needs a block
+            raise ValueError("paged k_cache/v_cache hold no block (k_cache.shape[0] == 0)")
         n_ctx_bound = block_table.shape[1] * page_size
         # (num_blocks, PAGE_SIZE, H_kv, D): block / position-in-block / head / dim
         sk = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
@@ -979,6 +1026,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         sv = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3))
         s_bt = (0, 0)
         block_table = q  # never read (PAGED=False); any pointer will do
+        num_blocks = 1
     group = h_q // h_kv
     plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config, max(0, num_splits),
                        page_size if paged else 0)
@@ -1036,7 +1084,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_kernel[grid](
             q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
             out, lse, part_m, part_l, part_acc, counters if fused else lse,
-            scale * _LOG2E, n_ctx_bound, num_splits,
+            scale * _LOG2E, n_ctx_bound, num_splits, num_blocks,
             q.stride(0), q.stride(1), q.stride(2),
             *sk, *sv, *s_bt,
             out.stride(0), out.stride(1), out.stride(2),

@@ -137,6 +137,7 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
     keys, order = _page_order(block_table, k_cache.shape[1], 1, block_n, h * b, sort_pages, lse)
     _mha_decode[(h, b)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, order, qk_scale_log2, block_table.shape[1],
+        k_cache.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
@@ -345,7 +346,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
                               sort_pages, lse)
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
-        qk_scale_log2, block_table.shape[1], num_splits,
+        qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
@@ -398,7 +399,23 @@ if gluon is not None:
         return x
 
     @gluon.jit
-    def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, Order, qk_scale_log2, max_blocks,
+    def _context_len(ContextLens, pid_b, capacity):
+        """(context_lens[b], whether it lies in [0, capacity]); outside, 0: no key is read, and the
+        kernels make the sequence's rows NaN (device tables are never read back; see decode)."""
+        n = gl.load(ContextLens + pid_b)
+        ok = (n >= 0) & (n <= capacity)
+        return gl.where(ok, n, 0), ok
+
+    @gluon.jit
+    def _safe_pages(page, last_block):
+        """decode._safe_pages: (block ids about to be used, clamped into the cache with one
+        unsigned min, and the ids as unsigned, for the caller's running maximum that is compared
+        with the last block once after the loop)."""
+        page = page.to(gl.uint32)
+        return gl.minimum(page, last_block).to(gl.int32), page
+
+    @gluon.jit(do_not_specialize=["num_blocks"])
+    def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, Order, qk_scale_log2, max_blocks, num_blocks,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
@@ -431,14 +448,19 @@ if gluon is not None:
         # at 64: decode._KNOBS, kv_evict_first)
         if SORT_N > 0:  # the pages in address order (_sorted_table) before the first tile's loads
             order = Order + (pid_b.to(gl.int64) * gl.num_programs(0) + pid_h) * SORT_N
-            bt = _sorted_table(bt, order, 0, gl.load(ContextLens + pid_b), max_blocks, PAGE, SORT_N)
+            bt = _sorted_table(bt, order, 0, _context_len(ContextLens, pid_b, max_blocks * PAGE)[0], max_blocks,
+                               PAGE, SORT_N)
         page = gl.load(bt + gl.minimum(tok0 // PAGE, max_blocks - 1))
-        n_ctx = gl.load(ContextLens + pid_b)
+        n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
         last = gl.maximum(n_ctx - 1, 0)  # the last token (token 0 of an empty sequence: never read)
+        last_block = (num_blocks - 1).to(gl.uint32)
         q = gl.load(Q + pid_b.to(gl.int64) * stride_qb + pid_h * stride_qh + d4, mask=cols,
                     other=0.0).to(gl.float32) * qk_scale_log2
         in_page = tok0 % PAGE
         first = gl.expand_dims(tok0 < n_ctx, 3) & cols  # & cols: the row mask over the tile
+        # the largest block id used, one per slot of a thread (its R slots reduced in registers)
+        page, used = _safe_pages(gl.where(tok0 < n_ctx, page, 0), last_block)
+        top = gl.max(used, 0, keep_dims=True)
         k_next = gl.load(k_base + gl.expand_dims(page * stride_kblk + in_page * stride_kpos, 3) + d4,
                          mask=first, other=0.0)
         v_next = gl.load(v_base + gl.expand_dims(page * stride_vblk + in_page * stride_vpos, 3) + d4,
@@ -455,6 +477,8 @@ if gluon is not None:
             # read the last token's row (real, no mask; their scores are -inf), and the block
             # table is read one tile further ahead, never past the sequence's last entry
             tok = gl.minimum(start + BLOCK_N + tok0, last)
+            page, used = _safe_pages(page, last_block)
+            top = gl.maximum(top, gl.max(used, 0, keep_dims=True))
             k_next = _load_cols(k_base + gl.expand_dims(page * stride_kblk + (tok % PAGE) * stride_kpos, 3) + d4,
                                 cols, D, BLOCK_D, EVICT)
             v_next = _load_cols(v_base + gl.expand_dims(page * stride_vblk + (tok % PAGE) * stride_vpos, 3) + d4,
@@ -471,6 +495,7 @@ if gluon is not None:
             acc = acc * gl.expand_dims(alpha, 3) + v.to(gl.float32) * gl.expand_dims(p, 3)
             m_r = m_new
 
+        l_r = gl.where((top <= last_block) & lens_ok, l_r, float("nan"))  # a bad table: NaN row
         # the merge: the R slots of a thread in registers, [1, W, LP, BLOCK_D] states in L4 (one
         # per warp and lane group), then those W LP states through shared memory behind one
         # barrier, each thread merging the states of one column. m and l are stored for every
@@ -489,7 +514,7 @@ if gluon is not None:
         COLS: gl.constexpr = gl.BlockedLayout([1, W, LP, 1], [1, 1, 1, 32], [1, 1, 1, W], [3, 2, 1, 0])
         m, l, acc_row = _merge_states(m_s.load(COLS), l_s.load(COLS), acc_s.load(COLS), 2)
         m, l, acc_row = _merge_states(m, l, acc_row, 1)  # [1, 1, 1, BLOCK_D]
-        seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        seen = l != 0.0  # context_len 0: out 0, lse -inf (no 0/0); a NaN l: NaN out and lse
         l_safe = gl.where(seen, l, 1.0)
         col = _index(BLOCK_D, 3, COLS, 4)
         gl.store(Out + pid_b.to(gl.int64) * stride_ob + pid_h * stride_oh + col,
@@ -576,9 +601,9 @@ if gluon is not None:
         _cta_barrier()
         return order - lo // PAGE
 
-    @gluon.jit(do_not_specialize=["num_splits"])
+    @gluon.jit(do_not_specialize=["num_splits", "num_blocks"])
     def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order,
-                    qk_scale_log2, max_blocks, num_splits,
+                    qk_scale_log2, max_blocks, num_splits, num_blocks,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
@@ -625,13 +650,14 @@ if gluon is not None:
         # this program's sorted copy of the split's (_sorted_table), sorted before these loads
         if SORT_N > 0:
             order = Order + ((pid_s.to(gl.int64) * gl.num_programs(1) + pid_b) * gl.num_programs(0) + pid_h) * SORT_N
-            bt = _sorted_table(bt, order, lo, gl.minimum(lo + chunk, gl.load(ContextLens + pid_b)), max_blocks, PAGE,
-                               SORT_N)
+            n_sort = _context_len(ContextLens, pid_b, max_blocks * PAGE)[0]
+            bt = _sorted_table(bt, order, lo, gl.minimum(lo + chunk, n_sort), max_blocks, PAGE, SORT_N)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
-        n_ctx = gl.load(ContextLens + pid_b)
+        n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
         hi = gl.minimum(lo + chunk, n_ctx)
         last = gl.maximum(hi - 1, 0)
+        last_block = (num_blocks - 1).to(gl.uint32)
 
         # q in the operand's k order (see above); rows past the group are zeros
         k_q = _vec3(D, 2, QL)
@@ -641,6 +667,9 @@ if gluon is not None:
                     + _vec3(W, 0, QL) * 0, mask=(row_q < GROUP) & (col_q < D), other=0.0)
         q = gl.convert_layout(q, A_L)
 
+        # K and V read the same entries: top follows K's (the masked rows use none)
+        page_k, top = _safe_pages(gl.where(tok_k < hi, page_k, 0), last_block)
+        page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
         k_next = gl.load(k_base + page_k * stride_kblk + (tok_k % PAGE) * stride_kpos + col_k,
                          mask=(tok_k < hi) & (col_k < D), other=0.0)
         v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
@@ -660,6 +689,9 @@ if gluon is not None:
             # no mask; their scores are -inf); the block table one tile further ahead
             t_k = gl.minimum(start - lo + BLOCK_N + tok_k, last)
             t_v = gl.minimum(start - lo + BLOCK_N + tok_v, last)
+            page_k, used = _safe_pages(page_k, last_block)
+            top = gl.maximum(top, used)
+            page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
             k_next = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k,
                              eviction_policy=EVICT)
             v_next = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v,
@@ -684,6 +716,7 @@ if gluon is not None:
             vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
             acc = mma_v2(pa, vb, acc * gl.expand_dims(alpha, 2))
 
+        tables_ok = (gl.max(gl.max(gl.max(top, 2), 1), 0) <= last_block) & lens_ok
         # the warps' states through shared memory behind one barrier; a group of at most 8 needs
         # only the rows g < 8 of the mma layout (its first register half), half the exchange
         if GROUP <= 8:
@@ -702,6 +735,7 @@ if gluon is not None:
         m = gl.max(m_w, 0, keep_dims=True)
         w = gl.exp2(m_w - gl.where(m == float("-inf"), 0.0, m))  # all empty: no inf - inf
         l = gl.sum(l_w * w, 0, keep_dims=True)
+        l = gl.where(tables_ok, l, float("nan"))  # a bad table: NaN rows
         o = gl.sum(acc_s.load(CL) * w, 0, keep_dims=True)  # [1, R, D]
         row = _vec3(R, 1, CL)
         n = _vec3(D, 2, CL)
@@ -715,7 +749,7 @@ if gluon is not None:
             gl.store(PartAcc + pid_b.to(gl.int64) * stride_pab + (pid_h * GROUP + row) * stride_pah
                      + pid_s * stride_pas + col, o, mask=(row < GROUP) & (n < D))
             return
-        seen = l > 0.0  # context_len 0: out 0, lse -inf (no 0/0)
+        seen = l != 0.0  # context_len 0: out 0, lse -inf (no 0/0); a NaN l: NaN out and lse
         l_safe = gl.where(seen, l, 1.0)
         gl.store(Out + pid_b.to(gl.int64) * stride_ob + (pid_h * GROUP + row) * stride_oh + col,
                  (o / l_safe).to(Out.dtype.element_ty), mask=(row < GROUP) & (n < D))

@@ -22,6 +22,13 @@ crosses, and the ragged last tile of a non-causal row, go through the masked loo
 
 Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
 
+Non-finite inputs: a key a row cannot see never reaches that row, whatever its K or V holds: the
+masked tiles select scores with tl.where, keys past N_kv load as 0, and a causal block whose acc
+comes out non-finite is redone with V cleaned (_careful_block), a path finite inputs never take.
+A row whose q or a visible K holds NaN/inf gets NaN out and lse (never lse = -inf); one that
+sees a non-finite V gets NaN in its whole output row if causal, else NaN/inf in that column
+(its lse stays exact).
+
 SOFTMAX_OVERLAP (a tile option, chosen for long rows on sm_90, see _overlap_pays) reorders loop 1
 so that each tile's softmax runs while the tensor cores do the previous tile's P @ V
 (_attend_full_tiles_overlapped): the same sums in the same order (its first trip adds P = 0 times tile 0).
@@ -107,16 +114,29 @@ def _full_tile_softmax(qk, m_i, qk_scale):
 
 
 @triton.jit
+def _hide_nonfinite_v(p, v, seen):
+    """P and V of a tile of _careful_block: P is 0 at a key a row cannot see, but 0 * inf and
+    0 * NaN are NaN in the dot, so non-finite V values become 0, and a row that sees such a key
+    gets P = NaN on it: NaN in its whole output row (lse stays exact)."""
+    finite = tl.abs(v) < float("inf")  # false for NaN and +-inf
+    key_bad = tl.max(tl.where(finite, 0, 1), 1)
+    p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
+    return p, tl.where(finite, v, 0.0)
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                  stride_kn, stride_vn, N_KV, row_last, qk_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr, EARLY_V: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CLEAN_V: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr,
+                 EARLY_V: tl.constexpr):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
     k_src/v_src: see _load_tile. MASKED: row i sees the keys j <= row_last[i] (row_last < N_kv
-    folds the causal limit and the ragged end). EARLY_V: V is loaded with K, before QK^T (with
-    the software pipeline's stages both then wait on one barrier; see the notes next to _TILE_SPACE)."""
+    folds the causal limit and the ragged end). CLEAN_V (masked tiles): _hide_nonfinite_v.
+    EARLY_V: V is loaded with K, before QK^T (with the software pipeline's stages both then wait
+    on one barrier; see the notes next to _TILE_SPACE)."""
     k = _load_tile(k_src, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn, N_KV,
                    DK, BLOCK_DK, BLOCK_N, MASKED, USE_TMA)
     if EARLY_V:
@@ -127,7 +147,8 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
     # -- new running max and probabilities (scale * log2(e) folded into one multiply-add)
     if MASKED:
         offs_kv = start_n + offs_n
-        qk = tl.where(offs_kv[None, :] <= row_last[:, None], qk * qk_scale, float("-inf"))
+        seen = offs_kv[None, :] <= row_last[:, None]
+        qk = tl.where(seen, qk * qk_scale, float("-inf"))  # a select: a NaN/inf K at a hidden key goes too
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -141,6 +162,8 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
     if not EARLY_V:
         v = _load_tile(v_src, off_b, off_hkv, start_n, offs_n, offs_dv, stride_vn, N_KV,
                        DV, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)
+    if MASKED and CLEAN_V:
+        p, v = _hide_nonfinite_v(p, v, seen)
     acc = acc * alpha[:, None]
     acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
     l_i = l_i * alpha + l_ij  # after the dot, as in Triton's tutorial: shorter live ranges
@@ -281,21 +304,44 @@ def _prefill_kernel(
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n,
                                          offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV,
                                          row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                                         False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False)
+                                         False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False)
     # loop 2: tiles crossed by the causal diagonal, or the ragged last tile
     for start_n in range(full_end, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n,
                                      offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
-                                     DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION,
+                                     DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, False, DOT_PRECISION,
                                      UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP)
+    redo = False
+    if IS_CAUSAL:
+        # a diagonal tile multiplies a hidden key's V by P = 0, and 0 * inf is NaN: rather than
+        # clean V on every such tile, a block whose acc comes out non-finite (rare) is redone
+        total = tl.sum(tl.sum(acc, 1), 0)
+        redo = total - total != 0.0
+    if redo:
+        _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal_shift, N_Q, N_KV, qk_scale,
+                       stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                       stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+                       stride_lb, stride_lh, stride_lm, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, RETURN_LSE,
+                       DOT_PRECISION, UPCAST_DOTS)
+    else:
+        _finish_rows(acc, l_i, m_i, Out, Lse, DescO, off_b, off_h, start_m * BLOCK_M, offs_m, offs_dv, N_Q,
+                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                     DV, BLOCK_DV, BLOCK_M, RETURN_LSE, USE_TMA)
 
-    # -- normalize; a row that saw no key has l = 0, acc = 0: it stores 0 and lse = -inf
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i, Out, Lse, DescO, off_b, off_h, row0, offs_m, offs_dv, N_Q,
+                 stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr, RETURN_LSE: tl.constexpr,
+                 USE_TMA: tl.constexpr):
+    """Normalize and store the rows offs_m (row0, row0 + 1, ..) of a finished state."""
+    # a row that saw no key has l = 0, acc = 0: it stores 0 and lse = -inf (a NaN l, from NaN/inf
+    # in q or a seen K, is not 0: NaN out and lse)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
     if USE_TMA:  # the copy engine clips rows past N_q and padded head dims
-        DescO.store([off_b, off_h, start_m * BLOCK_M, 0],
-                    out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_DV))
+        DescO.store([off_b, off_h, row0, 0], out.to(Out.dtype.element_ty).reshape(1, 1, ROWS, BLOCK_DV))
     else:
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
         tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
@@ -306,6 +352,46 @@ def _prefill_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         l_base = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
         tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal_shift, N_Q, N_KV, qk_scale,
+                   stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+                   stride_lb, stride_lh, stride_lm,
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST_DOTS: tl.constexpr):
+    """A causal query block redone and stored with V cleaned on every tile (_hide_nonfinite_v):
+    16 rows by 16 keys at a time with pointer loads, unpipelined, so that this rare path needs
+    fewer registers and less shared memory than the fast one and leaves the kernel's as they are."""
+    SUB: tl.constexpr = 16
+    offs_s = tl.arange(0, SUB)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_src = (K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+             + offs_s[:, None] * stride_kn + offs_dk[None, :] * stride_kd)
+    v_src = (V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+             + offs_s[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    for row0 in tl.range(start_m * BLOCK_M, (start_m + 1) * BLOCK_M, SUB, num_stages=1):
+        offs_m = row0 + offs_s
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
+                    mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
+        if UPCAST_DOTS:
+            q = q.to(tl.float32)
+        m_i = tl.full([SUB], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([SUB], dtype=tl.float32)
+        acc = tl.zeros([SUB, BLOCK_DV], dtype=tl.float32)
+        row_last = tl.minimum(offs_m + causal_shift, N_KV - 1)
+        for start_n in tl.range(0, tl.minimum(hi, row0 + SUB + causal_shift), SUB, num_stages=1):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_s,
+                                         offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
+                                         DK, DV, BLOCK_DK, BLOCK_DV, SUB, True, True, DOT_PRECISION,
+                                         UPCAST_DOTS, False, False)
+        _finish_rows(acc, l_i, m_i, Out, Lse, None, off_b, off_h, row0, offs_m, offs_dv, N_Q,
+                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                     DV, BLOCK_DV, SUB, RETURN_LSE, False)
 
 
 # --------------------------------------------------------------------------- tuning space

@@ -238,8 +238,8 @@ def _params_option(ctx, param, value):
 
 
 def _triton_bench(name: str):
-    """The Triton benchmark module of ``name`` ("prefill", "decode"), or exit 5 (torch or triton
-    missing) or 3 (no CUDA GPU)."""
+    """The Triton tool module of ``name`` ("prefill", "decode", "soak"), or exit 5 (torch or
+    triton missing) or 3 (no CUDA GPU)."""
     try:
         import torch
     except ImportError as exc:
@@ -247,10 +247,10 @@ def _triton_bench(name: str):
     if not torch.cuda.is_available():
         _fail("--backend triton needs a CUDA GPU and torch finds none; use --backend opencl", EXIT_NO_DEVICE)
     try:
-        from .triton import bench_decode, bench_prefill
+        from .tools import triton_bench_decode, triton_bench_prefill, triton_soak
     except ImportError as exc:
         _fail(f"--backend triton needs torch and triton ({exc}); pip install 'flashcl[cuda]'", EXIT_MISSING_DEP)
-    return {"prefill": bench_prefill, "decode": bench_decode}[name]
+    return {"prefill": triton_bench_prefill, "decode": triton_bench_decode, "soak": triton_soak}[name]
 
 
 def _triton_conditions(command: str) -> dict:
@@ -282,13 +282,15 @@ def _triton_conditions(command: str) -> dict:
 @click.option("--params", "params", default=None, callback=_params_option,
               help='Tile override as JSON, e.g. \'{"BLOCK_M":64,...}\'.')
 @click.option("--no-check", is_flag=True, help="Skip the error check against the float64 oracle.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
+              help="Triton: interleaved rounds, each timing every implementation once.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, as_json):
+def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
     if backend == "triton":
         tb = _triton_bench("prefill")
-        rows = tb.run(shapes=list(shapes) or None, dtype=dtype)
+        rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds)
         if as_json:
             _echo_json({"conditions": _triton_conditions(command), "rows": rows})
         else:
@@ -335,6 +337,22 @@ def _decode_shapes_option(ctx, param, value):
     return tuple(out)
 
 
+def _split_counts(text):
+    """--splits: None (the default powers of two), [] for 'none', else the counts."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected split counts like 1,2,4 or 'none'",
+                                 param_hint=["--splits"]) from None
+    if any(c < 1 for c in counts):
+        raise click.BadParameter(f"{text!r}: split counts are >= 1", param_hint=["--splits"])
+    return counts
+
+
 @bench.command("decode")
 @click.option("--device", default=None, help="Device: substring, profile name or P:D (default: first GPU).")
 @click.option("--backend", type=click.Choice(["opencl", "triton"]), default="opencl", show_default=True)
@@ -352,8 +370,15 @@ def _decode_shapes_option(ctx, param, value):
                    "fresh cache) or ascending (random blocks, each sequence's in address order).")
 @click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
               help="Timed runs per shape (median reported).")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
+              help="Triton: interleaved rounds, each timing every variant once.")
+@click.option("--splits", "splits", default=None,
+              help="Triton: forced split counts to compare, comma-separated (default: powers of two; "
+                   "'none': no comparison).")
+@click.option("--sweep-tiles", is_flag=True, help="Triton: time every tile configuration instead.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, as_json):
+def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, rounds,
+                 splits, sweep_tiles, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     try:
@@ -372,8 +397,20 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         tb = _triton_bench("decode")
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
+        if sweep_tiles:
+            rows = tb.sweep_tiles(shapes=shape_list, dtype=dtype, block_size=block_size, head_dim=head_dim)
+            if as_json:
+                _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+            else:
+                for r in rows:
+                    click.echo(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
+                               f"stages={r['num_stages']} splits={r['splits']:<3} {r['median_ms']:.4f} ms "
+                               f"{r['TB_s']:.2f} TB/s")
+            return
+        forced = _split_counts(splits)
         rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order,
-                      head_dim=head_dim)
+                      head_dim=head_dim, rounds=rounds, splits=forced,
+                      on_row=lambda r: click.echo(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", err=True))
         if as_json:
             _echo_json({"conditions": _triton_conditions(command), "rows": rows})
         else:
@@ -381,6 +418,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
+    if splits is not None or sweep_tiles:
+        _fail("--splits and --sweep-tiles are options of --backend triton", EXIT_USAGE)
     from .tools import bench_prefill as b
     from .tools import bench_decode as bd
 
@@ -656,6 +695,8 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
 
 @main.command()
 @click.option("--device", default=None, help="OpenCL device (name substring, profile or P:D).")
+@click.option("--backend", type=click.Choice(["opencl", "triton"]), default="opencl", show_default=True,
+              help="triton: mixed calls on the CUDA GPU (torch allocator and RSS curve).")
 @click.option("--calls", default=10000, show_default=True, type=click.IntRange(1), help="Calls to make.")
 @click.option("--every", default=250, show_default=True, type=click.IntRange(1),
               help="Sample memory and cache sizes every N calls.")
@@ -664,8 +705,21 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
 @click.option("--max-growth", default=0.10, show_default=True, type=float,
               help="Fail when the last quarter's mean RSS exceeds the second quarter's by more.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def soak(device, calls, every, check_every, max_growth, as_json):
+def soak(device, backend, calls, every, check_every, max_growth, as_json):
     """Many mixed prefill/decode calls in one process; fails (exit 1) if memory keeps growing."""
+    if backend == "triton":
+        ts = _triton_bench("soak")
+        res = ts.run(calls, every, check_every, on_sample=None if as_json else (lambda s: click.echo(s)))
+        if as_json:
+            _echo_json({"conditions": _triton_conditions("flashcl " + " ".join(sys.argv[1:])), **res})
+        else:
+            errs = ", ".join(f"{dt} {err:.2e} (bound {ts.TOL[dt]:.1e})"
+                             for dt, err in sorted(res["worst_rel_err"].items()))
+            click.echo(f"worst relative error of the checked calls: {errs}; allocated CUDA memory "
+                       f"{'GREW' if res['allocated_grew'] else 'flat'} after mid-run")
+        if not res["ok"]:
+            sys.exit(EXIT_CHECK_FAILED)
+        return
     from .tools import soak as soak_mod
 
     handle = _handle(device)

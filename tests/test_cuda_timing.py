@@ -1,8 +1,8 @@
-"""The benchmarks' interleaved rounds (flashcl.cuda_timing.interleaved_rounds): pure Python, no GPU."""
+"""The benchmarks' interleaved rounds (flashcl.tools.cuda_timing.interleaved_rounds): pure Python, no GPU."""
 
 import pytest
 
-cuda_timing = pytest.importorskip("flashcl.cuda_timing", reason="the CUDA timing tools need torch")
+cuda_timing = pytest.importorskip("flashcl.tools.cuda_timing", reason="the CUDA timing tools need torch")
 
 
 def test_interleaved_rounds_take_turns_and_rotate():

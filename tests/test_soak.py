@@ -47,14 +47,18 @@ def test_program_cache_is_bounded(cpu_device, monkeypatch):
 
 
 def test_cuda_soak_short_run():
-    """The CUDA long run (python -m flashcl.triton.soak) on a few calls: flat allocator, exact;
-    without a GPU the command says so and exits 2."""
+    """The CUDA long run (flashcl soak --backend triton) on a few calls: flat allocator, exact;
+    without a GPU the command says so in one line and exits 3."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from flashcl.triton import soak as cuda_soak
+    from click.testing import CliRunner
+
+    from flashcl import cli
+    from flashcl.tools import triton_soak as cuda_soak
 
     if not torch.cuda.is_available():
-        assert cuda_soak.main(["--calls", "1"]) == 2
+        res = CliRunner().invoke(cli.main, ["soak", "--backend", "triton", "--calls", "1"])
+        assert res.exit_code == 3 and "CUDA" in res.output, res.output
         return
     res = cuda_soak.run(40, every=10, check_every=5)
     assert res["ok"], res

@@ -393,7 +393,7 @@ def test_bench_inputs_hold_the_same_kv(block_order, head_dim):
     """The benchmark's paged cache holds exactly the contiguous KV SDPA reads, for every block
     order (what the bench compares must be the same data) and head dim; sequential means
     allocation order, ascending a random set of blocks per sequence listed in address order."""
-    from flashcl.triton import bench_decode as bd
+    from flashcl.tools import triton_bench_decode as bd
 
     shape = (3, 4, 2, 72)  # ctx not a multiple of the block size: a partial last block
     s = bd._make_inputs(shape, torch.float16, 16, _gen(3), torch.device("cpu"), block_order, head_dim)
@@ -416,7 +416,7 @@ def test_bench_inputs_hold_the_same_kv(block_order, head_dim):
 def test_bench_table_with_and_without_forced_splits(forced):
     """The bench table prints with forced split counts (best one, auto within 5%) and without
     (``--splits`` given no counts), and states the command that made it."""
-    from flashcl.triton import bench_decode as bd
+    from flashcl.tools import triton_bench_decode as bd
 
     best = min(forced, key=forced.get) if forced else None
     row = {"shape": "(8,32,32,2k)", "kv_MB": 268.4, "auto_splits": 1, "median_ms": 0.0931, "min_ms": 0.093,
@@ -426,8 +426,8 @@ def test_bench_table_with_and_without_forced_splits(forced):
            "flashcl": "0.1.0", "dtype": "float16", "d": 128, "block_size": 16, "block_order": "ascending",
            "rounds": 3, "device": "GPU", "sm_count": 132, "driver": "580", "torch": "2.11", "triton": "3.6",
            "date": "2026-11-22", "copy_bw_TB_s": 2.9, "read_bw_TB_s": 3.07, "pct_read_bw": 94.1}
-    text = bd.format_table([row], "python -m flashcl.triton.bench_decode --splits")
-    assert "command: python -m flashcl.triton.bench_decode --splits" in text
+    text = bd.format_table([row], "flashcl bench decode --backend triton --splits 1,2")
+    assert "command: flashcl bench decode --backend triton --splits 1,2" in text
     assert "streaming-read bandwidth 3.07 TB/s" in text and " 94.1 " in text and " 0.990 " in text
     # rows saved before the read ceiling was measured still print
     old = {k: v for k, v in row.items() if k not in ("read_bw_TB_s", "pct_read_bw")}

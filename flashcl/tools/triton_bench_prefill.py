@@ -1,6 +1,6 @@
 """Prefill benchmark: flashcl's Triton kernel against torch SDPA's backends, same inputs, same run.
 
-    python -m flashcl.triton.bench_prefill [--dtype float16] [--rounds 3] [--json]
+    flashcl bench prefill --backend triton [--dtype float16] [--rounds 3] [--json]
 
 Throughput is TFLOP/s of exact attention (FLOPs below, next to the timing); each implementation
 is timed by CUDA-graph replay over input sets rotated past 3x L2 (flashcl.cuda_timing). The
@@ -15,7 +15,6 @@ reported as n/a with its reason.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -61,7 +60,7 @@ def _sdpa_call(backend_name: str, q, k, v, causal: bool):
 
 
 def _flashcl_call(q, k, v, causal: bool):
-    from . import prefill as tp
+    from ..triton import prefill as tp
 
     return lambda: tp.prefill(q, k, v, causal=causal)
 
@@ -83,8 +82,8 @@ def _first(ms):
 
 
 def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
-    from .. import cuda_timing
-    from . import prefill as tp
+    from . import cuda_timing
+    from ..triton import prefill as tp
 
     b, h_q, h_kv, n, d, causal = shape
     elt = torch.empty((), dtype=dtype).element_size()
@@ -146,7 +145,8 @@ def run(shapes=None, dtype: str = "float16", rounds: int = 3) -> list[dict]:
     ``shapes``: (B, H_q, H_kv, N, d, causal) tuples, or (B, H, N, d, causal) for H_q = H_kv;
     default REFERENCE_SHAPES. ``rounds``: turns each implementation gets (module docstring).
     """
-    from .. import __version__, cuda_timing
+    from .. import __version__
+    from . import cuda_timing
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_prefill needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -156,7 +156,7 @@ def run(shapes=None, dtype: str = "float16", rounds: int = 3) -> list[dict]:
         "device": summary["device"], "capability": summary["capability"], "driver": summary["driver"],
         "torch": summary["torch"], "triton": __import__("triton").__version__, "dtype": dtype,
         "flashcl": __version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m flashcl.triton.bench_prefill", *sys.argv[1:]]),
+        "command": " ".join(["flashcl bench prefill --backend triton", *sys.argv[1:]]),
     }
     rows = []
     for shape in shapes or REFERENCE_SHAPES:
@@ -211,29 +211,3 @@ def format_table(rows: list[dict]) -> str:
     if errors:
         out += "\nn/a:\n" + "\n".join(errors)
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashcl.triton.bench_prefill", description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds: each implementation is timed once per round (default 3)")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    ap.add_argument("--out", metavar="FILE", help="also write the rows as JSON to FILE")
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    try:
-        rows = run(dtype=args.dtype, rounds=args.rounds)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
 
-    python -m flashcl.triton.bench_decode [--dtype float16] [--head-dim 128] [--block-size 16]
+    flashcl bench decode --backend triton [--dtype float16] [--head-dim 128] [--block-size 16]
                                           [--block-order random] [--rounds 3] [--json]
 
 For each decode shape (B, H_q, H_kv, ctx) and head dim d (``--head-dim``, 128 by default): a paged
@@ -25,7 +25,6 @@ docs/decode-h100-notes.md.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -34,10 +33,10 @@ import sys
 import torch
 
 from .. import __version__
-from .. import cuda_timing
-from ..api import _check_head_dim
-from . import decode as triton_decode
-from .bench_prefill import _sdpa_call
+from ..api import _check_head_dim  # noqa: F401 - the CLI checks --head-dim with it
+from ..triton import decode as triton_decode
+from . import cuda_timing
+from .triton_bench_prefill import _sdpa_call
 
 # (B, H_q, H_kv, ctx), DESIGN.md §6
 REFERENCE_SHAPES = [
@@ -263,7 +262,7 @@ def format_table(rows, command: str | None = None) -> str:
             f"device: {r0['device']} ({r0['sm_count']} SMs), {r0['driver']}, torch {r0['torch']}, "
             f"triton {r0['triton']}, {r0['date']}; copy bandwidth {r0['copy_bw_TB_s']:.2f} TB/s (read + "
             f"write), streaming-read bandwidth {_or_na(r0.get('read_bw_TB_s'))} TB/s (%read: the ceiling)\n"
-            f"command: {command or 'python -m flashcl.triton.bench_decode --block-order ' + r0['block_order']}\n"
+            f"command: {command or 'flashcl bench decode --backend triton --block-order ' + r0['block_order']}\n"
             f"contig = the same kernel on SDPA's contiguous KV (no block table); SDPA = torch's own "
             f"dispatch (the target), FA2 = SDPA held to its FlashAttention-2 backend (a weaker peer)\n")
     cols = ("shape", "KV MB", "splits", "ms", "spread", "TB/s", "%copy", "%read", "SDPA TB/s", "xSDPA",
@@ -291,45 +290,3 @@ def format_table(rows, command: str | None = None) -> str:
         if r["forced_ms"]:
             out.append(f"  {r['shape']}: " + ", ".join(f"{s}={t:.4f}" for s, t in r["forced_ms"].items()))
     return "\n".join(out)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"head dim of q, K and V (default {HEAD_DIM})")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--block-order", default="random", choices=BLOCK_ORDERS,
-                   help="block table in random order (default), in allocation order, or random blocks in "
-                        "ascending address order within each sequence")
-    p.add_argument("--splits", type=int, nargs="*", default=None,
-                   help="forced split counts to compare (default: powers of two; none: no comparison)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds: every variant is timed once per round (default 3)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--sweep-tiles", action="store_true", help="sweep the tile configurations instead")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
-    try:
-        _check_head_dim("--head-dim", args.head_dim)
-    except ValueError as exc:
-        p.error(str(exc))
-    if not torch.cuda.is_available():
-        print("bench_decode needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if args.sweep_tiles:
-        rows = sweep_tiles(dtype=args.dtype, block_size=args.block_size, head_dim=args.head_dim)
-        for r in rows:
-            print(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
-                  f"stages={r['num_stages']} splits={r['splits']:<3} {r['median_ms']:.4f} ms {r['TB_s']:.2f} TB/s")
-        return 0
-    progress = lambda r: print(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", file=sys.stderr, flush=True)  # noqa: E731
-    rows = run(dtype=args.dtype, block_size=args.block_size, splits=args.splits, on_row=progress,
-               block_order=args.block_order, rounds=args.rounds, head_dim=args.head_dim)
-    command = " ".join(["python -m flashcl.triton.bench_decode", *(sys.argv[1:] if argv is None else argv)])
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows, command))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Long run of the CUDA (Triton) path: many mixed prefill/decode calls in one process, memory sampled.
 
-    python -m flashcl.triton.soak [--calls 6000] [--every 300] [--check-every 50] [--json]
+    flashcl soak --backend triton [--calls 6000] [--every 300] [--check-every 50] [--json]
 
 The CUDA counterpart of ``flashcl soak`` (issue 7): prefill (causal or not, GQA, d 64/128) and
 decode (contiguous and paged caches, block sizes 16/64, automatic and forced split counts, so the
@@ -13,7 +13,6 @@ stays flat). Exit status 1 if allocated memory grows after the first half or a c
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -25,7 +24,7 @@ import torch
 
 from .. import reference
 from ..api import decode, prefill
-from ..tools.soak import rss_kib
+from .soak import rss_kib
 
 TOL = reference.TOLERANCE
 
@@ -93,28 +92,3 @@ def run(calls: int, every: int, check_every: int, seed: int = 0, on_sample=None)
     grew = bool(half) and max(half) > half[0] + 1.0  # more than 1 MiB above the mid-run level
     return {"samples": samples, "worst_rel_err": worst, "allocated_grew": grew,
             "ok": not grew and all(err <= TOL[dt] for dt, err in worst.items())}
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=6000)
-    p.add_argument("--every", type=int, default=300)
-    p.add_argument("--check-every", type=int, default=50)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flashcl.triton.soak needs a CUDA GPU", file=sys.stderr)
-        return 2
-    res = run(args.calls, args.every, args.check_every,
-              on_sample=None if args.json else (lambda s: print(s, flush=True)))
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        errs = ", ".join(f"{dt} {err:.2e} (bound {TOL[dt]:.1e})" for dt, err in sorted(res["worst_rel_err"].items()))
-        print(f"worst relative error of the checked calls: {errs}; "
-              f"allocated CUDA memory {'GREW' if res['allocated_grew'] else 'flat'} after mid-run")
-    return 0 if res["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -84,6 +84,22 @@ def _echo_json(obj):
     click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False, default=str))
 
 
+def _echo_report(conditions: dict, rows: list, **extra):
+    """Every command's --json: one schema, {"conditions": {...}, "rows": [...], ...extra}."""
+    _echo_json({"conditions": conditions, "rows": rows, **extra})
+
+
+def _run_conditions(command: str | None = None, **extra) -> dict:
+    """What every report's conditions say about the run: flashcl, date, host, command."""
+    import datetime
+    import platform
+
+    from ._version import __version__
+
+    return {"flashcl": __version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "host": platform.node(), "command": command or "flashcl " + " ".join(sys.argv[1:]), **extra}
+
+
 class _StderrLog(logging.Handler):
     def emit(self, record):
         click.echo(f"log: {self.format(record)}", err=True)
@@ -169,7 +185,7 @@ def devices(as_json, include_oclgrind):
     except RuntimeError as exc:
         _fail(str(exc), EXIT_NO_DEVICE)
     if as_json:
-        _echo_json(rows)
+        _echo_report(_run_conditions(), rows)
         return
     if not rows:
         _fail("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
@@ -255,17 +271,10 @@ def _triton_bench(name: str):
 
 def _triton_conditions(command: str) -> dict:
     """The run's conditions, with the keys of ``bench.conditions`` (the OpenCL runs')."""
-    import datetime
-    import platform
-
     import torch
 
-    from ._version import __version__
-
-    return {"backend": "triton", "device": torch.cuda.get_device_name(), "platform": "CUDA",
-            "driver": torch.version.cuda, "profile": None, "is_cpu": False, "flashcl": __version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-            "command": command}
+    return _run_conditions(command, backend="triton", device=torch.cuda.get_device_name(), platform="CUDA",
+                           driver=torch.version.cuda, profile=None, is_cpu=False)
 
 
 @bench.command("prefill")
@@ -292,7 +301,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
         tb = _triton_bench("prefill")
         rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds)
         if as_json:
-            _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+            _echo_report(_triton_conditions(command), rows)
         else:
             click.echo(tb.format_table(rows))
         return
@@ -314,7 +323,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
                            progress=None if as_json else lambda r: click.echo(
                                f"#   {r.shape} causal={r.causal}: {r.gflops:.1f} GFLOP/s", err=True))
     if as_json:
-        _echo_json({"conditions": cond, "rows": b.rows_as_dicts(rows)})
+        _echo_report(cond, b.rows_as_dicts(rows))
     else:
         click.echo(b.format_prefill(rows, cond))
     tol = 2e-3 if dtype == "float16" else 1e-5
@@ -400,7 +409,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         if sweep_tiles:
             rows = tb.sweep_tiles(shapes=shape_list, dtype=dtype, block_size=block_size, head_dim=head_dim)
             if as_json:
-                _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+                _echo_report(_triton_conditions(command), rows)
             else:
                 for r in rows:
                     click.echo(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
@@ -412,7 +421,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
                       head_dim=head_dim, rounds=rounds, splits=forced,
                       on_row=lambda r: click.echo(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", err=True))
         if as_json:
-            _echo_json({"conditions": _triton_conditions(command), "rows": rows})
+            _echo_report(_triton_conditions(command), rows)
         else:
             click.echo(tb.format_table(rows, command))
         return
@@ -436,7 +445,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
                            block_order=block_order, head_dim=head_dim)
     if as_json:
-        _echo_json({"conditions": cond, "rows": b.rows_as_dicts(rows)})
+        _echo_report(cond, b.rows_as_dicts(rows))
     else:
         click.echo(bd.format_decode(rows, cond))
 
@@ -667,7 +676,7 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
         info["split_rule"] = {name: space.value(choice.params, name) for name in ("SPLIT_WAVES", "SPLIT_KEYS")}
         info["split_rule"]["tuned"] = any(name in choice.params for name in ("SPLIT_WAVES", "SPLIT_KEYS"))
     if as_json:
-        _echo_json(info)
+        _echo_report(_run_conditions(), [info])
         return
     for w in info["warnings"]:
         click.echo(f"warning: {w}", err=True)
@@ -711,7 +720,8 @@ def soak(device, backend, calls, every, check_every, max_growth, as_json):
         ts = _triton_bench("soak")
         res = ts.run(calls, every, check_every, on_sample=None if as_json else (lambda s: click.echo(s)))
         if as_json:
-            _echo_json({"conditions": _triton_conditions("flashcl " + " ".join(sys.argv[1:])), **res})
+            summary = {k: v for k, v in res.items() if k != "samples"}
+            _echo_report(_triton_conditions("flashcl " + " ".join(sys.argv[1:])), res["samples"], **summary)
         else:
             errs = ", ".join(f"{dt} {err:.2e} (bound {ts.TOL[dt]:.1e})"
                              for dt, err in sorted(res["worst_rel_err"].items()))
@@ -738,8 +748,9 @@ def soak(device, backend, calls, every, check_every, max_growth, as_json):
     except AssertionError as exc:
         _fail(str(exc), EXIT_CHECK_FAILED)
     if as_json:
-        _echo_json({"command": command, "device": handle.describe(), "ok": res.ok, "verdict": res.verdict,
-                    "checked": res.checked, "max_err": res.max_err, "samples": [vars(s) for s in res.samples]})
+        _echo_report(_run_conditions(command, backend="opencl", device=handle.describe()),
+                     [vars(x) for x in res.samples], ok=res.ok, verdict=res.verdict, checked=res.checked,
+                     max_err=res.max_err)
     else:
         click.echo(f"checked {res.checked} calls against the oracle, max relative error {res.max_err:.2e}")
         click.echo(res.verdict)

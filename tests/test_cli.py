@@ -65,13 +65,13 @@ def test_quick_tune_on_cpu_json_and_pickup(cpu_device, tuning_dir):
             "--param", "DV_TILE=64", "--param", "Q_IN_REGS=1", "--repeats", "5", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["mode"] == "measured" and len(data["results"]) == 2
-    assert all(row["status"] == "ok" and row["runs"] >= 5 for row in data["results"])
+    assert data["mode"] == "measured" and len(data["rows"]) == 2
+    assert all(row["status"] == "ok" and row["runs"] >= 5 for row in data["rows"])
     win = data["winner"]
     assert win["params"] == data["fastest"]["params"]
     s = run("show-config", "--device", cpu_device, "--n", "128", "--d", "64", "--dtype", "float32", "--json")
     assert s.exit_code == 0, s.output
-    cfg = json.loads(s.stdout)
+    (cfg,) = json.loads(s.stdout)["rows"]
     assert cfg["params"] == win["params"] and data["saved_to"] in cfg["source"]
 
 
@@ -338,7 +338,7 @@ def test_quick_model_tune_stores_a_non_spilling_tile(cpu_device, tuning_dir):
     assert e["dtype"] == cli.DEFAULT_DTYPE
     s = run("show-config", "--device", "adreno", "--json")
     assert s.exit_code == 0, s.output
-    cfg = _strict_json(s.stdout)
+    (cfg,) = _strict_json(s.stdout)["rows"]
     assert cfg["params"] == e["params"] and f.name in cfg["source"] and not cfg["model"]["spills"]
 
 
@@ -379,3 +379,23 @@ def test_show_config_warns_once_when_the_driver_differs(cpu_device, tuning_dir):
             assert len(lines) == 1 and "0.0-other" in lines[0] and h.driver in lines[0]
         else:
             assert lines == []
+
+
+def test_every_json_has_one_schema(cpu_device, tuning_dir):
+    """devices, bench, tune, show-config and soak: {"conditions": {...}, "rows": [...]}, strict JSON."""
+    commands = [
+        ("devices", "--json"),
+        ("bench", "prefill", "--device", cpu_device, "--shape", "1,2,1,40,32,1", "--dtype", "float32",
+         "--repeats", "1", "--json"),
+        ("bench", "decode", "--device", cpu_device, "--shape", "1,4,2,100", "--head-dim", "32",
+         "--repeats", "1", "--json"),
+        ("tune", "--device", "adreno", "--quick", "--no-save", "--json"),
+        ("show-config", "--device", "adreno", "--json"),
+        ("soak", "--device", cpu_device, "--calls", "4", "--every", "2", "--check-every", "2", "--json"),
+    ]
+    for args in commands:
+        r = run(*args)
+        assert r.exit_code == 0, (args, r.output)
+        data = _strict_json(r.stdout)
+        assert isinstance(data["conditions"], dict) and isinstance(data["rows"], list), args
+        assert data["conditions"]["flashcl"] and data["conditions"]["command"], args

@@ -131,11 +131,11 @@ def test_model_mode_decode_tune_and_show_config(cpu_device, tuning_dir, tmp_path
     assert "SPLIT_WAVES" not in e["params"]
     s = run("show-config", "--kernel", "decode", "--device", "adreno", "--n", "256", "--group", "4", "--json")
     assert s.exit_code == 0, s.output
-    cfg = json.loads(s.stdout)
+    (cfg,) = json.loads(s.stdout)["rows"]
     assert cfg["params"] == e["params"] and f.name in cfg["source"] and "modeled entry" in cfg["why"]
     assert cfg["split_rule"] == {"SPLIT_WAVES": tuning.SPLIT_WAVES, "SPLIT_KEYS": tuning.SPLIT_KEYS, "tuned": False}
     other = run("show-config", "--kernel", "decode", "--device", "adreno", "--n", "256", "--group", "2", "--json")
-    assert "profile default" in json.loads(other.stdout)["source"]  # another group: not this entry
+    assert "profile default" in json.loads(other.stdout)["rows"][0]["source"]  # another group: not this entry
 
 
 def test_decode_shape_errors_are_usage_errors():
@@ -162,8 +162,8 @@ def test_measured_decode_tune_on_cpu_is_picked_up(cpu_device, tuning_dir):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["mode"] == "measured" and data["conditions"]["rate_unit"] == "GB/s"
-    assert data["results"] and all(row["status"] == "ok" and row["runs"] >= 5 for row in data["results"])
-    assert all(row["rel_err"] < reference.TOLERANCE["float32"] and row["gbps"] > 0 for row in data["results"])
+    assert data["rows"] and all(row["status"] == "ok" and row["runs"] >= 5 for row in data["rows"])
+    assert all(row["rel_err"] < reference.TOLERANCE["float32"] and row["gbps"] > 0 for row in data["rows"])
     win = data["winner"]
     assert {"SPLIT_WAVES", "SPLIT_KEYS"} <= win["params"].keys() and win["num_splits"] >= 1
     [e] = tuning.load_file(data["saved_to"])

@@ -16,7 +16,7 @@ def test_soak_short_run_is_exact_and_bounded(cpu_device):
                                     "--check-every", "8", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)  # stdout only: a compiler warning on stderr is not part of the JSON
-    assert out["ok"] and out["checked"] >= 30 and len(out["samples"]) == 8
+    assert out["ok"] and out["checked"] >= 30 and len(out["rows"]) == 8
     from flashcl.opencl import runtime
 
     assert all(len(h.programs) <= runtime.MAX_PROGRAMS for h in runtime._handles.values())

@@ -823,7 +823,7 @@ class Report:
                 "num_splits": r.info.get("num_splits")}
         return {"conditions": self.conditions(), "mode": self.target.mode,
                 "note": self.target.describe(),
-                "results": [row(r) for r in self.results],
+                "rows": [row(r) for r in self.results],
                 "pruned": [{"params": p, "violations": [f"{n}: {m}" for n, m in v]} for p, v in self.pruned],
                 "largest_non_spilling": row(self.largest), "fastest": row(self.fastest),
                 "winner": row(self.winner), "summary": self.note, "notes": self.notes,

@@ -3,13 +3,10 @@
 Tiny shapes run everywhere (natively on CUDA, under TRITON_INTERPRET=1 on CPU); the full matrix
 (N up to 4096, head dims up to 256, every dtype) runs on CUDA only.
 
-Tolerances, relative error ||out - ref|| / ||ref|| against float64 (DESIGN.md §3):
-  float32            <= 1e-5 (IEEE dots)
-  float16            <= 2e-3 and <= 2x the error of plain float16 torch attention
-  bfloat16           <= 1e-2 and <= 2x the error of plain bfloat16 torch attention. Looser than
-                     float16 because bfloat16 keeps 8 significant bits: rounding the exact output
-                     to bfloat16 alone costs ~1.5e-3, and P is rounded to bfloat16 for the tensor-
-                     core P @ V, as in every flash-attention kernel; measured ~4e-3, like torch's.
+Tolerances: flashcl.reference.TOLERANCE (relative error against float64; IEEE dots in float32),
+and for float16 and bfloat16 at most twice the error of plain torch attention in that dtype.
+bfloat16 keeps 8 significant bits: rounding the exact output alone costs ~1.5e-3, and P is rounded
+to bfloat16 for the tensor-core P @ V, as in every flash-attention kernel (~4e-3, like torch's).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ pytest.importorskip("triton")
 from flashcl.triton import prefill as tp  # noqa: E402  (after the importorskip above)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-REL_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+REL_TOL = reference.TOLERANCE
 NAIVE_FACTOR = 2.0
 LSE_TOL = 1e-4  # |lse - ref| <= LSE_TOL * (1 + |ref|): scores are float32 accumulations in every dtype
 MAX_REF_ROWS = 96  # long sequences are checked on a sample of query rows (the oracle is O(N^2))
@@ -77,9 +74,7 @@ def _naive(q, k, v, causal, scale):
     return torch.softmax(s, dim=-1) @ v
 
 
-def _rel_err(x: np.ndarray, ref: np.ndarray) -> float:
-    den = np.linalg.norm(ref)
-    return float(np.linalg.norm(x - ref) / den) if den > 0 else float(np.linalg.norm(x))
+_rel_err = reference.rel_err
 
 
 def _describe_mismatch(out: np.ndarray, ref: np.ndarray, n: int = 5) -> str:

@@ -28,6 +28,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import reference
+from . import shapes
 from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
 from ..opencl.decode import DecodeKernel, DecodeProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
@@ -35,15 +36,7 @@ from ..opencl.runtime import DeviceHandle, event_times
 HEAD_DIM = 128
 AUTO_TOLERANCE = 1.05  # auto must be within 5% of the best forced split count
 
-# (B, H_q, H_kv, ctx); docs/design.md §7 reference shapes, and the same scaled for a 2-core CPU (ctx/16)
-DECODE_PRESETS = {
-    "reference": [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048),
-                  (4, 64, 8, 2048), (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768),
-                  (1, 32, 8, 131072)],
-    "target": [(1, 32, 8, 32768), (16, 32, 1, 4096)],
-    "cpu": [(8, 32, 32, 128), (8, 32, 32, 512), (8, 32, 8, 128), (32, 32, 8, 128), (4, 64, 8, 128),
-            (8, 64, 8, 128), (16, 32, 1, 256), (1, 32, 8, 2048), (1, 32, 8, 8192)],
-}
+DECODE_PRESETS = shapes.DECODE_PRESETS  # (B, H_q, H_kv, ctx)
 DEFAULT_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 

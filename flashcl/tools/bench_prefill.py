@@ -20,20 +20,12 @@ import numpy as np
 import pyopencl.array as cla
 
 from .. import reference
+from . import shapes
 from .._version import __version__
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
 
-# (B, H_q, H_kv, N, d, causal); docs/design.md §7 reference shapes, and what the issues' targets name
-PREFILL_PRESETS = {
-    "reference": [(1, 32, 32, 1024, 128, True), (1, 32, 32, 4096, 128, True), (4, 32, 32, 4096, 128, True),
-                  (1, 32, 32, 4096, 128, False), (8, 12, 12, 1024, 64, True), (16, 12, 12, 512, 64, False),
-                  (1, 32, 8, 2048, 128, True)],
-    "target": [(1, 32, 8, 2048, 128, True), (1, 32, 8, 2048, 64, True)],
-    # the reference shapes scaled to what a 2-core CPU finishes in seconds, plus the PoCL target
-    "cpu": [(1, 8, 2, 512, 128, True), (1, 8, 8, 512, 128, False), (2, 12, 12, 256, 64, True),
-            (1, 8, 2, 1024, 128, True)],
-}
+PREFILL_PRESETS = shapes.PREFILL_PRESETS  # (B, H_q, H_kv, N, d, causal)
 
 
 @dataclass

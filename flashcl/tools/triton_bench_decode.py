@@ -1,4 +1,4 @@
-"""Benchmark of the Triton paged-KV decode against torch SDPA (DESIGN.md §6).
+"""Benchmark of the Triton paged-KV decode against torch SDPA (docs/design.md §7).
 
     flashcl bench decode --backend triton [--dtype float16] [--head-dim 128] [--block-size 16]
                                           [--block-order random] [--rounds 3] [--json]
@@ -17,10 +17,10 @@ each call must move, % of the device's copy bandwidth and % of its streaming-rea
 that only reads: decode's ceiling) measured in the same run, the SDPA ratio, and whether the
 automatic split count is within 5% of the best forced one.
 
-What paging costs, measured with this command on an H100 (2026-11-22, fp16, d=128, block_size 16,
-random blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
+What paging costs, measured with this command on an H100 (fp16, d=128, block_size 16, random
+blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
 one-split shapes, 4-5% on MQA and 32k). Where that goes, and what was tried against it:
-docs/decode-h100-notes.md.
+docs/notes/decode-h100.md.
 """
 
 from __future__ import annotations
@@ -35,15 +35,11 @@ import torch
 from .. import __version__
 from ..api import _check_head_dim  # noqa: F401 - the CLI checks --head-dim with it
 from ..triton import decode as triton_decode
-from . import cuda_timing
+from . import cuda_timing, shapes
 from .triton_bench_prefill import _sdpa_call
 
-# (B, H_q, H_kv, ctx), DESIGN.md §6
-REFERENCE_SHAPES = [
-    (8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048), (4, 64, 8, 2048),
-    (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072),
-]
-HEAD_DIM = 128  # the reference shapes' head dim
+REFERENCE_SHAPES = shapes.DECODE_REFERENCE  # (B, H_q, H_kv, ctx)
+HEAD_DIM = shapes.DECODE_HEAD_DIM
 AUTO_TOLERANCE = 1.05  # the automatic split count must be within 5% of the best forced one
 
 

@@ -21,18 +21,10 @@ import sys
 
 import torch
 
-# (B, H_q, H_kv, N, d, causal): DESIGN.md §6's reference prefill shapes, then long sequences
-REFERENCE_SHAPES = [
-    (1, 32, 32, 1024, 128, True),
-    (1, 32, 32, 4096, 128, True),
-    (4, 32, 32, 4096, 128, True),
-    (1, 32, 32, 4096, 128, False),
-    (8, 12, 12, 1024, 64, True),
-    (16, 12, 12, 512, 64, False),
-    (1, 32, 8, 2048, 128, True),
-    (1, 32, 32, 8192, 128, True),
-    (1, 32, 32, 16384, 128, True),
-]
+from . import shapes
+
+# (B, H_q, H_kv, N, d, causal): the reference shapes, then long sequences
+REFERENCE_SHAPES = shapes.PREFILL_REFERENCE + shapes.PREFILL_LONG
 IMPLS = ("flashcl", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 

@@ -52,6 +52,16 @@ def _check_head_dim(name: str, d: int) -> None:
         )
 
 
+MAX_BLOCK_SIZE = 256
+
+
+def check_block_size(name: str, block_size: int) -> None:
+    """A paged cache's block size: a power of two from 1 to MAX_BLOCK_SIZE."""
+    if block_size < 1 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"{name}: block size {block_size} is not supported; expected a power of two "
+                         f"from 1 to {MAX_BLOCK_SIZE}")
+
+
 def _common_kind(tensors: dict) -> str:
     kinds = {name: _kind(x, name) for name, x in tensors.items()}
     if len(set(kinds.values())) > 1:
@@ -175,8 +185,7 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens) -> dict:
         num_blocks, block_size, h_kv, dkk = ks
         if vs[:3] != ks[:3]:
             raise ValueError(f"paged v_cache {vs} must match k_cache {ks} in (num_blocks, block_size, H_kv)")
-        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size {block_size} (k_cache.shape[1]) must be a power of two from 1 to 256")
+        check_block_size("k_cache.shape[1]", block_size)
         if len(block_table.shape) != 2 or int(block_table.shape[0]) != b:
             raise ValueError(f"block_table: expected (B={b}, max_blocks), got shape {tuple(block_table.shape)}")
         if _dtype_name(block_table) != "int32":

@@ -29,7 +29,7 @@ import warnings
 
 import click
 
-from .api import _check_head_dim, check_prefill_problem
+from .api import _check_head_dim, check_block_size, check_prefill_problem
 from .errors import FlashCLError, TuningDatabaseError
 from .tools.tuner import TunerError
 
@@ -394,8 +394,10 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         _check_head_dim("--head-dim", head_dim)
     except ValueError as exc:
         _fail(str(exc), EXIT_USAGE)
-    if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
-        _fail(f"--block-size {block_size}: expected a power of two from 1 to 256", EXIT_USAGE)
+    try:
+        check_block_size("--block-size", block_size)
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
     for b_, h_q, h_kv, ctx in shapes:
         try:  # one query row: decode takes the sizes prefill does
             check_prefill_problem(b_, h_q, h_kv, 1, ctx, head_dim, head_dim)

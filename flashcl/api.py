@@ -8,8 +8,21 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
+    import pyopencl
+    import pyopencl.array
+    import torch
+
+    Array = Union[np.ndarray, torch.Tensor, pyopencl.array.Array]
+    Device = Union[str, pyopencl.Device, pyopencl.Context, pyopencl.CommandQueue, None]
+else:
+    Array = Any
+    Device = Any
+Params = Optional[Dict[str, Any]]
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
 _BACKENDS = ("auto", "opencl", "triton")
@@ -135,8 +148,9 @@ def _prefill_shapes(q, k, v) -> tuple[int, tuple, tuple, tuple]:
     return rank, qs, ks, vs
 
 
-def prefill(q, k, v, *, causal: bool = False, scale=None, device=None, params=None,
-            backend: str = "auto", return_lse: bool = False):
+def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Optional[float] = None,
+            device: Device = None, params: Params = None, backend: str = "auto",
+            return_lse: bool = False) -> Union[Array, Tuple[Array, Array]]:
     """Exact attention of q over k/v (flash-attention prefill).
 
     q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV), or the same without B.
@@ -227,8 +241,10 @@ def _check_num_splits(num_splits):
     return int(num_splits)
 
 
-def decode(q, k_cache, v_cache, *, block_table=None, context_lens=None, scale=None,
-           num_splits=None, device=None, params=None, backend: str = "auto", return_lse: bool = False):
+def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Array] = None,
+           context_lens: Optional[Array] = None, scale: Optional[float] = None,
+           num_splits: Optional[int] = None, device: Device = None, params: Params = None,
+           backend: str = "auto", return_lse: bool = False) -> Union[Array, Tuple[Array, Array]]:
     """One new query token per sequence attending over its KV cache (flash-decoding).
 
     q (B, H_q, DK). Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
@@ -305,7 +321,7 @@ def _merge_inputs(outs, lses) -> str:
     return families["outs[0]"]
 
 
-def merge_states(outs, lses):
+def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, Array]:
     """Exact merge of normalized partial results over disjoint key sets.
 
     ``outs[i]`` (..., DV) and ``lses[i]`` (...) from calls with ``return_lse=True``; returns the

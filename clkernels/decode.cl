@@ -59,6 +59,9 @@
 #ifndef MERGE_WG
 #define MERGE_WG 64       // work-items of the merge kernel (power of two, 16..1024)
 #endif
+#ifndef UNROLL_MERGE
+#define UNROLL_MERGE 1    // 1: the merge's loop over splits unrolled by 8 (0 on CPUs: LLVM cannot, and says so)
+#endif
 #ifndef MERGE_ONLY
 #define MERGE_ONLY 0      // 1: only flash_decode_merge (decode_mma.cl runs the decode kernels)
 #endif
@@ -444,7 +447,9 @@ void flash_decode_merge(__global const float *part_m, __global const float *part
     if (grp < MERGE_GROUPS) {
         for (int c = col; c < HEAD_DV / 4; c += MERGE_COLS) {
             float4 a = (float4)(0.0f);
+#if UNROLL_MERGE
 #pragma unroll 8
+#endif
             for (int s = grp; s < num_splits; s += MERGE_GROUPS)
                 a = fma((float4)(weights[s]), vload4(c, part_acc + (state0 + s) * HEAD_DV), a);
             vstore4(a, c, red_acc + grp * HEAD_DV);

@@ -255,7 +255,7 @@ class DecodeKernel:
         self.defines = {
             "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
             "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
-            "ROW_SHUFFLE": self.row_shuffle, "MERGE_ONLY": bool(self.tensor_cores),
+            "ROW_SHUFFLE": self.row_shuffle, "UNROLL_MERGE": not handle.is_cpu, "MERGE_ONLY": bool(self.tensor_cores),
             **{k: params[k] for k in _PARAM_NAMES},
         }
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,

@@ -1,4 +1,5 @@
-"""The ``flashcl`` command: ``devices``, ``bench prefill|decode``, ``tune``, ``show-config``, ``soak``.
+"""The ``flashcl`` command: ``devices``, ``bench prefill|decode``, ``tune``, ``show-config``, ``export``,
+``soak``.
 
 Human tables by default, ``--json`` for scripts (standard JSON: NaN and infinities are null;
 progress and notes then go to stderr only). Every error is one line on stderr, ``error: ...``.
@@ -702,6 +703,65 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
                f"{model['regs_budget']}): {'spills' if model['spills'] else 'no spill predicted'}"
                f"{', over the occupancy budget' if model['over_budget'] and not model['spills'] else ''}")
     click.echo(f"searched: {info['searched'][0]} (user), then {info['searched'][1]} (shipped)")
+
+
+# --------------------------------------------------------------------------- export
+
+_EXPORT_SHAPE = "prefill:B,H_q,H_kv,N,d,causal or decode:B,H_q,H_kv,ctx,d (e.g. prefill:1,32,8,2048,128,1)"
+
+
+def _export_shapes_option(ctx, param, value):
+    """--shape KERNEL:FIELDS (repeatable) -> {"prefill": [...], "decode": [...]}, checked as the
+    API checks its inputs."""
+    out = {"prefill": [], "decode": []}
+    for text in value:
+        kind, sep, rest = text.partition(":")
+        kind = kind.strip().lower()
+        if not sep or kind not in out:
+            raise click.BadParameter(f"{text!r}: expected {_EXPORT_SHAPE}")
+        out[kind].append(_parse_shape(rest) if kind == "prefill" else _parse_tune_shape(rest, "decode"))
+    return out
+
+
+@main.command("export")
+@click.option("--device", default=None,
+              help="Device: substring, P:D, or a profile name (adreno, adreno-6xx, mali, apple, intel, nvidia, "
+                   "cpu); a profile with no such device attached exports its modeled tiles (model mode).")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Folder to write: new, empty, or a previous export (whose files are replaced).")
+@click.option("--shape", "shapes", multiple=True, callback=_export_shapes_option,
+              help=f"{_EXPORT_SHAPE} (repeatable); a kernel given none gets the reference shapes.")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
+@click.option("--require-device", is_flag=True, help="Fail (exit 3) instead of model mode when the device "
+                                                      "is not attached.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def export_kernels(device, out, shapes, dtype, require_device, as_json):
+    """Kernel sources with the tuned defines fixed, manifest.json and a C example, for C/C++ apps."""
+    from .tools import export as ex
+
+    command = "flashcl " + " ".join(sys.argv[1:])
+    try:
+        res = ex.export(out, device=device, prefill_shapes=shapes["prefill"] or None,
+                        decode_shapes=shapes["decode"] or None, dtype=dtype, command=command,
+                        require_device=require_device)
+    except OSError as exc:
+        _fail(f"cannot write the export ({exc}); choose another --out", EXIT_USAGE)
+    t = res.target
+    # first line: what the parameters are (model mode: not measured)
+    click.echo(("# " if not as_json else "") + t.describe(), err=as_json)
+    rows = [{"file": s.file, "kernels": list(s.entries), "problem": s.problem, "params": s.params,
+             "source": s.choice.source, "why": s.choice.reason} for s in res.sources]
+    if as_json:
+        _echo_report(_run_conditions(command, device=t.name, mode=t.mode, profile=t.profile.name, driver=t.driver,
+                                     dtype=dtype), rows, out=str(res.out), files=res.files)
+        return
+    click.echo(f"wrote {res.out}: {len(rows)} kernel sources, " + ", ".join(res.files[len(rows):]))
+    width = max(len(r["file"]) for r in rows)
+    for r in rows:
+        click.echo(f"  {r['file']:{width}}  " + " ".join(f"{k}={v}" for k, v in r["params"].items())
+                   + f"  from: {r['source']}")
+    click.echo(f"check: {res.out}/run_example.sh builds example.c with ${{CC:-cc}} against the OpenCL ICD "
+               f"loader, runs one prefill and one paged decode and compares them with a naive reference")
 
 
 @main.command()

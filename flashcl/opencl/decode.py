@@ -219,6 +219,99 @@ def mma_tiles(group: int) -> int:
     return -(-group // 16)
 
 
+def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = False,
+                    unroll_merge: bool = True, merge_only: bool = False) -> dict:
+    """The ``-D`` defines of decode.cl for one problem class and parameter set: what DecodeKernel
+    builds and `flashcl export` writes. ``row_shuffle``: NVIDIA only (row_shuffle_ok);
+    ``unroll_merge``: off on CPUs; ``merge_only``: decode_mma.cl runs the two decode kernels."""
+    return {
+        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
+        "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+        "ROW_SHUFFLE": row_shuffle, "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": merge_only,
+        **{k: params[k] for k in _PARAM_NAMES},
+    }
+
+
+def launch_grid(prob: DecodeProblem, wg: int, num_splits: int, head_tiles: int = 1) -> tuple[tuple, tuple]:
+    """(global, local) sizes of flash_decode and flash_decode_split: one work-group per (split, KV
+    head tile, sequence)."""
+    return (wg * num_splits, prob.h_kv * head_tiles, prob.b), (wg, 1, 1)
+
+
+def merge_grid(prob: DecodeProblem, merge_wg: int) -> tuple[tuple, tuple]:
+    """(global, local) sizes of flash_decode_merge: one work-group per (query head, sequence)."""
+    return (merge_wg * prob.h_q, prob.b), (merge_wg, 1)
+
+
+def workspace_shapes(prob: DecodeProblem, num_splits: int) -> tuple:
+    """The float32 partial states of flash_decode_split: part_m, part_l, part_acc."""
+    return ((prob.b, prob.h_q, num_splits), (prob.b, prob.h_q, num_splits),
+            (prob.b, prob.h_q, num_splits, prob.dv))
+
+
+# The arguments of flash_decode and flash_decode_split (decode_common.h: DECODE_PARAMS), in order:
+# (name, OpenCL C type, meaning). store_t is float, or half when STORE_HALF; raw_t, one 16-byte
+# chunk, is float4, or uint4 holding 8 halves. DecodeKernel.__call__ passes them in this order.
+_KV_STRIDES = "in 16-byte chunks (elements / 4 for float, / 8 for half); rows start 16-byte aligned"
+ARGS = (
+    ("q", "__global const store_t *", "queries (B, H_q, DK): element (b, h, d) at q_off + b*q_sb + h*q_sh + d"),
+    ("k", "__global const raw_t *", "K cache, paged (num_blocks, block_size, H_kv, DK) or contiguous "
+                                    "(B, H_kv, N_max, DK) (PAGED), head dim contiguous; addressed with "
+                                    "k_off, k_s0, k_sh, k_s1"),
+    ("v", "__global const raw_t *", "V cache, as k with DV; addressed with v_off, v_s0, v_sh, v_s1"),
+    ("out", "__global store_t *", "output (B, H_q, DV): written by flash_decode (num_splits == 1), not "
+                                  "by flash_decode_split; addressed with o_off, o_sb, o_sh"),
+    ("lse", "__global float *", "log-sum-exp (B, H_q), float32, contiguous, natural log: written by "
+                                "flash_decode, not by flash_decode_split"),
+    ("part_m", "__global float *", "flash_decode_split: running max per split (B, H_q, num_splits), "
+                                   "float32, written; flash_decode does not use it (pass any buffer)"),
+    ("part_l", "__global float *", "flash_decode_split: softmax denominator per split (B, H_q, num_splits), "
+                                   "float32, written; unused by flash_decode"),
+    ("part_acc", "__global float *", "flash_decode_split: unnormalized output per split (B, H_q, "
+                                     "num_splits, DV), float32, written; unused by flash_decode"),
+    ("block_table", "__global const int *", "paged: (B, bt_stride) block ids, any order; contiguous: any "
+                                            "int buffer (not read). Ids a sequence uses outside "
+                                            "[0, num_blocks) make its out and lse NaN"),
+    ("context_lens", "__global const int *", "(B,) keys per sequence; a length outside [0, capacity] "
+                                             "makes that sequence's out and lse NaN"),
+    ("h_q", "const int", "H_q, query heads (H_kv = H_q / GROUP)"),
+    ("num_splits", "const int", "split-k count: 1 runs flash_decode alone; more run flash_decode_split "
+                                "then flash_decode_merge"),
+    ("bt_stride", "const int", "paged: max_blocks, the block table's row length; contiguous: 0"),
+    ("block_shift", "const int", "paged: log2(block_size), block_size a power of two 1..256; contiguous: 0"),
+    ("num_blocks", "const int", "paged: blocks in the cache; contiguous: 0"),
+    ("capacity", "const int", "paged: max_blocks * block_size; contiguous: N_max"),
+    ("scale_log2", "const float", "softmax scale times log2(e); the scale is usually 1/sqrt(DK)"),
+    ("q_off", "const ulong", "offset of q[0, 0, 0] in elements"),
+    ("q_sb", "const ulong", "q batch stride in elements"),
+    ("q_sh", "const ulong", "q head stride in elements"),
+    *((f"{t}_{s}", "const ulong", what + " " + _KV_STRIDES)
+      for t in ("k", "v")
+      for s, what in (("off", f"offset of the {t.upper()} cache"),
+                      ("s0", f"{t.upper()} block stride (paged) or batch stride (contiguous)"),
+                      ("sh", f"{t.upper()} KV-head stride"),
+                      ("s1", f"{t.upper()} slot stride within a block (paged) or token stride (contiguous)"))),
+    ("o_off", "const ulong", "offset of out[0, 0, 0] in elements"),
+    ("o_sb", "const ulong", "out batch stride in elements"),
+    ("o_sh", "const ulong", "out head stride in elements"),
+)
+
+# The arguments of flash_decode_merge, in order; it runs after flash_decode_split when num_splits > 1.
+MERGE_ARGS = (
+    ("part_m", "__global const float *", "flash_decode_split's part_m (B, H_q, num_splits)"),
+    ("part_l", "__global const float *", "flash_decode_split's part_l (B, H_q, num_splits)"),
+    ("part_acc", "__global const float *", "flash_decode_split's part_acc (B, H_q, num_splits, DV)"),
+    ("out", "__global store_t *", "output (B, H_q, DV), written; addressed with o_off, o_sb, o_sh"),
+    ("lse", "__global float *", "log-sum-exp (B, H_q), float32, contiguous, natural log, written"),
+    ("h_q", "const int", "H_q, query heads"),
+    ("num_splits", "const int", "the split count flash_decode_split ran with (at most 4096)"),
+    ("o_off", "const ulong", "offset of out[0, 0, 0] in elements"),
+    ("o_sb", "const ulong", "out batch stride in elements"),
+    ("o_sh", "const ulong", "out head stride in elements"),
+    ("weights", "__local float *", "local memory of 4 * num_splits bytes (clSetKernelArg with a NULL value)"),
+)
+
+
 class DecodeKernel:
     """The three decode kernels built for one problem class and parameter set on one device.
 
@@ -252,12 +345,8 @@ class DecodeKernel:
             raise ValueError("tensor_cores: needs an NVIDIA device of compute capability 8.0+, an fp16 "
                              "cache, DK a multiple of 32 up to 256 and DV 64 or 128")
         self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
-        self.defines = {
-            "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
-            "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
-            "ROW_SHUFFLE": self.row_shuffle, "UNROLL_MERGE": not handle.is_cpu, "MERGE_ONLY": bool(self.tensor_cores),
-            **{k: params[k] for k in _PARAM_NAMES},
-        }
+        self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle,
+                                       unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores))
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
         self.built_decode = self.built  # the program of flash_decode and flash_decode_split
@@ -302,10 +391,8 @@ class DecodeKernel:
         """Partial states (m, l, acc) for ``num_splits``, allocated once per split count."""
         ws = self._workspaces.get(num_splits)
         if ws is None:
-            p, q = self.prob, self.handle.queue
-            ws = (cla.empty(q, (p.b, p.h_q, num_splits), np.float32),
-                  cla.empty(q, (p.b, p.h_q, num_splits), np.float32),
-                  cla.empty(q, (p.b, p.h_q, num_splits, p.dv), np.float32))
+            ws = tuple(cla.empty(self.handle.queue, shape, np.float32)
+                       for shape in workspace_shapes(self.prob, num_splits))
             self._workspaces[num_splits] = ws
         return ws
 
@@ -346,7 +433,7 @@ class DecodeKernel:
                   np.uint64(q.offset // q.dtype.itemsize), np.uint64(qs[0]), np.uint64(qs[1]),
                   *kv_args,
                   np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1])]
-        gsize, lsize = (self.wg * num_splits, p.h_kv * self.head_tiles, p.b), (self.wg, 1, 1)
+        gsize, lsize = launch_grid(p, self.wg, num_splits, self.head_tiles)
         if num_splits == 1:
             args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
                     lse.data, lse.data, lse.data, block_table.data, context_lens.data, *common]
@@ -361,7 +448,7 @@ class DecodeKernel:
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
         return launch_sequence(h, [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
                                    (KERNEL + "_merge", self.kernels["flash_decode_merge"],
-                                    (mwg * p.h_q, p.b), (mwg, 1), margs)], params=self.params)
+                                    *merge_grid(p, mwg), margs)], params=self.params)
 
     def auto_splits(self, n_ctx: int) -> int:
         """The split count choose_num_splits gives this kernel for contexts up to n_ctx keys."""

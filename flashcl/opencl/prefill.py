@@ -61,6 +61,70 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
                                               max_work_group=handle.max_work_group))
 
 
+def program(prob: PrefillProblem, params: dict, *, write_lse: bool = True,
+            unroll_loops: bool = True) -> tuple[str, str, dict]:
+    """The source in clkernels/, the kernel's name and the ``-D`` defines of the prefill kernel for
+    one problem class and parameter set: what PrefillKernel builds and `flashcl export` writes.
+    ``unroll_loops``: off on CPUs (prefill.cl: UNROLL_LOOPS)."""
+    defines = {
+        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
+        "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
+        "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
+        "UNROLL_LOOPS": unroll_loops,
+    }
+    if params.get("VARIANT", "rows") == "tiles":
+        defines.update(TILE_M=params["TILE_M"], TILE_N=params["TILE_N"], UNROLL_K=params.get("UNROLL_K", 0))
+        return "prefill_tiles.cl", "flash_prefill_tiles", defines
+    defines.update(VEC=params["VEC"], Q_IN_REGS=params.get("Q_IN_REGS", 1))
+    return "prefill.cl", "flash_prefill", defines
+
+
+def launch_grid(prob: PrefillProblem, params: dict) -> tuple[tuple, tuple]:
+    """(global, local) sizes: one dimension of B * H_q * query blocks * DV slices work-groups; the
+    kernel maps a group to its tile (prefill_common.h: tile_of_group)."""
+    wg = tuning.work_group_size(KERNEL, params)
+    num_m = -(-prob.n_q // params["BLOCK_M"])
+    num_dv = prob.dv // params["DV_TILE"]
+    return (prob.b * prob.h_q * num_m * num_dv * wg, 1, 1), (wg, 1, 1)
+
+
+def head_section(prob: PrefillProblem, cache_bytes: int) -> int:
+    """(batch, head) pairs per launch-order section: whole GQA groups whose K/V together fit in
+    ``cache_bytes`` of global-memory cache (at least one group). Any value >= 1 gives the same
+    result; this one lets the work-groups in flight re-read K/V from the cache."""
+    kv_bytes = max(1, prob.n_kv * (prob.dk + prob.dv) * np.dtype(prob.dtype).itemsize)
+    kv_heads = max(1, int(cache_bytes) // kv_bytes)
+    return min(prob.b * prob.h_q, kv_heads * (prob.h_q // prob.h_kv))
+
+
+# The arguments of flash_prefill and flash_prefill_tiles, in order: (name, OpenCL C type, meaning).
+# store_t is float, or half when STORE_HALF. PrefillKernel.__call__ passes them in this order.
+ARGS = (
+    ("q", "__global const store_t *", "queries (B, H_q, N_q, DK): element (b, h, i, d) at "
+                                      "q_off + b*q_sb + h*q_sh + i*q_sn + d"),
+    ("k", "__global const store_t *", "keys (B, H_kv, N_kv, DK), addressed with k_off, k_sb, k_sh, k_sn"),
+    ("v", "__global const store_t *", "values (B, H_kv, N_kv, DV), addressed with v_off, v_sb, v_sh, v_sn"),
+    ("out", "__global store_t *", "output (B, H_q, N_q, DV), written; addressed with o_off, o_sb, o_sh, o_sn"),
+    ("lse", "__global float *", "log-sum-exp (B, H_q, N_q), float32, contiguous, natural log; written "
+                                "when WRITE_LSE is 1, else unused (pass any buffer); a row that sees no "
+                                "key gets -inf"),
+    ("n_q", "const int", "N_q, query rows per (batch, head)"),
+    ("n_kv", "const int", "N_kv, keys per (batch, KV head); causal is bottom-right aligned: row i "
+                          "sees keys j <= i + N_kv - N_q"),
+    ("h_q", "const int", "H_q, query heads"),
+    ("group", "const int", "H_q / H_kv, query heads per KV head (1 MHA, H_q MQA)"),
+    ("head_section", "const int", "(batch, head) pairs per launch-order section, >= 1; every value "
+                                  "gives the same result, flashcl passes min(B*H_q, max(1, "
+                                  "CL_DEVICE_GLOBAL_MEM_CACHE_SIZE / (N_kv*(DK+DV)*sizeof(store_t))) "
+                                  "* group) so that a section's K/V stay in the cache"),
+    ("scale_log2", "const float", "softmax scale times log2(e); the scale is usually 1/sqrt(DK)"),
+    *((f"{t}_{s}", "const ulong", f"{what}{' in elements' if s == 'off' else ' stride in elements'}")
+      for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))
+      for s, what in (("off", f"offset of {name}[0, 0, 0, 0]"), ("sb", f"{name} batch"),
+                      ("sh", f"{name} head"), ("sn", f"{name} row"))),
+)
+
+
 class PrefillKernel:
     """The prefill kernel built for one problem class and parameter set on one device.
 
@@ -72,19 +136,7 @@ class PrefillKernel:
                  write_lse: bool = True, verbose: bool = False, extra_options=()):
         self.handle, self.prob, self.params = handle, prob, dict(params)
         self.variant = params.get("VARIANT", "rows")
-        self.defines = {
-            "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
-            "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
-            "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
-            "UNROLL_LOOPS": not handle.is_cpu,
-        }
-        if self.variant == "tiles":
-            self.defines.update(TILE_M=params["TILE_M"], TILE_N=params["TILE_N"],
-                                UNROLL_K=params.get("UNROLL_K", 0))
-            source, entry = "prefill_tiles.cl", "flash_prefill_tiles"
-        else:
-            self.defines.update(VEC=params["VEC"], Q_IN_REGS=params.get("Q_IN_REGS", 1))
-            source, entry = "prefill.cl", "flash_prefill"
+        source, entry, self.defines = program(prob, params, write_lse=write_lse, unroll_loops=not handle.is_cpu)
         self.work_group = tuning.work_group_size(KERNEL, params)
         self.section = self.head_section()  # fixed by the problem class: one device query per kernel
         self.built = build(handle, source, self.defines, kernel=KERNEL, verbose=verbose,
@@ -102,19 +154,13 @@ class PrefillKernel:
     def grid(self) -> tuple[tuple, tuple]:
         """One dimension of B * H_q * query blocks * DV slices work-groups; the kernel maps a group
         to its tile (prefill_common.h: tile_of_group)."""
-        p, wg = self.prob, self.work_group
-        num_m = -(-p.n_q // self.params["BLOCK_M"])
-        num_dv = p.dv // self.params["DV_TILE"]
-        return (p.b * p.h_q * num_m * num_dv * wg, 1, 1), (wg, 1, 1)
+        return launch_grid(self.prob, self.params)
 
     def head_section(self) -> int:
         """(batch, head) pairs per launch-order section: whole GQA groups whose K/V together
         fit in the device's global-memory cache (at least one group), so that the work-groups in
         flight, which run every head of a section at once, re-read K/V from the cache."""
-        p = self.prob
-        kv_bytes = max(1, p.n_kv * (p.dk + p.dv) * np.dtype(p.dtype).itemsize)
-        kv_heads = max(1, int(self.handle.device.global_mem_cache_size) // kv_bytes)
-        return min(p.b * p.h_q, kv_heads * (p.h_q // p.h_kv))
+        return head_section(self.prob, int(self.handle.device.global_mem_cache_size))
 
     def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
         """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""

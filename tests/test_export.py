@@ -1,0 +1,329 @@
+"""``flashcl export``: the self-contained sources, manifest.json and the C example, built and run
+as an app would (the system C compiler against the OpenCL ICD loader), for an attached PoCL CPU
+device and for Adreno in model mode. The C tests skip, naming what is missing, only where there
+is no C compiler, no OpenCL headers or loader, or no platform the system loader sees; CI installs
+them (.ci/run)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import flashcl
+from flashcl import __version__, cli, tuning
+from flashcl.opencl import decode as dec
+from flashcl.opencl import prefill as pre
+from flashcl.opencl import runtime
+from flashcl.profiles import PROFILES
+from flashcl.reference import TOLERANCE
+
+PREFILL = "prefill:1,8,2,256,64,1"   # causal GQA 4:1, d = 64
+PREFILL_NC = "prefill:2,4,4,100,64,0"
+DECODE = "decode:2,8,2,256,64"       # GQA 4:1, d = 64
+KERNELS = {"flash_prefill", "flash_decode", "flash_decode_split", "flash_decode_merge"}
+LINE = re.compile(r"^(prefill|decode) +(\S+): .*: out rel err (\S+), lse rel err (\S+) "
+                  r"\(tolerance (\S+)\) (ok|FAILED)$", re.MULTILINE)
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
+
+
+def export(out: Path, *args) -> dict:
+    r = run("export", "--out", str(out), *args)
+    assert r.exit_code == 0, r.output
+    return r, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def toolchain(tmp_path_factory):
+    """The C compiler ($CC, else cc), the OpenCL headers and ICD loader, and a platform the system
+    loader sees; a skip naming what is missing otherwise."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}): apt-get install gcc")
+    d = tmp_path_factory.mktemp("cl-probe")
+    (d / "probe.c").write_text("#define CL_TARGET_OPENCL_VERSION 120\n#include <CL/cl.h>\n#include <stdio.h>\n"
+                               "int main(void) { cl_uint n = 0; clGetPlatformIDs(0, NULL, &n); "
+                               "printf(\"%u\\n\", n); return 0; }\n")
+    build = subprocess.run([cc, "-o", str(d / "probe"), str(d / "probe.c"), "-lOpenCL"], capture_output=True, text=True)
+    if build.returncode != 0:
+        first = next((ln for ln in build.stderr.splitlines() if "error" in ln), build.stderr.strip()[:200])
+        pytest.skip(f"the OpenCL headers or ICD loader are missing (apt-get install ocl-icd-opencl-dev "
+                    f"opencl-headers): {first}")
+    n = subprocess.run([str(d / "probe")], capture_output=True, text=True)
+    if n.returncode != 0 or n.stdout.strip() in ("", "0"):
+        pytest.skip("the system OpenCL ICD loader sees no platform (apt-get install pocl-opencl-icd)")
+    return cc
+
+
+def run_example(folder: Path, toolchain: str):
+    env = {k: v for k, v in os.environ.items() if k != "FLASHCL_EXAMPLE_DEVICE"}
+    env["CC"] = toolchain
+    proc = subprocess.run([str(folder / "run_example.sh")], capture_output=True, text=True, env=env, timeout=600)
+    return proc, {(m.group(1), m.group(2), i): m.groups()[2:] for i, m in enumerate(LINE.finditer(proc.stdout))}
+
+
+def assert_example_passes(folder: Path, toolchain: str, manifest: dict):
+    proc, checks = run_example(folder, toolchain)
+    assert proc.returncode == 0, f"run_example.sh failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    ex = manifest["example"]
+    # one prefill, then the paged decode with split-k + merge and with one split
+    assert [(k, f) for k, f, _ in checks] == [("prefill", ex["prefill"]["file"]), ("decode", ex["decode"]["file"]),
+                                            ("decode", ex["decode"]["file"])], proc.stdout
+    for (kind, f, _), (out_err, lse_err, tol, verdict) in checks.items():
+        tol = float(tol)
+        dtype = next(s["problem"]["dtype"] for s in manifest["sources"] if s["file"] == f)
+        assert tol == TOLERANCE[dtype]
+        assert float(out_err) <= tol and float(lse_err) <= tol and verdict == "ok", proc.stdout
+    assert "3 splits + merge" in proc.stdout and "1 split:" in proc.stdout
+    assert re.search(r"^max relative error \S+: every check within tolerance$", proc.stdout, re.MULTILINE)
+    return proc
+
+
+# --------------------------------------------------------------------------- the manifest
+
+def _signature(text: str, name: str) -> list[tuple[str, str]]:
+    """(type without spaces, name) of each parameter of kernel ``name`` in an exported source, read
+    from the text (decode.cl's two decode kernels take the DECODE_PARAMS macro)."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.DOTALL).replace("\\\n", " ")
+    if name in ("flash_decode", "flash_decode_split"):
+        assert re.search(rf"DECODE_KERNEL\({name},", text)
+        body = re.search(r"#define DECODE_PARAMS([^\n]*)", text).group(1)
+    else:
+        body = re.search(rf"void\s+{name}\s*\((.*?)\)\s*{{", text, re.DOTALL).group(1)
+    params = []
+    for p in body.split(","):
+        m = re.search(r"(\w+)\s*$", p)
+        params.append((re.sub(r"\s+", "", p[:m.start()]), m.group(1)))
+    return params
+
+
+def _spec_of(kernel: str):
+    return {"flash_prefill": pre.ARGS, "flash_prefill_tiles": pre.ARGS, "flash_decode": dec.ARGS,
+            "flash_decode_split": dec.ARGS, "flash_decode_merge": dec.MERGE_ARGS}[kernel]
+
+
+def check_manifest(out: Path, m: dict, *, dtype: str, mode: str):
+    assert m["flashcl"] == __version__ and m["format"] == 1 and m["build_options"] == ""
+    assert m["target"]["mode"] == mode and m["target"]["modeled"] == (mode == "modeled")
+    store, raw = ("half", "uint4") if dtype == "float16" else ("float", "float4")
+    for s in m["sources"]:
+        text = (out / s["file"]).read_text()
+        assert hashlib.sha256(text.encode()).hexdigest() == s["sha256"]
+        # self-contained: the version and provenance on top, the defines fixed, no include left
+        assert text.startswith(f"/* flashcl {__version__}: clkernels/") and "  from: " in text
+        assert not re.search(r'^\s*#\s*include', text, re.MULTILINE)
+        assert f"#define STORE_HALF {int(dtype == 'float16')}\n" in text
+    assert {k["name"] for k in m["kernels"]} == KERNELS
+    for k in m["kernels"]:
+        text = (out / k["file"]).read_text()
+        for name, value in k["defines"].items():
+            assert f"\n#define {name} {value}\n" in text
+        # every argument in order, as the kernel declares it and as the Python host passes it
+        spec = _spec_of(k["name"])
+        assert [a["name"] for a in k["args"]] == [n for n, _, _ in spec]
+        assert [a["index"] for a in k["args"]] == list(range(len(spec)))
+        declared = _signature(text, k["name"])
+        assert [n for _, n in declared] == [a["name"] for a in k["args"]]
+        for (ctype, _), (_, spec_type, _), a in zip(declared, spec, k["args"]):
+            assert ctype == spec_type.replace(" ", ""), (k["name"], a)
+            assert a["type"] == spec_type.replace("store_t", store).replace("raw_t", raw)
+            host = ("local memory" if spec_type.startswith("__local") else "cl_mem" if "*" in spec_type
+                    else "cl_" + spec_type.split()[-1])
+            assert a["host"].startswith(host) and a["meaning"], (k["name"], a)
+        assert k["build_options"] == "" and k["global_size"] and k["local_size"][0] >= 1
+        src = k["parameters_from"]
+        assert src["source"] and src["why"] and src["mode"]
+
+
+def test_export_measured_on_pocl_builds_and_runs(cpu_device, tmp_path, request):
+    out = tmp_path / "export"
+    r, m = export(out, "--device", cpu_device, "--shape", PREFILL, "--shape", PREFILL_NC, "--shape", DECODE)
+    assert r.stdout.startswith("# measured: ")
+    check_manifest(out, m, dtype="float16", mode="measured")
+    handle = runtime.get_device(cpu_device)
+    assert m["target"]["device"] == handle.name and m["target"]["driver"] == handle.driver
+
+    # the parameters, grids and head sections are the library's own for each shape
+    for shape, causal in (((1, 8, 2, 256, 64), True), ((2, 4, 4, 100, 64), False)):
+        b, hq, hkv, n, d = shape
+        prob = pre.PrefillProblem(b, hq, hkv, n, n, d, d, causal, "float16")
+        params = pre.choose_params(handle, prob).params
+        [k] = [k for k in m["kernels"] if k["name"] == "flash_prefill" and k["problem"]["causal"] == causal]
+        assert k["params"] == params and k["defines"]["UNROLL_LOOPS"] == 0  # a CPU
+        assert k["defines"] == {n_: int(v) if isinstance(v, bool) else v
+                                for n_, v in pre.program(prob, params, write_lse=True, unroll_loops=False)[2].items()}
+        [launch] = k["launches"]
+        assert launch["shape"] == {"B": b, "H_q": hq, "H_kv": hkv, "N_q": n, "N_kv": n}
+        assert (tuple(launch["global_size"]), tuple(launch["local_size"])) == pre.launch_grid(prob, params)
+        assert launch["head_section"] == pre.head_section(prob, handle.device.global_mem_cache_size)
+        assert k["global_size"][0] == f"B * H_q * ceil(N_q / {params['BLOCK_M']}) * {d // params['DV_TILE']} * " \
+                                      f"{launch['local_size'][0]}"
+    prob = dec.DecodeProblem(2, 8, 2, 64, 64, True, "float16")
+    params = dec.choose_params(handle, prob, None, 256).params
+    kern = {k["name"]: k for k in m["kernels"] if "decode" in k["name"]}
+    wg = dec.work_group_size(params, 4, 64, 64, "float16")
+    splits = dec.choose_num_splits(int(handle.device.max_compute_units), 4, 256, params=params)
+    assert kern["flash_decode"]["params"] == params and kern["flash_decode"]["local_size"] == [wg, 1, 1]
+    assert kern["flash_decode"]["defines"]["GROUP"] == 4 and kern["flash_decode"]["defines"]["PAGED"] == 1
+    assert kern["flash_decode_split"]["global_size"] == [f"{wg} * num_splits", "H_kv", "B"]
+    assert kern["flash_decode_merge"]["local_size"] == [params["MERGE_WG"], 1]
+    assert kern["flash_decode"]["launches"][0]["shape"]["auto_splits"] == splits
+    if splits > 1:
+        [sl] = kern["flash_decode_split"]["launches"]
+        assert tuple(sl["global_size"]) == dec.launch_grid(prob, wg, splits)[0]
+        [ml] = kern["flash_decode_merge"]["launches"]
+        assert tuple(ml["global_size"]) == dec.merge_grid(prob, params["MERGE_WG"])[0]
+
+    proc = assert_example_passes(out, request.getfixturevalue("toolchain"), m)
+    assert re.search(r"^device: .*: built 3 exported sources$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_export_model_mode_for_adreno(tmp_path, tuning_dir, request):
+    """No Adreno attached: the tiles are the profile's modeled entry (here one the test stores, as
+    `flashcl tune --device adreno` would) or the profile default; the manifest and the CLI say the
+    parameters were not measured; the example still runs on this machine's device."""
+    prof = PROFILES["adreno"]
+    key = tuning.DeviceKey.modeled(prof)
+    modeled = {"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}
+    dims = tuning.Dims(64, 64, 1, "float32")
+    assert tuning.SPACES["prefill"].check(modeled, dims, {"local_mem": prof.local_mem,
+                                                          "max_work_group": prof.max_work_group}) == []
+    db = tuning_dir / "model-adreno.json"
+    tuning.save_entry(tuning.make_entry("prefill", key, dtype="float32", dk=64, dv=64, causal=True, n=256,
+                                        params=modeled, provenance={"mode": "modeled", "flashcl": __version__,
+                                                                    "date": "2026-01-01"}), db)
+    out = tmp_path / "adreno"
+    r, m = export(out, "--device", "adreno", "--dtype", "float32", "--shape", PREFILL, "--shape", DECODE)
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("# model mode: no adreno device is attached") and "not measured" in first
+    check_manifest(out, m, dtype="float32", mode="modeled")
+    assert m["target"]["device"] == "adreno (profile)" and m["target"]["driver"] is None
+    assert any("model mode" in n for n in m["notes"])
+    [pk] = [k for k in m["kernels"] if k["name"] == "flash_prefill"]
+    assert pk["params"] == modeled and pk["defines"]["UNROLL_LOOPS"] == 1  # a GPU profile
+    assert pk["parameters_from"]["mode"] == "modeled" and db.name in pk["parameters_from"]["source"]
+    assert pk["launches"][0]["head_section"] is None  # the cache size of an absent device is unknown
+    # decode has no entry: the profile default, as show-config gives it
+    dk = next(k for k in m["kernels"] if k["name"] == "flash_decode")
+    default = tuning.SPACES["decode"].default(prof, tuning.Dims(64, 64, 4, "float32"), local_mem=prof.local_mem,
+                                              max_work_group=prof.max_work_group)
+    assert dk["params"] == default and dk["parameters_from"]["mode"] == "profile default (model mode)"
+    assert dk["defines"]["ROW_SHUFFLE"] == 0 and dk["launches"][0]["shape"]["auto_splits"] is None
+    text = (out / pk["file"]).read_text()
+    assert "(model mode: parameters not measured)" in text.splitlines()[0] and "modeled" in text[:2000]
+    assert_example_passes(out, request.getfixturevalue("toolchain"), m)
+
+
+def test_the_example_catches_a_wrong_define_or_scale(cpu_device, tmp_path, toolchain):
+    """The C reference is a real check: the prefill exported non-causal (one define flipped) or
+    launched with the scale not multiplied by log2(e) fails, exit 1, while the decode runs stay
+    right; another valid tile (BLOCK_N) changes nothing but speed."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", "float32", "--shape", PREFILL, "--shape", DECODE)
+    src = out / m["example"]["prefill"]["file"]
+    good = src.read_text()
+
+    src.write_text(good.replace("\n#define IS_CAUSAL 1\n", "\n#define IS_CAUSAL 0\n", 1))
+    proc, checks = run_example(out, toolchain)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    verdicts = [(kind, v[-1]) for (kind, _, _), v in checks.items()]
+    assert verdicts == [("prefill", "FAILED"), ("decode", "ok"), ("decode", "ok")], proc.stdout
+    assert float(next(iter(checks.values()))[0]) > 1e-2
+
+    [k] = [k for k in m["kernels"] if k["name"] == "flash_prefill"]
+    bn, vec = k["defines"]["BLOCK_N"], k["defines"]["VEC"]
+    other = bn // 2 if (bn // 2) % vec == 0 and bn // 2 >= vec else bn * 2
+    src.write_text(good.replace(f"\n#define BLOCK_N {bn}\n", f"\n#define BLOCK_N {other}\n", 1))
+    assert_example_passes(out, toolchain, m)
+
+    src.write_text(good)
+    example = out / "example.c"
+    c = example.read_text()
+    wrong = c.replace("arg_float(&a, (cl_float)(scale * LOG2E));", "arg_float(&a, (cl_float)scale);")
+    assert wrong.count("(cl_float)scale)") == 2  # prefill and decode
+    example.write_text(wrong)
+    proc, checks = run_example(out, toolchain)
+    assert proc.returncode == 1 and [v[-1] for v in checks.values()] == ["FAILED"] * 3, proc.stdout
+
+
+# --------------------------------------------------------------------------- the CLI and the host spec
+
+def test_export_refuses_a_folder_that_is_not_an_export(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run("export", "--device", "adreno", "--out", str(tmp_path), "--shape", PREFILL, "--shape", DECODE)
+    assert r.exit_code == 2 and "holds no flashcl export" in r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_export_replaces_a_previous_export(tmp_path):
+    out = tmp_path / "x"
+    _, m1 = export(out, "--device", "adreno", "--shape", PREFILL, "--shape", PREFILL_NC, "--shape", DECODE)
+    _, m2 = export(out, "--device", "adreno", "--dtype", "float32", "--shape", PREFILL, "--shape", DECODE)
+    assert len(m1["sources"]) == 3 and len(m2["sources"]) == 2
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([s["file"] for s in m2["sources"]] + ["manifest.json", "example.c", "example_config.h",
+                                                                  "run_example.sh"])
+    assert os.access(out / "run_example.sh", os.X_OK)
+
+
+def test_export_json_and_bad_shapes(tmp_path):
+    r = run("export", "--device", "adreno", "--out", str(tmp_path / "j"), "--shape", DECODE, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["conditions"]["mode"] == "modeled" and doc["files"][-4:] == ["manifest.json", "example.c",
+                                                                             "example_config.h", "run_example.sh"]
+    # no prefill --shape: the reference shapes (d = 128 and 64, causal and not)
+    assert {(row["problem"]["dk"], row["problem"].get("causal")) for row in doc["rows"]
+            if row["kernels"] == ["flash_prefill"]} == {(128, True), (128, False), (64, True), (64, False)}
+    for bad in ("prefill:1,8,3,256,64,1", "decode:1,8,2,256", "attention:1,2"):
+        r = run("export", "--device", "adreno", "--out", str(tmp_path / "b"), "--shape", bad)
+        assert r.exit_code == 2 and r.stderr.startswith("error: ") and "--shape" in r.stderr, (bad, r.stderr)
+
+
+def test_the_host_code_passes_the_arguments_the_spec_lists(cpu_device, monkeypatch):
+    """PrefillKernel and DecodeKernel set exactly the arguments ARGS / MERGE_ARGS list, with their
+    types: the manifest describes what the library itself launches."""
+    import pyopencl as cl
+
+    seen = []
+    real = runtime.launch_sequence
+
+    def spy(handle, launches, *, params):
+        seen.extend((kernel.function_name, args) for _, kernel, _, _, args in launches)
+        return real(handle, launches, params=params)
+
+    monkeypatch.setattr(runtime, "launch_sequence", spy)
+    monkeypatch.setattr(dec, "launch_sequence", spy)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, 40, 64)).astype(np.float32) for _ in range(3))
+    flashcl.prefill(q, k[:, :2], v[:, :2], causal=True, device=cpu_device)
+    kc = rng.standard_normal((6, 16, 2, 64)).astype(np.float32)
+    table = np.array([[3, 1, 5], [0, 4, 2]], dtype=np.int32)
+    lens = np.array([40, 20], dtype=np.int32)
+    for splits in (1, 3):
+        flashcl.decode(rng.standard_normal((2, 4, 64)).astype(np.float32), kc, kc, block_table=table,
+                       context_lens=lens, num_splits=splits, device=cpu_device)
+
+    kinds = {np.int32: "int", np.float32: "float", np.uint64: "ulong"}
+    assert {name for name, _ in seen} == KERNELS
+    for name, args in seen:
+        spec = _spec_of(name)
+        assert len(args) == len(spec), name
+        for a, (arg_name, ctype, _) in zip(args, spec):
+            if ctype.startswith("__local"):
+                assert isinstance(a, cl.LocalMemory), (name, arg_name)
+            elif "*" in ctype:
+                assert isinstance(a, cl.MemoryObjectHolder), (name, arg_name)
+            else:
+                assert kinds[type(a)] == ctype.split()[-1], (name, arg_name)

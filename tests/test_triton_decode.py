@@ -160,10 +160,9 @@ def test_blocks_larger_than_the_tile(triton_device, block_size, dk, dv, h_q, h_k
     small-head tile, 128 rows under the interpreter, up to 256 on a GPU): tiles inside one block,
     one block-table entry per tile. GQA 4, MHA, MQA 8; contexts 0, one partial block, several
     blocks, a block + 1; permuted blocks; 1 to 5 splits."""
-    from flashcl.triton.decode import launch_plan
+    from flashcl.triton.decode_plan import DecodeProblem, facts_of, plan
 
-    block_n = launch_plan(4, h_q, h_kv, dk, dv, 3 * block_size, 2, torch.device(triton_device),
-                          page_size=block_size)["config"]["BLOCK_N"]
+    block_n = plan(DecodeProblem(4, h_q, h_kv, dk, dv, 3 * block_size, 2, block_size), facts_of(triton_device)).block_n
     assert block_size % block_n == 0 and (block_n < block_size or dk < 128)
     c = _case(triton_device, "float16", b=4, h_q=h_q, h_kv=h_kv, lens=[0, 100, 2 * block_size + 37, block_size + 1],
               dk=dk, dv=dv, block_size=block_size, seed=block_size + dk)
@@ -196,7 +195,7 @@ def test_reduce_kernel_partial_head_group_and_chunks(triton_device, poison):
     of 128); at d = 128, 10 (4 heads, one chunk of 16), 20 (2 heads, one chunk of 32) and 70 (1
     head, two chunks of 64, the second padded); contexts long and short (splits past the end are
     empty)."""
-    from flashcl.triton.decode import _reduce_shape
+    from flashcl.triton.decode_plan import _reduce_shape
 
     assert [_reduce_shape(ns, 32) for ns in (5, 20, 70)] == [(4, 8), (4, 32), (2, 128)]
     assert [_reduce_shape(ns, 128) for ns in (10, 20, 70)] == [(4, 16), (2, 32), (1, 64)]
@@ -269,16 +268,25 @@ def test_rows_past_the_end_are_never_read(triton_device, block_size, h_q, h_kv, 
 
 
 @pytest.mark.parametrize("h_q,h_kv", [(4, 2), (2, 2)])
-def test_64_bit_row_offsets(triton_device, monkeypatch, h_q, h_kv, poison):
-    """The 64-bit row offsets that caches of 2^31 elements or more take (forced on a small cache);
-    GQA and MHA (the CUDA-core loop)."""
-    from flashcl.triton import decode as triton_decode
+def test_64_bit_row_offsets(triton_device, h_q, h_kv, poison):
+    """The 64-bit row offsets that caches of 2^31 elements or more take (forced on a small cache by
+    the plan of a problem whose caches are that large); GQA and MHA, on the default path and, for
+    MHA, on the CUDA-core loop."""
+    from dataclasses import replace
 
-    monkeypatch.setattr(triton_decode, "_OFFS32_LIMIT", 0)
+    from flashcl.triton import decode as triton_decode
+    from flashcl.triton.decode_plan import facts_of, plan
+
     c = _case(triton_device, "float16", b=3, h_q=h_q, h_kv=h_kv, lens=[1, 17, 80], dk=32, seed=22)
-    for ns in (1, 3):
-        out, lse = _run_paged(c, ns)
-        _check(out, c["ref"], "float16", f"splits={ns}", c["naive"], lse, c["ref_lse"])
+    problem = replace(triton_decode.problem_of(c["q"], c["k_pages"], c["v_pages"], c["block_table"]),
+                      max_offset=2**31)
+    for config in [None] + ([{"mha_fma": True}] if h_q == h_kv else []):
+        for ns in (1, 3):
+            p = plan(problem, facts_of(triton_device), config, ns)
+            assert not p.offs32 and p.whole_pages and p.mha_loop == (config is not None)
+            out, lse = triton_decode._launch(c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["lens"],
+                                             c["scale"], ns, plan=p)
+            _check(out, c["ref"], "float16", f"{config} splits={ns}", c["naive"], lse, c["ref_lse"])
 
 
 def test_non_contiguous_inputs(triton_device, poison):
@@ -292,17 +300,6 @@ def test_non_contiguous_inputs(triton_device, poison):
     out, lse = flashcl.decode(q, packed[:, :, 0], packed[:, :, 1], block_table=c["block_table"],
                               context_lens=c["lens"], num_splits=2, backend="triton", return_lse=True)
     _check(out, c["ref"], "float32", "strided", lse=lse, lse_ref=c["ref_lse"])
-
-
-def test_split_heuristic():
-    """Shapes only: a full grid stays single pass; a small grid splits, bounded by the context."""
-    from flashcl.triton.decode import choose_num_splits
-
-    assert choose_num_splits(256, 2048, 64, 132) == 1
-    assert [choose_num_splits(p, 131072, 64, 132) for p in (8, 16, 32, 64, 128)] == [16, 8, 4, 2, 1]
-    assert choose_num_splits(70, 131072, 64, 132) == 2  # one wave of 70 leaves 47% of the SMs idle
-    assert choose_num_splits(8, 64, 64, 132) == 1  # one tile: nothing to split
-    assert choose_num_splits(16, 4096, 64, 132) <= 4096 // 64 // 4
 
 
 def test_custom_op_opcheck(triton_device):
@@ -425,7 +422,7 @@ def test_bench_table_with_and_without_forced_splits(forced):
            "best_forced_ms": forced.get(best), "auto_within_5pct": (0.0931 <= 1.05 * forced[best]) if forced else None,
            "flashcl": "0.1.0", "dtype": "float16", "d": 128, "block_size": 16, "block_order": "ascending",
            "rounds": 3, "device": "GPU", "sm_count": 132, "driver": "580", "torch": "2.11", "triton": "3.6",
-           "date": "2026-11-22", "copy_bw_TB_s": 2.9, "read_bw_TB_s": 3.07, "pct_read_bw": 94.1}
+           "date": "the run's date", "copy_bw_TB_s": 2.9, "read_bw_TB_s": 3.07, "pct_read_bw": 94.1}
     text = bd.format_table([row], "flashcl bench decode --backend triton --splits 1,2")
     assert "command: flashcl bench decode --backend triton --splits 1,2" in text
     assert "streaming-read bandwidth 3.07 TB/s" in text and " 94.1 " in text and " 0.990 " in text

@@ -1,7 +1,7 @@
-"""The launch knobs of the Triton decode (flashcl.triton.decode._KNOBS), above all the fused reduce:
-the last split program of each (sequence, KV head) merges the partial states, with per-device
-arrival counters that must be back at zero after every launch. Also the automatic choice of the
-knobs (fused_reduce on for 2..4 splits, pdl from 2 splits, early_pages always).
+"""The launch knobs of the Triton decode (flashcl.triton.decode_plan._KNOBS) run exact, above all
+the fused reduce: the last split program of each (sequence, KV head) merges the partial states,
+with per-device arrival counters that must be back at zero after every launch. Which knobs the plan
+turns on by itself is tested as data in tests/test_decode_plan.py.
 
 Small shapes run under TRITON_INTERPRET=1 on CPU (programs run one after another, which exercises
 the counter logic, not its memory ordering); the CUDA-graph tests need a GPU.
@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from flashcl import reference  # noqa: E402
 from flashcl.triton import decode as td  # noqa: E402
 from flashcl.triton import decode_gluon as tg  # noqa: E402
+from flashcl.triton import decode_plan as dp  # noqa: E402
 
 from .test_triton_decode import _case, _check, _np  # noqa: E402
 
@@ -134,83 +135,6 @@ def test_early_pages_shorter_than_bound(triton_device, poison):
         _check(out, ref_out, "float32", f"{cfg}", lse=lse, lse_ref=ref_lse)
 
 
-def test_plan_knobs():
-    """Unknown config keys are refused; forced knobs win over the automatic choice."""
-    with pytest.raises(KeyError):
-        td.launch_plan(1, 8, 2, 64, 64, 1024, 2, torch.device("cpu"), {"fused": True})
-    for key in ("no_dot", "evict_first", "mask_tail_only"):  # removed knobs
-        with pytest.raises(KeyError):
-            td.launch_plan(1, 8, 2, 64, 64, 1024, 2, torch.device("cpu"), {key: True})
-    default = td.launch_plan(1, 8, 2, 128, 128, 1024, 2, torch.device("cpu"))
-    assert default["config"]["BLOCK_N"] == 64 and default["BLOCK_G"] == 16
-    forced = td.launch_plan(1, 8, 2, 128, 128, 1024, 2, torch.device("cpu"),
-                            {"fused_reduce": False, "pdl": True, "early_pages": False})
-    assert default["num_splits"] == forced["num_splits"] == 2
-    assert forced["config"]["fused_reduce"] is False and forced["config"]["pdl"] is True
-    assert forced["config"]["early_pages"] is False
-
-
-# (B, H_q, H_kv, ctx) -> splits on an H100 (132 SMs), the shapes the knobs were measured on
-_H100_SPLITS = {(8, 32, 32, 2048): 1, (8, 32, 32, 8192): 1, (8, 32, 8, 2048): 2, (32, 32, 8, 2048): 1,
-                (4, 64, 8, 2048): 4, (8, 64, 8, 2048): 2, (16, 32, 1, 4096): 8, (1, 32, 8, 32768): 16,
-                (1, 32, 8, 131072): 16}
-
-
-def test_auto_knobs_follow_split_count(monkeypatch):
-    """The default plan (shapes only): fused_reduce on exactly for 2..4 splits, pdl from 2 splits,
-    early_pages always. pdl here is the plan's request (the launch drops it where the device lacks
-    sm_90)."""
-    cpu = torch.device("cpu")
-    # the CPU plan (4 "SMs"): one KV head of one sequence -> 4 splits; 4 of them -> 1
-    four = td.launch_plan(1, 8, 1, 128, 128, 4096, 2, cpu)
-    one = td.launch_plan(2, 8, 2, 128, 128, 4096, 2, cpu)
-    assert four["num_splits"] == 4 and four["config"]["fused_reduce"] and four["config"]["early_pages"]
-    assert one["num_splits"] == 1 and not one["config"]["fused_reduce"] and one["config"]["early_pages"]
-    assert four["config"]["pdl"] and not one["config"]["pdl"]
-    # the H100 plan of the measured shapes
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
-        plan = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)
-        assert plan["num_splits"] == plan["auto_splits"] == splits, (b, h_q, h_kv, ctx)
-        assert plan["config"]["fused_reduce"] is (2 <= splits <= 4), (b, h_q, h_kv, ctx, splits)
-        assert plan["config"]["pdl"] is (splits >= 2), (b, h_q, h_kv, ctx, splits)
-        assert plan["config"]["early_pages"] is True
-    # an explicit split count: the automatic knobs follow the count launched
-    for ns, fused, pdl in ((1, False, False), (2, True, True), (4, True, True), (5, False, True),
-                           (16, False, True)):
-        plan = td.launch_plan(8, 32, 8, 128, 128, 2048, 2, cpu, None, ns)
-        assert plan["auto_splits"] == 2 and plan["num_splits"] == ns
-        assert plan["config"]["fused_reduce"] is fused and plan["config"]["pdl"] is pdl, ns
-
-
-def test_long_tile_rule(monkeypatch):
-    """The 128-row tile on 8 warps only for a grid of at most one program per SM whose splits are
-    >= 4096 tokens, heads padded to 128 or more, only where shared memory holds its ring, never
-    when the config sets the tile."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    for smem, long_ok in ((227 * 1024, True), (99 * 1024, False)):  # H100; sm_89
-        monkeypatch.setattr(td, "_device_smem", lambda device, smem=smem: smem)
-        for (b, h_q, h_kv, ctx), splits in _H100_SPLITS.items():
-            cfg = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, cpu)["config"]
-            want = long_ok and ctx // splits >= 4096 and b * h_kv * splits <= 132  # (1, 32/8, 128k) only
-            short_warps = 2 if 2 <= h_q // h_kv <= 4 else 4  # see test_two_warps_rule
-            assert (cfg["BLOCK_N"], cfg["num_warps"]) == ((128, 8) if want else (64, short_warps)), \
-                (b, h_q, h_kv, ctx, smem)
-        # d = 256 fp16: a 128-row ring is 256 KB, more than any GPU has
-        cfg = td.launch_plan(1, 32, 8, 256, 256, 131072, 2, cpu)["config"]
-        assert cfg["BLOCK_N"] < 128
-        # heads up to 64: the small-head rows on 4 warps instead; d = 96 is padded to 128
-        for d, rows in ((64, 128), (32, 256)):
-            cfg = td.launch_plan(1, 32, 8, d, d, 131072, 2, cpu)["config"]
-            assert (cfg["BLOCK_N"], cfg["num_warps"]) == (rows, 4), (d, smem)
-        cfg = td.launch_plan(1, 32, 8, 96, 96, 131072, 2, cpu)["config"]
-        assert ((cfg["BLOCK_N"], cfg["num_warps"]) == (128, 8)) == long_ok
-    # forced tile or forced split count that leaves short splits: the default tile
-    assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, {"num_stages": 2})["config"]["BLOCK_N"] == 64
-    assert td.launch_plan(1, 32, 8, 128, 128, 131072, 2, cpu, None, 64)["config"]["BLOCK_N"] == 64
-
-
 # --------------------------------------------------------------------------- MHA on CUDA cores
 
 MHA_FMA = {"mha_fma": True}
@@ -320,11 +244,11 @@ def test_gluon_mha_head_dims_and_tiles(dk, rows, warps, block_size, dtype, poiso
 @pytest.mark.parametrize("d", [32, 64])
 def test_gluon_mha_small_heads_automatic(d, poison, gluon_calls):
     """With more programs than SMs, MHA at d = 32 and 64 runs the Gluon kernel on its own tile
-    (decode_gluon.tile), unforced; with two splits, the dot path."""
-    sms = td._device_sms(torch.device("cuda"))
+    (decode_plan.gluon_tile), unforced; with two splits, the dot path."""
+    sms = dp.facts_of("cuda").sms
     c = _case("cuda", "float16", b=1, h_q=sms + 4, h_kv=sms + 4, lens=[300], dk=d, block_size=16, seed=d)
     out, lse = _run(c, 0, None)
-    assert gluon_calls == [tg.tile(d, sms + 4, sms)]
+    assert gluon_calls == [dp.gluon_tile(d, sms + 4, sms)]
     _check(out, c["ref"], "float16", f"gluon mha automatic d={d}", c["naive"], lse, c["ref_lse"])
     out, lse = _run(c, 2, None)
     assert len(gluon_calls) == 1
@@ -406,43 +330,9 @@ def test_gluon_gqa_automatic(poison, gqa_calls):
     b = -(-3 * sms // (4 * 2))  # at most one program per SM unsplit: two splits of 1024 tokens
     c = _case("cuda", "float16", b=b, h_q=8, h_kv=2, lens=[2048] * b, dk=128, seed=48)
     out, lse = _run(c, 0, None)
-    assert len(gqa_calls) == 2 and td.launch_plan(b, 8, 2, 128, 128, 2048, 2, c["q"].device)["num_splits"] == 2
+    assert len(gqa_calls) == 2 and dp.plan(dp.DecodeProblem(b, 8, 2, 128, 128, 2048, 2),
+                                           dp.facts_of(c["q"].device)).num_splits == 2
     _check(out, c["ref"], "float16", "gluon gqa automatic, split", c["naive"], lse, c["ref_lse"])
-
-
-def test_gluon_gqa_rule(monkeypatch):
-    """decode_gluon.gqa_takes: groups of 4 to 8, splits of 1024 tokens or more, 1.5 programs per SM
-    or more, head dims 128, 2-byte K/V; forced, any group of 2 to 16; gqa_splits: two programs per
-    SM; launch_plan takes the kernel's split count. The device's own conditions (a CUDA device of
-    compute capability 8.0+ with Gluon) are stood in for on the CPU."""
-    monkeypatch.setattr(tg, "available", lambda: True)
-    monkeypatch.setattr(tg, "_sm_major", lambda index: 9)
-    dev = torch.device("cuda", 0)
-
-    def takes(group=4, programs=256, ctx=2048, splits=1, d=128, elt=2, forced=False):
-        return tg.gqa_takes(group, d, d, elt, splits, programs, ctx, 132, dev, forced)
-
-    assert takes() and takes(group=8) and takes(programs=198) and takes(ctx=1024)
-    assert not takes(programs=197) and not takes(ctx=1023) and not takes(splits=2, ctx=2047)
-    assert takes(programs=8, splits=32, ctx=32768) and not takes(programs=8, splits=16, ctx=32768)
-    assert not takes(group=2) and not takes(group=16) and not takes(group=1, forced=True)
-    assert takes(group=2, forced=True) and takes(group=16, programs=8, ctx=16, forced=True)
-    assert not takes(group=17, forced=True) and not takes(d=64, forced=True) and not takes(elt=4, forced=True)
-    assert not tg.gqa_takes(4, 128, 128, 2, 1, 256, 2048, 132, torch.device("cpu"))
-    assert [tg.gqa_splits(n, 132) for n in (8, 16, 32, 100, 132, 133, 256)] == [32, 16, 8, 2, 2, 1, 1]
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
-
-    def plan(b, h_q, h_kv, ctx=2048, **kw):
-        p = td.launch_plan(b, h_q, h_kv, 128, 128, ctx, 2, dev, **kw)
-        return p["config"]["gluon_gqa"], p["num_splits"], p["config"]["fused_reduce"]
-
-    assert plan(32, 32, 8) == (True, 1, False) and plan(32, 32, 8, config={"gluon_gqa": False})[0] is False
-    assert plan(1, 32, 8, ctx=131072) == (True, 32, False) and plan(16, 32, 8, ctx=4096) == (True, 2, False)
-    assert plan(8, 32, 8) == (False, 2, True)  # 512-token splits: the dot path, fused
-    assert plan(1, 32, 8, ctx=131072, num_splits=16)[:2] == (False, 16)  # 128 programs
-    assert not plan(32, 32, 8, page_size=0)[0] and not plan(32, 32, 8, config={"BLOCK_N": 64})[0]
-    assert plan(8, 32, 8, config={"gluon_gqa": True})[:2] == (True, 2)  # forced: the dot path's count
 
 
 def _run_ptx_warp(ptx: str, regs: list[list[int]]) -> list[list[int]]:
@@ -687,106 +577,6 @@ def test_gluon_mha_takes_only_what_fits(monkeypatch):
     assert not calls
 
 
-def test_mha_fma_rule(monkeypatch):
-    """On where it was measured to pay: MHA, 2-byte K/V, head dims 65..128, more programs than SMs;
-    a config forces it either way (never for GQA)."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-
-    def on(b, h_q, h_kv, d=128, elt=2, config=None):
-        return td.launch_plan(b, h_q, h_kv, d, d, 2048, elt, cpu, config)["config"]["mha_fma"]
-
-    assert on(8, 32, 32) and on(16, 32, 32) and on(8, 32, 32, d=96) and on(8, 32, 32, d=72)
-    assert not on(8, 32, 32, d=64) and not on(8, 32, 32, d=32)  # small heads: the dot path, more rows
-    assert not on(4, 32, 32)  # 128 programs: one per SM
-    assert not on(8, 32, 8) and not on(16, 32, 1)  # GQA, MQA
-    assert not on(8, 32, 32, elt=4) and not on(8, 32, 32, d=256)
-    assert on(4, 32, 32, config=MHA_FMA) and not on(8, 32, 32, config={"mha_fma": False})
-    assert not on(8, 32, 8, config=MHA_FMA)
-
-
-def test_mha_fma_small_heads_rule(monkeypatch):
-    """Heads up to 64 take the MHA loop only where the Gluon kernel can run it (one split, 2-byte
-    K/V, DK == DV, whole pages of its tile), on its tile: 128 rows on 8 warps up to two programs per
-    SM, then 64 rows on 4 warps at d = 64 and 128 rows on 4 warps at d = 32. The kernel's own
-    conditions (decode_gluon.takes: a CUDA device with Gluon) are stood in for on the CPU."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
-    monkeypatch.setattr(tg, "takes", lambda dk, dv, elt, ns, device: ns == 1 and elt == 2 and dk == dv <= 128)
-
-    def plan(b, h_q, h_kv, d=64, dv=None, elt=2, ctx=2048, config=None, ns=0, page=16):
-        cfg = td.launch_plan(b, h_q, h_kv, d, dv or d, ctx, elt, cpu, config, ns, page)["config"]
-        return cfg["BLOCK_N"], cfg["num_warps"], cfg["mha_fma"]
-
-    assert plan(8, 32, 32) == plan(8, 32, 32, d=48) == plan(8, 32, 32, d=32) == (128, 8, True)  # 256 programs
-    assert plan(16, 32, 32) == (64, 4, True) and plan(16, 32, 32, d=32) == (128, 4, True)  # 512 programs
-    assert plan(8, 32, 32, d=96) == plan(8, 32, 32, d=128) == (64, 4, True)
-    assert plan(8, 32, 32, page=128) == (128, 8, True) and plan(16, 32, 32, page=128)[2] is False  # whole pages
-    assert plan(8, 32, 32, page=0)[2] is False  # a contiguous cache: the dot path's tile
-    assert plan(8, 32, 32, d=128, page=256)[2] is False  # blocks larger than the loop's tile: the dot path
-    assert plan(8, 32, 32, ns=2)[2] is False and plan(8, 32, 32, dv=32)[2] is False  # splits, DK != DV
-    assert plan(8, 32, 32, elt=4)[2] is False and plan(8, 32, 8)[2] is False and plan(4, 32, 32)[2] is False
-    assert plan(8, 32, 32, config={"gluon_mha": False}) == (64, 4, False)  # the dot path
-    assert plan(8, 32, 32, config={"BLOCK_N": 64}) == (64, 4, False)  # a set tile: not the kernel's
-    assert plan(8, 32, 32, config=MHA_FMA) == (64, 4, True)  # forced: the default tile
-
-
-def test_small_head_rows_rule(monkeypatch):
-    """Heads below 128 get more rows, so that a K+V tile holds 16 KB (32 KB where a program has its
-    SM to itself), up to 256 rows and within the device's shared memory; head dims of 128 and more,
-    groups over 16, the MHA loop, a config that sets the tile and the CPU interpreter (no shared
-    memory known) keep the default."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    smem = [227 * 1024]
-    monkeypatch.setattr(td, "_device_smem", lambda device: smem[0])
-
-    def rows(b, h_q, h_kv, d=128, elt=2, ctx=2048, config=None, dv=None):
-        return td.launch_plan(b, h_q, h_kv, d, dv or d, ctx, elt, cpu, config)["config"]["BLOCK_N"]
-
-    assert rows(8, 32, 32) == rows(32, 32, 8) == rows(1, 32, 8, ctx=32768) == rows(16, 32, 1, ctx=4096) == 64
-    assert rows(16, 32, 1, d=32, ctx=4096) == 64  # MQA: the group of 32 keeps 64 rows
-    assert rows(4, 32, 32, d=96) == rows(4, 32, 32, d=64) == 128  # 128 programs: one per SM
-    assert rows(4, 32, 32, d=96, config={"mha_fma": True}) == 64  # the MHA loop keeps 64 rows
-    assert rows(8, 32, 32, d=64) == rows(32, 32, 8, d=64) == rows(8, 32, 32, d=96) == 64  # 256 programs
-    assert rows(8, 32, 32, d=32) == rows(32, 32, 8, d=32) == 128
-    assert rows(1, 32, 8, d=64, ctx=32768) == rows(1, 32, 8, d=96, ctx=32768) == 128  # one program per SM
-    assert rows(1, 32, 8, d=32, ctx=32768) == rows(1, 32, 8, d=16, ctx=32768) == 256
-    assert rows(1, 32, 8, d=192, dv=128, ctx=32768) == rows(1, 32, 8, elt=4, ctx=32768) == 32  # the default
-    assert rows(1, 32, 8, d=32, ctx=32768, config={"num_stages": 3}) == 64  # the config sets the tile
-    smem[0] = 99 * 1024  # sm_89: the d = 96 ring of 128 rows (128 KB) does not fit
-    assert rows(1, 32, 8, d=96, ctx=32768) == 64 and rows(1, 32, 8, d=32, ctx=32768) == 256
-    smem[0] = 0  # the interpreter
-    assert rows(1, 32, 8, d=32, ctx=32768) == 64
-
-
-def test_two_programs_per_sm_rule(monkeypatch):
-    """Split launches of groups of 17 to 32 whose tile holds under 32 KB of K+V (heads up to 64 in
-    2-byte types) aim at two programs per SM (within the split cap); unsplit launches, heads
-    padded to 128, fp32, groups of 16 and of 64 keep one program per SM."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
-
-    def splits(b, h_q, h_kv, ctx, d=64, elt=2):
-        plan = td.launch_plan(b, h_q, h_kv, d, d, ctx, elt, cpu, page_size=16)
-        assert plan["num_splits"] == plan["auto_splits"]
-        return plan["num_splits"]
-
-    assert [splits(16, 32, 1, 4096), splits(8, 32, 1, 8192), splits(32, 32, 1, 2048), splits(8, 64, 2, 4096),
-            splits(64, 32, 1, 1024)] == [16, 32, 8, 16, 4]
-    assert splits(16, 32, 1, 4096, d=32) == 16 and splits(4, 32, 1, 16384, d=32) == 64
-    assert splits(8, 32, 1, 16384) == 33 and splits(4, 32, 1, 32768) == 66
-    assert splits(4, 32, 1, 16384) == 64 and splits(2, 32, 1, 32768) == 128  # capped: 4 tiles a split, 128
-    assert splits(128, 32, 1, 512) == 1  # unsplit at one program per SM: stays unsplit
-    assert splits(16, 32, 1, 4096, d=128) == splits(16, 32, 1, 4096, elt=4) == 8  # 32 KB tiles
-    assert splits(16, 32, 1, 4096, d=96) == 8  # padded to 128
-    assert splits(16, 64, 1, 4096) == splits(8, 32, 2, 4096) == 8  # groups of 64 and of 16
-    # a forced count is launched as given
-    assert td.launch_plan(16, 32, 1, 64, 64, 4096, 2, cpu, None, 8, 16)["num_splits"] == 8
-
-
 @pytest.mark.parametrize("h_q,h_kv,block_n", [(4, 4, 256), (8, 2, 128), (8, 2, 256)])
 def test_small_head_rows_exact(triton_device, h_q, h_kv, block_n, poison):
     """The tiles small heads get on a GPU (128 and 256 rows at d = 32), forced here: MHA and GQA,
@@ -798,25 +588,6 @@ def test_small_head_rows_exact(triton_device, h_q, h_kv, block_n, poison):
             out, lse = _run(c, ns, {"mha_fma": False, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3})
             _check(out, c["ref"], "float16", f"rows {block_n} bs={block_size} splits={ns}", c["naive"], lse,
                    c["ref_lse"])
-
-
-def test_two_warps_rule(monkeypatch):
-    """The default 64-row tile runs on 2 warps exactly where it was measured to pay: GQA groups of
-    2 to 4, 2-byte K/V, head dims 128; never where the config sets the tile, never the long tile
-    or the MHA loop."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
-    monkeypatch.setattr(td, "_device_smem", lambda device: 227 * 1024)
-
-    def warps(b, h_q, h_kv, d=128, elt=2, ctx=2048, config=None):
-        return td.launch_plan(b, h_q, h_kv, d, d, ctx, elt, cpu, config)["config"]["num_warps"]
-
-    assert warps(32, 32, 8) == warps(8, 32, 8) == warps(1, 32, 8, ctx=32768) == warps(8, 16, 8) == 2
-    assert warps(1, 32, 8, ctx=131072) == 8  # the long tile
-    assert warps(8, 64, 8) == warps(16, 32, 1) == 4  # groups of 8 and 32
-    assert warps(8, 32, 32) == warps(4, 32, 32) == 4  # MHA: the CUDA-core loop, or tl.dot on 4 warps
-    assert warps(32, 32, 8, d=64) == warps(32, 32, 8, elt=4) == 4  # not measured: kept on 4
-    assert warps(32, 32, 8, config={"num_stages": 3}) == 4  # the config sets the tile
 
 
 @pytest.mark.parametrize("paged", [True, False])
@@ -838,10 +609,11 @@ def test_long_tile_chosen_and_exact(triton_device, poison):
     """On a GPU with the shared memory for it, 2 splits of >= 4096 tokens take the long tile by
     themselves; exact with a partial last block and a short sequence."""
     c = _case(triton_device, "float16", b=2, h_q=8, h_kv=2, lens=[9000, 4100], dk=128, block_size=16, seed=15)
-    plan = td.launch_plan(2, 8, 2, 128, 128, c["block_table"].shape[1] * 16, 2, c["q"].device, None, 2)
-    if not td._long_tile_fits(td._device_smem(c["q"].device), 2, 128, 128):
+    facts = dp.facts_of(c["q"].device)
+    plan = dp.plan(td.problem_of(c["q"], c["k_pages"], c["v_pages"], c["block_table"]), facts, None, 2)
+    if not dp._long_tile_fits(facts.smem_per_block, 2, 128, 128):
         pytest.skip("this GPU's shared memory does not hold the long tile")
-    assert plan["config"]["BLOCK_N"] == 128 and plan["config"]["num_warps"] == 8
+    assert plan.block_n == 128 and plan.num_warps == 8
     out, lse = _run(c, 2, None)
     _check(out, c["ref"], "float16", "long tile, 2 splits", c["naive"], lse, c["ref_lse"])
 
@@ -859,14 +631,15 @@ class _LaunchSpy:
 
 def test_default_launch_uses_fused_for_few_splits(triton_device, monkeypatch, poison):
     """The op with no config: a 2..4-split launch merges in the decode kernel (the counter workspace
-    is made and left at zero, no reduce kernel runs); with many splits the reduce kernel merges."""
+    is made and left at zero, no reduce kernel runs); with many splits the reduce kernel merges.
+    (The workspace is emptied and the reduce kernel watched: the launch's doings, not the plan's.)"""
     monkeypatch.setattr(td, "_COUNTERS", {})
     reduce_spy = _LaunchSpy(td._reduce_kernel)
     monkeypatch.setattr(td, "_reduce_kernel", reduce_spy)
     # one KV head, 10 tiles of 64: 2 splits on CPU (4 "SMs") and on any GPU (>= 4 tiles a split)
     c = _case(triton_device, "float16", b=1, h_q=4, h_kv=1, lens=[600], dk=32, block_size=16, seed=12)
-    plan = td.launch_plan(1, 4, 1, 32, 32, c["block_table"].shape[1] * 16, 2, c["q"].device)
-    assert plan["num_splits"] == 2 and plan["config"]["fused_reduce"]
+    plan = dp.plan(td.problem_of(c["q"], c["k_pages"], c["v_pages"], c["block_table"]), dp.facts_of(c["q"].device))
+    assert plan.num_splits == 2 and plan.config["fused_reduce"] and plan.merge == "fused"
     out, lse = _run(c, 0, None)
     _check(out, c["ref"], "float16", "default fused", c["naive"], lse, c["ref_lse"])
     assert reduce_spy.grids == [] and td._COUNTERS and _counters_zero(triton_device)

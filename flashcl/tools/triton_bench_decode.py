@@ -35,6 +35,7 @@ import torch
 from .. import __version__
 from ..api import _check_head_dim  # noqa: F401 - the CLI checks --head-dim with it
 from ..triton import decode as triton_decode
+from ..triton import decode_plan
 from . import cuda_timing, shapes
 from .triton_bench_prefill import _sdpa_call
 
@@ -123,6 +124,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
     interleaved rounds (cuda_timing.interleaved_rounds)."""
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
+    facts = decode_plan.facts_of(device)
     shapes = [tuple(s) for s in (shapes or REFERENCE_SHAPES)]
     summary = cuda_timing.device_summary()
     copy_bw = cuda_timing.copy_bandwidth()  # bytes/s, read + write, same run
@@ -157,8 +159,8 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             return _sdpa_call("sdpa-flash", s["q"].unsqueeze(2), s["k"], s["v"], False)()
 
         tb = lambda t: nbytes / (t["median_ms"] * 1e-3) / 1e12  # noqa: E731
-        plan = triton_decode.launch_plan(b, h_q, h_kv, d, d, ctx, elt, device, page_size=block_size)
-        block_n, auto_splits = plan["config"]["BLOCK_N"], plan["num_splits"]
+        plan = decode_plan.plan(decode_plan.DecodeProblem(b, h_q, h_kv, d, d, ctx, elt, block_size), facts)
+        block_n, auto_splits = plan.block_n, plan.num_splits
         variants = {"auto": flashcl_fn(None), "sdpa": sdpa, "contig": flashcl_contig}
         try:  # a peer, not the target: SDPA's default dispatch is the strongest backend here
             sdpa_fa2(sets[0])
@@ -176,7 +178,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "B": b, "H_q": h_q, "H_kv": h_kv, "ctx": ctx, "d": d, "dtype": dtype,
             "block_size": block_size, "block_order": block_order, "kv_MB": round(b * h_kv * ctx * 2 * d * elt / 1e6, 1),
             "rotation": n_rot, "rounds": rounds,
-            "auto_splits": auto_splits, "sm_count_plan": plan["sm_count"], "BLOCK_N": block_n,
+            "auto_splits": auto_splits, "sm_count_plan": facts.sms, "BLOCK_N": block_n,
             "median_ms": t_auto["median_ms"], "min_ms": t_auto["min_ms"], "max_ms": t_auto["max_ms"],
             "TB_s": tb(t_auto), "pct_copy_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / copy_bw,
             "pct_read_bw": 100 * nbytes / (t_auto["median_ms"] * 1e-3) / read_bw,
@@ -213,6 +215,7 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
     """TB/s of every tile configuration, each at the split count the heuristic gives its BLOCK_N."""
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
+    facts = decode_plan.facts_of(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     elt = torch.empty((), dtype=torch_dtype).element_size()
@@ -223,8 +226,8 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
         sets = [_make_inputs(shape, torch_dtype, block_size, gen, device, head_dim=head_dim)
                 for _ in range(cuda_timing.rotation_count(nbytes, device))]
         for cfg in configs or SWEEP_CONFIGS:
-            ns = triton_decode.launch_plan(b, h_q, h_kv, head_dim, head_dim, ctx, elt, device, cfg,
-                                           page_size=block_size)["num_splits"]
+            problem = decode_plan.DecodeProblem(b, h_q, h_kv, head_dim, head_dim, ctx, elt, block_size)
+            ns = decode_plan.plan(problem, facts, cfg).num_splits
             fn = lambda s: triton_decode._launch(  # noqa: E731
                 s["q"], s["k_pages"], s["v_pages"], s["block_table"], s["context_lens"],
                 1.0 / math.sqrt(head_dim), ns, config=cfg)

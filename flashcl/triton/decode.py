@@ -28,8 +28,9 @@ Work decomposition (grid = (H_kv, B, splits))::
                  (grid (cdiv(H_q, 4), B)) launched after the decode kernel. A split that lies past the
                  sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
 
-The split count is chosen on the host from shapes only (max_blocks * PAGE_SIZE bounds the context),
-never from context_lens values: the launch path does no host sync and is CUDA-graph capturable.
+The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
+(max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
+the launch path does no host sync and is CUDA-graph capturable.
 
 Nothing the tables hold can make a kernel read or write out of bounds, and they are never read
 back: a context length outside [0, bound] reads no key, a block id outside [0, num_blocks) is
@@ -39,8 +40,8 @@ NaN, the other sequences untouched. Keys past context_lens[b] never reach the ro
 are selected away (tl.where) and their V rows read as zeros or as a real row of the sequence. A
 row whose q or a visible K holds NaN/inf gets NaN out and lse (its l is NaN, never taken for 0).
 
-Launch knobs (``_KNOBS``: keys of ``launch_plan``'s / ``_launch``'s ``config``, next to BLOCK_N,
-num_warps and num_stages; benchmarks force them on or off, the op uses the defaults):
+Launch knobs (``decode_plan._KNOBS``: keys of ``plan``'s / ``_launch``'s ``config``, next to
+BLOCK_N, num_warps and num_stages; benchmarks force them on or off, the op uses the defaults):
 
     early_pages   (default on) the split partition comes from the context bound, so the first
                   block-table load does not wait for the context_lens load. Off: chunk =
@@ -68,7 +69,7 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   Gluon kernel of ``decode_gluon`` where it fits: the same loop, the row slots
                   merged without Triton's cross-warp reductions (about 1 us less per launch).
     kv_evict_first (default on) the MHA loops' in-loop K/V loads into registers (mha_fma,
-                  gluon_mha, gluon_gqa) are marked L1::evict_first (see ``_KNOBS``): +0.5-4.5% on H100.
+                  gluon_mha, gluon_gqa) are marked L1::evict_first: +0.5-4.5% on H100.
     gluon_gqa     (default: groups of 4 to 8, head dim 128, at the kernel's own split count of
                   two programs per SM where that gives 1.5 programs per SM or more and splits of
                   1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
@@ -78,12 +79,11 @@ num_warps and num_stages; benchmarks force them on or off, the op uses the defau
                   into an int32 scratch array per program (``decode_gluon.sort_size``): +1.2% at
                   (8, 32/32, 8k) and +1.3% at (1, 32/8, 128k) on H100.
 
-``_auto_knobs`` holds the rule for the automatic ones and the measurements behind it.
+``decode_plan`` holds the rules for the automatic ones; docs/notes/decode-h100.md the measurements.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -91,7 +91,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
-from . import decode_gluon, interpreting
+from . import decode_gluon, decode_plan, interpreting
+from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 
@@ -541,421 +542,7 @@ def _reduce_kernel(
     tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_h)
 
 
-# --------------------------------------------------------------------------- launch parameters
-
-# Shared memory the K/V software pipeline may take per program: num_stages - 1 K+V tiles in flight
-# (Triton's pipeliner keeps num_stages - 1 buffers). 72 KiB fits sm_89 (99 KiB per block) and
-# lets three programs share an sm_90 SM (228 KiB), two an sm_80 one (164 KiB). A sweep on H100
-# (BLOCK_N 32..128, 4/8 warps, 2..5 stages) moved TB/s by under 3%: this is not the bottleneck.
-# Deeper pipelines for the one-program-per-SM MQA shape (2026-11-22, (16, 32/1, 4k), 8 splits,
-# ratio vs SDPA): 3 stages 0.92, 4: 0.90, 5: 0.83, 6: 0.79; BLOCK_N 128 x 3 stages 0.88. A guess,
-# not verified: a tile's K/V addresses need its block-table entries, fetched one iteration ahead,
-# so more stages add buffers and prologue, not loads in flight.
-_SMEM_BUDGET = 72 * 1024
-_NUM_STAGES = 3
-_NUM_WARPS = 4  # GQA groups of 2 to 4 run the default tile on 2 (_two_warps_pay)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _tile_config(elt_bytes: int, block_dk: int, block_dv: int) -> dict:
-    """BLOCK_N, num_warps, num_stages: the largest KV tile (<= 64 rows) whose pipeline fits the
-    shared-memory budget. 64 rows x d=128 x fp16 = 16 KiB per K tile, 64 KiB of K+V in flight per
-    program: far above what HBM needs per SM (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB)."""
-    block_n = 64
-    while block_n > 16 and (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes > _SMEM_BUDGET:
-        block_n //= 2
-    return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES}
-
-
-# The long tile: a grid of at most one program per SM whose splits are long streams. One program
-# then has the SM to itself, and what it keeps in flight is what the SM keeps in flight: 128-row
-# tiles on 8 warps hold 2 x 64 KB of K+V in flight instead of 2 x 32 KB. Measured on H100
-# (2026-11-22, .lead/td_prof.py, op graph time against SDPA, three runs): (1, 32/8, 128k), 16
-# splits of 8192 tokens: 0.980-0.995 against 0.966-0.979 with the 64-row tile. Where the splits
-# are short it loses: (1, 32/8, 32k), 2048-token splits, 1.007 against 1.012; MQA (16, 32/1, 4k),
-# 512-token splits, 1.020 against 1.046; the fused 2..4-split shapes (512-1024 tokens) 1-3% behind.
-# With more than one program per SM it would cost a second wave (~140 KB of shared memory each).
-# 4 stages (3 tiles in flight) were 1.5% behind 3 on 128k. Only for heads padded to 128 or more:
-# at d = 64 and 32 the same 128 rows on 8 warps read (1, 32/8, 128k) at 0.930 and 0.753 of SDPA,
-# where the small-head rows on 4 warps (_small_head_rows, one program per SM) read 0.952 (128
-# rows) and 0.925 (256 rows); at d = 64, 32k, 0.978 against 0.998 (.lead/sd3.py, 2026-11-22).
-_LONG_TILE = {"BLOCK_N": 128, "num_warps": 8}
-_LONG_SPLIT = 4096          # tokens per split from which a one-wave grid takes the long tile
-_SMEM_HEADROOM = 24 * 1024  # Q, P and layout-conversion scratch next to the K/V ring (<= 20 KB seen)
-
-
-def _long_tile_fits(smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
-    return _ring_fits(_LONG_TILE["BLOCK_N"], smem_per_block, elt_bytes, block_dk, block_dv)
-
-
-def _ring_fits(block_n: int, smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
-    ring = (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes
-    return ring + _SMEM_HEADROOM <= smem_per_block
-
-
-# Tile rows for small heads. The default tile has 64 rows whatever the head dim, so at d = 32 it is
-# 8 KB of K+V instead of 32 KB at d = 128, and a program keeps a quarter of the bytes in flight.
-# For head dims below 128, rows are doubled (up to _MAX_ROWS, and while the ring fits the device's
-# shared memory) until a K+V tile holds _TILE_BYTES, or _TILE_BYTES_ALONE where a program has its
-# SM to itself (at most one program per SM). Measured on H100 (2026-11-22,
-# .lead/sd_sweep.py, fp16, random blocks, ratio to SDPA in the same run; the 64-row default in
-# brackets): d = 32: (8, 32/32, 2k) 128 rows 0.969 (0.866; the MHA loop the op ran there 0.584),
-# 8k 0.961 (0.829; 0.531), (32, 32/8, 2k) 128 rows 0.929 (0.856), (1, 32/8, 32k) 256 rows 0.974
-# (0.686; 128 rows 0.861); d = 64: (1, 32/8, 32k) 128 rows 0.990 (0.879), while at 256 programs 64
-# rows lead (0.965 against 0.951 at (8, 32/32, 2k), 0.955 against 0.950 at (32, 32/8, 2k)); d = 96:
-# (1, 32/8, 32k) 128 rows 0.968 (0.946). 8 warps did no better; 4 stages gained 1% at d = 64, 32k
-# (1.000) and lost 5-11% on the d = 32 shapes of 256 programs.
-# Not for MQA-sized groups: at d = 32, (16, 32/1, 4k) read 1.004 with 256 rows against 1.132 with
-# 64 (d = 64: 0.983 with 128 rows, 0.991 with 64); nor for the MHA loop, whose registers hold 64 rows
-# of 128 columns.
-_TILE_BYTES = 16 * 1024
-_TILE_BYTES_ALONE = 32 * 1024
-_MAX_ROWS = 256
-_SMALL_HEAD_MAX_GROUP = 16
-
-
-def _small_head_rows(block_n: int, dk: int, dv: int, elt_bytes: int, block_dk: int, block_dv: int,
-                     alone: bool, smem_per_block: int) -> int:
-    if max(dk, dv) >= 128:
-        return block_n  # measured at d = 128 and above with the default tile
-    target = _TILE_BYTES_ALONE if alone else _TILE_BYTES
-    while (block_n < _MAX_ROWS and block_n * (dk + dv) * elt_bytes < target
-           and _ring_fits(2 * block_n, smem_per_block, elt_bytes, block_dk, block_dv)):
-        block_n *= 2
-    return block_n
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_facts(device_index: int) -> tuple[int, int]:
-    """(streaming multiprocessors, opt-in shared memory one block may use in bytes: 227 KiB on
-    sm_90, 163 on sm_80, 99 on sm_89) of a CUDA device, queried once per device."""
-    props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    return props.multi_processor_count, int(smem)
-
-
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _device_smem(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0  # TRITON_INTERPRET on CPU: the default tile only
-    return _cuda_facts(_cuda_index(device))[1]
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # TRITON_INTERPRET on CPU: any small number exercises the split path
-    return _cuda_facts(_cuda_index(device))[0]
-
-
-# Split-k heuristic constants (see choose_num_splits).
-_MIN_FILL = 0.75            # below this fraction of the SMs busy, take one more split
-_MIN_TILES_PER_SPLIT = 4    # a split streams >= 4 KV tiles (256 tokens), or the reduce dominates
-_MAX_SPLITS = 128
-# The reduce kernel (measured on H100 2026-11-22, .lead/td_prof.py: kernel time from CUPTI, and the
-# op's graph-replay time against SDPA). One program per query head with a 16-split chunk took 3.23
-# us on (16, 32/1, 4k) at 8 splits, against 2.56 for cuDNN's split reduction in SDPA. Four heads
-# per program (128 programs instead of 512) and the chunk cut to the split count: 2.05-2.11 us
-# (1 or 2 heads: 2.1-2.3; 8 heads: 2.2; 4 warps ahead of 2 and 1); 1.86 against 2.11 at
-# (1, 32/8, 32k), 16 splits. That first version kept the per-head statistics as [HEADS] tensors,
-# and Triton moved them between layouts through shared memory, replicated threads storing the
-# same value to one address: racecheck reported write-write hazards. The all-3-D form has none
-# (racecheck and memcheck clean, .lead/sanitize_dec.py) and costs 0.5% of the op's time on MQA
-# and 32k (reduce 2.08-2.18 us).
-_REDUCE_HEADS = 4            # query heads per reduce program (fewer for many splits: _reduce_shape)
-_REDUCE_TILE = 8192          # HEADS x CHUNK_S x BLOCK_DV fp32 values per step: 64 per thread on 4 warps
-
-
-def _reduce_step(block_dv: int, heads: int) -> int:
-    """Splits the reduce kernel merges per step, one round trip to memory each, with ``heads``
-    query heads per program: 16 at d = 128, 32 at d = 64 with 4 heads. A step more costs about
-    1.4 us ((8, 32/1, 8k), d = 64, 32 splits in two steps of 16: 3.74 us against 2.30 for 16
-    splits in one; H100, CUPTI, 2026-11-22)."""
-    return max(1, _REDUCE_TILE // (heads * block_dv))
-
-
-def _reduce_shape(num_splits: int, block_dv: int) -> tuple[int, int]:
-    """(query heads per reduce program, splits per step): _REDUCE_HEADS heads, halved until one
-    step merges every split (down to one head), so that many splits cost one round trip to memory
-    instead of several. Measured on H100 (2026-11-22, .lead/rh_test.py, op graph time against
-    SDPA in the same run, random blocks; 4 heads, 2, 1): (1, 32/1, 128k), d = 128, 128 splits:
-    0.914, 1.022, 1.064; (2, 32/1, 32k), 66 splits: 0.949, 1.030, 1.038; (4, 32/1, 16k), 33:
-    1.009, 1.050, 1.078; (1, 32/4, 128k), 33: 0.955, 0.967, 0.972; d = 64, (1, 32/1, 128k), 128:
-    1.070, 1.114, 1.174; (2, 32/1, 32k), 66: 1.110, 1.114, 1.308. Where 4 heads already merge
-    every split in one step fewer heads only add programs: (1, 32/8, 128k), 16 splits, 0.994,
-    0.992, 0.992."""
-    heads = _REDUCE_HEADS
-    while heads > 1 and num_splits > _reduce_step(block_dv, heads):
-        heads //= 2
-    return heads, min(_next_pow2(num_splits), _reduce_step(block_dv, heads))
-
-
-def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
-    """Split-k count from shapes only (never the context_lens values).
-
-    Decode streams the KV cache once, so it runs at HBM speed only when (nearly) every SM streams.
-    One program keeps num_stages - 1 K+V tiles in flight (64 KiB at d=128 fp16), more than an SM
-    needs for its share of HBM (Little's law: ~23 KB on H100), so the target is one program per
-    SM: the largest split count with B * H_kv * splits <= SMs; a program more than the SM count
-    is a second wave on the SMs that take it (they finish last). Only if that leaves more than a
-    quarter of the SMs idle, one split more. Extra splits cost an fp32 (m, l, acc) write + read
-    (G * DV * 4 bytes against 2 * chunk * D * 2 bytes of KV) and a pipeline prologue each.
-
-    Measured on H100 (132 SMs, fp16, d=128, splits forced; bench_decode): B * H_kv = 256 fastest
-    unsplit; 64 at 2 (1 split: -32%); 32 at 4; 16 at 8; 8 at 16 (17 splits, 136 programs: -4..6%,
-    more than 32: -5..20%; 256 at 2, 3 or 4 splits: 0.93-0.95 of SDPA against 0.98-0.99
-    unsplit). A split keeps >= _MIN_TILES_PER_SPLIT tiles. Where one program's tiles are small
-    (MQA-sized groups at heads up to 64), launch_plan asks for two programs per SM
-    (_two_programs_per_sm).
-
-    What else was tried for the paged decode on H100, and where the rest of the gap to SDPA lies
-    (DRAM efficiency, the block order, the GPCs' finishing times): docs/decode-h100-notes.md.
-    """
-    if batch_heads >= sm_count:
-        return 1
-    n_tiles = triton.cdiv(n_ctx_bound, block_n)
-    max_splits = max(1, min(_MAX_SPLITS, n_tiles // _MIN_TILES_PER_SPLIT))
-    splits = sm_count // batch_heads
-    if batch_heads * splits < _MIN_FILL * sm_count:
-        splits += 1
-    return max(1, min(max_splits, splits))
-
-
-# --------------------------------------------------------------------------- the torch op
-
-
-# Launch knobs, keys of the ``config`` dict next to BLOCK_N / num_warps / num_stages. None = chosen
-# by _auto_knobs from the split count; benchmarks force True / False.
-_KNOBS = {
-    # the split partition from the context bound (max_blocks * page_size), not context_lens: the
-    # first block-table load is issued without waiting for the length
-    "early_pages": True,
-    # the last split program of each (b, h_kv) to finish merges the partials itself (no
-    # _reduce_kernel launch); arrival counters in a per-(device, stream) int32 workspace kept at zero
-    "fused_reduce": None,
-    # programmatic dependent launch (sm_90+; ignored elsewhere): the kernels wait
-    # (griddepcontrol.wait) before any global access and let the next kernel in the stream launch
-    # early, which hides launch latency
-    "pdl": None,
-    # software-pipeline depth of the fused merge's loop over the splits
-    "merge_stages": 3,
-    # paged KV whose tiles hold whole pages (BLOCK_N % block_size == 0; needs early_pages): in-page
-    # row offsets hoisted out of the loop, 32-bit offsets where the cache allows, rows past the end
-    # pointed at a real row instead of masked
-    "whole_pages": True,
-    # MHA (H_q == H_kv) over whole pages: the K/V loop on CUDA cores with register double
-    # buffering instead of tl.dot behind a shared-memory ring (_mha_fma_loop; num_stages unused).
-    # None: on where _mha_fma_pays
-    "mha_fma": None,
-    # the MHA loop's launches that decode_gluon.fits run as its Gluon kernel (the row slots merged
-    # with one shared-memory exchange instead of Triton's cross-warp reductions)
-    "gluon_mha": True,
-    # the in-loop K/V loads into registers of the MHA loops (mha_fma, gluon_mha) and of the GQA
-    # kernel (gluon_gqa) marked L1::evict_first (each row is read once). H100, ratio to SDPA,
-    # same SASS schedule with only the hint changed: (16, 32/32, 1k) 0.999 -> 1.044, (8, 32/32,
-    # 2k) 1.005 -> 1.029, 8k 0.993 -> 0.999, d = 64 and 96 +3-5%. The first tile's loads stay
-    # plain: marked as well, they cost 2-4% at 1k-2k. Why L1 allocation slows these streams is
-    # not established (docs/decode-h100-notes.md, "The L1 eviction policy of the MHA loops")
-    "kv_evict_first": True,
-    # GQA launches of head dim 128 run decode_gluon's GQA kernel (one online-softmax state per
-    # warp, mma.sync, K/V one tile ahead in registers) instead of the dot path. None: where
-    # decode_gluon.gqa_takes measured it faster, at its own split count (gqa_splits) unless one
-    # is given; True: wherever it can run, at the dot path's split count
-    "gluon_gqa": None,
-    # the Gluon kernels visit the pages of splits of 256 to 1024 pages in ascending order of address,
-    # sorted in the kernel (decode_gluon.sort_size; ratio to SDPA, .lead/s21h.py): (8, 32/32, 8k)
-    # 0.997 -> 1.009, (1, 32/8, 128k) 0.996 -> 1.009
-    "sort_pages": True,
-}
-
-
-def _auto_knobs(num_splits: int) -> dict:
-    """fused_reduce and pdl for a launch of num_splits splits: fused_reduce on for 2..4 splits, pdl
-    on from 2 splits (the decode kernel and, beyond 4 splits, the reduce kernel after it).
-
-    Measured on H100 (fp16, d=128, paged block 16, CUDA graph, .lead/td_sweep.py; time ratio vs
-    torch SDPA, > 1 is faster; base = all knobs off, two-kernel merge):
-      1 split:  pdl costs 3-10% ((8,32,32,2k) 0.983 -> 0.884, (32,32,8,2k) 0.972 -> 0.887,
-                (8,32,32,8k) 0.990 -> 0.963); fused does nothing (nothing to merge).
-      2-4:      fused+pdl gains 8-10% ((8,32,8,2k) 2 splits 0.959 -> 1.033, (8,64,8,2k) 2 splits
-                0.925 -> 1.012, (4,64,8,2k) 4 splits 0.917 -> 1.013; with early_pages 1.030..1.041);
-                fused alone +5..7%, pdl alone +1..2%.
-      8-16:     fused costs up to 4% ((16,32,1,4k) 8 splits 0.886 -> 0.850, (1,32,8,32k) 16 splits
-                0.956 -> 0.940, (1,32,8,128k) 16 splits 0.959 -> 0.952: one program merges every
-                split serially); pdl is within 1% either way.
-    early_pages is on for every shape (_KNOBS): -0.1..+4% against base.
-    PDL with the dependent launch moved after the K/V loop (2026-11-22, .lead/pp/decode_late.py;
-    ratio vs SDPA, random blocks): 1 split within noise of no PDL ((8,32,32,2k) 0.984 against
-    0.982, (32,32,8,2k) 0.980 against 0.978, (8,32,32,8k) 0.984 against 0.986), and worse than
-    PDL at program start with 8-16 splits ((16,32,1,4k) 0.864 against 0.957, (1,32,8,128k) 0.907
-    against 0.965): not used.
-    2026-11-22, fourth session, with the four-heads reduce kernel (.lead/td_prof.py; op graph time
-    against SDPA in the same run): pdl pays beyond 4 splits as well, the reduce kernel's launch
-    hidden under the decode kernel's tail: (16,32/1,4k) 8 splits 0.970 -> 1.035 (19.79 -> 18.54
-    us), (1,32/8,32k) 16 splits 0.993 -> 1.014.
-    Only the split count decides, a function of the shapes: no host sync, CUDA-graph capturable.
-    """
-    return {"fused_reduce": 2 <= num_splits <= 4, "pdl": num_splits >= 2}
-
-
-def _mha_fma_pays(group: int, elt_bytes: int, block_dk: int, block_dv: int, programs: int, sms: int,
-                  gluon: bool) -> bool:
-    """Whether an MHA launch takes the CUDA-core loop (_mha_fma_loop): 2-byte K/V and more programs
-    than SMs (two programs share an SM, each with one 32 KB tile in flight while it computes the
-    other), for head dims 65 to 128, padded to 128 (the tile and its successor in registers take
-    251 of 255 registers at 64 rows on 4 warps; fp32 or wider heads would spill), and for head dims
-    up to 64 where the launch can run as the Gluon kernel (``gluon``: decode_gluon.takes, one
-    split), whose tile for small heads (decode_gluon.tile) holds more rows.
-
-    Up to d = 64 the Triton loop loses to the dot path (_small_head_rows): its tile keeps too few
-    bytes in flight, or with more rows its cross-warp merge costs more. Same runs (.lead/sd2.py,
-    .lead/gl_hd.py, 2026-11-22, ratio to SDPA): d = 64, (8, 32/32, 2k) the dot path 0.964-0.970,
-    the Triton loop with 64 rows on 4 warps 0.950, 128 on 8 0.975-0.980, the Gluon kernel with 128
-    on 8 1.002; 8k 0.959-0.961, 0.933, 0.971-0.980, 0.987; d = 32, (8, 32/32, 2k) 0.983, the
-    Triton loop with 128 rows on 8 warps 0.851, the Gluon kernel 1.046. At d = 96 the loop (as the
-    Gluon kernel) leads: 0.963 and 0.938 against 0.943 and 0.928.
-
-    Measured on H100 (2026-11-22, .lead/td_prof.py with .lead/pp/decode_lr.py, op graph time
-    against SDPA in the same run, random blocks; the dot path in brackets): (8, 32/32, 2k) 0.991
-    and 0.997 (0.983, 0.987) in two runs, (8, 32/32, 8k) 0.992 (0.987), (16, 32/32, 1k) with 512
-    programs 0.975 (0.973). At one program per SM or fewer it loses: the 64-row tile 0.80-0.92 on
-    (4, 32/32, 4k), (2, 32/32, 8k), (1, 32/32, 32k) and (1, 16/16, 128k); 128 rows on 8 warps
-    (one program per SM by registers) ties, 0.977-1.004 against 0.979-1.004. Without the register
-    double buffering the loop waits for each tile: 0.50 (64 rows, 4 warps), 0.85 (128, 8 warps);
-    the dot path with the same double buffering: 0.96-0.97 (64 rows), 0.90-0.95 (128). More in
-    docs/decode-h100-notes.md."""
-    return (group == 1 and elt_bytes == 2 and programs > sms
-            and (block_dk == block_dv == 128 or (gluon and block_dk == block_dv <= 64)))
-
-
-def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int, elt_bytes: int) -> bool:
-    """Whether a split launch aims at two programs per SM instead of one: groups of 17 to 32 query
-    heads, whose tile keeps the default rows at small heads (_small_head_rows), where that tile's
-    K+V, padded, is under _TILE_BYTES_ALONE: heads up to 64 in 2-byte types. One program per SM
-    then keeps two 16 KB tiles in flight at d = 64 instead of two 32 KB ones at d = 128.
-    launch_plan takes the count for two per SM where the launch is split anyway.
-
-    Measured on H100 (2026-11-22, .lead/mq_verify.py, bench_decode with forced splits, random
-    blocks; time at the one-per-SM count over time at the two-per-SM count, > 1: faster):
-    d = 64: (16, 32/1, 4k) 16 splits against 8: 1.069; (8, 32/1, 8k) 32 against 16: 1.096;
-    (32, 32/1, 2k) 8 against 4: 1.110; (8, 64/2, 4k) 1.065; (64, 32/1, 1k) 4 against 2: 1.024;
-    with the reduce at fewer heads per program (_reduce_shape): (4, 32/1, 16k) 64 against 33:
-    1.068; (2, 32/1, 32k) 128 against 66: 1.074; (8, 32/1, 16k) 33 against 16: 1.117; (4, 32/1,
-    32k) 66 against 33: 1.119. d = 32: 1.046, 1.156, 1.021, 1.052, 1.049, (4, 32/1, 16k) 64
-    against 33: 1.121, (2, 32/1, 32k) 1.091, (8, 32/1, 16k) 1.229. The count taken was within 1%
-    of the best forced power of two or SM multiple on all of them. The decode kernel alone at
-    (8, 32/1, 8k), d = 64: 7.49 us at 32 splits against 8.99 at 16 (CUPTI). Where two per SM
-    loses: an unsplit launch taken to 2 splits ((128, 32/1, 512), d = 64: 0.97); counts the
-    reduce merged in several steps, before _reduce_step and _reduce_shape ((8, 32/1, 8k) at 32
-    splits in two steps of 16: 0.993 of SDPA against 1.045 at 16); groups of 64, 7% either way
-    by shape ((16, 64/1, 4k) at d = 64 and (32, 64/1, 2k) at d = 32 lose, the other two gain);
-    groups of 16, which _small_head_rows gives 32 KB tiles: within 3% either way. Heads padded to
-    128: at d = 80 and 96 it gained 2-13% on three shapes but lost 4-6% at (64, 32/1, 1k); at
-    d = 112 it lost 2-11% on three of four; at d = 128 MQA (16, 32/1, 4k) 16 splits read 1.024 of
-    SDPA against 1.066 at 8. They keep one per SM."""
-    return (_SMALL_HEAD_MAX_GROUP < group <= 32
-            and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
-
-
-def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
-    """Whether the dot path's default tile (64 rows, 3 stages) runs on 2 warps instead of 4: GQA
-    groups of 2 to 4 query heads, 2-byte K/V, head dims 128.
-
-    The 16-row padded score tile [16, 64] is split over the warps along the keys, so each tile's
-    row max, row sum and the P operand of the second dot cross warps through shared memory
-    behind barriers. Without the softmax the loop is 1.3-1.6% faster (ablation, .lead/pp/
-    decode_ab.py: (32, 32/8, 2k) 0.997 of SDPA against 0.981-0.984, (8, 32/32, 2k) 1.001-1.004
-    against 0.988-0.991). On 2 warps half of that comes back. Measured on H100 (2026-11-22,
-    .lead/td_prof.py, op graph time against SDPA in the same run, random blocks; 4 warps in
-    brackets): (32, 32/8, 2k) 0.991, 0.984, 0.987, 0.988, 0.991 (0.984, 0.979, 0.975, 0.977,
-    0.984); (1, 32/8, 32k) 1.014, 1.016 (1.001, 1.001); (8, 32/8, 2k) 1.061, 1.063 (1.057,
-    1.066). Groups of 8 tie or lose ((4, 64/8, 2k) 1.088 against 1.090, (8, 64/8, 2k) 1.049
-    against 1.054), MQA loses 5% (32 query rows), MHA on tl.dot ties (0.990 against 0.988), at
-    128k the 64-row tile on 2 warps is behind the long tile (0.980 against 0.997), and 1 warp
-    gains nothing (0.983). Smaller heads keep 4 warps: at d = 64 2 warps gained 0.6% at (32, 32/8,
-    2k); at d = 32, on the 128-row tile, 1.5% there but 2-13% lost on the split shapes
-    (docs/decode-h100-notes.md, "Head dims below 128"). Not measured: fp32, which keeps 4 warps."""
-    return 2 <= group <= 4 and elt_bytes == 2 and block_dk == block_dv == 128
-
-
-def launch_plan(b: int, h_q: int, h_kv: int, dk: int, dv: int, n_ctx_bound: int, elt_bytes: int,
-                device: torch.device, config: Optional[dict] = None, num_splits: int = 0,
-                page_size: int = 16) -> dict:
-    """Tile configuration (with the knobs resolved), padded tile sizes and the split count of one
-    decode shape. ``config`` keys override the defaults (tile sizes and _KNOBS); ``num_splits`` > 0
-    overrides the automatic split count (the automatic knobs then follow the given count).
-    ``config["pdl"]`` is the request: the launch uses PDL only where the device supports it.
-    Unless the config sets the tile, a grid of at most one program per SM whose splits are at least
-    _LONG_SPLIT tokens and whose heads pad to 128 or more takes _LONG_TILE where the device's shared
-    memory holds it, the dot path's default tile takes more rows for heads below 128
-    (_small_head_rows), and its 64-row tile runs on 2 warps where _two_warps_pay. The automatic
-    split count aims at two programs per SM instead of one where _two_programs_per_sm.
-    ``page_size`` is the paged cache's block size, 0 for a contiguous cache: the MHA loop of heads
-    up to 64 needs tiles of whole pages."""
-    group = h_q // h_kv
-    block_dk, block_dv = max(16, _next_pow2(dk)), max(16, _next_pow2(dv))
-    cfg = {**_tile_config(elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
-    unknown = set(cfg) - set(_KNOBS) - {"BLOCK_N", "num_warps", "num_stages"}
-    if unknown:
-        raise KeyError(f"unknown decode config keys {sorted(unknown)}")
-    sms = _device_sms(device)
-    auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], sms)
-    if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, elt_bytes):
-        auto_splits = choose_num_splits(b * h_kv, n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
-    splits = num_splits if num_splits > 0 else auto_splits
-    tile_forced = bool(set(config or {}) & {"BLOCK_N", "num_warps", "num_stages"})
-    # decode_gluon's GQA kernel: forced, wherever it can run; by default where its rule takes the
-    # launch at its own split count (two programs per SM) or at the one given
-    gluon_gqa = False
-    if cfg["gluon_gqa"] is not False and not tile_forced and page_size > 0:
-        if cfg["gluon_gqa"] is True:
-            gluon_gqa = decode_gluon.gqa_takes(group, dk, dv, elt_bytes, splits, b * h_kv, n_ctx_bound, sms,
-                                               device, forced=True)
-        else:
-            g_splits = num_splits if num_splits > 0 else decode_gluon.gqa_splits(b * h_kv, sms)
-            if decode_gluon.gqa_takes(group, dk, dv, elt_bytes, g_splits, b * h_kv, n_ctx_bound, sms, device):
-                gluon_gqa, splits = True, g_splits
-    long_tile = False
-    alone = b * h_kv * splits <= sms
-    if (not tile_forced and alone and max(block_dk, block_dv) >= 128
-            and triton.cdiv(n_ctx_bound, splits) >= _LONG_SPLIT
-            and _long_tile_fits(_device_smem(device), elt_bytes, block_dk, block_dv)):
-        cfg.update(_LONG_TILE)
-        long_tile = True
-    for key, on in _auto_knobs(splits).items():
-        cfg[key] = on if cfg[key] is None else bool(cfg[key])
-    if gluon_gqa:
-        cfg["fused_reduce"] = False  # the GQA kernel's splits are merged by the reduce kernel
-    gluon_tile = None  # the Gluon kernel's tile (decode_gluon.tile), where it can take the launch
-    if cfg["mha_fma"] is None:
-        if (not tile_forced and cfg["gluon_mha"] and page_size > 0
-                and decode_gluon.takes(dk, dv, elt_bytes, splits, device)):
-            gluon_tile = decode_gluon.tile(dv, b * h_kv * splits, sms)
-            if gluon_tile[0] % page_size:
-                gluon_tile = None  # not whole pages
-        cfg["mha_fma"] = _mha_fma_pays(group, elt_bytes, block_dk, block_dv, b * h_kv * splits, sms,
-                                       gluon_tile is not None)
-    cfg["early_pages"] = bool(cfg["early_pages"])
-    cfg["whole_pages"] = bool(cfg["whole_pages"])
-    # the MHA loop reads tiles of whole pages (blocks larger than its tile take the dot path)
-    mha_rows = gluon_tile[0] if gluon_tile else cfg["BLOCK_N"]
-    cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1 and page_size > 0 and mha_rows % page_size == 0
-    default_tile = not (tile_forced or long_tile or cfg["mha_fma"])  # the dot path's, not set by the config
-    if default_tile and group <= _SMALL_HEAD_MAX_GROUP:
-        cfg["BLOCK_N"] = _small_head_rows(cfg["BLOCK_N"], dk, dv, elt_bytes, block_dk, block_dv, alone,
-                                          _device_smem(device))
-    if default_tile and cfg["BLOCK_N"] == 64 and _two_warps_pay(group, elt_bytes, block_dk, block_dv):
-        cfg["num_warps"] = 2
-    if cfg["mha_fma"] and gluon_tile:
-        cfg["BLOCK_N"], cfg["num_warps"] = gluon_tile
-    cfg["gluon_gqa"] = gluon_gqa
-    return {"config": cfg, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_DK": block_dk, "BLOCK_DV": block_dv,
-            "sm_count": sms, "auto_splits": auto_splits, "num_splits": splits}
+# --------------------------------------------------------------------------- the launch
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -985,41 +572,50 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-_OFFS32_LIMIT = 2**31  # caches whose every element lies below this offset use 32-bit row offsets
-
-
 def _max_offset(t: torch.Tensor) -> int:
     """The largest element offset of a tensor view from its first element (strides are >= 0)."""
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
-def _pdl_ok(device: torch.device) -> bool:
-    return (not interpreting() and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_table: Optional[torch.Tensor]) -> DecodeProblem:
+    """The decode problem of these tensors (the layouts of the module docstring): its context bound
+    is max_blocks * block size (paged) or N_max (contiguous, page_size 0)."""
+    b, h_q, dk = q.shape
+    if block_table is not None:
+        _, page_size, h_kv, _ = k_cache.shape
+        n_ctx_bound = block_table.shape[1] * page_size
+    else:
+        _, h_kv, n_ctx_bound, _ = k_cache.shape
+        page_size = 0
+    return DecodeProblem(b, h_q, h_kv, dk, v_cache.shape[3], n_ctx_bound, q.element_size(), page_size,
+                         max(_max_offset(k_cache), _max_offset(v_cache)))
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
-            scale: float, num_splits: int, config: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate out/lse (and the split partials) and launch; ``config`` overrides the tile
-    configuration (BLOCK_N, num_warps, num_stages) and the _KNOBS for benchmark sweeps.
-    num_splits <= 0: the automatic split count."""
+            scale: float, num_splits: int, config: Optional[dict] = None, facts: Optional[DeviceFacts] = None,
+            plan: Optional[DecodePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate out/lse (and the split partials) and launch the plan of these tensors: ``plan``
+    where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
+    ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
+    ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic)."""
     b, h_q, dk = q.shape
     dv = v_cache.shape[3]
     paged = block_table is not None
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
+    problem = problem_of(q, k_cache, v_cache, block_table)
     if paged:
         num_blocks, page_size, h_kv, _ = k_cache.shape
         if num_blocks == 0:  # the kernels clamp block ids into the cache: it needs a block
             raise ValueError("paged k_cache/v_cache hold no block (k_cache.shape[0] == 0)")
-        n_ctx_bound = block_table.shape[1] * page_size
         # (num_blocks, PAGE_SIZE, H_kv, D): block / position-in-block / head / dim
         sk = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
         sv = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3))
         s_bt = (block_table.stride(0), block_table.stride(1))
     else:
-        _, h_kv, n_ctx_bound, _ = k_cache.shape
+        _, h_kv, _, _ = k_cache.shape
         page_size = 1
         # (B, H_kv, N_max, D): the sequence is one block chain, so "block" = sequence
         sk = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
@@ -1027,11 +623,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         s_bt = (0, 0)
         block_table = q  # never read (PAGED=False); any pointer will do
         num_blocks = 1
+    if plan is None:
+        plan = decode_plan.plan(problem, facts if facts is not None else facts_of(q.device), config,
+                                max(0, num_splits))
+    elif not plan.serves(problem):
+        raise ValueError(f"the decode plan was made for {plan.problem}, not {problem}")
     group = h_q // h_kv
-    plan = launch_plan(b, h_q, h_kv, dk, dv, n_ctx_bound, q.element_size(), q.device, config, max(0, num_splits),
-                       page_size if paged else 0)
-    cfg, block_g, block_dk, block_dv = plan["config"], plan["BLOCK_G"], plan["BLOCK_DK"], plan["BLOCK_DV"]
-    num_splits = plan["num_splits"]
+    num_splits = plan.num_splits
 
     out = _empty((b, h_q, dv), q.dtype, q.device)
     lse = _empty((b, h_q), torch.float32, q.device)
@@ -1045,68 +643,54 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_acc.stride(3)) if split else (0, 0, 0, 0)
 
-    fused = split and bool(cfg["fused_reduce"])
+    fused = plan.merge == "fused"
     counters = _counters(q.device, b * h_kv) if fused else None
-    pdl = cfg["pdl"] and _pdl_ok(q.device)
-    knobs = {"EARLY_PAGES": cfg["early_pages"], "USE_PDL": pdl}
-    gluon_ran = False
-    num_stages = cfg["num_stages"]
-    if paged and cfg["whole_pages"] and cfg["early_pages"]:
-        # the block size and BLOCK_N are powers of two: a tile holds whole pages or lies inside one
-        whole = cfg["BLOCK_N"] % page_size == 0
-        knobs.update(WHOLE_PAGES=whole, PAGE_TILES=not whole,
-                     OFFS32=max(_max_offset(k_cache), _max_offset(v_cache)) < _OFFS32_LIMIT)
-        if whole and cfg["mha_fma"]:
-            knobs.update(MHA_FMA=True, KV_EVICT="evict_first" if cfg["kv_evict_first"] else "")
-            num_stages = 1  # no shared-memory ring: the next tile waits in registers
-            block_g = 1  # no tl.dot: the epilogue stores the one head unpadded
-            if knobs["OFFS32"] and decode_gluon.fits(q, k_cache, v_cache, block_table, context_lens,
-                                                     num_splits, cfg):
-                decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
-                                    cfg["BLOCK_N"], cfg["num_warps"], evict_first=bool(cfg["kv_evict_first"]),
-                                    sort_pages=bool(cfg["sort_pages"]))
-                return out, lse
-        if (cfg["gluon_gqa"] and knobs["OFFS32"]
-                and decode_gluon.gqa_fits(q, k_cache, v_cache, block_table, context_lens)):
-            decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
-                                    evict_first=bool(cfg["kv_evict_first"]), num_splits=num_splits,
-                                    partials=(part_m, part_l, part_acc) if split else None,
-                                    sort_pages=bool(cfg["sort_pages"]))
-            if not split:
-                return out, lse
-            gluon_ran = True  # its splits are merged by the reduce kernel (fused_reduce is off)
-    if fused:
-        knobs.update(FUSED=True, MERGE_STAGES=int(cfg["merge_stages"]), BLOCK_GM=_next_pow2(group))
-    launch_opts = {"launch_pdl": True} if pdl else {}
-
-    if not gluon_ran:
+    knobs = {"EARLY_PAGES": plan.early_pages, "USE_PDL": plan.pdl}
+    if plan.whole_pages or plan.page_tiles:
+        knobs.update(WHOLE_PAGES=plan.whole_pages, PAGE_TILES=plan.page_tiles, OFFS32=plan.offs32)
+    if plan.mha_loop:
+        knobs.update(MHA_FMA=True, KV_EVICT=plan.kv_evict)
+    if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
+                                                                               context_lens):
+        if plan.kernel == "gluon_mha":  # one split: out and lse
+            decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
+                                plan.block_n, plan.num_warps, evict_first=plan.evict_first,
+                                sort_pages=plan.sort_pages)
+            return out, lse
+        decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
+                                evict_first=plan.evict_first, num_splits=num_splits,
+                                partials=(part_m, part_l, part_acc) if split else None,
+                                sort_pages=plan.sort_pages)
+    else:
+        if fused:
+            knobs.update(FUSED=True, MERGE_STAGES=plan.merge_stages, BLOCK_GM=plan.block_gm)
         grid = (h_kv, b, num_splits)
         _decode_kernel[grid](
             q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
             out, lse, part_m, part_l, part_acc, counters if fused else lse,
-            scale * _LOG2E, n_ctx_bound, num_splits, num_blocks,
+            scale * _LOG2E, problem.n_ctx_bound, num_splits, num_blocks,
             q.stride(0), q.stride(1), q.stride(2),
             *sk, *sv, *s_bt,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             *s_pm, *s_pa,
-            GROUP=group, BLOCK_G=block_g,
-            DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-            BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size,
+            GROUP=group, BLOCK_G=plan.block_g,
+            DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
+            BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-            num_warps=cfg["num_warps"], num_stages=num_stages, **knobs, **launch_opts,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs,
+            **({"launch_pdl": True} if plan.pdl else {}),
         )
-    if split and not fused:
-        heads, chunk = _reduce_shape(num_splits, block_dv)
-        _reduce_kernel[(triton.cdiv(h_q, heads), b)](
+    if plan.merge == "reduce":
+        _reduce_kernel[(triton.cdiv(h_q, plan.reduce_heads), b)](
             part_m, part_l, part_acc, out, lse,
             num_splits, h_q,
             *s_pm, *s_pa,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            DV=dv, BLOCK_DV=block_dv, HEADS=heads, CHUNK_S=chunk,
-            USE_PDL=pdl, num_warps=4, **launch_opts,
+            DV=dv, BLOCK_DV=plan.block_dv, HEADS=plan.reduce_heads, CHUNK_S=plan.reduce_chunk,
+            USE_PDL=plan.pdl, num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
         )
     return out, lse
 

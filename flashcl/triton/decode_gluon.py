@@ -1,6 +1,6 @@
 """Decode kernels in Gluon: the MHA loop (for the merge of its row slots after the loop) and a GQA
-kernel with one online-softmax state per warp (``_gqa_decode``, at the end: its rule, measurements
-and layouts are next to ``gqa_takes``).
+kernel with one online-softmax state per warp (``_gqa_decode``, at the end, its layouts next to
+``launch_gqa``).
 
 ``decode._mha_fma_loop`` keeps an online-softmax state per row slot of its tile (no reduction
 across rows inside the loop) and merges the slots' states once at the end. Written in
@@ -12,28 +12,21 @@ rows per warp instruction at d = 128, 4 at 64, 8 at 32), so that the merge can b
 step: the R slots a thread holds in registers, then the W LP states (m, l, acc) of the warps' lane
 groups through shared memory behind one barrier, each thread finishing one column of the output.
 
-Measured on H100 (fp16, paged block 16 in random order, CUDA-graph replay; .lead/g1_bench.py,
-2026-11-22), ratio to SDPA on contiguous KV in the same run, the op's Triton MHA loop (gluon_mha
-off) in brackets: (8, 32/32, 64 tokens) 1.057 (0.899), 256 tokens 1.045 (0.974), (16, 32/32, 1k)
-0.997 (0.972), (8, 32/32, 2k) 0.999 (0.986), 8k 0.991 (0.990). A copy of the kernel with no
-merge at all ran within 1% of it (.lead/g1_test.py): the merge costs about 0.1 us. With the loop's
-K/V loads marked L1::evict_first (``EVICT``, decode's kv_evict_first knob): (16, 32/32, 1k) 1.037-1.044,
-2k 1.026-1.029, 8k 0.995-1.004 (.lead/cm_bench.py, docs/decode-h100-notes.md).
+The MHA loop in this form reads 0.99-1.06 of SDPA where Triton's reads 0.90-0.99, its merge
+costing about 0.1 us (docs/notes/decode-h100.md, "The MHA kernel in Gluon" and "The Gluon MHA
+kernel's tiles").
 
-It takes the launches it ``fits``: MHA over whole pages (block_size dividing the tile's rows) with
-context lengths, one split, 2-byte K/V of head dims up to 128 (padded to 32, 64 or 128; the masked
-columns read no bytes), the tiles of ``tile``, 32-bit cache offsets, CUDA devices of compute
-capability 8.0 or newer, and a Triton with Gluon. Everything else, and the interpreter (which has
-no Gluon), takes the Triton kernel; the ``gluon_mha`` knob turns this path off. Run with Triton 3.6
-(H100); compiled with Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90. At head
-dim 96 (.lead/gd_bench.py, 2026-11-22, ratio to SDPA, the Triton MHA loop in brackets): 64 tokens
-1.122 (0.937), 256 tokens 1.073 (0.996), (16, 32/32, 1k) 0.972 (0.946), 2k 0.969 (0.964), 8k 0.932
-(0.933). Head dims 32 and 64: see ``tile``.
+Which launches the kernels take is decided by the launch plan (``decode_plan``: gluon_takes,
+gluon_tile, gqa_takes, gqa_splits: 2-byte K/V, head dims up to 128, 32-bit cache offsets, a CUDA
+device of compute capability 8.0 or newer, a Triton with Gluon, not the interpreter); the launch
+then checks the tensors (``operands_fit``) and otherwise runs decode's Triton kernel. The
+``gluon_mha`` and ``gluon_gqa`` knobs turn them off. Run with Triton 3.6 (H100); compiled with
+Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90.
 
 The GQA kernel (``launch_gqa``) replaces the dot path's cp.async ring and its per-tile cross-warp
 softmax by K and V loaded one tile ahead into registers in the mma operand layouts, each warp
-running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint:
-without it, 0.973 of SDPA at (32, 32/8, 2k) against 0.998 with it (same run; the dot path 0.989).
+running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint
+("GQA in Gluon with the L1 hint").
 """
 
 from __future__ import annotations
@@ -43,6 +36,7 @@ import functools
 import torch
 
 from . import interpreting
+from .decode_plan import gluon_block_d as _block_d
 
 try:
     from triton.experimental import gluon
@@ -54,82 +48,22 @@ except ImportError:  # a Triton without Gluon
 # Python called by the kernels at compile time (Gluon's constexpr functions); plain functions without Gluon
 _compile_time = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
 
-# Padded head dim -> the tiles (rows, warps) the kernel runs: a row is BLOCK_D // 8 lanes of 8
-# columns. The first is for grids of at most two programs per SM, the second for larger ones (see
-# ``tile``).
-_TILES = {128: ((64, 4), (64, 4)), 64: ((128, 8), (64, 4)), 32: ((128, 8), (128, 4))}
-
-
-def _block_d(d: int) -> int:
-    return max(32, 1 << (d - 1).bit_length())
-
 
 def available() -> bool:
     return gluon is not None and not interpreting()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def _runs_on(device: torch.device) -> bool:
-    """A CUDA device of compute capability 8.0 or newer, and a Triton with Gluon (not interpreting)."""
-    return (available() and device.type == "cuda"
-            and _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 8)
-
-
-def _operands_fit(q, k_cache, v_cache, block_table, context_lens) -> bool:
-    """What both kernels need of the tensors: context lengths given, unit strides along the head
-    dim and along the block table's rows (32-bit offsets are checked by the launch)."""
+def operands_fit(q, k_cache, v_cache, block_table, context_lens) -> bool:
+    """What both kernels need of the tensors, past what the plan decides from the shapes
+    (decode_plan: gluon_takes, gqa_takes, 32-bit offsets): context lengths given, unit strides
+    along the head dim and along the block table's rows."""
     return (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
 
 
-def takes(dk: int, dv: int, elt_bytes: int, num_splits: int, device: torch.device) -> bool:
-    """Whether a launch of these head dims, element size and split count could run here (``fits``
-    then checks the tensors): one split, 2-byte K/V, DK == DV <= 128, a CUDA device of compute
-    capability 8.0 or newer, a Triton with Gluon."""
-    return num_splits == 1 and elt_bytes == 2 and dk == dv and _block_d(dk) in _TILES and _runs_on(device)
-
-
-def tile(d: int, programs: int, sms: int) -> tuple[int, int]:
-    """(rows, warps) for head dim ``d`` on a grid of ``programs`` programs.
-
-    At d = 128 a 64-row tile on 4 warps (32 KB of K+V) takes 254 registers: two programs per SM.
-    Below, rows are traded for columns: at d = 64, 128 rows on 8 warps hold the same 32 KB in 128
-    registers, two programs per SM. Where the grid has more than two programs per SM, a second
-    wave costs more than a smaller tile: d = 64 takes 64 rows on 4 warps, d = 32 128 rows on 4
-    warps (four programs per SM). Measured on H100 (.lead/gl_hd.py, 2026-11-22, fp16, random
-    blocks, ratio to SDPA in the same run; 256 programs, and 512 at 1k):
-
-    | d | tile | (8, 32/32, 256) | (16, 32/32, 1k) | (8, 32/32, 2k) | (8, 32/32, 8k) |
-    |---|---|---|---|---|---|
-    | 64 | 64 rows, 4 warps | 1.063 | 1.021 | 0.957 | 0.938 |
-    | 64 | 128 rows, 8 warps | 1.049 | 0.982 | 1.002 | 0.987 |
-    | 64 | 256 rows, 8 warps | 0.818 | 0.933 | 0.949 | 0.970 |
-    | 32 | 128 rows, 4 warps | 1.159 | 1.052 | 1.041 | 0.991 |
-    | 32 | 128 rows, 8 warps | 1.126 | 1.036 | 1.046 | 0.996 |
-    | 32 | 256 rows, 8 warps | 1.080 | 0.989 | 1.026 | 0.937 |
-
-    At d = 96 (padded to 128), 128 rows on 8 warps take 254 registers, one program per SM: 0.900
-    at 2k against 0.971 for 64 rows."""
-    wide, narrow = _TILES[_block_d(d)]
-    return wide if programs <= 2 * sms else narrow
-
-
-def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-         context_lens, num_splits: int, cfg: dict) -> bool:
-    """Whether a launch that the op sends to the MHA loop (whole pages, 32-bit offsets) runs here."""
-    d = q.shape[2]
-    return (cfg["gluon_mha"] and q.is_cuda and takes(d, v_cache.shape[3], q.element_size(), num_splits, q.device)
-            and (cfg["BLOCK_N"], cfg["num_warps"]) in _TILES[_block_d(d)]
-            and _operands_fit(q, k_cache, v_cache, block_table, context_lens))
-
-
 def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
            num_warps: int, evict_first: bool = True, sort_pages: bool = True) -> None:
-    """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``fits``), tiles of
+    """out/lse of MHA decode over a paged cache whose offsets fit 32 bits (see ``operands_fit``), tiles of
     ``block_n`` rows on ``num_warps`` warps; ``evict_first``: the K/V loads marked L1::evict_first
     (decode's kv_evict_first knob); ``sort_pages``: the pages of sequences of 256 to 1024 pages
     visited in address order (sort_size; decode's sort_pages knob)."""
@@ -147,49 +81,8 @@ def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_lo
 
 # ---- GQA: one online-softmax state per warp, mma.sync ----------------------------------------
 
-# The GQA kernel takes launches of groups GQA_GROUPS (the kernel pads any group to 16 rows; 4 and
-# 8 measured) whose grid holds at least GQA_MIN_PROGRAMS_PER_SM programs per SM and whose splits are
-# at least GQA_MIN_CONTEXT tokens long; the automatic split count then aims at two programs per SM
-# (``gqa_splits``), and split launches are merged by decode's reduce kernel. H100
-# (.lead/gqa_test.py, .lead/gqs_bench.py, 2026-11-22, fp16, random blocks, ratio to SDPA in the same
-# run, the op's dot path at its own split count in brackets): one split, (32, 32/8, 2k) 0.995-1.016
-# (0.983-0.993), bf16 1.005 (0.988), (32, 64/8, 2k) 1.007 (0.977), (64, 32/8, 1k) 1.008-1.017
-# (0.965-0.967), (32, 32/8, 8k) 0.987-0.991 (0.984-0.987), (24, 32/8, 2k) 1.034 (1.030); split, at
-# two programs per SM: (1, 32/8, 32k) 32 splits 1.040 (1.017), 64k 1.014 (1.002), (1, 64/8, 64k)
-# 1.015 (1.003), (2, 32/8, 32k) 16 splits 1.018 (1.004), (4, 32/8, 16k) 8 splits 1.016 (0.994),
-# (1, 32/8, 128k) 32 splits 0.987-0.996 (0.984-0.993). Lost: (20, 32/8, 2k) (160 programs) 1.047
-# (1.083), (128, 32/8, 512) 0.949 (0.982), (32, 32/8, 256) 0.985 (1.000), one program per SM or
-# fewer 0.63-0.93 (0.88-1.05).
-GQA_GROUPS = range(4, 9)
-GQA_MIN_CONTEXT = 1024
-GQA_MIN_PROGRAMS_PER_SM = 1.5
-
-
-def gqa_splits(batch_heads: int, sms: int) -> int:
-    """The GQA kernel's split count: the largest power of two that keeps the grid within two
-    programs per SM (one split where B * H_kv alone fills that)."""
-    splits = 1
-    while batch_heads * (2 * splits) <= 2 * sms:  # twice the splits still within two per SM
-        splits *= 2
-    return splits
-
-
-def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, programs: int,
-              n_ctx_bound: int, sms: int, device: torch.device, forced: bool = False) -> bool:
-    """Whether the GQA kernel runs a launch of these shapes, ``programs`` = B * H_kv programs per
-    split (``gqa_fits`` then checks the tensors): head dims 128, 2-byte K/V, groups of 2 to 16, a
-    CUDA device of compute capability 8.0 or newer with Gluon; unless ``forced``, only where it
-    measured faster than the dot path (GQA_GROUPS, GQA_MIN_PROGRAMS_PER_SM, GQA_MIN_CONTEXT)."""
-    if not (elt_bytes == 2 and dk == dv == 128 and 2 <= group <= 16 and _runs_on(device)):
-        return False
-    return forced or (group in GQA_GROUPS and n_ctx_bound >= GQA_MIN_CONTEXT * num_splits
-                      and programs * num_splits >= GQA_MIN_PROGRAMS_PER_SM * sms)
-
-
-def gqa_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-             context_lens) -> bool:
-    """The tensors of a launch ``gqa_takes`` (see _operands_fit)."""
-    return _operands_fit(q, k_cache, v_cache, block_table, context_lens)
+# The kernel's rule (which launches it takes, at which split count) is decode_plan's gqa_takes and
+# gqa_splits; split launches are merged by decode's reduce kernel.
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,16 +113,7 @@ def _gqa_layouts(warps: int, rows: int):
 # from low to high addresses, all at about the same pace. The W warps sort together (_sort_keys):
 # each warp a row of SORT_N / W keys (bitonic_ptx), then log2 W levels of bitonic merges across
 # the rows (rows_merge_ptx, on the rows a thread holds after a layout conversion through shared
-# memory). H100 (.lead/s21h.py, 2026-11-22, fp16, ratio to SDPA in the same run, five rounds; the
-# same kernel without the sort, then on tables sorted on the host, in brackets): (8, 32/32, 8k)
-# (MHA, 512 pages) 1.009 (0.997, 1.013); (1, 32/8, 128k) (GQA, 32 splits of 256 pages) 1.009
-# (0.996; the whole table sorted 1.024); (32, 32/8, 8k) (GQA, 512 pages) 1.004 (0.990, 1.007);
-# 1024 pages (.lead/s21j.py): (8, 32/32, 16k) (MHA) 1.000 (0.987, 1.007), (32, 32/8, 16k) (GQA)
-# 0.993 (0.986, 0.999).
-# Below 256 pages a split it did not pay (.lead/s20b.py, an earlier sort): (2, 32/8, 32k) (128
-# pages) 1.017-1.024 against 1.020-1.022. That earlier sort, every warp sorting all the keys (16 a
-# lane at 512), cost the MHA kernel 3.5% for a reason not found (docs/decode-h100-notes.md, "The
-# page sort shared by the warps, in both kernels").
+# memory). Below 256 pages a split it did not pay ("The page sort's measurements").
 SORT_MIN_PAGES = 256
 SORT_MAX_PAGES = 1024  # 8 keys a lane on 4 warps, 4 on 8
 

@@ -186,12 +186,9 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
 
 
 MMA_WARPS = 4  # warps per work-group of decode_mma.cl
-# choose_num_splits for decode_mma.cl: 203-217 registers per work-item, so 2 work-groups of 128 fit
-# an NVIDIA SM (not decode.cl's 4). A work-group covers 64 keys per iteration (not 8): a split
-# keeps >= 512 keys (8 iterations; below that its prologue -- q, the first loads' latency -- and
-# epilogue -- the warps' merge, the partial writes -- outweigh the parallelism: (4, 64/8, 2k) on
-# the H100 took 0.027 ms at 4 splits of 512 keys, 0.029 at 8 of 256), and long contexts split
-# further only beyond 4096 keys per split ((1, 32/8, 32k): 32 splits 0.066 ms, 64 splits 0.072).
+# choose_num_splits for decode_mma.cl: ~210 registers per work-item fit 2 work-groups per SM (not
+# decode.cl's 4); a split keeps >= 512 keys (its prologue and merge outweigh the parallelism below)
+# and long contexts split only past 4096 keys a split: docs/notes/opencl-decode-nvidia.md.
 MMA_WAVES = 2
 MMA_KEYS_PER_SPLIT = 4096
 MMA_MIN_KEYS_PER_SPLIT = 512

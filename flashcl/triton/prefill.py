@@ -397,103 +397,10 @@ def _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal
 # --------------------------------------------------------------------------- tuning space
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, maxnreg). BLOCK_M 128 x BLOCK_N 64/128 with
-# 8 warps and 2-3 stages is FlashAttention-2's shape on A100/H100 (cp.async pointer loads, sm_80+).
-# On sm_90+ one tile is moved by the copy engine (TMA): 64 x 64 on one warpgroup, 3 stages, its
-# descriptors built once on the host (_descriptors). Where TMA works it replaces the pointer 64 x 64
-# tile (slower everywhere it was timed) and, for 16-bit inputs with head dims 65..128 and N >= 1024
-# (query bucket), the pointer 128 x 64 one too (_tile_fits): the TMA tile led it on every such
-# shape timed (below), while the autotuner, timing both on L2-warm inputs, can pick the pointer
-# tile (2026-11-22: in one of three bench runs, 267 against 297 at (1, 32, 1024, 128) causal; at
-# N >= 4096, where the two are closer, in about half of its runs before 2026-11-21).
-# H100, forced configs, CUDA-graph replay, 5 interleaved rounds, median, 2026-11-22, TFLOP/s
-# (.lead/tp_tiles_hd.py): TMA 64 x 64 s3 / pointer 128 x 64 s3 / TMA 128 x 64 s2 capped at 128
-# registers (the TMA tile shipped before) / cuDNN
-#     (4, 32, 4096, 128) causal     468 / 457 / 440 / 551   (bf16: 468 / 463 / 452 / 564)
-#     (1, 32, 4096, 128) causal     468 / 447 / 455 / 505
-#     (1, 32, 4096, 128) full       477 / 486 / 470 / 636
-#     (1, 32/8, 2048, 128) causal   418 / 377 / 416 / 402
-#     (1, 32, 8192, 128) causal     491 / 492 / 471 / 560
-#     (1, 32, 16384, 128) causal    472 / 462 / 472 / 542
-#     (1, 32, 1024, 128) causal     292 / 266 / 212 / 253
-#     (8, 12, 1024, 64) causal      261 / 241 / 212 / 263
-#     (16, 12, 512, 64) full        277 / 293 / 262 / 334
-# TMA 64 x 64 with 2 or 4 stages and 64 x 128 with 2 were 5-30% behind 64 x 64 s3 on all but the
-# d=64 shapes (within 2% there). Descriptors made inside the kernel (tl.make_tensor_descriptor, as
-# before 2026-11-22) cost each program global stores and proxy fences before its first load: the
-# same 128 x 64 TMA tile gave 414 (in-kernel) against 451 (host) at (4, 32, 4096, 128) causal, 194
-# against 211 at (1, 32, 1024, 128) causal, and 64 x 64, 4-23% behind with in-kernel descriptors,
-# leads with host-built ones. Run to run, machine to machine, the pointer 128 x 64 tile moves by up
-# to 5% against the TMA one (2026-11-21: 411-429 against 408-459 at (4, 32, 4096) causal).
-# Warp specialization (tl.range(..., warp_specialize=True), Triton 3.6 on sm_90: a TMA producer
-# warpgroup and two consumer warpgroups, with 4 warps per program only) compiles only with a single
-# K/V loop, so the masked tiles must be masked on every tile. Measured (forced configs, same method,
-# 2026-11-21): non-causal (1, 32, 4096) 476 against 453 for the pointer tile, (1, 32, 1000) 316
-# against 335; causal results were WRONG (max error 1.26 against cuDNN, with the mask computed four
-# different ways, the Triton tutorial's finite -1e6 mask among them; the same loop without
-# warp_specialize is exact) and slower (383 against 440 at (4, 32, 4096) causal), so it is not used.
-# Also measured and not used (same method, 2026-11-21): exp2 of a half or a quarter of the score
-# columns on the FMA pipes (FlashAttention-4's trick, a degree-3 polynomial exact at integers,
-# rel. error 1e-4) gave 389 / 366 against 408 for the 128 x 64 TMA tile at (4, 32, 4096) causal and
-# was slower on all five shapes timed: the MUFU unit is not what limits the loop. Issuing the next
-# tile's QK^T before this tile's softmax (FlashAttention-3's intra-warpgroup overlap, written out by
-# hand): Triton 3.6 waits for that wgmma right after issuing it (warp_group_dot_wait 0), so nothing
-# overlaps (the order that works, P @ V of the previous tile after QK^T: SOFTMAX_OVERLAP, below).
-# ncu (2026-11-22, the 128 x 64 TMA tile): 3.7 of the 10 cycles between a warp's
-# instructions are spent at CTA barriers, the ones the software pipeline puts before a stage buffer
-# is refilled; the tensor pipe is 52% busy.
-# 2026-11-22, second session, same method (TFLOP/s, TMA 64 x 64 s3 first):
-#     N 1024-2048, head dims 80-128 (the N >= 1024 rule): TMA 64 x 64 s3 / pointer 128 x 64 s3
-#       (1, 32, 1024, 128) causal 296 / 269, full 392 / 380; (4, 32, 1024, 128) causal 327 / 294;
-#       (1, 32, 2048, 128) causal 404 / 373, full 457 / 436; (1, 32/8, 2048, 128) causal 423 / 376;
-#       (1, 32, 1024, 96) causal 224 / 211; (2, 32/8, 1024, 80) full bf16 256 / 250.
-#     Slower at (4, 32, 4096, 128) causal, against 440-470 for TMA 64 x 64 s3 in the same runs:
-#       TMA 128 x 64 on 8 warps, 3 stages 376, 2 stages 324 (no register cap: one CTA per SM);
-#       TMA 128 x 128 s2 405; TMA 64 x 32 s3 / s4 / s5 390 / 340 / 355 (s3: three CTAs per SM);
-#       TMA 128 x 32 capped at 128 registers (two CTAs per SM), s3 381, s4 390.
-#     Lazy rescaling (FlashAttention-4: keep a stale row max unless some row's max grows by more
-#       than 2^8, skipping acc * alpha; the branch needs a CTA-wide max per tile): 8-20% slower on
-#       six shapes (392 against 453 at the target), both tiles.
-#     ncu at (4, 32, 4096, 128) causal, TMA 64 x 64 s3 against cuDNN (its 64x128x128 kernel: 132
-#       persistent CTAs of three warpgroups): L2 at 82% of its peak (7.7 TB/s, 8.1 GB read)
-#       against 54% (5.3 TB/s, 4.4 GB): a 64-row CTA reads each K/V tile for 64 query rows, cuDNN
-#       for 128. The 128-row tiles that would halve that traffic are the slower ones above: one
-#       warpgroup cannot hold a 128 x 128 fp32 accumulator, and two warpgroups in one CTA stall
-#       together at the pipeline's barriers (Triton 3.6 has no ping-pong scheduling of the two).
-#       Tensor pipe 54% busy against 69%; 391M against 326M instructions.
-# SOFTMAX_OVERLAP (2026-11-22, third session; _attend_full_tiles_overlapped): one warpgroup per
-#   CTA waits out each wgmma, so its softmax and its dots take turns. Issuing the P @ V of the
-#   previous tile right after this tile's QK^T lets Triton 3.6 keep that P @ V in flight through
-#   the softmax (its result is only carried to the next trip: a "properly async" wgmma), the
-#   FlashAttention-3 overlap in one warpgroup. It needs, checked in the PTX and SASS:
-#   - P carried in float32 and rounded at the dot: a loop-carried 16-bit P is staged through
-#     shared memory (Triton's A operand then comes from a block argument), and one carried as
-#     raw bits made ptxas serialize the wgmma pipeline (C7513: a move into its input registers);
-#   - no prologue load outside the loop (the first trip multiplies P = 0 by tile 0 instead): a
-#     peeled K tile stayed live through the loop, +16 KB, one CTA per SM (343 against 479);
-#   - V loaded with K in the masked loop (EARLY_V): one barrier group instead of two keeps the
-#     CTA at 115712 bytes of shared memory, exactly two per SM; 24 bytes more dropped to one.
-#   Forced configs, same method, TFLOP/s, TMA 64 x 64 s3 with / without the overlap:
-#     (4, 32, 4096, 128) causal 462 / 442 (cuDNN 526 in the same run; an earlier run 462 / 459
-#       with the masked loop on 2 stages, which alone cost 5%), bf16 471 / 456
-#     (1, 32, 4096, 128) causal 467 / 452, full 497 / 462; (1, 32, 8192) causal 488 / 468;
-#     (1, 32, 16384) causal 493 / 473; (2, 32, 4096, 64) causal 399 / 379;
-#     (1, 16, 8192, 64) full 407 / 384
-#     N <= 2048, within -3% .. +1%: (1, 32/8, 2048, 128) causal 426 / 422, (1, 32, 2048) full
-#     463 / 460, causal 393 / 398; (1, 32, 1024) causal 288 / 293; (4, 32, 1024) causal
-#     314 / 323; (8, 12, 1024, 64) causal 261 / 261; (16, 12, 512, 64) full 271 / 274
-#     head dims 80 and 96 (padded to 128): 2-4% behind at every length timed, 4096 included
-#     ((1, 32, 4096, 96) causal 330 / 338).
-#   Head dim 64, again with the pointer 128 x 64 s3 tile (with / without / pointer; another GPU):
-#     (8, 12, 1024) causal 257 / 256 / 241; (4, 32, 2048) causal 364 / 348 / 352;
-#     (8, 32, 1024) full 370 / 357 / 364; (2, 32, 4096) causal 407 / 387 / 386;
-#     (1, 16, 8192) full 411 / 393 / 407; but (16, 12, 512) full 269 / 273 / 288. So from
-#     N = 1024 on the TMA tile, overlapped, is the only d = 64 candidate too: the autotuner had
-#     picked the pointer tile at (8, 12, 1024, 64) causal in a bench run (209 against ~260).
-#   The 128-row tiles with the same loop were slower still (TMA 128 x 64 s2 capped at 128
-#   registers 371, pointer 128 x 64 s3 399, against 440-460 without), as were 2 stages (366).
-# 64 x 64 on 4 warps (pointers) serves GPUs without TMA: short sequences, small shared memory (sm_89:
-# ~100 KB); BLOCK_N 32 serves head dims up to 256; the last three are for float32, whose IEEE dots
-# run on FMA units (see _tile_fits; 32 x 16 fits DK = DV = 256 on sm_89).
+# 8 warps and 2-3 stages is FlashAttention-2's shape (cp.async pointer loads, sm_80+). On sm_90+
+# a TMA 64 x 64 tile with host-built descriptors replaces the pointer tiles where it fits
+# (_tile_fits): it led them on every shape timed. What each candidate measured, and the variants
+# that lost: docs/notes/triton-prefill.md.
 _TILE_SPACE = [
     (128, 128, 8, 3, False, None, False),
     (128, 128, 8, 2, False, None, False),
@@ -811,7 +718,7 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     descriptors when ``use_tma`` (sm_90+, aligned inputs), registers capped at ``maxnreg``
     per thread when > 0, and each softmax of the unmasked tiles run under a tensor-core dot
     when ``softmax_overlap`` (same results up to rounding; see _attend_full_tiles_overlapped).
-    The last argument was added on 2026-11-22 with a default, so older calls keep working.
+    The last argument has a default, so calls written before it keep working.
     """
     tiles = (block_m, block_n, num_warps, num_stages)
     params = (dict(zip(_PARAM_KEYS, (*tiles, use_tma, maxnreg or None, softmax_overlap)))

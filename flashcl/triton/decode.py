@@ -187,6 +187,8 @@ def _decode_kernel(
 
     k_base = K + pid_h.to(tl.int64) * stride_kh
     v_base = V + pid_h.to(tl.int64) * stride_vh
+    if PAGED:
+        first_entries = _first_entries(bt_base, lo, hi, stride_btn, PAGE_SIZE)
 
     # the block-table entries of the first tile (already loaded with EARLY_PAGES); the loop fetches
     # those of the next tile one iteration ahead, so the K/V addresses do not wait on a load of the
@@ -270,7 +272,7 @@ def _decode_kernel(
             m_i = m_new
 
     if PAGED:
-        tables_ok = tables_ok & _pages_in_cache(bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE)
+        tables_ok = tables_ok & _pages_in_cache(first_entries, bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE)
     l_i = tl.where(tables_ok, l_i, float("nan"))
 
     if SPLIT:
@@ -327,14 +329,25 @@ def _clamp_pages(page, last_block):
 
 
 @triton.jit
-def _pages_in_cache(bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE: tl.constexpr):
-    """Whether the block-table entries of tokens [lo, hi) all lie in [0, last_block]. Read after
-    the K/V loop that clamped them (from L1 by then) rather than tracked in it: the loop keeps
-    its registers and carries no flag."""
+def _first_entries(bt_base, lo, hi, stride_btn, PAGE_SIZE: tl.constexpr):
+    """The first 128 block-table entries of tokens [lo, hi), as unsigned ints (0 past the end):
+    loaded before the K/V loop and checked after it (_pages_in_cache), so that their latency hides
+    behind the loop instead of ending every program with a dependent round trip."""
     offs = tl.arange(0, 128)
-    top = tl.zeros([128], dtype=tl.uint32)
+    first = lo // PAGE_SIZE
     n_pages = tl.cdiv(hi, PAGE_SIZE)
-    for first in tl.range(lo // PAGE_SIZE, n_pages, 128, num_stages=1):
+    return tl.load(bt_base + (first + offs) * stride_btn, mask=first + offs < n_pages, other=0).to(tl.uint32)
+
+
+@triton.jit
+def _pages_in_cache(first_entries, bt_base, lo, hi, stride_btn, last_block, PAGE_SIZE: tl.constexpr):
+    """Whether the block-table entries of tokens [lo, hi) all lie in [0, last_block]: the first 128
+    (``first_entries``), then any beyond them (splits of more than 128 pages), read after the loop
+    that clamped them rather than tracked in it: the loop keeps its registers and carries no flag."""
+    offs = tl.arange(0, 128)
+    top = first_entries
+    n_pages = tl.cdiv(hi, PAGE_SIZE)
+    for first in tl.range(lo // PAGE_SIZE + 128, n_pages, 128, num_stages=1):
         entry = tl.load(bt_base + (first + offs) * stride_btn, mask=first + offs < n_pages, other=0)
         top = tl.maximum(top, entry.to(tl.uint32))
     return tl.max(top, 0) <= last_block

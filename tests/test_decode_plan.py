@@ -206,11 +206,11 @@ SMS_132_SMEM = replace(SMS_132, smem_per_block=227 * 1024)
 
 def test_split_heuristic():
     """Shapes only: a full grid stays single pass; a small grid splits, bounded by the context."""
-    assert dp.choose_num_splits(256, 2048, 64, 132) == 1
-    assert [dp.choose_num_splits(p, 131072, 64, 132) for p in (8, 16, 32, 64, 128)] == [16, 8, 4, 2, 1]
-    assert dp.choose_num_splits(70, 131072, 64, 132) == 2  # one wave of 70 leaves 47% of the SMs idle
-    assert dp.choose_num_splits(8, 64, 64, 132) == 1  # one tile: nothing to split
-    assert dp.choose_num_splits(16, 4096, 64, 132) <= 4096 // 64 // 4
+    assert dp.choose_num_splits(132, 256, 2048, 64) == 1
+    assert [dp.choose_num_splits(132, p, 131072, 64) for p in (8, 16, 32, 64, 128)] == [16, 8, 4, 2, 1]
+    assert dp.choose_num_splits(132, 70, 131072, 64) == 2  # one wave of 70 leaves 47% of the SMs idle
+    assert dp.choose_num_splits(132, 8, 64, 64) == 1  # one tile: nothing to split
+    assert dp.choose_num_splits(132, 16, 4096, 64) <= 4096 // 64 // 4
 
 
 def test_plan_knobs():

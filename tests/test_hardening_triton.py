@@ -32,7 +32,7 @@ from flashcl.triton import prefill as tp  # noqa: E402
 from .test_triton_decode import _case, _check, _np  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
-REL_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+REL_TOL = reference.TOLERANCE
 LSE_TOL = 1e-4  # |lse - ref| <= LSE_TOL * (1 + |ref|)
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 gluon_only = pytest.mark.skipif(not (torch.cuda.is_available() and tg.available()), reason="needs CUDA and Gluon")

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 import flashcl  # noqa: E402
 from flashcl import reference  # noqa: E402
 
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+TOL = reference.TOLERANCE
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="large matrix: CUDA only")
 
 
@@ -91,7 +91,7 @@ def _naive(q, k, v, lens, scale):
 
 
 def _rel(out, ref):
-    return float(np.linalg.norm(_np(out) - ref) / np.linalg.norm(ref))
+    return reference.rel_err(_np(out), ref)
 
 
 def _check(out, ref, dtype, what="", naive=None, lse=None, lse_ref=None):

@@ -279,7 +279,7 @@ _MIN_TILES_PER_SPLIT = 4    # a split streams >= 4 KV tiles (256 tokens), or the
 _MAX_SPLITS = 128
 
 
-def choose_num_splits(batch_heads: int, n_ctx_bound: int, block_n: int, sm_count: int) -> int:
+def choose_num_splits(sm_count: int, batch_heads: int, n_ctx_bound: int, block_n: int) -> int:
     """Split-k count from shapes only (never the context_lens values): the largest count with
     B * H_kv * splits <= SMs (one program streams enough for its SM; a program past the SM count
     is a second wave), one more if a quarter of the SMs would idle ("The split count")."""
@@ -411,9 +411,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     sms = facts.sms
     programs = p.b * p.h_kv  # per split
-    auto_splits = choose_num_splits(programs, p.n_ctx_bound, cfg["BLOCK_N"], sms)
+    auto_splits = choose_num_splits(sms, programs, p.n_ctx_bound, cfg["BLOCK_N"])
     if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
-        auto_splits = choose_num_splits(programs, p.n_ctx_bound, cfg["BLOCK_N"], 2 * sms)
+        auto_splits = choose_num_splits(2 * sms, programs, p.n_ctx_bound, cfg["BLOCK_N"])
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
 

@@ -2,7 +2,8 @@
 
 Contexts and queues are created once per device and reused; programs are cached per
 (context, source + includes, build options, device, driver, flashcl version), so a second call
-with the same parameters never rebuilds.
+with the same parameters never rebuilds, and their binaries on disk (``program_cache_dir``), so a
+second process loads them instead of compiling.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 
 import pyopencl as cl
 
@@ -288,6 +291,8 @@ class BuiltProgram:
     log: str
     options: list
     kernels: dict = field(default_factory=dict)
+    # "compiled" or "disk cache": where the binary came from (tests and timings read it)
+    origin: str = "compiled"
 
     def kernel(self, name: str) -> cl.Kernel:
         """One Kernel object per name, reused (launches set all arguments every time, under the
@@ -312,7 +317,7 @@ def build_options(defines: dict, handle: DeviceHandle, verbose: bool = False, ex
 # tuner sweep, would otherwise hold every program it ever built (and its kernels' device code).
 # 64 covers the working set of a model (a few problem classes per layer type) many times over;
 # the least recently used program is dropped beyond it, and PyOpenCL releases it once no
-# PrefillKernel/DecodeKernel still holds it. Rebuilding an evicted one costs one (driver-cached) build.
+# PrefillKernel/DecodeKernel still holds it. Rebuilding an evicted one loads its binary from disk.
 MAX_PROGRAMS = 64
 
 
@@ -338,12 +343,29 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
 
 def _build_locked(handle: DeviceHandle, key, text: str, options: list, defines: dict, kernel: str,
                   verbose: bool) -> BuiltProgram:
+    # A verbose build is one whose compiler report we read (ptxas registers and spills); a cached
+    # binary comes without it (flashcl tune on the H100 then fell back to the register model).
+    path = None if verbose or not caches_binaries(handle) else _binary_path(handle, key)
+    loaded = _load_binary(handle, path, options) if path is not None else None
+    if loaded is not None:
+        built = BuiltProgram(loaded[0], loaded[1], options, origin="disk cache")
+    else:
+        built = _compile(handle, text, options, defines, kernel)
+        if path is not None:
+            _store_binary(handle, path, built)
+    with _lock:
+        handle.programs[key] = built
+        while len(handle.programs) > MAX_PROGRAMS:
+            handle.programs.popitem(last=False)  # least recently used
+    return built
+
+
+def _compile(handle: DeviceHandle, text: str, options: list, defines: dict, kernel: str) -> BuiltProgram:
     program = cl.Program(handle.context, text)
     try:
-        # A verbose build is one whose compiler report we read (ptxas registers and spills). A
-        # binary from PyOpenCL's on-disk cache comes without that log (flashcl tune on the H100
-        # then fell back to the register model), so verbose builds skip that cache.
-        program.build(options=options, devices=[handle.device], cache_dir=False if verbose else None)
+        # PyOpenCL's own cache is off: it skips PoCL and NVIDIA (trusting their caches, which
+        # miss an edited header) and keys on neither flashcl's version nor the includes.
+        program.build(options=options, devices=[handle.device], cache_dir=False)
     except cl.RuntimeError as exc:
         try:
             log = program.get_build_info(handle.device, cl.program_build_info.LOG)
@@ -354,12 +376,75 @@ def _build_locked(handle: DeviceHandle, key, text: str, options: list, defines: 
             log += _UNKNOWN_CPU_HINT
         raise KernelBuildError(kernel, defines, handle.describe(), log) from None
     log = program.get_build_info(handle.device, cl.program_build_info.LOG) or ""
-    built = BuiltProgram(program, log, options)
-    with _lock:
-        handle.programs[key] = built
-        while len(handle.programs) > MAX_PROGRAMS:
-            handle.programs.popitem(last=False)  # least recently used
-    return built
+    return BuiltProgram(program, log, options)
+
+
+# --------------------------------------------------------------------------- the binary cache
+
+# Bump when the file layout changes: <8-byte little-endian log length><sha256 of the binary><log,
+# UTF-8><binary>. The digest is checked first: PoCL crashes the process on a damaged binary.
+BINARY_CACHE_FORMAT = 1
+
+
+def caches_binaries(handle: DeviceHandle) -> bool:
+    """Whether built programs go to the disk cache: $FLASHCL_PROGRAM_CACHE "on", "off", or "auto"
+    (default): not on CPU devices, where PoCL compiles lazily and fetching a binary compiles every
+    kernel (1.7 s against 0.1 s for decode), and its own kernel cache serves a second process."""
+    mode = os.environ.get("FLASHCL_PROGRAM_CACHE", "auto").lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"FLASHCL_PROGRAM_CACHE={mode!r}: expected auto, on or off")
+    return mode == "on" or (mode == "auto" and not handle.is_cpu)
+
+
+def program_cache_dir() -> Path:
+    """Where built program binaries are kept: ``$FLASHCL_CACHE_DIR/programs``, else the user cache dir."""
+    env = os.environ.get("FLASHCL_CACHE_DIR")
+    if env:
+        return Path(env) / "programs"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("flashcl")) / "programs"
+
+
+def _binary_path(handle: DeviceHandle, key) -> Path:
+    # key already holds the source-and-includes digest, the options, device, driver and version
+    ident = repr((BINARY_CACHE_FORMAT, handle.platform, handle.device.platform.version.strip(),
+                  handle.device.vendor.strip(), key))
+    return program_cache_dir() / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.bin"
+
+
+def _load_binary(handle: DeviceHandle, path: Path, options: list):
+    """(program, log) from the cache, or None on a miss, a damaged file or a binary the driver refuses."""
+    try:
+        data = path.read_bytes()
+        (n,) = struct.unpack_from("<Q", data)
+        digest, log, binary = data[8:40], data[40:40 + n].decode(), data[40 + n:]
+        if not binary or hashlib.sha256(binary).digest() != digest:
+            return None
+        program = cl.Program(handle.context, [handle.device], [binary])
+        program.build(options=options, devices=[handle.device])
+    except (OSError, struct.error, UnicodeDecodeError, cl.Error):
+        return None  # built from source and stored again
+    return program, log
+
+
+def _store_binary(handle: DeviceHandle, path: Path, built: BuiltProgram) -> None:
+    try:
+        devices = built.program.get_info(cl.program_info.DEVICES)
+        binary = built.program.get_info(cl.program_info.BINARIES)[devices.index(handle.device)]
+    except (cl.Error, ValueError):
+        return
+    if not binary:
+        return
+    log = built.log.encode()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        binary = bytes(binary)
+        tmp.write_bytes(struct.pack("<Q", len(log)) + hashlib.sha256(binary).digest() + log + binary)
+        os.replace(tmp, path)  # readers in other processes see a whole file or none
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only cache only costs a compile per process
 
 
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

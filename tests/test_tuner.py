@@ -457,3 +457,70 @@ def test_ptxas_report_per_kernel():
     assert "Used 185" not in ptxas_section(log, "flash_decode_merge")
     assert ptxas_section(log, "flash_decode") == ""  # a prefix of another name is not a match
     assert ptxas_section("Used 40 registers", "anything") == "Used 40 registers"  # no sections
+
+
+_SWEEP_OVER = {"BLOCK_M": [32, 64], "BLOCK_N": [16], "DV_TILE": [64], "Q_IN_REGS": [1]}
+_SWEEP_SHAPE = (1, 2, 1, 128, 64, True)
+
+
+def _statuses(rep):
+    return {r.label: r.status for r in rep.results}
+
+
+def test_parallel_prebuild_sweep_matches_one_process(cpu_device):
+    """Two builder processes ahead of the timing worker change nothing a sweep decides but the
+    timings: the same configurations, statuses and largest non-spilling tile as in-process."""
+    target = tuner.resolve_target(cpu_device)
+    inline = tuner.run_sweep(target, _SWEEP_SHAPE, "float32", overrides=_SWEEP_OVER, repeats=5, isolate=False)
+    pooled = tuner.run_sweep(target, _SWEEP_SHAPE, "float32", overrides=_SWEEP_OVER, repeats=5, jobs=2)
+    assert _statuses(pooled) == _statuses(inline) and set(_statuses(inline).values()) == {"ok"}
+    assert pooled.largest.params == inline.largest.params
+    assert pooled.winner is not None and pooled.winner.runs >= 5
+
+
+def test_prebuild_in_another_process_is_a_disk_cache_hit(cpu_device, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHCL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHCL_PROGRAM_CACHE", "on")  # off by default on CPU devices
+    setup = tuner.Setup(cpu_device, _SWEEP_SHAPE, "float32", "measured", 5, False)
+    params = {"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 16, "Q_IN_REGS": 1}
+    pre = tuner.Prebuilder(setup, [params], 1, timeout=120)
+    try:
+        assert pre.wait(params) is None  # built: the timing worker evaluates it
+    finally:
+        pre.close()
+    ev = tuner.make_evaluator(setup, build_only=True)
+    ev.h.programs.clear()  # this process may hold them from an earlier test's in-process sweep
+    assert ev._kernel(ev.small, params).built.origin == "disk cache"
+    assert ev._kernel(ev.prob, params).built.origin == "disk cache"
+
+
+def test_crashed_prebuild_costs_only_its_prebuild(cpu_device, monkeypatch):
+    """A builder that dies on one configuration (the worker exits without answering, as on a
+    compiler crash): the timing worker builds that configuration itself and the sweep goes on."""
+    target = tuner.resolve_target(cpu_device)
+    crashed = []
+    call = tuner.IsolatedRunner._call
+
+    def crash_on_block_m_64(self, msg, timeout):
+        if msg[0] == "build" and msg[1]["BLOCK_M"] == 64:
+            kind, payload = call(self, ("stop",), timeout)
+            crashed.append(kind)
+            return kind, payload
+        return call(self, msg, timeout)
+
+    monkeypatch.setattr(tuner.IsolatedRunner, "_call", crash_on_block_m_64)
+    rep = tuner.run_sweep(target, _SWEEP_SHAPE, "float32", overrides=_SWEEP_OVER, repeats=5, jobs=2)
+    assert crashed == ["crash"]
+    assert len(rep.results) == 2 and all(r.status == "ok" for r in rep.results), _statuses(rep)
+
+
+def test_failed_prebuild_is_the_configurations_result(cpu_device):
+    """A clean build failure in a builder is recorded as evaluate records it, not built again."""
+    setup = tuner.Setup(cpu_device, _SWEEP_SHAPE, "float32", "measured", 5, False)
+    params = {"BLOCK_M": 32, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 5, "Q_IN_REGS": 1}  # prefill.cl's #error
+    pre = tuner.Prebuilder(setup, [params], 1, timeout=120)
+    try:
+        res = pre.wait(params)
+    finally:
+        pre.close()
+    assert res is not None and res["status"] == "failed" and res["error"]

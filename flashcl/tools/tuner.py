@@ -38,7 +38,8 @@ defaults.
 
 **Robustness.** Each configuration's build and launches run in a worker process with a timeout,
 so a driver crash or hang costs one configuration, not the sweep (``isolate=False`` runs them in
-this process). Every result is appended to a resume file as it arrives; Ctrl-C keeps them and
+this process). Ahead of it, one builder process per host core compiles the configurations (no
+timing), so the worker's builds come from the program caches; a builder's crash costs only a prebuild. Every result is appended to a resume file as it arrives; Ctrl-C keeps them and
 ``resume=True`` continues the sweep.
 """
 
@@ -51,6 +52,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import statistics
@@ -330,7 +332,7 @@ class Evaluator:
     kernel's evaluator provides ``_kernel``, ``_check`` (the relative error on the small problem,
     inf when an output is not finite) and ``_run`` (one timed launch on the tuning problem)."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, build_only: bool = False):
         import numpy as np
 
         from ..opencl.runtime import get_device
@@ -339,7 +341,9 @@ class Evaluator:
         self.h = get_device(setup.device_spec)
         self.rng = np.random.default_rng(setup.seed)
         self.kernels = {}
-        self._prepare()
+        self.prob, self.small = self._problems()
+        if not build_only:  # a pre-build process needs neither inputs nor the oracle
+            self._prepare()
 
     def _rand(self, *shape):
         import numpy as np
@@ -352,21 +356,39 @@ class Evaluator:
     def _cl_kernel(self, kern):
         return kern.kernel
 
-    def evaluate(self, params: dict) -> dict:
+    def _build_small(self, params: dict, res: dict):
+        """The check problem's kernel, or None with the failure recorded in ``res``."""
         from ..errors import FlashCLError
 
-        res = {"params": dict(params), "status": "ok", "error": "", "info": {}, "times_ms": []}
-        t0 = time.perf_counter()
         try:
-            kern = self._kernel(self.small, params)
+            return self._kernel(self.small, params)
         except FlashCLError as exc:
             res.update(status="failed", error=_first_lines(str(exc)))
-            return res
         except ValueError as exc:  # the built kernel's work-group limit is below the configuration's
             res.update(status="failed", error=str(exc))
             m = re.search(r"(?:max work-group size|the kernel allows) (\d+)", str(exc))
             if m:
                 res["info"]["kernel_max_work_group"] = int(m.group(1))
+        return None
+
+    def prebuild(self, params: dict) -> dict:
+        """Build (no check, no timing) what ``evaluate`` will build, so that its builds hit the
+        program caches; a failed check-problem build is the configuration's final result."""
+        from ..errors import FlashCLError
+
+        res = {"params": dict(params), "status": "ok", "error": "", "info": {}, "times_ms": []}
+        if self._build_small(params, res) is not None and self.s.mode == "measured":
+            with contextlib.suppress(FlashCLError, ValueError):  # evaluate records it after the check
+                self._kernel(self.prob, params)
+        return res
+
+    def evaluate(self, params: dict) -> dict:
+        from ..errors import FlashCLError
+
+        res = {"params": dict(params), "status": "ok", "error": "", "info": {}, "times_ms": []}
+        t0 = time.perf_counter()
+        kern = self._build_small(params, res)
+        if kern is None:
             return res
         res["build_s"] = time.perf_counter() - t0
         res["info"] = self._spills(kern)
@@ -414,6 +436,11 @@ class Evaluator:
 
 
 class PrefillEvaluator(Evaluator):
+    def _problems(self):
+        b, h_q, h_kv, n, d, causal = self.s.shape
+        return (_prefill_problem(self.s.shape, self.s.dtype),
+                _prefill_problem((1, 2, 1, CHECK_N, d, causal), self.s.dtype))
+
     def _prepare(self):
         import numpy as np
         import pyopencl.array as cla
@@ -421,8 +448,6 @@ class PrefillEvaluator(Evaluator):
         from .. import reference
 
         b, h_q, h_kv, n, d, causal = self.s.shape
-        self.prob = _prefill_problem(self.s.shape, self.s.dtype)
-        self.small = _prefill_problem((1, 2, 1, CHECK_N, d, causal), self.s.dtype)
         q, k, v = self._rand(1, 2, CHECK_N, d), self._rand(1, 1, CHECK_N, d), self._rand(1, 1, CHECK_N, d)
         self.scale = 1.0 / math.sqrt(d)
         self.ref = reference.attention(q, k, v, causal=bool(causal), scale=self.scale)
@@ -461,6 +486,10 @@ class DecodeEvaluator(Evaluator):
     """The check: B=2, contexts CHECK_N and 100 in a paged cache whose blocks are permuted, with
     spare blocks, the tuning problem's GQA group; single pass and 3 splits (the merge kernel)."""
 
+    def _problems(self):
+        return (_decode_problem(self.s.shape, self.s.dtype),
+                _decode_problem(self.s.shape, self.s.dtype, b=2, h_kv=1))
+
     def _prepare(self):
         import numpy as np
         import pyopencl.array as cla
@@ -470,8 +499,6 @@ class DecodeEvaluator(Evaluator):
         b, h_q, h_kv, ctx, d = self.s.shape
         dt = np.dtype(self.s.dtype)
         queue = self.h.queue
-        self.prob = _decode_problem(self.s.shape, self.s.dtype)
-        self.small = _decode_problem(self.s.shape, self.s.dtype, b=2, h_kv=1)
         g = self.small.h_q
         lens = np.array([CHECK_N, 100], np.int32)
         per_seq = -(-CHECK_N // BLOCK_SIZE)
@@ -547,8 +574,8 @@ class DecodeEvaluator(Evaluator):
 EVALUATORS = {"prefill": PrefillEvaluator, "decode": DecodeEvaluator}
 
 
-def make_evaluator(setup: Setup) -> Evaluator:
-    return EVALUATORS[setup.kernel](setup)
+def make_evaluator(setup: Setup, build_only: bool = False) -> Evaluator:
+    return EVALUATORS[setup.kernel](setup, build_only)
 
 
 def _finite(x) -> bool:
@@ -578,7 +605,7 @@ def _key(params: dict) -> str:
 
 # --------------------------------------------------------------------------- runners
 
-def _worker_main(conn, setup: Setup):
+def _worker_main(conn, setup: Setup, build_only: bool = False):
     import warnings
 
     import pyopencl
@@ -588,7 +615,7 @@ def _worker_main(conn, setup: Setup):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warnings.simplefilter("ignore", pyopencl.CompilerWarning)
     try:
-        ev = make_evaluator(setup)
+        ev = make_evaluator(setup, build_only)
     except Exception as exc:  # pragma: no cover - reported to the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -601,7 +628,10 @@ def _worker_main(conn, setup: Setup):
         if msg[0] == "stop":
             return
         try:
-            out = ev.evaluate(msg[1]) if msg[0] == "eval" else ev.retime(msg[1], msg[2])
+            if msg[0] == "build":
+                out = ev.prebuild(msg[1])
+            else:
+                out = ev.evaluate(msg[1]) if msg[0] == "eval" else ev.retime(msg[1], msg[2])
             conn.send(("ok", out))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -625,28 +655,40 @@ class IsolatedRunner:
     """One worker process (spawned, so no OpenCL state is forked); a configuration that hangs
     past ``timeout`` or kills the driver costs that configuration, and a fresh worker goes on."""
 
-    def __init__(self, setup: Setup, timeout: float):
-        self.setup, self.timeout = setup, timeout
+    def __init__(self, setup: Setup, timeout: float, build_only: bool = False):
+        self.setup, self.timeout, self.build_only = setup, timeout, build_only
         self.ctx = multiprocessing.get_context("spawn")
         self.proc = self.conn = None
+        self.ready = False
 
-    def _start(self):
+    def _spawn(self):
         parent, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker_main, args=(child, self.setup), daemon=True)
+        self.proc = self.ctx.Process(target=_worker_main, args=(child, self.setup, self.build_only), daemon=True)
         with _sigint_ignored():
             self.proc.start()
         child.close()
         self.conn = parent
+
+    def _start(self):
+        if self.proc is None:
+            self._spawn()
+        parent = self.conn
         if not parent.poll(max(self.timeout, 60)):
             self.close()
             raise TunerError("the tuning worker did not start within its timeout")
-        kind, payload = parent.recv()
+        try:
+            kind, payload = parent.recv()
+        except (EOFError, OSError):
+            kind, payload = "error", f"it died (exit code {self.proc.exitcode})"
         if kind != "ready":
             self.close()
             raise TunerError(f"the tuning worker could not open the device: {payload}")
+        self.ready = True
 
     def _call(self, msg, timeout):
-        if self.proc is None or not self.proc.is_alive():
+        if self.proc is not None and not self.proc.is_alive():
+            self.close()
+        if not self.ready:
             self._start()
         self.conn.send(msg)
         try:
@@ -686,6 +728,64 @@ class IsolatedRunner:
                 self.proc.kill()
                 self.proc.join(5)
         self.proc = self.conn = None
+        self.ready = False
+
+
+class Prebuilder:
+    """Builds configurations ahead of the timing worker in ``jobs`` spawned processes (compile
+    only), so the compiler runs on every core and the timing worker's builds hit the program
+    caches (flashcl's on disk; the driver's own, which NVIDIA's verbose builds still go through).
+    A configuration that crashes or hangs a builder loses only its prebuild."""
+
+    def __init__(self, setup: Setup, configs: list, jobs: int, timeout: float):
+        self.timeout = timeout
+        self.todo = queue.Queue()
+        for p in configs:
+            self.todo.put(p)
+        self.done = {_key(p): threading.Event() for p in configs}
+        self.results = {}
+        self.stopped = False
+        self.runners = [IsolatedRunner(setup, timeout, build_only=True) for _ in range(jobs)]
+        for r in self.runners:  # from this thread: a child started here inherits SIGINT ignored
+            r._spawn()
+        self.threads = [threading.Thread(target=self._serve, args=(r,), daemon=True) for r in self.runners]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, runner: IsolatedRunner):
+        try:
+            while not self.stopped:
+                try:
+                    p = self.todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    kind, payload = runner._call(("build", p), self.timeout)
+                except TunerError as exc:
+                    kind, payload = "error", str(exc)
+                self.results[_key(p)] = payload if kind == "ok" else None
+                self.done[_key(p)].set()
+        finally:
+            runner.close()
+
+    def wait(self, params: dict | None = None) -> dict | None:
+        """Wait for one configuration's prebuild (all with None): its result where the build
+        failed cleanly (the configuration's final result), else None (evaluate it)."""
+        for key, ev in ([(_key(params), self.done[_key(params)])] if params is not None else self.done.items()):
+            while not ev.wait(0.2):  # short waits, so that Ctrl-C gets through
+                if not any(t.is_alive() for t in self.threads):
+                    return None
+        res = self.results.get(_key(params)) if params is not None else None
+        return res if res is not None and res["status"] != "ok" else None
+
+    def close(self):
+        self.stopped = True
+        for r in self.runners:  # a builder in the middle of a compile is killed, not waited for
+            proc = r.proc
+            if proc is not None and proc.is_alive():
+                proc.kill()
+        for t in self.threads:
+            t.join(10)
 
 
 class InlineRunner:
@@ -945,8 +1045,12 @@ def _save_resume(path: Path, raws: list):
 def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", quick: bool = False,
               overrides: dict | None = None, repeats: int = 7, retime_top: int = 3, isolate: bool = True,
               timeout: float = 120.0, resume: bool = False, extra_options=(), on_start=None, on_result=None,
-              command: str = "") -> Report:
+              command: str = "", jobs: int | None = None) -> Report:
     """Sweep, choose, and return the report (nothing is written to the database here).
+
+    With ``isolate``, ``jobs`` processes (default: the host's cores on an attached GPU, else 1)
+    build the configurations ahead of the timing worker (``Prebuilder``); 1 builds each in the
+    timing worker only.
 
     ``on_start(n_todo, n_done)`` and ``on_result(ConfigResult)`` drive progress displays. Ctrl-C
     returns the partial report with ``interrupted=True``; the resume file keeps what was measured.
@@ -974,17 +1078,29 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
         return report
     setup = Setup(target.device_spec, shape, dtype, target.mode, repeats, verbose=target.is_nvidia,
                   extra_options=tuple(extra_options), kernel=kernel)
-    runner = None
+    runner = prebuilder = None
     try:
+        # GPU compilers take seconds a configuration; PoCL builds cheaply and compiles at the first
+        # launch, so there the builders' start-up cost more than they saved (11.2 -> 12.7 s, --quick)
+        default_jobs = (os.cpu_count() or 1) if target.mode == "measured" and target.profile.name != "cpu" else 1
+        jobs = min(jobs or default_jobs, len(todo))
+        if isolate and jobs > 1:
+            prebuilder = Prebuilder(setup, todo, jobs, timeout)
+            if target.mode == "measured" and target.profile.name == "cpu":
+                prebuilder.wait()  # timing a CPU device while the builders hold its cores would skew it
         for p in todo:
-            runner = runner or (IsolatedRunner if isolate else InlineRunner)(setup, timeout)
-            raw = runner.evaluate(p)
+            raw = prebuilder.wait(p) if prebuilder else None
+            if raw is None:
+                runner = runner or (IsolatedRunner if isolate else InlineRunner)(setup, timeout)
+                raw = runner.evaluate(p)
             raws.append(raw)
             _save_resume(rpath, raws)
             res = _finish(raw, target, kernel, shape, dtype)
             report.results.append(res)
             if on_result:
                 on_result(res)
+        if prebuilder:
+            prebuilder.close()
         if target.mode == "measured" and retime_top > 1:
             ok = sorted((r for r in report.results if r.status == "ok" and r.runs),
                         key=lambda r: r.median_ms)[:retime_top]
@@ -997,6 +1113,8 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
+        if prebuilder is not None:
+            prebuilder.close()
         if runner is not None:
             runner.close()
     order = {_key(p): i for i, p in enumerate(configs)}

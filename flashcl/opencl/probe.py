@@ -13,6 +13,7 @@ the probe once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -85,13 +86,14 @@ class Capabilities:
         return max([w for w in (4, 8, 16) if self.works(f"prefill-vec{w}")] or [4])
 
     def summary(self) -> str:
-        """One phrase for `flashcl devices`: "yes", "NO", or "yes (except ...)"."""
+        """One phrase for `flashcl devices`: "yes", "NO", or "yes, not vec16,tiles" (what failed)."""
         if self.error is not None:
             return "NO"
         bad = [n for n in VARIANTS if not self.works(n)]
         return "yes" if not bad else "yes, not " + ",".join(n.replace("prefill-", "") for n in bad)
 
 
+@functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
     h = hashlib.sha256()
     for f in sorted(kernel_dir().glob("*")):
@@ -128,10 +130,15 @@ _memo_lock = threading.Lock()
 def capabilities(dev) -> Capabilities:
     """The probed capabilities of ``dev`` (a pyopencl Device): memoized, else read from the disk
     cache, else probed in subprocesses and stored."""
+    with _memo_lock:  # every call of prefill and decode asks: the device pointer first
+        hit = _memo.get(dev.int_ptr)
+        if hit is not None:
+            return hit
     ident = _identity(dev)
     key = json.dumps(ident, sort_keys=True)
     with _memo_lock:
         if key in _memo:
+            _memo[dev.int_ptr] = _memo[key]
             return _memo[key]
         lock = _locks.setdefault(key, threading.Lock())
     with lock:
@@ -140,7 +147,7 @@ def capabilities(dev) -> Capabilities:
                 return _memo[key]
         caps = _read_cache(ident) or _probe(dev, ident)
         with _memo_lock:
-            _memo[key] = caps
+            _memo[key] = _memo[dev.int_ptr] = caps
         return caps
 
 

@@ -10,6 +10,8 @@ from ._version import __version__
 from . import reference
 from .api import decode, merge_states, prefill
 from .errors import FlashCLError, KernelBuildError, KernelLaunchError, TuningDatabaseError
+from .quant import QuantizedTensor, dequantize, quantize, quantize_into
 
 __all__ = ["prefill", "decode", "merge_states", "reference", "FlashCLError", "KernelBuildError",
-           "KernelLaunchError", "TuningDatabaseError", "__version__"]
+           "KernelLaunchError", "TuningDatabaseError", "quantize", "dequantize", "quantize_into", "QuantizedTensor",
+           "__version__"]

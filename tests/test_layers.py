@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashcl"
 
 # Each module (dotted, relative to flashcl) by the first prefix that matches, most specific first.
 LAYERS = (
-    ("data", ("_version", "_resources", "errors", "reference", "profiles", "tuning")),
+    ("data", ("_version", "_resources", "errors", "reference", "profiles", "tuning", "quant")),
     ("backend", ("opencl", "triton")),
     ("api", ("api", "__init__")),
     ("tools", ("tools",)),

@@ -132,8 +132,8 @@ def compiler_error(dev: cl.Device) -> str | None:
 def probe_failure(handle: "DeviceHandle", kernel: str, dtype: str, params: dict) -> str:
     """Why the probe found that ``kernel`` with ``params`` fails on this device ("" if it works)."""
     caps = capabilities(handle.device)
-    return caps.error or next((caps.failure(v) for v in probe.variants_for(kernel, dtype, params)
-                               if caps.failure(v)), "")
+    failures = (caps.failure(v) for v in probe.variants_for(kernel, dtype, params))
+    return caps.error or next((why for why in failures if why), "")
 
 
 def probe_errors(handle: "DeviceHandle", kernel: str, dtype: str, params: dict) -> list[str]:

@@ -6,11 +6,14 @@ argument, what it received and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
     import pyopencl
@@ -124,6 +127,119 @@ def _choose_backend(backend: str, kind: str) -> str:
     return backend
 
 
+# --------------------------------------------------------------------------- variants
+
+def _host_array(x, name: str) -> np.ndarray:
+    """A small per-call array (sinks, slopes, mask) as numpy, from numpy, torch or pyopencl."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_torch(x):
+        return x.detach().cpu().numpy() if str(x.dtype) != "torch.bfloat16" else x.detach().cpu().float().numpy()
+    if _is_cl_array(x):
+        return x.get()
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    raise TypeError(f"{name}: expected a numpy array, a torch tensor or a pyopencl Array, got {type(x).__name__}")
+
+
+def _check_window(window) -> Optional[Tuple[int, int]]:
+    if window is None:
+        return None
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= -1 for w in window)
+    if not ok:
+        raise ValueError(f"window: expected (left, right), two ints >= 0 or -1 (unbounded), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _check_softcap(softcap) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
+    return float(softcap)
+
+
+def _per_head(x, name: str, shapes: tuple) -> np.ndarray:
+    """float32 numpy array of one of ``shapes`` (sinks, alibi_slopes)."""
+    kind = _dtype_name(x) if not isinstance(x, (list, tuple)) else "list"
+    arr = _host_array(x, name)
+    if kind not in ("float32", "float64", "float16", "bfloat16", "list"):
+        raise TypeError(f"{name}: expected float32 values, got {kind}")
+    if tuple(arr.shape) not in shapes:
+        raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(arr.shape)}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _check_mask(mask, b: int, h_q: int, n_q: int, n_kv: int) -> np.ndarray:
+    """The mask as a 4-D (B or 1, H_q or 1, N_q, N_kv) numpy array: bool, or float32 additive."""
+    kind = _dtype_name(mask) if hasattr(mask, "dtype") else "unknown"
+    if kind != "bool" and kind not in ("float32", "float16", "bfloat16", "float64"):
+        raise TypeError(f"mask: expected bool (True = may attend) or an additive float mask, got {kind}")
+    if _is_torch(mask):  # stays on its device (a CUDA mask is not copied through the host)
+        return _check_mask_torch(mask, kind, b, h_q, n_q, n_kv)
+    arr = _host_array(mask, "mask")
+    if arr.ndim > 4:
+        raise ValueError(f"mask: expected at most 4 dims broadcastable to (B, H_q, N_q, N_kv) = "
+                         f"{(b, h_q, n_q, n_kv)}, got shape {tuple(arr.shape)}")
+    shape4 = (1,) * (4 - arr.ndim) + tuple(arr.shape)
+    full = (b, h_q, n_q, n_kv)
+    if any(s not in (1, f) for s, f in zip(shape4, full)):
+        raise ValueError(f"mask: shape {tuple(arr.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
+    if kind != "bool" and np.isnan(arr).any():
+        raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
+    target = (shape4[0], shape4[1], n_q, n_kv)
+    arr = np.broadcast_to(arr.reshape(shape4), target)
+    return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "bool" else np.float32)
+
+
+def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
+    import torch
+
+    full = (b, h_q, n_q, n_kv)
+    if mask.dim() > 4:
+        raise ValueError(f"mask: expected at most 4 dims broadcastable to (B, H_q, N_q, N_kv) = "
+                         f"{full}, got shape {tuple(mask.shape)}")
+    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    if any(s not in (1, f) for s, f in zip(shape4, full)):
+        raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
+    if kind != "bool" and bool(torch.isnan(mask).any()):
+        raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
+    out = mask.reshape(shape4).expand(shape4[0], shape4[1], n_q, n_kv)
+    return out.to(torch.bool if kind == "bool" else torch.float32).contiguous()
+
+
+def _variants(*, b: int, h_q: int, n_q: Optional[int], n_kv: Optional[int], window, softcap, sinks,
+              alibi_slopes, mask=None) -> Optional[Variants]:
+    """Validate the variant keywords; None when none is on (the plain kernels run)."""
+    var = Variants(
+        window=_check_window(window),
+        softcap=_check_softcap(softcap),
+        sinks=None if sinks is None else _per_head(sinks, "sinks", ((h_q,),)),
+        alibi_slopes=None if alibi_slopes is None else np.ascontiguousarray(np.broadcast_to(
+            _per_head(alibi_slopes, "alibi_slopes", ((h_q,), (b, h_q))), (b, h_q))),
+        mask=None if mask is None else _check_mask(mask, b, h_q, n_q, n_kv),
+    )
+    return var if var.active else None
+
+
+def _variants_on_torch(var: Optional[Variants], like) -> Optional[Variants]:
+    """The variants' arrays as torch tensors on ``like``'s device (the Triton backend's family)."""
+    if var is None:
+        return None
+    import torch
+
+    def conv(x):
+        if x is None or _is_torch(x):
+            return None if x is None else x.to(like.device)
+        return torch.from_numpy(np.ascontiguousarray(x)).to(like.device)
+
+    return Variants(var.window, var.softcap, conv(var.sinks), conv(var.alibi_slopes), conv(var.mask))
+
+
 # --------------------------------------------------------------------------- prefill
 
 def _prefill_shapes(q, k, v) -> tuple[int, tuple, tuple, tuple]:
@@ -150,13 +266,18 @@ def _prefill_shapes(q, k, v) -> tuple[int, tuple, tuple, tuple]:
 
 def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Optional[float] = None,
             device: Device = None, params: Params = None, backend: str = "auto",
-            return_lse: bool = False) -> Union[Array, Tuple[Array, Array]]:
+            return_lse: bool = False, window: Optional[Tuple[int, int]] = None,
+            softcap: Optional[float] = None, sinks: Optional[Array] = None,
+            alibi_slopes: Optional[Array] = None,
+            mask: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact attention of q over k/v (flash-attention prefill).
 
     q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV), or the same without B.
     ``causal=True`` is bottom-right aligned (query i sees keys j <= i + N_kv - N_q).
     Returns out (.., H_q, N_q, DV) in the input's type and dtype, and lse (.., H_q, N_q) float32
-    when ``return_lse``.
+    when ``return_lse``. Variants (flashcl.variants, all off by default): ``window=(left, right)``,
+    ``softcap``, ``sinks`` (H_q,), ``alibi_slopes`` (H_q,) or (B, H_q), ``mask`` (bool or additive,
+    broadcastable to (B, H_q, N_q, N_kv)).
     """
     kind = _common_kind({"q": q, "k": k, "v": v})
     chosen = _choose_backend(backend, kind)
@@ -168,19 +289,25 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
         raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(qs[3])
+    variants = _variants(b=qs[0], h_q=qs[1], n_q=qs[2], n_kv=ks[2], window=window, softcap=softcap,
+                         sinks=sinks, alibi_slopes=alibi_slopes, mask=mask)
 
     if chosen == "triton":
         _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"))
         from .triton import prefill as triton_prefill
 
         return triton_prefill.prefill(q, k, v, causal=bool(causal), scale=scale,
-                                      return_lse=return_lse, params=params)
+                                      return_lse=return_lse, params=params,
+                                      variants=_variants_on_torch(variants, q))
 
     _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"))
     from .opencl import prefill as cl_prefill
 
+    if variants is not None and variants.mask is not None and _is_torch(variants.mask):
+        variants = dataclasses.replace(variants, mask=variants.mask.cpu().numpy())
     return cl_prefill.prefill(q, k, v, rank=rank, shapes=(qs, ks, vs), causal=bool(causal),
-                              scale=scale, device=device, params=params, return_lse=return_lse)
+                              scale=scale, device=device, params=params, return_lse=return_lse,
+                              variants=variants)
 
 
 # --------------------------------------------------------------------------- decode
@@ -244,14 +371,18 @@ def _check_num_splits(num_splits):
 def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Array] = None,
            context_lens: Optional[Array] = None, scale: Optional[float] = None,
            num_splits: Optional[int] = None, device: Device = None, params: Params = None,
-           backend: str = "auto", return_lse: bool = False) -> Union[Array, Tuple[Array, Array]]:
+           backend: str = "auto", return_lse: bool = False,
+           window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
+           sinks: Optional[Array] = None,
+           alibi_slopes: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
     """One new query token per sequence attending over its KV cache (flash-decoding).
 
     q (B, H_q, DK). Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
     optional context_lens (B,) int32. Paged cache (vLLM layout): k_cache (num_blocks, block_size,
     H_kv, DK), v_cache (num_blocks, block_size, H_kv, DV), block_table (B, max_blocks) int32,
     context_lens (B,) int32. ``num_splits``: None picks the split-k count, 1 is single pass.
-    Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32.
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32. Variants as for prefill (no
+    mask); the query of sequence b sits at position context_lens[b] - 1.
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     kind = _common_kind(tensors)
@@ -266,6 +397,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
         raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(geo["DK"])
+    variants = _variants(b=geo["B"], h_q=geo["H_q"], n_q=None, n_kv=None, window=window,
+                         softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
 
     if chosen == "triton":
         _common_dtype(tensors, ("float32", "float16", "bfloat16"))
@@ -273,14 +406,16 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
 
         return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
                                     context_lens=context_lens, scale=scale,
-                                    num_splits=num_splits, return_lse=return_lse)
+                                    num_splits=num_splits, return_lse=return_lse,
+                                    variants=_variants_on_torch(variants, q))
 
     _common_dtype(tensors, ("float32", "float16"))
     from .opencl import decode as cl_decode
 
     return cl_decode.decode(q, k_cache, v_cache, geo=geo, block_table=block_table,
                             context_lens=context_lens, scale=scale, num_splits=num_splits,
-                            device=device, params=params, return_lse=return_lse)
+                            device=device, params=params, return_lse=return_lse,
+                            variants=variants)
 
 
 # --------------------------------------------------------------------------- merge

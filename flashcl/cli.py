@@ -254,6 +254,28 @@ def _params_option(ctx, param, value):
     return params
 
 
+def _window_option(ctx, param, value):
+    if value is None:
+        return None
+    expected = "LEFT,RIGHT: two ints >= -1 (e.g. 1023,0 for a 1024-token sliding window)"
+    parts = value.split(",")
+    if len(parts) != 2:
+        raise click.BadParameter(f"{value!r}: expected {expected}")
+    left, right = _ints(value, parts, expected)
+    if min(left, right) < -1:
+        raise click.BadParameter(f"{value!r}: expected {expected}")
+    return (left, right)
+
+
+def _variant_kwargs(window, softcap) -> dict:
+    """The benchmark tools' ``variants`` keyword: each row is timed with these variants on and,
+    in the same run, without them (the plain kernel next to the variant)."""
+    variants = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+    if softcap is not None and not softcap > 0:
+        _fail(f"--softcap: expected a float > 0, got {softcap}", EXIT_USAGE)
+    return {"variants": variants} if variants else {}
+
+
 def _triton_bench(name: str):
     """The Triton tool module of ``name`` ("prefill", "decode", "soak"), or exit 5 (torch or
     triton missing) or 3 (no CUDA GPU)."""
@@ -294,13 +316,18 @@ def _triton_conditions(command: str) -> dict:
 @click.option("--no-check", is_flag=True, help="Skip the error check against the float64 oracle.")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
               help="Triton: interleaved rounds, each timing every implementation once.")
+@click.option("--window", default=None, callback=_window_option,
+              help="Sliding window LEFT,RIGHT (e.g. 1023,0), timed next to the same call without it.")
+@click.option("--softcap", default=None, type=float, help="Logit softcap, timed next to the call without it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, as_json):
+def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, window, softcap,
+                  as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
+    extra = _variant_kwargs(window, softcap)
     if backend == "triton":
         tb = _triton_bench("prefill")
-        rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds)
+        rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds, **extra)
         if as_json:
             _echo_report(_triton_conditions(command), rows)
         else:
@@ -320,7 +347,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
     if not as_json:
         click.echo(f"# {len(shape_list)} shapes on {handle.describe()}", err=True)
     rows = b.bench_prefill(handle, shape_list, dtype=dtype, repeats=repeats, params=params,
-                           check=not no_check,
+                           check=not no_check, **extra,
                            progress=None if as_json else lambda r: click.echo(
                                f"#   {r.shape} causal={r.causal}: {r.gflops:.1f} GFLOP/s", err=True))
     if as_json:
@@ -386,9 +413,15 @@ def _split_counts(text):
               help="Triton: forced split counts to compare, comma-separated (default: powers of two; "
                    "'none': no comparison).")
 @click.option("--sweep-tiles", is_flag=True, help="Triton: time every tile configuration instead.")
+@click.option("--window", default=None, callback=_window_option,
+              help="Sliding window LEFT,RIGHT (e.g. 1023,0), timed next to the same call without it.")
+@click.option("--softcap", default=None, type=float, help="Logit softcap, timed next to the call without it.")
+@click.option("--kv-format", "kv_format", default=None,
+              type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
+              help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, rounds,
-                 splits, sweep_tiles, as_json):
+                 splits, sweep_tiles, window, softcap, kv_format, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     try:
@@ -405,6 +438,9 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         except ValueError as exc:
             raise click.BadParameter(f"'{b_},{h_q},{h_kv},{ctx}': {exc}", param_hint=["--shape"]) from None
     shape_list = list(shapes) or None
+    extra = _variant_kwargs(window, softcap)
+    if kv_format not in (None, "float16"):
+        extra["kv_format"] = kv_format
     if backend == "triton":
         tb = _triton_bench("decode")
         if shape_list is None and preset not in ("auto", "reference"):
@@ -421,7 +457,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
             return
         forced = _split_counts(splits)
         rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order,
-                      head_dim=head_dim, rounds=rounds, splits=forced,
+                      head_dim=head_dim, rounds=rounds, splits=forced, **extra,
                       on_row=lambda r: click.echo(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", err=True))
         if as_json:
             _echo_report(_triton_conditions(command), rows)
@@ -446,7 +482,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     if not as_json:
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
-                           block_order=block_order, head_dim=head_dim)
+                           block_order=block_order, head_dim=head_dim, **extra)
     if as_json:
         _echo_report(cond, b.rows_as_dicts(rows))
     else:

@@ -28,6 +28,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from .quant import QuantizedTensor, dequantize
+
 
 # Relative error allowed against this oracle, by the dtype a kernel stores in (it always
 # accumulates in float32). bfloat16 keeps 8 mantissa bits: rounding the output alone costs ~2e-3.
@@ -48,8 +50,17 @@ class AttentionState(NamedTuple):
     acc: np.ndarray
 
 
+def _dense(x):
+    """A QuantizedTensor dequantized (the oracle attends the values the cache holds); else x."""
+    if isinstance(x, QuantizedTensor):
+        x = dequantize(x)
+    if type(x).__module__.split(".")[0] == "torch":
+        x = x.detach().cpu().float().numpy()
+    return x
+
+
 def _as4d(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
+    x = np.asarray(_dense(x), dtype=np.float64)
     if x.ndim == 3:
         return x[None]
     if x.ndim != 4:
@@ -72,6 +83,20 @@ def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
     return cols <= rows + (n_kv - n_q)
 
 
+def window_mask(n_q: int, n_kv: int, window) -> np.ndarray:
+    """Boolean (N_q, N_kv) mask of a (left, right) window around each row's bottom-right aligned
+    position p = i + N_kv - N_q: key j is seen when p - left <= j <= p + right (-1: unbounded)."""
+    left, right = window
+    pos = np.arange(n_q)[:, None] + (n_kv - n_q)
+    cols = np.arange(n_kv)[None, :]
+    seen = np.ones((n_q, n_kv), dtype=bool)
+    if left >= 0:
+        seen &= cols >= pos - left
+    if right >= 0:
+        seen &= cols <= pos + right
+    return seen
+
+
 def empty_state(b: int, h: int, n_q: int, dv: int) -> AttentionState:
     """The identity of ``merge``: a partition that saw no key."""
     return AttentionState(
@@ -79,31 +104,79 @@ def empty_state(b: int, h: int, n_q: int, dv: int) -> AttentionState:
     )
 
 
-def attend_partial(q, k, v, *, scale: float | None = None, mask=None) -> AttentionState:
-    """Unnormalized attention state of q over the keys k/v (any subset of the sequence).
+def sink_state(sinks, b: int, n_q: int, dv: int) -> AttentionState:
+    """The state of the learned sinks (H_q,): one key per head with logit ``sinks[h]`` and value 0.
+    Merged once into a row's state, it adds exp(sink - m) to the normalizer and nothing to acc."""
+    s = np.asarray(sinks, dtype=np.float64)
+    m = np.broadcast_to(s[None, :, None], (b, s.shape[0], n_q)).copy()
+    return AttentionState(m, np.ones_like(m), np.zeros((b, s.shape[0], n_q, dv)))
 
-    ``mask`` is a boolean array broadcastable to (B, H_q, N_q, N_chunk); False hides a key.
+
+def logits(q, k, *, scale: float | None = None, causal: bool = False, window=None,
+           softcap: float | None = None, alibi_slopes=None, mask=None):
+    """Scores and visibility of every (row, key): ``(s, visible)``, both (B, H_q, N_q, N_kv).
+
+    Order (flashcl.variants): scale, softcap ``c * tanh(s / c)``, ALiBi ``- slope * |p - j|``
+    with p = i + N_kv - N_q, additive mask. Visible: causal, window, a boolean mask's True, an
+    additive mask's value other than -inf. ``alibi_slopes`` is (H_q,) or (B, H_q); ``mask`` is
+    broadcastable to (B, H_q, N_q, N_kv), bool or float.
     """
-    q, k, v = _as4d(q), _as4d(k), _as4d(v)
+    q, k = _as4d(q), _as4d(k)
     b, h_q, n_q, dk = q.shape
-    if k.shape[2] == 0:
-        return empty_state(b, h_q, n_q, v.shape[3])
+    n_kv = k.shape[2]
     scale = 1.0 / np.sqrt(dk) if scale is None else float(scale)
-    k = _expand_kv_heads(k, h_q)
-    v = _expand_kv_heads(v, h_q)
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    s = np.einsum("bhqd,bhkd->bhqk", q, _expand_kv_heads(k, h_q)) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), (b, h_q))
+        dist = np.abs(np.arange(n_q)[:, None] + (n_kv - n_q) - np.arange(n_kv)[None, :])
+        s = s - slopes[:, :, None, None] * dist
+    visible = np.ones((n_q, n_kv), dtype=bool)
+    if causal:
+        visible = visible & causal_mask(n_q, n_kv)
+    if window is not None:
+        visible = visible & window_mask(n_q, n_kv, window)
     if mask is not None:
-        s = np.where(mask, s, -np.inf)
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_:
+            visible = visible & mask
+        else:
+            add = mask.astype(np.float64)
+            s = s + np.where(np.isneginf(add), 0.0, add)
+            visible = visible & ~np.isneginf(add)
+    return s, np.broadcast_to(visible, s.shape)
+
+
+def state_of_scores(s, visible, v) -> AttentionState:
+    """Unnormalized state of the scores ``s`` (B, H_q, N_q, N) over the values v (B, H_kv, N, DV)
+    where ``visible``; a hidden key contributes nothing, whatever its score or value."""
+    v = _as4d(v)
+    b, h_q, n_q, n = s.shape
+    if n == 0:
+        return empty_state(b, h_q, n_q, v.shape[3])
+    v = _expand_kv_heads(v, h_q)
+    s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # a fully hidden row: every p becomes exp(-inf) = 0
     p = np.exp(s - m_safe[..., None])
     if np.isfinite(v).all():
         acc = np.einsum("bhqk,bhkd->bhqd", p, v)
     else:  # a hidden key's NaN/inf must not reach the row (p = 0 times inf is NaN); a visible one does
-        visible = np.broadcast_to(True if mask is None else mask, p.shape)
+        vis = np.broadcast_to(visible, p.shape)
         with np.errstate(invalid="ignore"):
-            acc = np.where(visible[..., None], p[..., None] * v[:, :, None], 0.0).sum(axis=3)
+            acc = np.where(vis[..., None], p[..., None] * v[:, :, None], 0.0).sum(axis=3)
     return AttentionState(m, p.sum(axis=-1), acc)
+
+
+def attend_partial(q, k, v, *, scale: float | None = None, mask=None) -> AttentionState:
+    """Unnormalized attention state of q over the keys k/v (any subset of the sequence).
+
+    ``mask`` is a boolean array broadcastable to (B, H_q, N_q, N_chunk); False hides a key.
+    """
+    q, k = _as4d(q), _as4d(k)
+    s, visible = logits(q, k, scale=scale, mask=mask)
+    return state_of_scores(s, visible, v)
 
 
 def merge(a: AttentionState, b: AttentionState) -> AttentionState:
@@ -138,47 +211,53 @@ def finalize(state: AttentionState) -> tuple[np.ndarray, np.ndarray]:
     return out, lse
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
-    """Dense float64 attention; 3-D inputs give 3-D outputs."""
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              window=None, softcap: float | None = None, sinks=None, alibi_slopes=None, mask=None):
+    """Dense float64 attention with every variant (flashcl.variants); 3-D inputs give 3-D outputs.
+
+    With ``sinks`` the lse includes the sink term: log(sum_j exp(s_j) + exp(sink)).
+    """
+    return partitioned_attention(q, k, v, 1, causal=causal, scale=scale, return_lse=return_lse,
+                                 window=window, softcap=softcap, sinks=sinks,
+                                 alibi_slopes=alibi_slopes, mask=mask)
+
+
+def partitioned_attention(q, k, v, num_partitions: int, *, causal: bool = False,
+                          scale: float | None = None, return_lse: bool = False, window=None,
+                          softcap: float | None = None, sinks=None, alibi_slopes=None, mask=None):
+    """Attention computed as ``num_partitions`` contiguous key chunks merged together, the sinks
+    merged once. More partitions than keys is allowed: the surplus chunks are empty no-ops."""
     squeeze = np.ndim(q) == 3
-    q4, k4 = _as4d(q), _as4d(k)
-    mask = causal_mask(q4.shape[2], k4.shape[2]) if causal else None
-    out, lse = finalize(attend_partial(q4, k4, v, scale=scale, mask=mask))
+    q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
+    n_q, n_kv = q4.shape[2], k4.shape[2]
+    s, visible = logits(q4, k4, scale=scale, causal=causal, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, mask=mask)
+    bounds = np.linspace(0, n_kv, num_partitions + 1).round().astype(int)
+    states = [state_of_scores(s[..., lo:hi], visible[..., lo:hi], v4[:, :, lo:hi])
+              for lo, hi in zip(bounds[:-1], bounds[1:])]
+    if sinks is not None:
+        states.append(sink_state(sinks, q4.shape[0], n_q, v4.shape[3]))
+    out, lse = finalize(merge_partials(states))
     if squeeze:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
 
-def partitioned_attention(q, k, v, num_partitions: int, *, causal: bool = False,
-                          scale: float | None = None, return_lse: bool = False):
-    """Attention computed as ``num_partitions`` contiguous key chunks merged together.
-
-    More partitions than keys is allowed: the surplus chunks are empty and merge as no-ops.
-    """
-    q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
-    n_q, n_kv = q4.shape[2], k4.shape[2]
-    full_mask = causal_mask(n_q, n_kv) if causal else None
-    bounds = np.linspace(0, n_kv, num_partitions + 1).round().astype(int)
-    states = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        mask = None if full_mask is None else full_mask[:, lo:hi]
-        states.append(attend_partial(q4, k4[:, :, lo:hi], v4[:, :, lo:hi], scale=scale, mask=mask))
-    out, lse = finalize(merge_partials(states))
-    if np.ndim(q) == 3:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
-
-
 def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None,
-                     scale: float | None = None, return_lse: bool = False):
+                     scale: float | None = None, return_lse: bool = False, window=None,
+                     softcap: float | None = None, sinks=None, alibi_slopes=None):
     """Single-token decode against a contiguous or paged cache (see flashcl.decode for layouts).
 
     q (B, H_q, DK); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
-    paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks).
-    Returns out (B, H_q, DV) and, on request, lse (B, H_q).
+    paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks). The query
+    of sequence b sits at position context_lens[b] - 1 (for window and ALiBi). Caches may be
+    QuantizedTensors (attended dequantized). Returns out (B, H_q, DV) and, on request, lse (B, H_q).
     """
+    k_cache, v_cache = _dense(k_cache), _dense(v_cache)
     q = np.asarray(q, dtype=np.float64)
-    b = q.shape[0]
+    b, h_q = q.shape[:2]
+    slopes = None if alibi_slopes is None else np.broadcast_to(
+        np.asarray(alibi_slopes, dtype=np.float64), (b, h_q))
     outs, lses = [], []
     for i in range(b):
         if block_table is None:
@@ -193,7 +272,9 @@ def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None
             k = np.asarray(k_cache[blocks], dtype=np.float64).reshape(-1, *k_cache.shape[2:])[:n]
             v = np.asarray(v_cache[blocks], dtype=np.float64).reshape(-1, *v_cache.shape[2:])[:n]
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
-        o, lse = attention(q[i][:, None, :], k, v, scale=scale, return_lse=True)
+        o, lse = attention(q[i][:, None, :], k, v, scale=scale, return_lse=True, window=window,
+                           softcap=softcap, sinks=sinks,
+                           alibi_slopes=None if slopes is None else slopes[i])
         outs.append(o[:, 0])
         lses.append(lse[:, 0])
     out, lse = np.stack(outs), np.stack(lses)

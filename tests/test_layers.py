@@ -11,10 +11,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashcl"
 
 # Each module (dotted, relative to flashcl) by the first prefix that matches, most specific first.
 LAYERS = (
-    ("data", ("_version", "_resources", "errors", "reference", "profiles", "tuning", "quant")),
+    ("data", ("_version", "_resources", "errors", "reference", "profiles", "tuning", "quant",
+              "variants")),
     ("backend", ("opencl", "triton")),
     ("api", ("api", "__init__")),
-    ("tools", ("tools",)),
+    ("tools", ("tools", "integrations")),
     ("cli", ("cli", "__main__")),
 )
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

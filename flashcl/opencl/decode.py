@@ -517,8 +517,10 @@ def max_context(geo: dict, context_lens) -> int:
 
 
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
-           device, params, return_lse: bool):
+           device, params, return_lse: bool, variants=None):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api."""
+    if variants is not None:
+        raise NotImplementedError("attention variants are not implemented on this backend yet")
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "

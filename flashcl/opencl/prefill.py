@@ -176,8 +176,10 @@ class PrefillKernel:
 
 
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
-            return_lse: bool):
+            return_lse: bool, variants=None):
     """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api."""
+    if variants is not None:
+        raise NotImplementedError("attention variants are not implemented on this backend yet")
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     is_cl = isinstance(q, cla.Array)
     handle = handle_for_inputs({"q": q, "k": k, "v": v}, device)

@@ -730,9 +730,11 @@ def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits):
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            block_table: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
-           scale: float, num_splits: Optional[int] = None, return_lse: bool = False):
+           scale: float, num_splits: Optional[int] = None, return_lse: bool = False, variants=None):
     """Backend entry of ``flashcl.decode`` (inputs already validated there). Traceable by
     torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device."""
+    if variants is not None:
+        raise NotImplementedError("attention variants are not implemented on this backend yet")
     out, lse = torch.ops.flashcl.decode(q, k_cache, v_cache, block_table, context_lens,
                                         float(scale), 0 if num_splits is None else int(num_splits))
     return (out, lse) if return_lse else out

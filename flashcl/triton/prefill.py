@@ -766,7 +766,7 @@ def _tile_params(params: dict | None) -> tuple[int, int, int, int, bool, int, bo
 
 
 def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-            params: dict | None = None):
+            params: dict | None = None, variants=None):
     """Flash-attention prefill of torch tensors (called by ``flashcl.prefill``, which validates).
 
     Inputs all 3-D (H, N, D) or all 4-D (B, H, N, D); returns out with the input's rank and dtype,
@@ -775,6 +775,8 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
     "SOFTMAX_OVERLAP"); None autotunes.
     Traceable by torch.compile(fullgraph=True): the kernel runs inside the ``flashcl::prefill`` op.
     """
+    if variants is not None:
+        raise NotImplementedError("attention variants are not implemented on this backend yet")
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)

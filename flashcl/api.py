@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
@@ -43,6 +44,8 @@ def _is_cl_array(x) -> bool:
 
 
 def _kind(x, name: str) -> str:
+    if isinstance(x, QuantizedTensor):  # where its bytes live
+        return _kind(x.data, f"{name}.data")
     if isinstance(x, np.ndarray):
         return "numpy"
     if _is_torch(x):
@@ -55,7 +58,8 @@ def _kind(x, name: str) -> str:
 
 
 def _dtype_name(x) -> str:
-    if _is_torch(x):
+    """The dtype's name; a QuantizedTensor's is its logical dtype (the one it was quantized from)."""
+    if type(x.dtype).__module__ == "torch":
         return str(x.dtype).replace("torch.", "")
     return np.dtype(x.dtype).name
 
@@ -81,7 +85,9 @@ def check_block_size(name: str, block_size: int) -> None:
 def _common_kind(tensors: dict) -> str:
     kinds = {name: _kind(x, name) for name, x in tensors.items()}
     if len(set(kinds.values())) > 1:
-        desc = ", ".join(f"{n}={k}" for n, k in kinds.items())
+        quantized = {n for n, x in tensors.items() if isinstance(x, QuantizedTensor)}
+        desc = ", ".join(f"{n}={k}" + (" (a QuantizedTensor's data)" if n in quantized else "")
+                         for n, k in kinds.items())
         raise TypeError(f"inputs must all be of one kind (numpy, torch CPU, torch CUDA or pyopencl); got {desc}")
     return next(iter(kinds.values()))
 
@@ -125,6 +131,44 @@ def _choose_backend(backend: str, kind: str) -> str:
         if kind not in ("cuda", "torch-cpu"):
             raise TypeError(f"backend='triton' needs torch tensors, got {kind} inputs")
     return backend
+
+
+# --------------------------------------------------------------------------- quantized K/V
+
+# The QuantizedTensor formats (flashcl.quant) each backend's kernels take as K/V; an empty entry
+# takes none yet. Layouts and scales: docs/quantized-formats.md.
+QUANTIZED_KV_FORMATS = {
+    ("opencl", "prefill"): (),
+    ("triton", "prefill"): (),
+    ("opencl", "decode"): ("q8_0", "q4_0", "int8"),
+    ("triton", "decode"): ("q8_0", "q4_0", "int8", "fp8_e4m3"),
+}
+
+
+def _check_quantized(kernel: str, backend: str, q, kv: dict) -> None:
+    """Each QuantizedTensor of ``kv`` (name -> k/v or k_cache/v_cache): a format the backend's
+    kernel takes, q's dtype as its logical dtype, whole ggml blocks, data/scales that hold it."""
+    if isinstance(q, QuantizedTensor):
+        raise TypeError("q: got a QuantizedTensor; only the K/V caches may be quantized "
+                        "(pass q as a float array)")
+    takes = QUANTIZED_KV_FORMATS[(backend, kernel)]
+    for name, x in kv.items():
+        if not isinstance(x, QuantizedTensor):
+            continue
+        if not takes:
+            raise TypeError(f"{kernel}: quantized K/V caches are not supported yet on {backend}; "
+                            "dequantize them with flashcl.dequantize(...)")
+        if x.fmt not in takes:
+            hint = " (a torch-only format: run it on the triton backend)" if x.fmt == "fp8_e4m3" else ""
+            raise TypeError(f"{name}: {kernel} on {backend} takes quantized caches in "
+                            f"{', '.join(takes)}; got {x.fmt!r}{hint}")
+        if _dtype_name(x) != _dtype_name(q):
+            raise TypeError(f"{name}: a QuantizedTensor's logical dtype (the dtype it was quantized "
+                            f"from) must be q's, {_dtype_name(q)}; got {_dtype_name(x)}")
+        dim = "DK" if name.startswith("k") else "DV"
+        if x.fmt in BLOCK_BYTES and x.shape[-1] % QK:
+            raise ValueError(f"{name}: {x.fmt} packs the head dim in blocks of {QK}; got {dim}={x.shape[-1]}")
+        check_layout(x, name)
 
 
 # --------------------------------------------------------------------------- variants
@@ -273,6 +317,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
     """Exact attention of q over k/v (flash-attention prefill).
 
     q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV), or the same without B.
+    Quantized k/v (flashcl.QuantizedTensor) are refused for now (QUANTIZED_KV_FORMATS).
     ``causal=True`` is bottom-right aligned (query i sees keys j <= i + N_kv - N_q).
     Returns out (.., H_q, N_q, DV) in the input's type and dtype, and lse (.., H_q, N_q) float32
     when ``return_lse``. Variants (flashcl.variants, all off by default): ``window=(left, right)``,
@@ -282,6 +327,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
     kind = _common_kind({"q": q, "k": k, "v": v})
     chosen = _choose_backend(backend, kind)
     rank, qs, ks, vs = _prefill_shapes(q, k, v)
+    _check_quantized("prefill", chosen, q, {"k": k, "v": v})
     scale = _check_scale(scale)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
@@ -381,6 +427,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     optional context_lens (B,) int32. Paged cache (vLLM layout): k_cache (num_blocks, block_size,
     H_kv, DK), v_cache (num_blocks, block_size, H_kv, DV), block_table (B, max_blocks) int32,
     context_lens (B,) int32. ``num_splits``: None picks the split-k count, 1 is single pass.
+    Either cache may be a flashcl.QuantizedTensor of q's kind and dtype, in a format the backend
+    takes (QUANTIZED_KV_FORMATS); it reaches the kernels as it is, dequantized inside them.
     Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32. Variants as for prefill (no
     mask); the query of sequence b sits at position context_lens[b] - 1.
     """
@@ -391,6 +439,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
             raise TypeError(f"{name} must be the same kind of array as q ({kind}), got {_kind(x, name)}")
     chosen = _choose_backend(backend, kind)
     geo = _decode_shapes(q, k_cache, v_cache, block_table, context_lens)
+    _check_quantized("decode", chosen, q, {"k_cache": k_cache, "v_cache": v_cache})
     scale = _check_scale(scale)
     num_splits = _check_num_splits(num_splits)
     if params is not None and not isinstance(params, dict):

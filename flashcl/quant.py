@@ -14,8 +14,13 @@ Every format quantizes along the last (head) dim, so contiguous (B, H_kv, N, D) 
 q8_0 and q4_0 reproduce ggml's reference quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref)
 byte for byte, all arithmetic in float32, so ``qt.data[row].tobytes()`` is ggml's row.
 
-The math runs in NumPy; torch inputs go through the host and the result comes back as torch
-tensors on the input's device. The attention kernels do not take QuantizedTensor yet.
+Where the math runs follows the input's kind, and data/scales come back in that kind:
+- numpy: NumPy on the host.
+- torch (CPU or CUDA): torch ops on the tensor's device, the same bytes as NumPy (one quantizer
+  body serves both, through ``_NumpyOps``/``_TorchOps``); nothing syncs with the host.
+- pyopencl Array: NumPy on the host, data/scales uploaded to the input's queue (OpenCL's float
+  division need not be correctly rounded, so a device quantizer would not give ggml's bytes on
+  every device). ggml scales are then a strided view of ``data``: read them through ``data``.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ FP8_E4M3_MAX = 448.0
 class QuantizedTensor:
     """A tensor quantized along its last dim; ``shape`` and ``dtype`` are the original's."""
 
-    data: Any            # numpy array, or torch tensor for torch inputs and always for fp8_e4m3
-    scales: Any          # see the module docstring's table
+    data: Any            # numpy array, torch tensor (always for fp8_e4m3) or pyopencl Array
+    scales: Any          # see the module docstring's table; the same kind as ``data``
     fmt: str
     shape: tuple
-    dtype: Any           # numpy dtype (dequantize returns numpy) or torch.dtype (returns torch)
+    dtype: Any           # numpy dtype (numpy/pyopencl inputs, fp8_e4m3 of numpy) or torch.dtype
 
     @property
     def axis(self) -> int:
@@ -47,78 +52,199 @@ class QuantizedTensor:
         return len(self.shape) - 1
 
 
+# --------------------------------------------------------------------------- kinds
+
 def _is_torch(x) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _round_half_away(v: np.ndarray) -> np.ndarray:
+def _is_cl(x) -> bool:
+    return type(x).__module__.split(".")[0] == "pyopencl" and hasattr(x, "queue")
+
+
+def kind_of(x) -> str:
+    """"numpy", "torch" or "cl" (pyopencl Array): where an array lives and which math serves it."""
+    if _is_torch(x):
+        return "torch"
+    if _is_cl(x):
+        return "cl"
+    return "numpy"
+
+
+# --------------------------------------------------------------------------- the two array kinds
+
+class _NumpyOps:
+    """The operations the quantizers need that NumPy and torch spell differently."""
+
+    trunc, sign, abs = staticmethod(np.trunc), staticmethod(np.sign), staticmethod(np.abs)
+    concat, where, clip = staticmethod(np.concatenate), staticmethod(np.where), staticmethod(np.clip)
+
+    @staticmethod
+    def f32(value, like):
+        return np.float32(value)
+
+    @staticmethod
+    def amax(x, keepdims=False):
+        return x.max(axis=-1, keepdims=keepdims)
+
+    @staticmethod
+    def first_absmax(x):
+        """The signed value of largest magnitude along the last dim, the first one on ties."""
+        return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+    @staticmethod
+    def reciprocal_or_zero(d):
+        return np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+
+    @staticmethod
+    def cast(x, dtype: str):
+        return x.astype(dtype)
+
+    @staticmethod
+    def view(x, dtype: str):
+        return x.view(np.dtype(dtype).newbyteorder("<") if dtype == "float16" else dtype)
+
+
+class _TorchOps:
+    """As _NumpyOps, in torch ops on the tensors' device. Divisors are always tensors: CUDA turns
+    a division by a CPU scalar into a product with its reciprocal, one ulp off NumPy's quotient."""
+
+    @staticmethod
+    def f32(value, like):
+        import torch
+        return torch.full((), value, dtype=torch.float32, device=like.device)
+
+    @staticmethod
+    def trunc(x):
+        return x.trunc()
+
+    @staticmethod
+    def sign(x):
+        return x.sign()
+
+    @staticmethod
+    def abs(x):
+        return x.abs()
+
+    @staticmethod
+    def concat(parts, axis=-1):
+        import torch
+        return torch.cat(parts, dim=axis)
+
+    @staticmethod
+    def where(cond, a, b):
+        import torch
+        return torch.where(cond, a, b)
+
+    @staticmethod
+    def amax(x, keepdims=False):
+        return x.amax(dim=-1, keepdim=keepdims)
+
+    @staticmethod
+    def first_absmax(x):
+        # torch.argmax returns the first maximal index, as NumPy's does
+        return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))[..., 0]
+
+    @staticmethod
+    def reciprocal_or_zero(d):
+        import torch
+        return torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+
+    @staticmethod
+    def clip(x, lo, hi):
+        return x.clamp(lo, hi)
+
+    @staticmethod
+    def cast(x, dtype: str):
+        import torch
+        return x.to(getattr(torch, dtype))
+
+    @staticmethod
+    def view(x, dtype: str):
+        import torch
+        return x.view(getattr(torch, dtype))
+
+
+def _ops(x):
+    return _TorchOps if _is_torch(x) else _NumpyOps
+
+
+# --------------------------------------------------------------------------- the formats
+
+def _round_half_away(v, ops):
     """C's roundf: halves away from zero, exact for every float32 (no ``floor(v + 0.5)`` error)."""
-    r = np.trunc(v)
-    return r + np.where(np.abs(v - r) >= 0.5, np.sign(v), 0).astype(v.dtype)
+    r = ops.trunc(v)
+    return r + ops.where(ops.abs(v - r) >= 0.5, ops.sign(v), ops.f32(0, v))
 
 
-def _ggml_blocks(x: np.ndarray) -> np.ndarray:
+def _ggml_blocks(x):
     if x.shape[-1] % QK:
         raise ValueError(f"q8_0/q4_0 quantize blocks of {QK} along the head dim; "
                          f"head dim {x.shape[-1]} is not a multiple of {QK}")
     return x.reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
 
 
-def _pack(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    d_bytes = d.astype("<f2")[..., None].view(np.uint8)
-    return np.concatenate([d_bytes, qs.view(np.uint8)], axis=-1)
+def _pack(d, qs, ops):
+    """ggml's block: the fp16 d (little-endian) then the quant bytes."""
+    d_bytes = ops.view(ops.cast(d, "float16")[..., None], "uint8")
+    return ops.concat([d_bytes, ops.view(qs, "uint8")], axis=-1)
 
 
-def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
+def _quantize_q8_0(x, ops):
     b = _ggml_blocks(x)
-    d = np.abs(b).max(axis=-1) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    qs = _round_half_away(b * inv[..., None]).astype(np.int8)
-    return _pack(d, qs)
+    d = ops.amax(ops.abs(b)) / ops.f32(127, b)
+    qs = ops.cast(_round_half_away(b * ops.reciprocal_or_zero(d)[..., None], ops), "int8")
+    return _pack(d, qs, ops)
 
 
-def _quantize_q4_0(x: np.ndarray) -> np.ndarray:
+def _quantize_q4_0(x, ops):
     b = _ggml_blocks(x)
-    # the signed value of largest magnitude, the first one on ties (ggml's strict `<`)
-    mx = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-    mx = np.where(mx == 0, np.float32(0), mx)     # ggml's max starts at +0: an all-zero block has d = -0
-    d = mx / np.float32(-8)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    mx = ops.first_absmax(b)                          # ggml's strict `<`: the first on ties
+    mx = ops.where(mx == 0, ops.f32(0, mx), mx)      # ggml's max starts at +0: an all-zero block has d = -0
+    d = mx / ops.f32(-8, mx)
     # x*id + 8.5 lies in [0.5, 16.5], so the (int8_t) truncation is a floor
-    q = np.minimum(15, np.trunc(b * inv[..., None] + np.float32(8.5))).astype(np.uint8)
-    return _pack(d, q[..., : QK // 2] | (q[..., QK // 2:] << 4))
+    q = ops.cast(ops.clip(ops.trunc(b * ops.reciprocal_or_zero(d)[..., None] + ops.f32(8.5, b)), 0, 15),
+                 "uint8")
+    return _pack(d, q[..., : QK // 2] | (q[..., QK // 2:] << 4), ops)
+
+
+def _quantize_int8(x, ops):
+    scale = ops.amax(ops.abs(x), keepdims=True) / ops.f32(127, x)
+    safe = ops.where(scale == 0, ops.f32(1, scale), scale)
+    q = ops.cast(ops.clip(_round_half_away(x / safe, ops), -127, 127), "int8")
+    return q, scale
 
 
 def _ggml_scales(data):
     """The fp16 d of every block, viewed in place inside ``data`` (..., D/32)."""
-    if _is_torch(data):
-        import torch
-        return data[..., :2].view(torch.float16)[..., 0]
-    return data[..., :2].view("<f2")[..., 0]
+    if _is_cl(data):
+        return data.view(np.float16)[..., 0]      # strided: kernels read it, .get() does not
+    return _ops(data).view(data[..., :2], "float16")[..., 0]
 
 
-def _dequantize_ggml(data: np.ndarray, fmt: str) -> np.ndarray:
-    d = data[..., :2].copy().view("<f2")[..., 0].astype(np.float32)[..., None]
+def _dequantize_ggml(data, fmt: str, ops):
+    d = ops.cast(ops.view(data[..., :2], "float16"), "float32")      # (..., D/32, 1)
     if fmt == "q8_0":
-        q = data[..., 2:].view(np.int8).astype(np.float32)
+        q = ops.cast(ops.view(data[..., 2:], "int8"), "float32")
     else:
         nib = data[..., 2:]
-        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.float32) - 8
+        q = ops.cast(ops.concat([nib & 0x0F, nib >> 4], axis=-1), "float32") - ops.f32(8, d)
     out = q * d
     return out.reshape(*out.shape[:-2], -1)
 
 
-def _quantize_int8(x: np.ndarray):
-    scale = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
-    safe = np.where(scale == 0, np.float32(1), scale)
-    q = np.clip(_round_half_away(x / safe), -127, 127).astype(np.int8)
-    return q, scale.astype(np.float32)
+# --------------------------------------------------------------------------- entry points
+
+_FLOAT_NAMES = ("float32", "float16", "bfloat16")
 
 
-def _to_numpy_f32(x) -> np.ndarray:
+def _float32_of(x):
+    """x as float32 in the kind its math runs in (torch on its device, else NumPy)."""
     if _is_torch(x):
-        return x.detach().to("cpu").float().numpy()
-    x = np.asarray(x)
+        if str(x.dtype).replace("torch.", "") not in _FLOAT_NAMES:
+            raise TypeError(f"quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
+        return x.detach().float()
+    x = x.get() if _is_cl(x) else np.asarray(x)
     if x.dtype not in (np.float32, np.float16):
         raise TypeError(f"quantize takes float32 or float16 arrays (bfloat16 as torch), got {x.dtype}")
     return x.astype(np.float32)
@@ -130,91 +256,189 @@ def _check_fmt(fmt: str) -> None:
 
 
 def quantize(x, fmt: str) -> QuantizedTensor:
-    """Quantize ``x`` (numpy float32/float16 or torch float32/float16/bfloat16, any shape ending
-    in the head dim) to ``fmt`` (one of FORMATS) along its last dim."""
+    """Quantize ``x`` (numpy float32/float16, torch float32/float16/bfloat16 on any device, or a
+    pyopencl Array of float32/float16; any shape ending in the head dim) to ``fmt`` (one of
+    FORMATS) along its last dim. data/scales are of ``x``'s kind (torch on its device, pyopencl
+    on its queue)."""
     _check_fmt(fmt)
-    if x.ndim < 1:
+    if len(x.shape) < 1:
         raise ValueError("quantize needs at least one dim (the head dim)")
     if fmt == "fp8_e4m3":
         return _quantize_fp8(x)
-    if _is_torch(x):
-        import torch
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
-    xf = _to_numpy_f32(x)
+    xf = _float32_of(x)
+    ops = _ops(xf)
     if fmt == "int8":
-        data, scales = _quantize_int8(xf)
+        data, scales = _quantize_int8(xf, ops)
     else:
-        data = _quantize_q8_0(xf) if fmt == "q8_0" else _quantize_q4_0(xf)
+        data = _quantize_q8_0(xf, ops) if fmt == "q8_0" else _quantize_q4_0(xf, ops)
         scales = None
-    if _is_torch(x):
-        import torch
-        data = torch.from_numpy(data).to(x.device)
-        scales = torch.from_numpy(scales).to(x.device) if scales is not None else None
+    # C-contiguous whatever x's strides (elementwise ops keep a transposed input's layout)
+    data, scales = _contiguous(data), None if scales is None else _contiguous(scales)
+    if _is_cl(x):
+        import pyopencl.array as cla
+        data = cla.to_device(x.queue, data)
+        scales = None if scales is None else cla.to_device(x.queue, scales)
     if scales is None:
         scales = _ggml_scales(data)
     dtype = x.dtype if _is_torch(x) else np.dtype(x.dtype)
-    return QuantizedTensor(data, scales, fmt, tuple(x.shape), dtype)
+    return QuantizedTensor(data, scales, fmt, tuple(int(s) for s in x.shape), dtype)
+
+
+def _contiguous(a):
+    return a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
 
 
 def _quantize_fp8(x) -> QuantizedTensor:
+    if _is_cl(x):
+        raise TypeError("fp8_e4m3 is a torch format (torch.float8_e4m3fn); pick q8_0, q4_0 or int8 "
+                        "for pyopencl Arrays")
     try:
         import torch
     except ImportError:
         raise ImportError("fp8_e4m3 needs torch (torch.float8_e4m3fn); install torch or pick "
                           "q8_0, q4_0 or int8") from None
     dtype = x.dtype if _is_torch(x) else np.dtype(np.asarray(x).dtype)
-    if not _is_torch(x):
-        x = torch.from_numpy(_to_numpy_f32(x))
-    xf = x.float()
-    scale = xf.abs().amax() / FP8_E4M3_MAX if xf.numel() else torch.zeros((), device=x.device)
+    xf = _float32_of(x)
+    if not _is_torch(xf):
+        xf = torch.from_numpy(xf)
+    scale = xf.abs().amax() / _TorchOps.f32(FP8_E4M3_MAX, xf) if xf.numel() else \
+        torch.zeros((), device=xf.device)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    data = (xf / safe).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return QuantizedTensor(data, scale.float(), "fp8_e4m3", tuple(x.shape), dtype)
+    data = (xf / safe).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
+    return QuantizedTensor(data, scale.float(), "fp8_e4m3", tuple(int(s) for s in x.shape), dtype)
 
 
 def dequantize(qt: QuantizedTensor):
-    """The values ``qt`` holds, in its original dtype and kind (numpy, or torch on its device)."""
+    """The values ``qt`` holds, in its original dtype and kind (numpy, torch on its device, or a
+    pyopencl Array on its queue)."""
     _check_fmt(qt.fmt)
     if qt.fmt == "fp8_e4m3":
         out = qt.data.float() * qt.scales
         if isinstance(qt.dtype, np.dtype):
             return out.cpu().numpy().astype(qt.dtype)
         return out.to(qt.dtype)
-    torch_out = not isinstance(qt.dtype, np.dtype)
-    data = qt.data.cpu().numpy() if _is_torch(qt.data) else qt.data
+    kind = kind_of(qt.data)
+    data = qt.data.get() if kind == "cl" else qt.data
+    ops = _ops(data)
     if qt.fmt == "int8":
-        scales = qt.scales.cpu().numpy() if _is_torch(qt.scales) else qt.scales
-        out = data.astype(np.float32) * scales
+        scales = qt.scales.get() if kind == "cl" else qt.scales
+        out = ops.cast(data, "float32") * scales
     else:
-        out = _dequantize_ggml(data, qt.fmt)
-    if torch_out:
+        out = _dequantize_ggml(data, qt.fmt, ops)
+    if kind == "torch":
+        return out.to(qt.dtype)
+    out = out.astype(qt.dtype)
+    if kind == "cl":
+        import pyopencl.array as cla
+        return cla.to_device(qt.data.queue, out)
+    return out
+
+
+# --------------------------------------------------------------------------- writes into a cache
+
+def _indices(ids, name: str, n: int, bound: int, like):
+    """block_ids/slots as indices of ``like``'s kind. Host values are checked against ``bound``;
+    device tensors are not read back (that would sync the decode loop that calls this)."""
+    if _is_torch(ids) and _is_torch(like) and ids.device == like.device:
+        if tuple(ids.shape) != (n,):
+            raise ValueError(f"{name}: expected shape ({n},), got {tuple(ids.shape)}")
+        return ids.long()
+    host = ids.get() if _is_cl(ids) else (ids.cpu().numpy() if _is_torch(ids) else np.asarray(ids))
+    if host.shape != (n,) or (n and host.dtype.kind not in "iu"):
+        raise ValueError(f"{name}: expected {n} integers (one per token), got {host.dtype} {host.shape}")
+    if n and (host.min() < 0 or host.max() >= bound):
+        raise ValueError(f"{name}: values must lie in [0, {bound}), got {host.min()}..{host.max()}")
+    if not _is_torch(like):
+        return host.astype(np.int64)
+    import torch
+    t = torch.from_numpy(host.astype(np.int64))
+    # pinned and non_blocking: a pageable host-to-device copy would wait for the whole stream
+    return t.pin_memory().to(like.device, non_blocking=True) if like.is_cuda else t
+
+
+def _as_kind_of(x, like):
+    """The new tokens ``x`` in the cache's kind: torch on its device, else host NumPy."""
+    if _is_torch(like):
         import torch
-        return torch.from_numpy(out).to(device=qt.data.device, dtype=qt.dtype)
-    return out.astype(qt.dtype)
+        if not _is_torch(x):
+            x = torch.from_numpy(np.ascontiguousarray(x.get() if _is_cl(x) else np.asarray(x)))
+        return x.to(like.device)
+    if _is_torch(x):
+        return x.detach().cpu().float().numpy()
+    return x.get() if _is_cl(x) else np.asarray(x)
+
+
+def _scatter_rows(dst, block_ids, slots, rows) -> None:
+    """dst[block_ids[i], slots[i]] = rows[i] for a numpy, torch or (contiguous) pyopencl ``dst``."""
+    if not _is_cl(dst):
+        dst[block_ids, slots] = rows
+        return
+    import pyopencl as cl
+    import pyopencl.array as cla
+    if not dst.flags.c_contiguous:
+        raise ValueError("quantize_into needs a C-contiguous pyopencl cache (as quantize makes it)")
+    queue, row_bytes = dst.queue, int(np.prod(dst.shape[2:], dtype=np.int64)) * dst.dtype.itemsize
+    src = cla.to_device(queue, np.ascontiguousarray(rows))
+    # one device-side copy per token: nothing of the cache comes back to the host
+    for i, (blk, slot) in enumerate(zip(block_ids.tolist(), slots.tolist())):
+        event = cl.enqueue_copy(queue, dst.base_data, src.base_data, byte_count=row_bytes,
+                                src_offset=src.offset + i * row_bytes,
+                                dst_offset=dst.offset + (blk * dst.shape[1] + slot) * row_bytes,
+                                wait_for=dst.events + src.events)
+        dst.add_event(event)
 
 
 def quantize_into(qt: QuantizedTensor, block_ids, slots, x) -> None:
     """Quantize ``x`` (n, H_kv, D) and write token i at ``qt[block_ids[i], slots[i]]`` of a paged
     cache ``qt`` (num_blocks, block_size, H_kv, D), in place. Scales are per block of 32 (q8_0,
     q4_0) or per row (int8), so written tokens never change the others; fp8_e4m3's scale is per
-    tensor and a write would have to requantize the whole cache, so it is refused."""
+    tensor and a write would have to requantize the whole cache, so it is refused.
+
+    A torch cache is written by torch ops on its device: with ``x`` on that device nothing syncs,
+    whether block_ids/slots are tensors there or host values (checked, then copied through
+    pinned memory without waiting). Device indices are not range-checked."""
     if qt.fmt == "fp8_e4m3":
         raise ValueError("fp8_e4m3 has one scale per tensor: writing tokens would require "
                          "requantizing the whole cache; quantize the updated tensor instead")
-    if len(qt.shape) != 4 or tuple(x.shape[1:]) != qt.shape[2:]:
+    if len(qt.shape) != 4 or len(x.shape) != 3 or tuple(x.shape[1:]) != qt.shape[2:]:
         raise ValueError("quantize_into writes x (n, H_kv, D) into a paged cache (num_blocks, "
                          f"block_size, H_kv, D); got x {tuple(x.shape)} and cache {qt.shape}")
-    new = quantize(x, qt.fmt)
-    if _is_torch(qt.data):
-        import torch
-        block_ids = torch.as_tensor(block_ids, device=qt.data.device, dtype=torch.long)
-        slots = torch.as_tensor(slots, device=qt.data.device, dtype=torch.long)
-        move = (lambda t: t.to(qt.data.device)) if _is_torch(new.data) else \
-            (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(qt.data.device))
-    else:
-        block_ids, slots = np.asarray(block_ids), np.asarray(slots)
-        move = (lambda t: t.cpu().numpy()) if _is_torch(new.data) else (lambda a: a)
-    qt.data[block_ids, slots] = move(new.data)
+    n = int(x.shape[0])
+    block_ids = _indices(block_ids, "block_ids", n, qt.shape[0], qt.data)
+    slots = _indices(slots, "slots", n, qt.shape[1], qt.data)
+    new = quantize(_as_kind_of(x, qt.data), qt.fmt)
+    _scatter_rows(qt.data, block_ids, slots, new.data)
     if qt.fmt == "int8":
-        qt.scales[block_ids, slots] = move(new.scales)
+        _scatter_rows(qt.scales, block_ids, slots, new.scales)
+
+
+# --------------------------------------------------------------------------- validation
+
+def check_layout(qt: QuantizedTensor, name: str) -> None:
+    """ValueError/TypeError naming ``name`` when ``qt``'s data/scales do not hold ``qt.shape`` in
+    ``qt.fmt`` (a hand-built QuantizedTensor would otherwise send kernels past its buffers)."""
+    _check_fmt(qt.fmt)
+    shape = tuple(qt.shape)
+    if not shape or any(not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
+        raise ValueError(f"{name}: QuantizedTensor.shape must be a tuple of sizes, got {qt.shape!r}")
+    kinds = {kind_of(qt.data), kind_of(qt.scales)}
+    if len(kinds) > 1:
+        raise TypeError(f"{name}: QuantizedTensor data and scales are of different kinds ({sorted(kinds)})")
+    if _is_torch(qt.data) and qt.data.device != qt.scales.device:
+        raise TypeError(f"{name}: QuantizedTensor data on {qt.data.device} but scales on {qt.scales.device}")
+    lead, d = shape[:-1], shape[-1]
+    if qt.fmt in BLOCK_BYTES:
+        if d % QK:
+            raise ValueError(f"{name}: {qt.fmt} packs the head dim in blocks of {QK}; got D={d}")
+        want = {"data": ("uint8", lead + (d // QK, BLOCK_BYTES[qt.fmt])),
+                "scales": ("float16", lead + (d // QK,))}
+    elif qt.fmt == "int8":
+        want = {"data": ("int8", shape), "scales": ("float32", lead + (1,))}
+    else:
+        want = {"data": ("float8_e4m3fn", shape), "scales": ("float32", ())}
+    for part, (dtype, part_shape) in want.items():
+        arr = getattr(qt, part)
+        got = (str(arr.dtype).replace("torch.", ""), tuple(int(s) for s in arr.shape))
+        if got != (dtype, part_shape):
+            raise ValueError(f"{name}: a {qt.fmt} QuantizedTensor of shape {shape} needs {part} "
+                             f"{dtype} {part_shape}, got {got[0]} {got[1]}")

@@ -56,6 +56,8 @@ def _dense(x):
         x = dequantize(x)
     if type(x).__module__.split(".")[0] == "torch":
         x = x.detach().cpu().float().numpy()
+    elif type(x).__module__.startswith("pyopencl"):
+        x = x.get()
     return x
 
 

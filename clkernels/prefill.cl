@@ -4,7 +4,8 @@
  *
  * with G = H_q / H_kv (GQA/MQA), online softmax in float32 (exp2 of log2-scaled scores) and
  * bottom-right causal alignment: row i sees keys j <= i + N_kv - N_q. A row that sees no key gets
- * out = 0 and lse = -inf.
+ * out = 0 and lse = -inf (= its sink with HAS_SINKS). The variants of prefill_common.h (window,
+ * softcap, sinks, ALiBi, bool or additive mask) change the scores in flashcl/variants.py's order.
  *
  * Buffers (element strides; the head dim is contiguous, stride 1):
  *   q    [B][H_q ][N_q ][HEAD_DK]   at q + q_off + b*q_sb + h*q_sh + i*q_sn
@@ -12,6 +13,10 @@
  *   v    [B][H_kv][N_kv][HEAD_DV]   likewise with v_*
  *   out  [B][H_q ][N_q ][HEAD_DV]   likewise with o_*
  *   lse  [B][H_q ][N_q]  float32, contiguous, natural log (written when WRITE_LSE)
+ *   sinks [H_q] float32, alibi [B][H_q] float32 (natural-log units)
+ *   mask [Bm][Hm][N_q][N_kv] mask_t at mask + b*mask_sb + h*mask_sh + i*mask_sn + j (a stride
+ *        of 0 broadcasts), tile_map [Bm][Hm][query blocks][key tiles] uchar at
+ *        tile_map + b*map_sb + h*map_sh + m_block*(key tiles) + tile
  *
  * Grid: dim 0 = B x H_q x query blocks x DV slices work-groups of BLOCK_M work-items, in the
  * order of tile_of_group() (prefill_common.h: longest causal blocks first, heads in L2 sections).
@@ -30,7 +35,10 @@
  * diagonal are never loaded. A key a row cannot see never reaches it, whatever its K or V hold
  * (NaN, inf): scores are masked by a select, keys past N_kv are staged as zeros, and in a tile that
  * crosses the diagonal each row skips the V rows of the keys it cannot see (p = 0 times inf is
- * NaN); the tiles below the diagonal take the unguarded P V loop.
+ * NaN); the tiles below the diagonal take the unguarded P V loop. A window bounds the KV loop on
+ * both sides the same way, and a mask's tile_map skips the tiles it wholly hides; in a tile that
+ * a mask partly hides, hidden keys carry p = -0 so that the P V loop can tell them apart from
+ * visible keys whose p underflowed to +0.
  */
 
 /* ---- tunables ------------------------------------------------------------------------------ */
@@ -102,6 +110,30 @@
         }                                                                                    \
     }
 
+/* The guard of a tile that some row cannot wholly see: p's sign where a mask may hide keys
+ * (hidden keys carry -0), else the key's position against the row's bounds. */
+#if MASK_KIND
+#define ROW_SEES(j) (!signbit(p[j]))
+#elif HAS_WINDOW
+#define ROW_SEES(j) (n0 + (j) >= key_lo && n0 + (j) <= key_hi)
+#else
+#define ROW_SEES(j) (n0 + (j) <= row_limit)
+#endif
+
+#if MASK_KIND
+/* The mask values of keys col0 .. col0 + VEC - 1 of a row; keys past n_kv are never read */
+static inline floatV mask_values(__global const mask_t *mask_row, const int col0, const int n_kv)
+{
+    if (col0 + VEC <= n_kv)
+        return FLASHCL_CAT(convert_float, VEC)(VLOADV(0, mask_row + col0));
+    float x[VEC];
+    UNROLL
+    for (int t = 0; t < VEC; ++t)
+        x[t] = (col0 + t < n_kv) ? (float)mask_row[col0 + t] : 0.0f;
+    return VLOADV(0, x);
+}
+#endif
+
 __kernel FLASHCL_REQD_WG(BLOCK_M)
 void flash_prefill(__global const store_t *q, __global const store_t *k,
                    __global const store_t *v, __global store_t *out, __global float *lse,
@@ -110,7 +142,11 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
                    const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
                    const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
                    const ulong v_off, const ulong v_sb, const ulong v_sh, const ulong v_sn,
-                   const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn)
+                   const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn,
+                   const int win_left, const int win_right, const float softcap_log2,
+                   __global const float *sinks, __global const float *alibi,
+                   __global const mask_t *mask, const ulong mask_sb, const ulong mask_sh, const ulong mask_sn,
+                   __global const uchar *tile_map, const ulong map_sb, const ulong map_sh)
 {
     __local float k_tile[BLOCK_N * HEAD_DK] LDS_ALIGNED;  /* offsets below are multiples of VEC */
     __local float v_tile[BLOCK_N * DV_TILE] LDS_ALIGNED;
@@ -139,9 +175,27 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 #define Q_CHUNK(c) (LOAD4(q_row, (c)) * scale_log2)
 #endif
 
-    const int kv_end = block_kv_end(m_block * BLOCK_M, n_q, n_kv);
+    const int row_base = m_block * BLOCK_M;
+    const int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
+    const int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
+    const int pos = row + n_kv - n_q;  /* bottom-right aligned position of this row */
 #if IS_CAUSAL
-    const int row_limit = row + n_kv - n_q;  /* this row sees keys j <= row_limit */
+    const int row_limit = pos;  /* this row sees keys j <= row_limit */
+#endif
+#if HAS_WINDOW
+    const int key_lo = pos - win_left;
+    const int key_hi = IS_CAUSAL ? pos : pos + win_right;  /* win_right >= 0 */
+#endif
+#if HAS_SOFTCAP
+    const float inv_softcap = 1.0f / softcap_log2;
+#endif
+#if HAS_ALIBI
+    const float slope_log2 = alibi[batch * h_q + head] * M_LOG2E_F;
+#endif
+#if MASK_KIND
+    __global const mask_t *mask_row = mask + batch * mask_sb + head * mask_sh + (ulong)min(row, n_q - 1) * mask_sn;
+    __global const uchar *block_map = tile_map + batch * map_sb + head * map_sh
+                                      + (ulong)m_block * ((n_kv + BLOCK_N - 1) / BLOCK_N);
 #endif
 
     float m_i = -INFINITY;  /* running max (log2 domain) */
@@ -151,7 +205,13 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     for (int c = 0; c < DVV; ++c)
         acc[c] = (floatV)(0.0f);
 
-    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+    for (int n0 = kv_begin; n0 < kv_end; n0 += BLOCK_N) {
+#if MASK_KIND
+        /* the same value for the whole work-group: skipping the tile skips both barriers */
+        const uchar tile_state = block_map[n0 / BLOCK_N];
+        if (tile_state == TILE_HIDDEN)
+            continue;
+#endif
         /* every work-item is done reading the previous tile before it is overwritten */
         barrier(CLK_LOCAL_MEM_FENCE);
         /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as vectors */
@@ -184,7 +244,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             }
         }
 
-        /* mask the tile edge and the diagonal, then the tile max */
+        /* the variants' scores, then mask the tile edge, the diagonal, the window and the mask;
+         * then the tile max */
         floatV maxv = (floatV)(-INFINITY);
         UNROLL
         for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
@@ -192,6 +253,25 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             intV visible = col < (intV)(n_kv);
 #if IS_CAUSAL
             visible = visible & (col <= (intV)(row_limit));
+#endif
+#if HAS_WINDOW
+            visible = visible & (col >= (intV)(key_lo)) & (col <= (intV)(key_hi));
+#endif
+#if HAS_SOFTCAP
+            sv[jv] = (floatV)(softcap_log2) * tanh(sv[jv] * inv_softcap);
+#endif
+#if HAS_ALIBI
+            sv[jv] -= slope_log2 * FLASHCL_CAT(convert_float, VEC)(abs(col - (intV)(pos)));
+#endif
+#if MASK_KIND == 1
+            if (tile_state == TILE_PARTIAL)
+                visible = visible & (mask_values(mask_row, n0 + VEC * jv, n_kv) != (floatV)(0.0f));
+#elif MASK_KIND == 2
+            const floatV add = mask_values(mask_row, n0 + VEC * jv, n_kv);
+            visible = visible & (add != (floatV)(-INFINITY));
+            /* a finite value stays finite: finfo(float32).min (transformers' masks) times log2(e)
+             * would overflow to -inf and hide a key the mask shows */
+            sv[jv] += fmax(add * M_LOG2E_F, (floatV)(-FLT_MAX));
 #endif
             sv[jv] = select((floatV)(-INFINITY), sv[jv], visible);
             maxv = fmax(maxv, sv[jv]);
@@ -212,15 +292,23 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         floatV lv = (floatV)(0.0f);
         UNROLL
         for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
-            const floatV pv = exp2(sv[jv] - (floatV)(m_use));
+            floatV pv = exp2(sv[jv] - (floatV)(m_use));
+#if MASK_KIND
+            pv = select(pv, (floatV)(-0.0f), sv[jv] == (floatV)(-INFINITY));  /* hidden: -0 */
+#endif
             lv += pv;
             VSTOREV(pv, jv, p);
         }
         l_i += HSUM_V(lv);
-#if IS_CAUSAL
-        /* a tile that crosses the diagonal (some row of the block cannot see its last key) */
-        if (n0 + BLOCK_N - 1 > m_block * BLOCK_M + n_kv - n_q) {
-            PV_PRODUCT(n0 + j <= row_limit)
+#if IS_CAUSAL || HAS_WINDOW || MASK_KIND
+        /* a tile that some row of the block cannot wholly see (the diagonal, a window edge or the
+         * mask cross it) */
+        bool guarded = tile_crosses_edge(n0, row_base + n_kv - n_q, win_left, win_right);
+#if MASK_KIND
+        guarded = guarded || tile_state == TILE_PARTIAL;
+#endif
+        if (guarded) {
+            PV_PRODUCT(ROW_SEES(j))
         } else
 #endif
         {
@@ -229,8 +317,12 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         m_i = m_new;
     }
 
+    float out_scale = 1.0f;
+#if HAS_SINKS
+    out_scale = fold_sink(sinks[head] * M_LOG2E_F, &m_i, &l_i);
+#endif
     if (row_valid) {
-        const float inv_l = (l_i > 0.0f) ? 1.0f / l_i : 0.0f;  /* no visible key: zeros, not NaN */
+        const float inv_l = (l_i > 0.0f) ? out_scale / l_i : 0.0f;  /* no visible key: zeros, not NaN */
         __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh + (ulong)row * o_sn + dv0;
         UNROLL
         for (int c = 0; c < DVV; ++c) {

@@ -1,6 +1,7 @@
 /* What both prefill layouts (prefill.cl, prefill_tiles.cl) share: the host's switches, the grid
- * mapping of a work-group to its query block and DV slice, and the causal bound on its keys.
- * Include after BLOCK_M and DV_TILE are defined. */
+ * mapping of a work-group to its query block and DV slice, the causal and window bounds on its
+ * keys, and the attention variants (flashcl/variants.py). Include after BLOCK_M, BLOCK_N and
+ * DV_TILE are defined. */
 #ifndef FLASHCL_PREFILL_COMMON_H
 #define FLASHCL_PREFILL_COMMON_H
 
@@ -15,6 +16,39 @@
 #ifndef UNROLL_LOOPS
 #define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
 #endif
+
+/* Attention variants, each compiled in only when on (off, the kernels are the plain ones). Their
+ * runtime values are kernel arguments that are passed always and read only when the flag is on. */
+#ifndef HAS_WINDOW
+#define HAS_WINDOW 0      // 1: row at position p sees keys p - win_left <= j <= p + win_right
+#endif
+#ifndef HAS_SOFTCAP
+#define HAS_SOFTCAP 0     // 1: s = c * tanh(s / c) with c = softcap_log2 (log2 domain)
+#endif
+#ifndef HAS_SINKS
+#define HAS_SINKS 0       // 1: sinks[head] (natural log) joins each row's normalizer and its lse
+#endif
+#ifndef HAS_ALIBI
+#define HAS_ALIBI 0       // 1: s -= alibi[b, head] * |p - j| (slopes in natural-log units)
+#endif
+#ifndef MASK_KIND
+#define MASK_KIND 0       // 0: no mask; 1: bool mask (uchar, 0 hides); 2: additive float (-inf hides)
+#endif
+#if MASK_KIND < 0 || MASK_KIND > 2
+#error "MASK_KIND must be 0 (none), 1 (bool) or 2 (additive float)"
+#endif
+
+/* Mask element type; every mask kernel also reads tile_map (uchar per query block and key tile:
+ * TILE_HIDDEN = every key hidden, the tile is skipped; TILE_PARTIAL = some key hidden, the tile
+ * is guarded per key; TILE_VISIBLE = none hidden, a bool mask is not even read). */
+#if MASK_KIND == 2
+typedef float mask_t;
+#else
+typedef uchar mask_t;
+#endif
+#define TILE_HIDDEN 0
+#define TILE_PARTIAL 1
+#define TILE_VISIBLE 2
 
 #define NUM_DV_TILES (HEAD_DV / DV_TILE)
 
@@ -52,16 +86,61 @@ static inline void tile_of_group(const int n_q, const int h_q, const int head_se
     *head = pair % h_q;
 }
 
-/* The keys [0, kv_end) the rows [row_base, row_base + BLOCK_M) of a block see: causal stops at
- * the last row's diagonal (bottom-right aligned), so later tiles are skipped, not masked. */
-static inline int block_kv_end(const int row_base, const int n_q, const int n_kv)
+/* The keys [.., kv_end) the rows [row_base, row_base + BLOCK_M) of a block see: causal stops at
+ * the last row's diagonal (bottom-right aligned) and a window at the last row's right edge, so
+ * later tiles are skipped, not masked. */
+static inline int block_kv_end(const int row_base, const int n_q, const int n_kv, const int win_right)
 {
+    const int last_pos = min(row_base + BLOCK_M, n_q) - 1 + n_kv - n_q;
+    int end = n_kv;
 #if IS_CAUSAL
-    const int last_row = min(row_base + BLOCK_M, n_q) - 1;
-    return clamp(last_row + n_kv - n_q + 1, 0, n_kv);
+    end = clamp(last_pos + 1, 0, end);
+#endif
+#if HAS_WINDOW
+    end = clamp(last_pos + win_right + 1, 0, end);
+#endif
+    return end;
+}
+
+/* The first KV tile the block sees: a window starts at the first row's left edge; earlier
+ * tiles are never staged. Tiles stay aligned to multiples of BLOCK_N (the mask's tile_map). */
+static inline int block_kv_begin(const int row_base, const int n_q, const int n_kv, const int win_left)
+{
+#if HAS_WINDOW
+    return max(0, row_base + n_kv - n_q - win_left) / BLOCK_N * BLOCK_N;
 #else
-    return n_kv;
+    return 0;
 #endif
 }
+
+/* 1 when a row of the block (first position first_pos) may not see some key of the tile at n0
+ * because of where it lies (causal diagonal, window edges): its P V product is guarded per key,
+ * since p = 0 times a hidden V holding inf or NaN would be NaN. */
+static inline bool tile_crosses_edge(const int n0, const int first_pos, const int win_left,
+                                     const int win_right)
+{
+    bool crosses = false;
+#if IS_CAUSAL
+    crosses = n0 + BLOCK_N - 1 > first_pos;
+#endif
+#if HAS_WINDOW
+    crosses = crosses || n0 < first_pos + BLOCK_M - 1 - win_left || n0 + BLOCK_N - 1 > first_pos + win_right;
+#endif
+    return crosses;
+}
+
+#if HAS_SINKS
+/* Fold a head's sink (logit sink_log2, value zero) into a row's final state (max m, sum l):
+ * returns the factor that rescales the row's accumulator to the new max. */
+static inline float fold_sink(const float sink_log2, float *m, float *l)
+{
+    const float m_new = fmax(*m, sink_log2);
+    const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* no key and a -inf sink */
+    const float alpha = exp2(*m - m_use);
+    *l = *l * alpha + exp2(sink_log2 - m_use);
+    *m = m_new;
+    return alpha;
+}
+#endif
 
 #endif

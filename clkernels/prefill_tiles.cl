@@ -4,8 +4,9 @@
  *   out[b, h, i, :] = softmax_j(scale * q[b, h, i, :] . k[b, h / G, j, :]) @ v[b, h / G, :, :]
  *
  * Same contract as prefill.cl (bottom-right causal, GQA, DK != DV, float32 or half storage,
- * online softmax in exp2, a row that sees no key gives zeros and lse = -inf); same buffers,
- * arguments and grid, except that a work-group is TM x TN work-items.
+ * online softmax in exp2, a row that sees no key gives zeros and lse = -inf, the variants of
+ * prefill_common.h); same buffers, arguments and grid, except that a work-group is TM x TN
+ * work-items.
  *
  * Why a second kernel. In prefill.cl each work-item owns one query row: every K or V value it
  * reads from local memory feeds one FMA. Local memory returns 128 bytes per clock per SM on
@@ -32,7 +33,9 @@
  * row sum l is kept per work-item over its own keys (every work-item of a row rescales by the
  * same alpha) and summed across the row once at the end. In a KV tile that crosses the causal
  * diagonal the P V product skips, per row, the keys that row cannot see (p = 0 times inf or NaN in
- * their V is NaN); tiles below the diagonal take the unguarded loop.
+ * their V is NaN); tiles below the diagonal take the unguarded loop. Window edges and masks
+ * are handled as in prefill.cl: loop bounds, the tile_map's skipped tiles, and p = -0 marking
+ * the keys a mask hides in a partly hidden tile.
  */
 
 /* ---- tunables ------------------------------------------------------------------------------ */
@@ -126,6 +129,17 @@
         }                                                                                    \
     }
 
+/* The guard of a tile that some row cannot wholly see: p's sign where a mask may hide keys
+ * (hidden keys carry -0), else the key's position against row a's bounds. */
+#if MASK_KIND
+#define ROW_SEES(j, a) (!signbit(pa[a]))
+#elif HAS_WINDOW
+#define ROW_SEES(j, a) (n0 + (j) >= row_base + r0 + (a) + offset - win_left \
+                        && n0 + (j) <= row_base + r0 + (a) + offset + right_bound)
+#else
+#define ROW_SEES(j, a) (n0 + (j) <= row_base + r0 + (a) + offset)
+#endif
+
 __kernel FLASHCL_REQD_WG(WG)
 void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                          __global const store_t *v, __global store_t *out, __global float *lse,
@@ -134,7 +148,11 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                          const ulong q_off, const ulong q_sb, const ulong q_sh, const ulong q_sn,
                          const ulong k_off, const ulong k_sb, const ulong k_sh, const ulong k_sn,
                          const ulong v_off, const ulong v_sb, const ulong v_sh, const ulong v_sn,
-                         const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn)
+                         const ulong o_off, const ulong o_sb, const ulong o_sh, const ulong o_sn,
+                         const int win_left, const int win_right, const float softcap_log2,
+                         __global const float *sinks, __global const float *alibi,
+                         __global const mask_t *mask, const ulong mask_sb, const ulong mask_sh, const ulong mask_sn,
+                         __global const uchar *tile_map, const ulong map_sb, const ulong map_sh)
 {
     __local float q_t[HEAD_DK * BLOCK_M] LDS_ALIGNED;    /* Q^T, pre-scaled: q_t[d][row] */
     /* K^T of the tile (k_t[d][key]) until the scores are computed, then its V slice
@@ -163,7 +181,22 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     stage_transposed(q_t, q_base, q_sn, row_base, n_q, BLOCK_M, HEAD_DK, scale_log2, lid, WG);
 
     const int offset = n_kv - n_q;
-    const int kv_end = block_kv_end(row_base, n_q, n_kv);
+    const int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
+    const int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
+#if HAS_WINDOW
+    const int right_bound = IS_CAUSAL ? 0 : win_right;  /* keys j <= p + right_bound; win_right >= 0 */
+#endif
+#if HAS_SOFTCAP
+    const float inv_softcap = 1.0f / softcap_log2;
+#endif
+#if HAS_ALIBI
+    const float slope_log2 = alibi[batch * h_q + head] * M_LOG2E_F;
+#endif
+#if MASK_KIND
+    __global const mask_t *mask_base = mask + batch * mask_sb + head * mask_sh;
+    __global const uchar *block_map = tile_map + batch * map_sb + head * map_sh
+                                      + (ulong)m_block * ((n_kv + BLOCK_N - 1) / BLOCK_N);
+#endif
 
     float m_i[TILE_M], l_i[TILE_M], acc[TILE_M][RD];
     UNROLL
@@ -175,7 +208,13 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
             acc[a][c] = 0.0f;
     }
 
-    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+    for (int n0 = kv_begin; n0 < kv_end; n0 += BLOCK_N) {
+#if MASK_KIND
+        /* the same value for the whole work-group: skipping the tile skips all its barriers */
+        const uchar tile_state = block_map[n0 / BLOCK_N];
+        if (tile_state == TILE_HIDDEN)
+            continue;
+#endif
         /* everyone is done with the previous tile's V and P (and Q^T is complete) */
         barrier(CLK_LOCAL_MEM_FENCE);
         stage_transposed(k_t, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, WG);
@@ -201,16 +240,40 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                     s[a][b] = fma(qa[a], kb[b], s[a][b]);
         }
 
-        /* mask the tile edge and the diagonal; this work-item's share of each row's max */
+        /* the variants' scores, then mask the tile edge, the diagonal, the window and the mask;
+         * this work-item's share of each row's max */
         UNROLL
         for (int a = 0; a < TILE_M; ++a) {
+            const int pos = row_base + r0 + a + offset;  /* bottom-right aligned position */
+#if MASK_KIND
+            __global const mask_t *mask_row = mask_base + (ulong)min(row_base + r0 + a, n_q - 1) * mask_sn;
+#endif
             float mx = -INFINITY;
             UNROLL
             for (int b = 0; b < TILE_N; ++b) {
                 const int col = n0 + j0 + b;
                 bool visible = col < n_kv;
 #if IS_CAUSAL
-                visible = visible && col <= row_base + r0 + a + offset;
+                visible = visible && col <= pos;
+#endif
+#if HAS_WINDOW
+                visible = visible && col >= pos - win_left && col <= pos + right_bound;
+#endif
+#if HAS_SOFTCAP
+                s[a][b] = softcap_log2 * tanh(s[a][b] * inv_softcap);
+#endif
+#if HAS_ALIBI
+                s[a][b] -= slope_log2 * (float)abs(col - pos);
+#endif
+#if MASK_KIND == 1
+                if (tile_state == TILE_PARTIAL)
+                    visible = visible && mask_row[min(col, n_kv - 1)] != 0;
+#elif MASK_KIND == 2
+                const float add = mask_row[min(col, n_kv - 1)];
+                visible = visible && add != -INFINITY;
+                /* a finite value stays finite: finfo(float32).min (transformers' masks) times log2(e)
+                 * would overflow to -inf and hide a key the mask shows */
+                s[a][b] += fmax(add * M_LOG2E_F, -FLT_MAX);
 #endif
                 s[a][b] = visible ? s[a][b] : -INFINITY;
                 mx = fmax(mx, s[a][b]);
@@ -240,6 +303,9 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
             UNROLL
             for (int b = 0; b < TILE_N; ++b) {
                 p_col[b][a] = exp2(s[a][b] - m_use);
+#if MASK_KIND
+                p_col[b][a] = (s[a][b] == -INFINITY) ? -0.0f : p_col[b][a];  /* hidden: -0 */
+#endif
                 l_add += p_col[b][a];
             }
             l_i[a] = l_i[a] * alpha + l_add;
@@ -256,10 +322,15 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
         /* P and the V slice are complete before the P V product reads them */
         barrier(CLK_LOCAL_MEM_FENCE);
 
-#if IS_CAUSAL
-        /* a tile that crosses the diagonal (some row of the block cannot see its last key) */
-        if (n0 + BLOCK_N - 1 > row_base + offset) {
-            PV_PRODUCT(n0 + j <= row_base + r0 + a + offset)
+#if IS_CAUSAL || HAS_WINDOW || MASK_KIND
+        /* a tile that some row of the block cannot wholly see (the diagonal, a window edge or the
+         * mask cross it) */
+        bool guarded = tile_crosses_edge(n0, row_base + offset, win_left, win_right);
+#if MASK_KIND
+        guarded = guarded || tile_state == TILE_PARTIAL;
+#endif
+        if (guarded) {
+            PV_PRODUCT(ROW_SEES(j, a))
         } else
 #endif
         {
@@ -278,10 +349,13 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
         const int row = row_base + r0 + a;
         if (row >= n_q)
             break;
-        float l = 0.0f;
+        float l = 0.0f, m = m_i[a], out_scale = 1.0f;
         for (int t = 0; t < TN; ++t)
             l += row_max[(r0 + a) * R_STRIDE + t];
-        const float inv_l = (l > 0.0f) ? 1.0f / l : 0.0f;  /* no visible key: zeros, not NaN */
+#if HAS_SINKS
+        out_scale = fold_sink(sinks[head] * M_LOG2E_F, &m, &l);
+#endif
+        const float inv_l = (l > 0.0f) ? out_scale / l : 0.0f;  /* no visible key: zeros, not NaN */
         __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh + (ulong)row * o_sn + dv0 + c0;
         UNROLL
         for (int c4 = 0; c4 < RD / 4; ++c4)
@@ -289,7 +363,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                    c4, o_row);
 #if WRITE_LSE
         if (dv_slice == 0 && tx == 0)
-            lse[((ulong)batch * h_q + head) * n_q + row] = lse_of_state(m_i[a], l);
+            lse[((ulong)batch * h_q + head) * n_q + row] = lse_of_state(m, l);
 #endif
     }
 }

@@ -10,6 +10,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
+from ..variants import Variants, mask_block_map
 from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, nbytes,
                      to_device_4d, wait_for_inputs)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
@@ -61,16 +62,37 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
                                               max_work_group=handle.max_work_group))
 
 
+# The variant switches of prefill_common.h, by the name flashcl.variants.Variants.flags() gives.
+_FLAG_DEFINES = {"window": "HAS_WINDOW", "softcap": "HAS_SOFTCAP", "sinks": "HAS_SINKS", "alibi": "HAS_ALIBI"}
+_MASK_KINDS = {None: 0, "bool": 1, "add": 2}
+
+
+def variant_defines(flags: dict | None) -> dict:
+    """The ``-D`` defines of the variants that are on (``Variants.flags()``); none when all are
+    off, so that the plain kernels build exactly as without variants."""
+    if not flags:
+        return {}
+    unknown = set(flags) - set(_FLAG_DEFINES) - {"mask"}
+    if unknown or flags.get("mask") not in _MASK_KINDS:
+        raise ValueError(f"variant flags: unknown {sorted(unknown) or flags.get('mask')!r}; expected the "
+                         f"keys of flashcl.variants.Variants.flags()")
+    defines = {define: 1 for name, define in _FLAG_DEFINES.items() if flags.get(name)}
+    if flags.get("mask"):
+        defines["MASK_KIND"] = _MASK_KINDS[flags["mask"]]
+    return defines
+
+
 def program(prob: PrefillProblem, params: dict, *, write_lse: bool = True,
-            unroll_loops: bool = True) -> tuple[str, str, dict]:
+            unroll_loops: bool = True, flags: dict | None = None) -> tuple[str, str, dict]:
     """The source in clkernels/, the kernel's name and the ``-D`` defines of the prefill kernel for
     one problem class and parameter set: what PrefillKernel builds and `flashcl export` writes.
-    ``unroll_loops``: off on CPUs (prefill.cl: UNROLL_LOOPS)."""
+    ``unroll_loops``: off on CPUs (prefill.cl: UNROLL_LOOPS). ``flags``: the variants compiled in
+    (``Variants.flags()``; None or all off: the plain kernel)."""
     defines = {
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
         "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
         "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
-        "UNROLL_LOOPS": unroll_loops,
+        "UNROLL_LOOPS": unroll_loops, **variant_defines(flags),
     }
     if params.get("VARIANT", "rows") == "tiles":
         defines.update(TILE_M=params["TILE_M"], TILE_N=params["TILE_N"], UNROLL_K=params.get("UNROLL_K", 0))
@@ -122,7 +144,39 @@ ARGS = (
       for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))
       for s, what in (("off", f"offset of {name}[0, 0, 0, 0]"), ("sb", f"{name} batch"),
                       ("sh", f"{name} head"), ("sn", f"{name} row"))),
+    # the variants' values (prefill_common.h): always passed, read only where their flag is on
+    ("win_left", "const int", "HAS_WINDOW: a row at position p = i + N_kv - N_q sees keys j >= p - "
+                              "win_left (N_q + N_kv for unbounded)"),
+    ("win_right", "const int", "HAS_WINDOW: ... and j <= p + win_right (N_q + N_kv for unbounded)"),
+    ("softcap_log2", "const float", "HAS_SOFTCAP: softcap times log2(e)"),
+    ("sinks", "__global const float *", "HAS_SINKS: (H_q,) float32 sink logits, natural log"),
+    ("alibi", "__global const float *", "HAS_ALIBI: (B, H_q) float32 ALiBi slopes, natural log"),
+    ("mask", "__global const mask_t *", "MASK_KIND 1 (mask_t uchar, 0 hides) or 2 (mask_t float, "
+                                        "additive, -inf hides): (Bm, Hm, N_q, N_kv), Bm in {1, B}, "
+                                        "Hm in {1, H_q}"),
+    *((f"mask_{s}", "const ulong", f"MASK_KIND: mask {what} stride in elements (0 broadcasts)")
+      for s, what in (("sb", "batch"), ("sh", "head"), ("sn", "row"))),
+    ("tile_map", "__global const uchar *", "MASK_KIND: (Bm, Hm, ceil(N_q / BLOCK_M), ceil(N_kv / "
+                                           "BLOCK_N)) uchar: 0 every key of the tile hidden (skipped), "
+                                           "1 some hidden, 2 none hidden"),
+    *((f"map_{s}", "const ulong", f"MASK_KIND: tile_map {what} stride in elements (0 broadcasts)")
+      for s, what in (("sb", "batch"), ("sh", "head"))),
 )
+
+
+def mask_tile_map(mask: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
+    """The kernels' tile_map of a 4-D mask: uint8 per (query block, key tile), 0 when every key
+    is hidden (the tile is skipped), 1 when some is (guarded per key), 2 when none is."""
+    visible = mask if mask.dtype == np.bool_ else (mask != -np.inf)
+    some_visible = mask_block_map(visible, block_m, block_n)
+    some_hidden = mask_block_map(~visible, block_m, block_n)  # padding counts as not hidden
+    return (some_visible * (2 - some_hidden)).astype(np.uint8)
+
+
+def _broadcast_strides(shape: tuple) -> tuple[int, int]:
+    """(batch, head) element strides of a contiguous (Bm, Hm, ...) array; 0 on a broadcast dim."""
+    inner = int(np.prod(shape[2:]))
+    return (shape[1] * inner if shape[0] > 1 else 0, inner if shape[1] > 1 else 0)
 
 
 class PrefillKernel:
@@ -133,10 +187,12 @@ class PrefillKernel:
     TILE_N micro-tiles per work-item, work-group = (BLOCK_M / TILE_M) x (BLOCK_N / TILE_N))."""
 
     def __init__(self, handle: DeviceHandle, prob: PrefillProblem, params: dict, *,
-                 write_lse: bool = True, verbose: bool = False, extra_options=()):
+                 write_lse: bool = True, verbose: bool = False, extra_options=(), flags: dict | None = None):
         self.handle, self.prob, self.params = handle, prob, dict(params)
         self.variant = params.get("VARIANT", "rows")
-        source, entry, self.defines = program(prob, params, write_lse=write_lse, unroll_loops=not handle.is_cpu)
+        self.flags = {k: v for k, v in (flags or {}).items() if v}  # the variants compiled in
+        source, entry, self.defines = program(prob, params, write_lse=write_lse, unroll_loops=not handle.is_cpu,
+                                              flags=self.flags)
         self.work_group = tuning.work_group_size(KERNEL, params)
         self.section = self.head_section()  # fixed by the problem class: one device query per kernel
         self.built = build(handle, source, self.defines, kernel=KERNEL, verbose=verbose,
@@ -162,8 +218,9 @@ class PrefillKernel:
         flight, which run every head of a section at once, re-read K/V from the cache."""
         return head_section(self.prob, int(self.handle.device.global_mem_cache_size))
 
-    def __call__(self, q, k, v, out, lse, scale: float, wait_for=None) -> cl.Event:
-        """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event."""
+    def __call__(self, q, k, v, out, lse, scale: float, wait_for=None, variants: Variants | None = None) -> cl.Event:
+        """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event.
+        ``variants`` (numpy arrays) must be those the kernel was built for (``flags``)."""
         p = self.prob
         args = [q.base_data, k.base_data, v.base_data, out.base_data,
                 lse.base_data if lse is not None else out.base_data,
@@ -171,15 +228,43 @@ class PrefillKernel:
                 np.int32(self.section), np.float32(scale * _LOG2E)]
         for arr in (q, k, v, out):
             args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
+        args += self.variant_args(variants, dummy=out.base_data)
         gsize, lsize = self.grid()
         return launch(self.handle, self.kernel, gsize, lsize, args, name=KERNEL, params=self.params)
+
+    def variant_args(self, variants: Variants | None, dummy) -> list:
+        """The trailing arguments of ARGS, from ``variants``; ``dummy`` (any buffer) stands for
+        the arrays of the variants that are off, which the kernel never reads."""
+        flags = {k: v for k, v in (variants.flags() if variants is not None else {}).items() if v}
+        if flags != self.flags:
+            raise ValueError(f"variants {flags} differ from those this kernel was built for {self.flags}")
+        p, queue = self.prob, self.handle.queue
+        unbounded = p.n_q + p.n_kv  # past any key from any row
+        left, right = variants.window if variants is not None and variants.window is not None else (-1, -1)
+        softcap = variants.softcap if variants is not None and variants.softcap is not None else 1.0
+
+        def upload(x):
+            return dummy if x is None else cla.to_device(queue, np.ascontiguousarray(x)).base_data
+
+        sinks = upload(None if variants is None else variants.sinks)
+        alibi = upload(None if variants is None else variants.alibi_slopes)
+        mask, map_ = dummy, dummy
+        mask_strides, map_strides = (0, 0, 0), (0, 0)
+        if variants is not None and variants.mask is not None:
+            m = np.ascontiguousarray(variants.mask)
+            tiles = mask_tile_map(m, self.params["BLOCK_M"], self.params["BLOCK_N"])
+            mask = upload(m.view(np.uint8) if m.dtype == np.bool_ else m.astype(np.float32, copy=False))
+            map_ = upload(tiles)
+            mask_strides = (*_broadcast_strides(m.shape), p.n_kv)
+            map_strides = _broadcast_strides(tiles.shape)
+        return ([np.int32(unbounded if left < 0 else left), np.int32(unbounded if right < 0 else right),
+                 np.float32(softcap * _LOG2E), sinks, alibi, mask]
+                + [np.uint64(s) for s in mask_strides] + [map_] + [np.uint64(s) for s in map_strides])
 
 
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
             return_lse: bool, variants=None):
     """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api."""
-    if variants is not None:
-        raise NotImplementedError("attention variants are not implemented on this backend yet")
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     is_cl = isinstance(q, cla.Array)
     handle = handle_for_inputs({"q": q, "k": k, "v": v}, device)
@@ -189,14 +274,15 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "v": nbytes(shapes[2], dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
-    kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse)
+    kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse,
+                         flags=variants.flags() if variants is not None else None)
 
     queue = handle.queue
     qd, kd, vd = (to_device_4d(t, queue, rank) for t in (q, k, v))
     out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, (q, k, v))
-    event = kern(qd, kd, vd, out, lse, scale)
+    event = kern(qd, kd, vd, out, lse, scale, variants=variants)
 
     if rank == 3:
         out = out.reshape(h_q, n_q, dv)

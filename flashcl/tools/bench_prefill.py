@@ -1,11 +1,18 @@
 """Benchmarks of the OpenCL kernels (commands, never tests; docs/design.md §7).
 
 Prefill: GFLOP/s = FLOPs / median kernel time, with FLOPs = 2·B·H_q·(DK + DV)·(visible query-key
-pairs) — 4·B·H·N²·d for square non-causal attention, about half of it causal. Times come from
-OpenCL profiling events (warm-up first, then ``repeats`` runs, median and spread). The error is
-the relative error against the float64 oracle on batch 0's first KV group (the oracle is too slow
-for the whole problem). On a CPU device torch's CPU SDPA runs in the same process on the same
-inputs, and the ratio is printed.
+pairs) — 4·B·H·N²·d for square non-causal attention, about half of it causal, and only the pairs
+inside the window with one. Times come from OpenCL profiling events (warm-up first, then
+``repeats`` runs, median and spread). The error is the relative error against the float64 oracle
+on batch 0's first KV group and its last CHECK_ROWS query rows (the oracle is too slow and too
+large for the whole problem; with bottom-right alignment the last rows keep their positions, and
+causal they are the longest). On a CPU device torch's CPU SDPA runs in the same process on the
+same inputs, and the ratio is printed.
+
+With ``variants`` (e.g. ``{"window": (1023, 0), "softcap": 30.0}``) every shape is timed without
+them and with them in the same run, on the same inputs, the two calls taking turns: the variant
+row gives both times and their ratio (> 1: the variant run is faster, as a window should be;
+< 1: its overhead).
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ from . import shapes
 from .._version import __version__
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
+from ..variants import Variants
 
 PREFILL_PRESETS = shapes.PREFILL_PRESETS  # (B, H_q, H_kv, N, d, causal)
+CHECK_ROWS = 1024  # query rows checked against the oracle (the last ones)
+BENCH_VARIANTS = ("window", "softcap")  # what a benchmark can turn on: no per-head arrays to invent
 
 
 @dataclass
@@ -44,6 +54,48 @@ class PrefillRow:
     peer: str = ""
     peer_gflops: float = float("nan")
     ratio: float = float("nan")
+    variants: str = ""                  # the variants of this row ("" = plain attention)
+    plain_ms: float = float("nan")      # the same shape without them, same run
+    vs_plain: float = float("nan")      # plain_ms / median_ms: > 1 faster, < 1 slower
+
+
+def visible_pairs(n_q: int, n_kv: int, causal: bool, window) -> int:
+    """(query, key) pairs a (left, right) window and the causal rule leave visible (bottom-right
+    aligned: row i sits at p = i + N_kv - N_q)."""
+    pos = np.arange(n_q, dtype=np.int64) + (n_kv - n_q)
+    left, right = window if window is not None else (-1, -1)
+    lo = np.maximum(0, pos - left) if left >= 0 else np.zeros_like(pos)
+    hi = np.full_like(pos, n_kv - 1)
+    if causal:
+        hi = np.minimum(hi, pos)
+    if right >= 0:
+        hi = np.minimum(hi, pos + right)
+    return int(np.maximum(0, hi - lo + 1).sum())
+
+
+def _bench_variants(variants: dict | None) -> Variants | None:
+    if not variants:
+        return None
+    unknown = set(variants) - set(BENCH_VARIANTS)
+    if unknown:
+        raise ValueError(f"variants: the benchmark takes {', '.join(BENCH_VARIANTS)}, got {sorted(unknown)}")
+    window = variants.get("window")
+    softcap = variants.get("softcap")
+    return Variants(window=tuple(int(w) for w in window) if window is not None else None,
+                    softcap=float(softcap) if softcap is not None else None)
+
+
+def _describe(var: Variants) -> str:
+    return " ".join(f"{k}={v}" for k, v in (("window", var.window), ("softcap", var.softcap)) if v is not None)
+
+
+def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
+    """Relative error of batch 0's first KV group, last CHECK_ROWS rows, against the oracle."""
+    g = q.shape[1] // k.shape[1]
+    rows = min(CHECK_ROWS, q.shape[2])
+    kw = {} if var is None else {"window": var.window, "softcap": var.softcap}
+    ref = reference.attention(q[:1, :g, -rows:], k[:1, :1], v[:1, :1], causal=causal, scale=scale, **kw)
+    return reference.rel_err(out.get()[:1, :g, -rows:], ref)
 
 
 def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
@@ -78,8 +130,22 @@ def _spill_text(info: dict, is_cpu: bool) -> str:
     return ", ".join(parts) or "no signal"
 
 
+def _interleaved_times(runs, repeats: int) -> list[list[float]]:
+    """event_times of several runs taken in turn, one of each per round, so that load from other
+    processes falls on all of them alike (their ratio is what a variant benchmark reports)."""
+    for run in runs:
+        event_times(run, 0)  # warm-up
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, ts in zip(runs, times):
+            ts += event_times(run, 1, warmup=0)
+    return times
+
+
 def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repeats: int = 10,
-                  params: dict | None = None, check: bool = True, peer: bool = True, progress=None):
+                  params: dict | None = None, check: bool = True, peer: bool = True, progress=None,
+                  variants: dict | None = None):
+    var = _bench_variants(variants)
     rng = np.random.default_rng(0)
     rows = []
     for (b, h_q, h_kv, n, d, causal) in shapes:
@@ -92,14 +158,17 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         scale = 1.0 / np.sqrt(d)
         qd, kd, vd = (cla.to_device(handle.queue, x) for x in (q, k, v))
         out = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
-        times = event_times(lambda i: kern(qd, kd, vd, out, None, scale), repeats)
+        if var is None:
+            times = event_times(lambda i: kern(qd, kd, vd, out, None, scale), repeats)
+        else:
+            vkern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia,
+                                  flags=var.flags())
+            vout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+            times, vtimes = _interleaved_times([lambda i: kern(qd, kd, vd, out, None, scale),
+                                                lambda i: vkern(qd, kd, vd, vout, None, scale, variants=var)],
+                                               repeats)
         med = statistics.median(times)
-        err = float("nan")
-        if check:
-            g = h_q // h_kv
-            ref = reference.attention(q[:1, :g], k[:1, :1], v[:1, :1], causal=causal, scale=scale)
-            got = out.get()[:1, :g].astype(np.float64)
-            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        err = _check(q, k, v, out, causal, scale, None) if check else float("nan")
         row = PrefillRow(
             shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
             params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
@@ -119,6 +188,19 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         rows.append(row)
         if progress:
             progress(row)
+        if var is not None:
+            vmed = statistics.median(vtimes)
+            # FLOPs of the pairs the window leaves visible (softcap adds no pair)
+            vflops = prob.flops * visible_pairs(n, n, causal, var.window) / visible_pairs(n, n, causal, None)
+            vrow = PrefillRow(
+                shape=row.shape, dtype=dtype, causal=causal, params=row.params, params_source=row.params_source,
+                median_ms=vmed, min_ms=min(vtimes), max_ms=max(vtimes), gflops=vflops / (vmed * 1e-3) / 1e9,
+                rel_err=_check(q, k, v, vout, causal, scale, var) if check else float("nan"),
+                spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(var), plain_ms=med,
+                vs_plain=med / vmed)
+            rows.append(vrow)
+            if progress:
+                progress(vrow)
     return rows
 
 
@@ -141,6 +223,10 @@ def format_prefill(rows, cond: dict) -> str:
             f"{r.shape:22} {str(r.causal):6} {r.dtype:7} {r.params:40} {r.median_ms:9.3f} "
             f"[{r.min_ms:7.3f}-{r.max_ms:7.3f}] {r.gflops:9.1f} {r.rel_err:8.1e}  "
             f"{r.peer_gflops:12.1f} {r.ratio:6.2f}  {r.spill}")
+        if r.variants:
+            lines.append(f"{'':22}   ^ with {r.variants}: {r.median_ms:.3f} ms against {r.plain_ms:.3f} ms "
+                         f"without, x{r.vs_plain:.2f} ({'faster' if r.vs_plain >= 1 else 'slower'}); "
+                         f"GFLOP/s counts the visible pairs")
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources))
     peers = sorted({r.peer for r in rows if r.peer})

@@ -1022,6 +1022,19 @@ static int run_prefill(const env_t *e)
         for (int s = 0; s < 3; ++s)
             arg_ulong(&a, strides[t][s]);
     }
+    /* the variants' values (manifest.json): all off in this build, so never read; any buffer
+     * stands for their arrays */
+    arg_int(&a, NQ + NKV);  /* win_left, win_right: unbounded */
+    arg_int(&a, NQ + NKV);
+    arg_float(&a, 1.0f);    /* softcap_log2 */
+    arg_mem(&a, bl);        /* sinks */
+    arg_mem(&a, bl);        /* alibi */
+    arg_mem(&a, bl);        /* mask and its batch, head and row strides */
+    for (int s = 0; s < 3; ++s)
+        arg_ulong(&a, 0);
+    arg_mem(&a, bl);        /* tile_map and its batch and head strides */
+    arg_ulong(&a, 0);
+    arg_ulong(&a, 0);
     args_done(&a);
     const size_t num_m = (NQ + EX_PREFILL_BLOCK_M - 1) / EX_PREFILL_BLOCK_M;
     const size_t local = EX_PREFILL_WG;

@@ -17,6 +17,18 @@ each call must move, % of the device's copy bandwidth and % of its streaming-rea
 that only reads: decode's ceiling) measured in the same run, the SDPA ratio, and whether the
 automatic split count is within 5% of the best forced one.
 
+``variants`` (``run(variants={"window": (1023, 0), "softcap": 30.0})``, the CLI's --window and
+--softcap; "sinks" and "alibi_slopes" True draw values): the same inputs are also timed with the
+variants on, in the same interleaved rounds as the plain call, at their own automatic plan.
+Reported next to the plain call: their time, TB/s over the bytes they must move (a window reads
+only its keys), and the ratio of their time to the plain call's ("var/plain": < 1 where a window
+skips keys, the variants' cost where it does not).
+
+``kv_format`` (``run(kv_format="q8_0")``, the CLI's --kv-format: q8_0, q4_0, int8 or fp8_e4m3):
+the same paged K/V quantized (flashcl.quantize) are timed next to the float16 call in the same
+rounds. Reported: their time, the ratio to the float16 time, TB/s over the bytes as stored
+(_stored_bytes) and that bandwidth as a fraction of the float16 call's.
+
 What paging costs, measured with this command on an H100 (fp16, d=128, block_size 16, random
 blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
 one-split shapes, 4-5% on MQA and 32k). Where that goes, and what was tried against it:
@@ -25,6 +37,7 @@ docs/notes/decode-h100.md.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -36,6 +49,8 @@ from .. import __version__
 from ..api import _check_head_dim  # noqa: F401 - the CLI checks --head-dim with it
 from ..triton import decode as triton_decode
 from ..triton import decode_plan
+from ..quant import quantize
+from ..variants import Variants
 from . import cuda_timing, shapes
 from .triton_bench_prefill import _sdpa_call
 
@@ -48,6 +63,19 @@ def _bytes_moved(b, h_q, h_kv, ctx, dk, dv, elt) -> int:
     """Fewest bytes a decode step must move: each K/V row read once for its GQA group, q read,
     out written. (The block table and the split-k partials are overhead, not counted.)"""
     return b * h_kv * ctx * (dk + dv) * elt + b * h_q * (dk + dv) * elt
+
+
+# bytes one token's head-dim row of d values takes as stored: ggml blocks of 32 values (2 bytes
+# of fp16 d each), int8 values and one float32 scale per row, fp8 values (the tensor's one scale
+# is not per row)
+_ROW_BYTES = {"q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18, "int8": lambda d: d + 4,
+              "fp8_e4m3": lambda d: d}
+
+
+def _stored_bytes(b, h_q, h_kv, ctx, d, elt, kv_format) -> int:
+    """Fewest bytes a decode step over a quantized cache must move: each K/V row read once as
+    stored, q read and out written in q's type."""
+    return b * h_kv * ctx * 2 * _ROW_BYTES[kv_format](d) + b * h_q * 2 * d * elt
 
 
 def _flops(b, h_q, ctx, dk, dv) -> int:
@@ -96,6 +124,30 @@ def _make_inputs(shape, dtype, block_size, gen, device, block_order: str = "rand
             "block_table": block_table, "context_lens": lens}
 
 
+def _variants_of(variants: dict, b: int, h_q: int, device) -> Variants:
+    """The backend's Variants for the bench's ``variants`` dict: window and softcap as given, sinks
+    and ALiBi slopes (True) drawn as models use them (sinks ~ N(0, 1), slopes 2^(-8 (h + 1) / H_q))."""
+    unknown = set(variants) - {"window", "softcap", "sinks", "alibi_slopes"}
+    if unknown:
+        raise ValueError(f"variants: unknown {sorted(unknown)}; decode takes window, softcap, sinks, alibi_slopes")
+    sinks, slopes = variants.get("sinks"), variants.get("alibi_slopes")
+    if sinks is True:
+        sinks = torch.randn(h_q, generator=torch.Generator().manual_seed(1))
+    if slopes is True:
+        slopes = 2.0 ** (-8.0 * torch.arange(1, h_q + 1, dtype=torch.float64) / h_q)
+    def on_device(x, shape):
+        return None if x is None else torch.as_tensor(x, dtype=torch.float32).expand(shape).to(device).contiguous()
+
+    window = variants.get("window")
+    return Variants(window=None if window is None else tuple(window), softcap=variants.get("softcap"),
+                    sinks=on_device(sinks, (h_q,)), alibi_slopes=on_device(slopes, (b, h_q)))
+
+
+def _keys_seen(ctx: int, window) -> int:
+    """The keys a query at position ctx - 1 sees under ``window``."""
+    return ctx if window is None or window[0] < 0 else min(ctx, window[0] + 1)
+
+
 def _inner_reps(n_calls: int, est_s: float) -> int:
     """Calls per replay so one replay lasts >= ~1 ms (event resolution, launch gaps amortized)."""
     return max(1, min(50, int(math.ceil(1e-3 / max(n_calls * est_s, 1e-9)))))
@@ -118,10 +170,14 @@ def _forced_splits(ctx: int, block_n: int, splits) -> list[int]:
 
 
 def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, seed: int = 0,
-        on_row=None, block_order: str = "random", rounds: int = 3, head_dim: int = HEAD_DIM) -> list[dict]:
+        on_row=None, block_order: str = "random", rounds: int = 3, head_dim: int = HEAD_DIM,
+        variants: dict | None = None, kv_format: str | None = None) -> list[dict]:
     """Time every shape; one dict per shape (see the module docstring for what is measured).
     ``on_row(row)`` is called as each shape finishes (progress on long runs); ``rounds``:
-    interleaved rounds (cuda_timing.interleaved_rounds)."""
+    interleaved rounds (cuda_timing.interleaved_rounds); ``variants``: also timed with these on;
+    ``kv_format``: also timed on the K/V quantized to it."""
+    if kv_format is not None and kv_format not in _ROW_BYTES:
+        raise ValueError(f"kv_format: expected one of {sorted(_ROW_BYTES)}, got {kv_format!r}")
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
     facts = decode_plan.facts_of(device)
@@ -161,17 +217,35 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
         tb = lambda t: nbytes / (t["median_ms"] * 1e-3) / 1e12  # noqa: E731
         plan = decode_plan.plan(decode_plan.DecodeProblem(b, h_q, h_kv, d, d, ctx, elt, block_size), facts)
         block_n, auto_splits = plan.block_n, plan.num_splits
-        variants = {"auto": flashcl_fn(None), "sdpa": sdpa, "contig": flashcl_contig}
+        calls = {"auto": flashcl_fn(None), "sdpa": sdpa, "contig": flashcl_contig}
         try:  # a peer, not the target: SDPA's default dispatch is the strongest backend here
             sdpa_fa2(sets[0])
-            variants["sdpa_fa2"] = sdpa_fa2
+            calls["sdpa_fa2"] = sdpa_fa2
         except RuntimeError as e:  # the backend refuses this shape or GPU
             print(f"SDPA FlashAttention-2 backend on {shape}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
-        variants.update({s: flashcl_fn(s) for s in _forced_splits(ctx, block_n, splits)})
+        var = _variants_of(variants, b, h_q, device) if variants else None
+        if var is not None:
+            calls["variants"] = lambda s: triton_decode.decode(
+                s["q"], s["k_pages"], s["v_pages"], block_table=s["block_table"], context_lens=s["context_lens"],
+                scale=scale, variants=var)
+            var_bytes = _bytes_moved(b, h_q, h_kv, _keys_seen(ctx, var.window), d, d, elt)
+            # the plain call on the kernels the variants run on (decode_gluon's take none): the
+            # variants' own cost, apart from the kernel choice
+            no_gluon = dataclasses.replace(facts, gluon=False)
+            calls["plain_triton"] = lambda s: triton_decode._launch(
+                s["q"], s["k_pages"], s["v_pages"], s["block_table"], s["context_lens"], scale, 0, facts=no_gluon)
+        if kv_format is not None:
+            for st in sets:
+                st["k_quant"], st["v_quant"] = (quantize(st[n], kv_format) for n in ("k_pages", "v_pages"))
+            calls["quant"] = lambda s: triton_decode.decode(
+                s["q"], s["k_quant"], s["v_quant"], block_table=s["block_table"], context_lens=s["context_lens"],
+                scale=scale)
+            q_bytes = _stored_bytes(b, h_q, h_kv, ctx, d, elt, kv_format)
+        calls.update({s: flashcl_fn(s) for s in _forced_splits(ctx, block_n, splits)})
         t = cuda_timing.interleaved_rounds(
-            {n: (lambda fn=fn, ss=sets: _time(fn, ss, est_s)["median_ms"]) for n, fn in variants.items()}, rounds)
+            {n: (lambda fn=fn, ss=sets: _time(fn, ss, est_s)["median_ms"]) for n, fn in calls.items()}, rounds)
         t_auto, t_sdpa, t_contig = t["auto"], t["sdpa"], t["contig"]
-        forced = {s: t[s]["median_ms"] for s in variants if isinstance(s, int)}
+        forced = {s: t[s]["median_ms"] for s in calls if isinstance(s, int)}
         best_s = min(forced, key=forced.get) if forced else None  # --splits with no counts: none forced
         rows.append({
             "shape": f"({b},{h_q},{h_kv},{ctx // 1024}k)" if ctx % 1024 == 0 else str(shape),
@@ -195,6 +269,27 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "torch": summary["torch"], "triton": triton_decode.triton.__version__,
             "flashcl": __version__, "date": date,
         })
+        if kv_format is not None:
+            t_q = t["quant"]["median_ms"]
+            rows[-1].update({
+                "kv_format": kv_format, "quant_ms": t_q, "quant_min_ms": t["quant"]["min_ms"],
+                "quant_max_ms": t["quant"]["max_ms"], "quant_stored_MB": round(q_bytes / 1e6, 1),
+                "quant_TB_s": q_bytes / (t_q * 1e-3) / 1e12, "quant_ratio": t_q / t_auto["median_ms"],
+                "quant_bw_vs_fp16": (q_bytes / t_q) / (nbytes / t_auto["median_ms"]),
+            })
+        if var is not None:
+            t_var = t["variants"]["median_ms"]
+            rows[-1].update({
+                "variants": ", ".join(f"{k}={v}" for k, v in sorted(variants.items())),
+                "var_ms": t_var, "var_min_ms": t["variants"]["min_ms"], "var_max_ms": t["variants"]["max_ms"],
+                "var_TB_s": var_bytes / (t_var * 1e-3) / 1e12, "var_ratio": t_var / t_auto["median_ms"],
+                "plain_triton_ms": t["plain_triton"]["median_ms"],
+                "var_vs_plain_triton": t_var / t["plain_triton"]["median_ms"],
+                "var_splits": decode_plan.plan(triton_decode.problem_of(
+                    sets[0]["q"], sets[0]["k_pages"], sets[0]["v_pages"], sets[0]["block_table"],
+                    var.window[0] if var.window else -1, var.softcap or 0.0, var.sinks, var.alibi_slopes),
+                    facts).num_splits,
+            })
         if on_row is not None:
             on_row(rows[-1])
         del sets
@@ -283,6 +378,24 @@ def format_table(rows, command: str | None = None) -> str:
         out.append("  ".join(c.rjust(w) for c, w in zip(line, widths)))
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
+    q_rows = [r for r in rows if r.get("kv_format")]
+    if q_rows:
+        out.append(f"\nK/V quantized to {q_rows[0]['kv_format']} (same run, same rounds; TB/s over the bytes as "
+                   f"stored; time and bandwidth relative to the {q_rows[0]['dtype']} call above):")
+        for r in q_rows:
+            out.append(f"  {r['shape']}: {r['quant_ms']:.4f} ms ({r['quant_min_ms']:.4f}-{r['quant_max_ms']:.4f}), "
+                       f"{r['quant_stored_MB']:.0f} MB stored, {r['quant_TB_s']:.2f} TB/s; time x{r['quant_ratio']:.3f}"
+                       f", bandwidth x{r['quant_bw_vs_fp16']:.3f} of {r['dtype']}")
+    var_rows = [r for r in rows if r.get("variants")]
+    if var_rows:
+        out.append(f"\nwith variants {var_rows[0]['variants']} (same run, same rounds; TB/s over the keys "
+                   f"they see; var/plain = their time / the plain call's):")
+        for r in var_rows:
+            out.append(f"  {r['shape']}: plain {r['median_ms']:.4f} ms, variants {r['var_ms']:.4f} ms "
+                       f"({r['var_min_ms']:.4f}-{r['var_max_ms']:.4f}, {r['var_splits']} splits, "
+                       f"{r['var_TB_s']:.2f} TB/s), var/plain {r['var_ratio']:.3f} "
+                       f"(plain/var {1 / r['var_ratio']:.1f}x); plain on the Triton kernels "
+                       f"{r['plain_triton_ms']:.4f} ms, var/that {r['var_vs_plain_triton']:.3f}")
     if any(r["forced_ms"] for r in rows):
         out.append("\nforced split counts (ms):")
     for r in rows:

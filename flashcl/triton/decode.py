@@ -28,6 +28,22 @@ Work decomposition (grid = (H_kv, B, splits))::
                  (grid (cdiv(H_q, 4), B)) launched after the decode kernel. A split that lies past the
                  sequence's end writes the empty state (-inf, 0, 0), a no-op of the merge.
 
+Attention variants (flashcl.variants; each a tl.constexpr flag, off: the plain kernel). The query
+of sequence b sits at p = context_lens[b] - 1. ``window`` (left, right) shows it the keys
+[max(0, p - left), p]: the split partition then cuts [that key rounded down to a page, length),
+at most left + one page of tokens whatever the length, so the cost follows the window; the
+loads of a windowed launch are row-masked (a hidden row's K/V never reach the row). ``softcap``
+and ``alibi_slopes`` ((B, H_q)) change the scores (_score_variants); ``sinks`` join the
+normalizer once: in the single pass, else as the merge's starting state (both merges). The
+Gluon kernels take no variant: the plan runs such launches on this kernel (decode_plan.VARIANTS).
+
+Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
+plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
+dot path reads the data with row-masked addressing and dequantizes each tile after its load
+(_load_quant): ggml blocks with their fp16 d, int8 / fp8 values exactly in q's type with their
+scale applied per key to the scores (K) or to p (V). The plan keeps them off the Gluon kernels,
+the MHA loop and whole pages (decode_plan.QUANTIZED).
+
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
 the launch path does no host sync and is CUDA-graph capturable.
@@ -91,20 +107,22 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
+from ..quant import QuantizedTensor
 from . import decode_gluon, decode_plan, interpreting
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
+LOG2E = tl.constexpr(_LOG2E)  # the same, for the kernels
 
 # --------------------------------------------------------------------------- kernels
 
 
 # num_splits, the context bound and the block count vary from call to call: no recompilation for
 # their values
-@triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks"])
+@triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks", "window_left"])
 def _decode_kernel(
-    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters,
-    qk_scale_log2, n_ctx_max, num_splits, num_blocks,
+    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters, Sinks, Slopes, KScales, VScales,
+    qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
     stride_vblk, stride_vpos, stride_vh, stride_vd,
@@ -113,6 +131,8 @@ def _decode_kernel(
     stride_lseb, stride_lseh,
     stride_pmb, stride_pmh, stride_pms,
     stride_pab, stride_pah, stride_pas, stride_pad,
+    stride_slb,
+    stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -122,6 +142,11 @@ def _decode_kernel(
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
     WHOLE_PAGES: tl.constexpr = False, OFFS32: tl.constexpr = False, MHA_FMA: tl.constexpr = False,
     PAGE_TILES: tl.constexpr = False, KV_EVICT: tl.constexpr = "",
+    # the attention variants (flashcl.variants; off: the plain kernel)
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+    # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
+    K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
 ):
     tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -131,6 +156,8 @@ def _decode_kernel(
     tl.static_assert(not MHA_FMA or (PAGED and WHOLE_PAGES and GROUP == 1), "MHA_FMA: MHA over whole pages")
     tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
                      "PAGE_TILES: tiles inside one page")
+    tl.static_assert((K_FMT == "" and V_FMT == "") or not (WHOLE_PAGES or PAGE_TILES or MHA_FMA),
+                     "quantized K/V: the row-masked addressing of the dot path")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
         tl_cuda.gdc_wait()
@@ -154,21 +181,15 @@ def _decode_kernel(
     # past the end). EARLY_PAGES cuts the context bound instead of the length, so the first
     # block-table load is issued without waiting for the context_lens load (one dependent DRAM
     # round trip less before the K/V stream starts); same partition when every sequence has the
-    # bound length.
-    if EARLY_PAGES:
+    # bound length. A window cuts [its first key, length) instead, which needs the length first:
+    # at most window_left + ALIGN tokens whatever the length, the first key rounded down to ALIGN
+    # (tiles of whole pages start on a page, a tile inside a page on a tile; other addressings
+    # start anywhere), so the first tile holds the first key and no tile is wholly hidden.
+    if EARLY_PAGES and not WINDOW:
         chunk = tl.cdiv(tl.cdiv(n_ctx_max, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
-        if PAGED and WHOLE_PAGES:
-            # clamped to the bound, every entry read lies in the table; the entries of tokens past
-            # this sequence's end are replaced by the first token's once the length is known
-            page = _table_entries(bt_base, lo + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
-            page_lo = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
-        elif PAGED and PAGE_TILES:
-            # a tile lies inside one page: one entry per tile, clamped to the table's bound
-            page = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
-        elif PAGED:
-            page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max,
-                           other=0)
+        page, page_lo = _early_entries(bt_base, lo, offs_n, n_ctx_max, stride_btn, PAGE_SIZE, PAGED, WHOLE_PAGES,
+                                       PAGE_TILES)
     if HAS_LENS:
         n_ctx = tl.load(ContextLens + pid_b)
     else:
@@ -178,7 +199,17 @@ def _decode_kernel(
     tables_ok = (n_ctx >= 0) & (n_ctx <= n_ctx_max)
     n_ctx = tl.where(tables_ok, n_ctx, 0)
     last_block = (num_blocks - 1).to(tl.uint32)
-    if not EARLY_PAGES:
+    win_lo = 0  # the first key the query (position n_ctx - 1) sees
+    if WINDOW:
+        ALIGN: tl.constexpr = BLOCK_N if PAGE_TILES else (PAGE_SIZE if WHOLE_PAGES else 1)
+        win_lo = tl.maximum(n_ctx - 1 - window_left, 0)
+        span = tl.minimum(n_ctx_max, window_left + ALIGN)
+        chunk = tl.cdiv(tl.cdiv(span, num_splits), ALIGN) * ALIGN
+        lo = (win_lo // ALIGN) * ALIGN + pid_s * chunk
+        if EARLY_PAGES:
+            page, page_lo = _early_entries(bt_base, lo, offs_n, n_ctx_max, stride_btn, PAGE_SIZE, PAGED,
+                                           WHOLE_PAGES, PAGE_TILES)
+    elif not EARLY_PAGES:
         chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, n_ctx)
@@ -202,10 +233,14 @@ def _decode_kernel(
     if MHA_FMA:
         # one query row: CUDA cores, K/V in registers one tile ahead (see _mha_fma_loop)
         q_row = Q + pid_b.to(tl.int64) * stride_qb + pid_h * stride_qh + offs_dk * stride_qd
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + pid_h) * LOG2E
         m_i, l_i, acc = _mha_fma_loop(
             q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
             lo, hi, n_ctx_max, last_block, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
-            BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32, KV_EVICT)
+            BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32, KV_EVICT,
+            win_lo, n_ctx, softcap_log2, slope, WINDOW, SOFTCAP, ALIBI)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
         q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
@@ -218,9 +253,13 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+        if ALIBI:  # the group's slopes, in the log2 domain
+            slopes = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + heads, mask=mask_g, other=0.0) * LOG2E
         for start_n in range(lo, hi, BLOCK_N):
             tok = start_n + offs_n
             valid = tok < hi
+            if WINDOW:  # the window's first tile may begin before it
+                valid = valid & (tok >= win_lo)
             # locate each token's row: through the block table, or along the sequence's one chain
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
@@ -246,29 +285,55 @@ def _decode_kernel(
                 page = _clamp_pages(page, last_block)
                 row_k = page.to(tl.int64) * stride_kblk + (tok % PAGE_SIZE) * stride_kpos
                 row_v = page.to(tl.int64) * stride_vblk + (tok % PAGE_SIZE) * stride_vpos
+                # the row scales of int8 K/V (unused otherwise)
+                srow_k = page.to(tl.int64) * stride_ksblk + (tok % PAGE_SIZE) * stride_kspos
+                srow_v = page.to(tl.int64) * stride_vsblk + (tok % PAGE_SIZE) * stride_vspos
                 nxt = tok + BLOCK_N
                 page = tl.load(bt_base + (nxt // PAGE_SIZE) * stride_btn, mask=nxt < hi, other=0)
             else:
                 row_k = pid_b.to(tl.int64) * stride_kblk + tok.to(tl.int64) * stride_kpos
                 row_v = pid_b.to(tl.int64) * stride_vblk + tok.to(tl.int64) * stride_vpos
+                srow_k = pid_b.to(tl.int64) * stride_ksblk + tok.to(tl.int64) * stride_kspos
+                srow_v = pid_b.to(tl.int64) * stride_vsblk + tok.to(tl.int64) * stride_vspos
             k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
-            # with whole pages or tiles inside a page every row address is a real row: no row mask
-            k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, not (PAGED and (WHOLE_PAGES or PAGE_TILES)), "")
-            v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, not (PAGED and (WHOLE_PAGES or PAGE_TILES)), "")
+            # with whole pages or tiles inside a page every row address is a real row: no row mask,
+            # unless a window hides some of them (their K/V may hold anything)
+            mask_rows: tl.constexpr = WINDOW or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
+            if K_FMT == "":
+                k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, mask_rows, "")
+            else:
+                k, k_scale = _load_quant(k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k, offs_dk,
+                                         valid, stride_kd, K_FMT, DK, BLOCK_DK)
+                k = k.to(q.dtype)
+            if V_FMT == "":
+                v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, mask_rows, "")
+            else:
+                v, v_scale = _load_quant(v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v, offs_dv,
+                                         valid, stride_vd, V_FMT, DV, BLOCK_DV)
+                v = v.to(q.dtype)
             if UPCAST_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
 
             # scores in the log2 domain; tokens past the end are -inf
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+            if K_FMT == "int8" or K_FMT == "fp8_e4m3":
+                s = s * k_scale[None, :]
+            if ALIBI:
+                s = _score_variants(s, slopes[:, None], (n_ctx - 1 - tok)[None, :], softcap_log2, SOFTCAP, ALIBI)
+            else:
+                s = _score_variants(s, 0.0, 0, softcap_log2, SOFTCAP, ALIBI)
             s = tl.where(valid[None, :], s, float("-inf"))
             # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if V_FMT == "int8" or V_FMT == "fp8_e4m3":
+                acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
 
     if PAGED:
@@ -297,11 +362,19 @@ def _decode_kernel(
             arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-                _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, pid_h * GROUP, num_splits,
+                _merge_group(PartM, PartL, PartAcc, Out, Lse, Sinks, pid_b, pid_h * GROUP, num_splits,
                              stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas, stride_pad,
                              stride_ob, stride_oh, stride_od, stride_lseb, stride_lseh,
-                             GROUP, BLOCK_GM, DV, BLOCK_DV, MERGE_STAGES)
+                             GROUP, BLOCK_GM, DV, BLOCK_DV, MERGE_STAGES, SINKS)
     else:
+        if SINKS:  # the sink joins the normalizer once, here (split launches: in the merge)
+            sink = tl.load(Sinks + heads, mask=mask_g, other=0.0) * LOG2E
+            m_new = tl.maximum(m_i, sink)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.exp2(sink - m_safe)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         # context_len 0: out 0, lse -inf (no 0/0); a NaN l (NaN/inf in q or a seen K, a bad
         # table) is not 0: out and lse NaN
         seen = l_i != 0.0
@@ -312,6 +385,84 @@ def _decode_kernel(
         # back from log2 to natural log: lse = (m + log2 l) * ln 2
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
+
+
+@triton.jit
+def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A quantized K or V tile [BLOCK_N, BLOCK_D] (flashcl.quant's formats) as (values, row
+    scales): rows ``row`` (element offsets of the data) of ``base``, rows past the end (``valid``
+    false) and head-dim padding (>= D) zeros. q8_0 / q4_0: ggml blocks of 32 values, the fp16 d in
+    the block's first two bytes, applied here (float32 values, row scale 1). int8 / fp8_e4m3: the
+    stored values, exact in any 16-bit float, and their scale per row at ``scale_ptrs`` (fp8's one
+    per tensor at every row), applied by the caller to the scores or to p: one multiply per key
+    instead of one per element."""
+    mask = valid[:, None] & (offs_d[None, :] < D)
+    if FMT == "q8_0" or FMT == "q4_0":
+        # [rows, blocks, 32]: one d per block, its 32 values, then the row as [rows, BLOCK_D]
+        BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
+        NB: tl.constexpr = BLOCK_D // 32
+        blocks = tl.arange(0, NB)
+        blk = base + row[:, None] + (blocks * BLOCK_BYTES)[None, :]
+        blk_mask = valid[:, None] & (blocks[None, :] * 32 < D)
+        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_mask, other=0.0).to(tl.float32)
+        j = tl.arange(0, 32)[None, None, :]
+        if FMT == "q8_0":
+            qs = tl.load(blk[:, :, None] + 2 + j, mask=blk_mask[:, :, None], other=0)
+            qs = qs.to(tl.int8, bitcast=True).to(tl.float32)
+        else:  # byte 2 + j % 16 holds value j % 16 in its low nibble, j % 16 + 16 in its high one
+            byte = tl.load(blk[:, :, None] + 2 + j % 16, mask=blk_mask[:, :, None], other=0).to(tl.int32)
+            qs = ((byte >> ((j // 16) * 4)) & 15).to(tl.float32) - 8.0
+        x = tl.reshape(qs * d[:, :, None], [row.shape[0], BLOCK_D])
+        row_scale = 1.0
+    else:
+        tl.static_assert(FMT == "int8" or FMT == "fp8_e4m3", "quantized formats: q8_0, q4_0, int8, fp8_e4m3")
+        ptrs = base + row[:, None] + offs_d[None, :] * stride_d
+        if FMT == "int8":
+            x = tl.load(ptrs, mask=mask, other=0)
+        else:  # fp8 read as its bytes: a masked element is the byte 0 (+0.0)
+            x = tl.load(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), mask=mask, other=0)
+            x = x.to(tl.float8e4nv, bitcast=True)
+        row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
+    return x, row_scale
+
+
+@triton.jit
+def _score_variants(s, slope, dist, softcap_log2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """The scores (log2 domain) after the softcap, ``c tanh(s / c)`` (``softcap_log2`` = c log2 e),
+    then ALiBi, ``- slope * dist`` (``dist`` = p - j >= 0 for every key the query sees)."""
+    if SOFTCAP:
+        # tanh from one exp2 of -2|x| (no overflow): (1 - e) / (1 + e), the sign put back
+        x = s / softcap_log2
+        e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+        t = (1.0 - e) / (1.0 + e)
+        s = softcap_log2 * tl.where(x < 0, -t, t)
+    if ALIBI:
+        s = s - slope * dist.to(tl.float32)
+    return s
+
+
+@triton.jit
+def _early_entries(bt_base, lo, offs_n, n_ctx_max, stride_btn, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                   WHOLE_PAGES: tl.constexpr, PAGE_TILES: tl.constexpr):
+    """(entries of the tile at ``lo``, entry of token ``lo``), loaded before the length is known
+    (EARLY_PAGES); the second is used by whole pages only."""
+    if PAGED and WHOLE_PAGES:
+        # clamped to the bound, every entry read lies in the table; the entries of tokens past
+        # this sequence's end are replaced by the first token's once the length is known
+        page = _table_entries(bt_base, lo + offs_n, n_ctx_max, stride_btn, PAGE_SIZE)
+        page_lo = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
+    elif PAGED and PAGE_TILES:
+        # a tile lies inside one page: one entry per tile, clamped to the table's bound
+        page = _table_entries(bt_base, lo, n_ctx_max, stride_btn, PAGE_SIZE)
+        page_lo = page
+    elif PAGED:
+        page = tl.load(bt_base + ((lo + offs_n) // PAGE_SIZE) * stride_btn, mask=lo + offs_n < n_ctx_max, other=0)
+        page_lo = page
+    else:  # a contiguous cache has no table
+        page = lo
+        page_lo = lo
+    return page, page_lo
 
 
 @triton.jit
@@ -389,7 +540,9 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
                   lo, hi, n_ctx_max, last_block, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
                   BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  OFFS32: tl.constexpr, KV_EVICT: tl.constexpr):
+                  OFFS32: tl.constexpr, KV_EVICT: tl.constexpr,
+                  win_lo, n_ctx, softcap_log2, slope, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ALIBI: tl.constexpr):
     """The K/V loop of an MHA program (one query row) over whole pages, on CUDA cores.
 
     tl.dot needs 16 rows (15 of them padding here) and takes K and V through shared memory in its
@@ -405,13 +558,19 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     acc) of the program's one head, log2 domain, shaped as a group of one ([1], [1], [1,
     BLOCK_DV]; the launch sets BLOCK_G = 1) so that the kernel's epilogue stores it from the
     merge's own layout. Padded to the dot path's 16-row tile instead, the same output took 0.2%
-    longer at (8, 32/32, 2k), 1.3% at 256 tokens and 3% at 64 (H100)."""
+    longer at (8, 32/32, 2k), 1.3% at 256 tokens and 3% at 64 (H100).
+
+    Variants: the scores take the softcap and ALiBi (``slope`` log2 domain, query at n_ctx - 1);
+    a WINDOW hides the keys before ``win_lo``, which only the first tile (masked) can hold, and
+    masks the rows past the end too, whose stand-in row may be one the window hides."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_row, mask=offs_dk < DK, other=0.0).to(tl.float32) * qk_scale_log2
 
     valid = lo + offs_n < hi
+    if WINDOW:
+        valid = valid & (lo + offs_n >= win_lo)
     page = _clamp_pages(page, last_block)
     row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
     row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
@@ -436,12 +595,15 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         row_k = _page_rows(page, valid_next, in_page_k, stride_kblk, OFFS32)
         row_v = _page_rows(page, valid_next, in_page_v, stride_vblk, OFFS32)
         k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
-                            BLOCK_DK, False, KV_EVICT)
+                            BLOCK_DK, WINDOW, KV_EVICT)
         v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid_next, offs_dv, DV,
-                            BLOCK_DV, False, KV_EVICT)
+                            BLOCK_DV, WINDOW, KV_EVICT)
         page = _table_entries(bt_base, tok_next + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
 
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
+        s = _score_variants(s, slope, n_ctx - 1 - (start_n + offs_n), softcap_log2, SOFTCAP, ALIBI)
+        if WINDOW:
+            valid = valid & (start_n + offs_n >= win_lo)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_r, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no token yet
@@ -459,14 +621,15 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
 
 
 @triton.jit
-def _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, head0, num_splits,
+def _merge_group(PartM, PartL, PartAcc, Out, Lse, Sinks, pid_b, head0, num_splits,
                  stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas, stride_pad,
                  stride_ob, stride_oh, stride_od, stride_lseb, stride_lseh,
                  GROUP: tl.constexpr, BLOCK_GM: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 MERGE_STAGES: tl.constexpr):
+                 MERGE_STAGES: tl.constexpr, SINKS: tl.constexpr = False):
     """Exact merge of the num_splits partial states of query heads [head0, head0 + GROUP) of
     sequence pid_b: an online merge, one split per iteration ([GROUP, DV] fp32 tile), the loads
-    software-pipelined MERGE_STAGES deep (independent of the running state)."""
+    software-pipelined MERGE_STAGES deep (independent of the running state). SINKS: the merge
+    starts from the sinks' state (m = sink, l = 1, acc = 0) instead of the empty one."""
     offs_gm = tl.arange(0, BLOCK_GM)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_gm = offs_gm < GROUP
@@ -476,8 +639,12 @@ def _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, head0, num_splits,
     pl_ptrs = PartL + pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh
     pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
                + offs_dv[None, :] * stride_pad)
-    m = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_GM], dtype=tl.float32)
+    if SINKS:
+        m = tl.load(Sinks + heads, mask=mask_gm, other=0.0) * LOG2E
+        l = tl.full([BLOCK_GM], 1.0, dtype=tl.float32)
+    else:
+        m = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_GM], dtype=tl.float32)
     acc = tl.zeros([BLOCK_GM, BLOCK_DV], dtype=tl.float32)
     for s in tl.range(0, num_splits, num_stages=MERGE_STAGES):
         m_s = tl.load(pm_ptrs + s * stride_pms, mask=mask_gm, other=float("-inf"), cache_modifier=".cg")
@@ -500,21 +667,22 @@ def _merge_group(PartM, PartL, PartAcc, Out, Lse, pid_b, head0, num_splits,
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    PartM, PartL, PartAcc, Out, Lse,
+    PartM, PartL, PartAcc, Out, Lse, Sinks,
     num_splits, num_heads,
     stride_pmb, stride_pmh, stride_pms,
     stride_pab, stride_pah, stride_pas, stride_pad,
     stride_ob, stride_oh, stride_od,
     stride_lseb, stride_lseh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, HEADS: tl.constexpr, CHUNK_S: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     """Exact merge of the split states of HEADS adjacent query heads of one sequence (grid
     (cdiv(H_q, HEADS), B)): out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max m).
     One pass, CHUNK_S splits at a time, merged online across chunks: up to CHUNK_S splits cost one
     round trip to memory, not two (max, then sums). The last chunk is padded with the empty-state
     sentinel (m = -inf, l = 0, acc = 0), so any split count works with bounded registers and one
-    compiled kernel per CHUNK_S."""
+    compiled kernel per CHUNK_S. SINKS: the merge starts from the sinks' state (m = sink, l = 1,
+    acc = 0), so the sink joins the normalizer once."""
     tl.static_assert(BLOCK_DV >= DV)
     tl.static_assert((CHUNK_S & (CHUNK_S - 1)) == 0)
     if USE_PDL:
@@ -530,8 +698,12 @@ def _reduce_kernel(
     pm_base = pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh
     pa_base = PartAcc + pid_b.to(tl.int64) * stride_pab + heads * stride_pah + offs_dv * stride_pad
 
-    m_run = tl.full([HEADS, 1, 1], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([HEADS, 1, 1], dtype=tl.float32)
+    if SINKS:
+        m_run = tl.load(Sinks + heads, mask=mask_h, other=0.0) * LOG2E
+        l_run = tl.full([HEADS, 1, 1], 1.0, dtype=tl.float32)
+    else:
+        m_run = tl.full([HEADS, 1, 1], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([HEADS, 1, 1], dtype=tl.float32)
     acc = tl.zeros([HEADS, 1, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, num_splits, CHUNK_S):
         s_idx = s0 + splits
@@ -590,37 +762,61 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
+# ggml blocks (flashcl.quant): data (..., D / 32, bytes per block) holds D values per row
+_GGML = ("q8_0", "q4_0")
+
+
+def _head_dim(cache: torch.Tensor, fmt: str) -> int:
+    """The head dim of a cache (its quantized data where ``fmt``)."""
+    return cache.shape[3] * 32 if fmt in _GGML else cache.shape[3]
+
+
 def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_table: Optional[torch.Tensor]) -> DecodeProblem:
+               block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
+               sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+               kv_formats: tuple = ("", "")) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
-    is max_blocks * block size (paged) or N_max (contiguous, page_size 0)."""
+    is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
+    takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
+    of the longest context hides nothing and is off. ``kv_formats``: K's and V's quantized formats
+    ("" plain), the caches then their data."""
     b, h_q, dk = q.shape
     if block_table is not None:
-        _, page_size, h_kv, _ = k_cache.shape
+        _, page_size, h_kv = k_cache.shape[:3]
         n_ctx_bound = block_table.shape[1] * page_size
     else:
-        _, h_kv, n_ctx_bound, _ = k_cache.shape
+        _, h_kv, n_ctx_bound = k_cache.shape[:3]
         page_size = 0
-    return DecodeProblem(b, h_q, h_kv, dk, v_cache.shape[3], n_ctx_bound, q.element_size(), page_size,
-                         max(_max_offset(k_cache), _max_offset(v_cache)))
+    window_left = window_left if 0 <= window_left < n_ctx_bound - 1 else -1
+    flags = {"window": window_left >= 0, "softcap": softcap > 0, "sinks": sinks is not None,
+             "alibi": alibi_slopes is not None}
+    return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
+                         page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
+                         tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats))
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
             scale: float, num_splits: int, config: Optional[dict] = None, facts: Optional[DeviceFacts] = None,
-            plan: Optional[DecodePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            plan: Optional[DecodePlan] = None, window_left: int = -1, softcap: float = 0.0,
+            sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+            k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
+            k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate out/lse (and the split partials) and launch the plan of these tensors: ``plan``
     where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
     ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
-    ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic)."""
+    ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic).
+    Variants and quantized caches as the op takes them (see ``decode_op``)."""
     b, h_q, dk = q.shape
-    dv = v_cache.shape[3]
+    dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
-    problem = problem_of(q, k_cache, v_cache, block_table)
+    problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
+                         (k_format, v_format))
+    flags = set(problem.variants)
     if paged:
-        num_blocks, page_size, h_kv, _ = k_cache.shape
+        num_blocks, page_size, h_kv = k_cache.shape[:3]
         if num_blocks == 0:  # the kernels clamp block ids into the cache: it needs a block
             raise ValueError("paged k_cache/v_cache hold no block (k_cache.shape[0] == 0)")
         # (num_blocks, PAGE_SIZE, H_kv, D): block / position-in-block / head / dim
@@ -628,7 +824,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         sv = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3))
         s_bt = (block_table.stride(0), block_table.stride(1))
     else:
-        _, h_kv, _, _ = k_cache.shape
+        h_kv = k_cache.shape[1]
         page_size = 1
         # (B, H_kv, N_max, D): the sequence is one block chain, so "block" = sequence
         sk = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
@@ -663,6 +859,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         knobs.update(WHOLE_PAGES=plan.whole_pages, PAGE_TILES=plan.page_tiles, OFFS32=plan.offs32)
     if plan.mha_loop:
         knobs.update(MHA_FMA=True, KV_EVICT=plan.kv_evict)
+    # the variants: flags of the kernel and the merges, their values as arguments (stand-ins when off)
+    var_knobs = {"WINDOW": "window" in flags, "SOFTCAP": "softcap" in flags, "SINKS": "sinks" in flags,
+                 "ALIBI": "alibi" in flags}
+    var_args = (sinks if sinks is not None else lse, alibi_slopes if alibi_slopes is not None else lse)
+    var_values = (problem.window_left if "window" in flags else 0,
+                  softcap * _LOG2E if "softcap" in flags else 1.0)
+    stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
+    # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
+    quant = {"K_FMT": k_format, "V_FMT": v_format}
+    scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens):
         if plan.kernel == "gluon_mha":  # one split: out and lse
@@ -680,61 +886,112 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grid = (h_kv, b, num_splits)
         _decode_kernel[grid](
             q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
-            out, lse, part_m, part_l, part_acc, counters if fused else lse,
-            scale * _LOG2E, problem.n_ctx_bound, num_splits, num_blocks,
+            out, lse, part_m, part_l, part_acc, counters if fused else lse, *var_args,
+            scale_args[0][0], scale_args[1][0],
+            scale * _LOG2E, problem.n_ctx_bound, num_splits, num_blocks, *var_values,
             q.stride(0), q.stride(1), q.stride(2),
             *sk, *sv, *s_bt,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            *s_pm, *s_pa,
+            *s_pm, *s_pa, stride_slb, *scale_args[0][1], *scale_args[1][1],
             GROUP=group, BLOCK_G=plan.block_g,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )
     if plan.merge == "reduce":
         _reduce_kernel[(triton.cdiv(h_q, plan.reduce_heads), b)](
-            part_m, part_l, part_acc, out, lse,
+            part_m, part_l, part_acc, out, lse, var_args[0],
             num_splits, h_q,
             *s_pm, *s_pa,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             DV=dv, BLOCK_DV=plan.block_dv, HEADS=plan.reduce_heads, CHUNK_S=plan.reduce_chunk,
-            USE_PDL=plan.pdl, num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
+            USE_PDL=plan.pdl, SINKS=var_knobs["SINKS"], num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
         )
     return out, lse
+
+
+def _scale_operand(scales: Optional[torch.Tensor], fmt: str, paged: bool, stand_in: torch.Tensor):
+    """(pointer, (block, position, head) strides) of a quantized cache's scales as the kernel reads
+    them: int8's (..., 1) per row, strided as its rows; fp8_e4m3's one scale at every row (zero
+    strides); ggml's d lies in the data (the stand-in, unused)."""
+    if fmt == "int8":
+        st = scales.stride()
+        return scales, ((st[0], st[1], st[2]) if paged else (st[0], st[2], st[1]))
+    if fmt == "fp8_e4m3":
+        return scales, (0, 0, 0)
+    return stand_in, (0, 0, 0)
 
 
 @torch.library.custom_op("flashcl::decode", mutates_args=())
 def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
-              scale: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, num_splits: int, window_left: int = -1, softcap: float = 0.0,
+              sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+              k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
+              k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """flashcl::decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table,
-    Tensor? context_lens, float scale, int num_splits) -> (Tensor out, Tensor lse)
+    Tensor? context_lens, float scale, int num_splits, int window_left=-1, float softcap=0.,
+    Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? k_scales=None, Tensor? v_scales=None,
+    str k_format="", str v_format="") -> (Tensor out, Tensor lse)
 
     q (B, H_q, DK); paged (block_table given) or contiguous cache as in the module docstring.
     num_splits 0 = choose from the shapes and the SM count; out (B, H_q, DV) q.dtype,
-    lse (B, H_q) float32. Inputs are not mutated.
+    lse (B, H_q) float32. Variants (flashcl.variants): ``window_left`` >= 0 the keys
+    [ctx - 1 - window_left, ctx) (-1: all), ``softcap`` > 0 (0: off), ``sinks`` float32 (H_q,),
+    ``alibi_slopes`` float32 (B, H_q) (row stride free, unit head stride). Quantized caches
+    (flashcl.quant): k_cache / v_cache are a QuantizedTensor's ``data``, ``k_format`` /
+    ``v_format`` its format ("" plain), ``k_scales`` / ``v_scales`` its ``scales`` (int8,
+    fp8_e4m3; q8_0 and q4_0 read d from the data). Inputs are not mutated.
     """
-    return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits)
+    return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_left=window_left,
+                   softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
+                   k_format=k_format, v_format=v_format)
 
 
 @decode_op.register_fake
-def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits):
+def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_left=-1, softcap=0.0, sinks=None,
+      alibi_slopes=None, k_scales=None, v_scales=None, k_format="", v_format=""):
     b, h_q, _ = q.shape
-    return q.new_empty((b, h_q, v_cache.shape[3])), q.new_empty((b, h_q), dtype=torch.float32)
+    return q.new_empty((b, h_q, _head_dim(v_cache, v_format))), q.new_empty((b, h_q), dtype=torch.float32)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            block_table: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
            scale: float, num_splits: Optional[int] = None, return_lse: bool = False, variants=None):
     """Backend entry of ``flashcl.decode`` (inputs already validated there). Traceable by
-    torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device."""
+    torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device.
+    ``variants``: a flashcl.variants.Variants (no mask) or None; k_cache / v_cache may be
+    QuantizedTensors (flashcl.quant), passed to the op as their data, format and scales."""
+    var = {}
     if variants is not None:
-        raise NotImplementedError("attention variants are not implemented on this backend yet")
+        if variants.mask is not None:
+            raise ValueError("decode takes no mask (a mask is prefill only)")
+        window = variants.window
+        var = {"window_left": window[0] if window is not None and window[0] >= 0 else -1,
+               "softcap": float(variants.softcap or 0.0),
+               "sinks": _per_head(variants.sinks, q, (q.shape[1],), "sinks"),
+               "alibi_slopes": _per_head(variants.alibi_slopes, q, (q.shape[0], q.shape[1]), "alibi_slopes")}
+    quant = {}
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        if isinstance(cache, QuantizedTensor):
+            quant.update({f"{name}_format": cache.fmt,
+                          f"{name}_scales": cache.scales if cache.fmt in ("int8", "fp8_e4m3") else None})
+    k_cache, v_cache = (c.data if isinstance(c, QuantizedTensor) else c for c in (k_cache, v_cache))
     out, lse = torch.ops.flashcl.decode(q, k_cache, v_cache, block_table, context_lens,
-                                        float(scale), 0 if num_splits is None else int(num_splits))
+                                        float(scale), 0 if num_splits is None else int(num_splits), **var, **quant)
     return (out, lse) if return_lse else out
+
+
+def _per_head(x: Optional[torch.Tensor], q: torch.Tensor, shape: tuple, name: str) -> Optional[torch.Tensor]:
+    """sinks / alibi_slopes as the kernels read them: float32 on q's device, unit stride over heads."""
+    if x is None:
+        return None
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    x = x.to(device=q.device, dtype=torch.float32)
+    return x if x.stride(-1) == 1 else x.contiguous()

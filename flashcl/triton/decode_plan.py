@@ -45,7 +45,11 @@ class DecodeProblem:
     """The shapes of one decode launch: B sequences, H_q query heads over H_kv KV heads, head dims
     DK and DV, contexts of at most ``n_ctx_bound`` tokens (max_blocks * page_size, or a contiguous
     cache's N_max), K/V elements of ``elt_bytes``; ``page_size``: the paged cache's block size, 0
-    for a contiguous cache; ``max_offset``: the largest element offset of K or V from its start."""
+    for a contiguous cache; ``max_offset``: the largest element offset of K or V from its start.
+    ``variants``: the attention variants on (sorted names of VARIANTS); ``window_left``: the
+    sliding window's left extent (-1: none), so that the split count follows the keys a query
+    sees, not the bound. With quantized K/V (``kv_formats``) ``elt_bytes`` is q's: the kernel
+    dequantizes into q's type before the dot."""
     b: int
     h_q: int
     h_kv: int
@@ -55,9 +59,28 @@ class DecodeProblem:
     elt_bytes: int
     page_size: int = 16
     max_offset: int = 0
+    variants: tuple = ()
+    window_left: int = -1
+    kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
+
+    @property
+    def quantized(self) -> bool:
+        return any(self.kv_formats)
+
+    @property
+    def n_ctx_seen(self) -> int:
+        """The most keys one query sees: the bound, or the window's (left + the query)."""
+        return self.n_ctx_bound if self.window_left < 0 else min(self.n_ctx_bound, self.window_left + 1)
 
 
 KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
+# The attention variants decode takes (flashcl.variants); the Triton kernel ("dot", "mha_fma")
+# and the merges take them all, decode_gluon's kernels none: a launch with any variant on is
+# planned as on a device without Gluon (documented kernel choice, never a dropped variant).
+VARIANTS = ("alibi", "sinks", "softcap", "window")
+# Quantized K/V (flashcl.quant) run on the dot path with row-masked addressing (no whole pages, no
+# MHA loop, no Gluon), each K/V tile dequantized after its load: the formats the kernel reads.
+QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
 MERGES = ("none", "fused", "reduce")
 
 
@@ -277,16 +300,21 @@ def _two_warps_pay(group: int, elt_bytes: int, block_dk: int, block_dv: int) -> 
 _MIN_FILL = 0.75            # below this fraction of the SMs busy, take one more split
 _MIN_TILES_PER_SPLIT = 4    # a split streams >= 4 KV tiles (256 tokens), or the reduce dominates
 _MAX_SPLITS = 128
+# A sliding window's few keys make a latency-bound launch: splits of one tile finish sooner than
+# splits of four (H100, (1, 32/8, 32k), window 1023: 16 splits 6.8 us, 4 splits 9.3 us)
+_MIN_TILES_PER_WINDOW_SPLIT = 1
 
 
-def choose_num_splits(sm_count: int, batch_heads: int, n_ctx_bound: int, block_n: int) -> int:
+def choose_num_splits(sm_count: int, batch_heads: int, n_ctx_bound: int, block_n: int,
+                      min_tiles: int = _MIN_TILES_PER_SPLIT) -> int:
     """Split-k count from shapes only (never the context_lens values): the largest count with
     B * H_kv * splits <= SMs (one program streams enough for its SM; a program past the SM count
-    is a second wave), one more if a quarter of the SMs would idle ("The split count")."""
+    is a second wave), one more if a quarter of the SMs would idle ("The split count"); each
+    split streams at least ``min_tiles`` tiles."""
     if batch_heads >= sm_count:
         return 1
     n_tiles = _cdiv(n_ctx_bound, block_n)
-    max_splits = max(1, min(_MAX_SPLITS, n_tiles // _MIN_TILES_PER_SPLIT))
+    max_splits = max(1, min(_MAX_SPLITS, n_tiles // min_tiles))
     splits = sm_count // batch_heads
     if batch_heads * splits < _MIN_FILL * sm_count:
         splits += 1
@@ -402,6 +430,15 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     split count aims at two programs per SM where _two_programs_per_sm, and at the GQA kernel's own
     count (gqa_splits) where that kernel takes the launch."""
     p = problem
+    unknown = set(p.variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown decode variants {sorted(unknown)}; expected a subset of {VARIANTS}")
+    bad = set(p.kv_formats) - set(QUANTIZED) - {""}
+    if bad:
+        raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
+    if p.variants or p.quantized:  # decode_gluon's kernels take no variant and no quantized cache
+        facts = replace(facts, gluon=False)
+    n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
     group = p.h_q // p.h_kv
     paged = p.page_size > 0
     block_dk, block_dv = max(16, _next_pow2(p.dk)), max(16, _next_pow2(p.dv))
@@ -409,11 +446,15 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     unknown = set(cfg) - set(_KNOBS) - set(_TILE_KEYS)
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
+    if p.quantized:
+        # quantized K/V: the dot path's masked rows, where the loads dequantize (QUANTIZED)
+        cfg.update(whole_pages=False, mha_fma=False)
     sms = facts.sms
     programs = p.b * p.h_kv  # per split
-    auto_splits = choose_num_splits(sms, programs, p.n_ctx_bound, cfg["BLOCK_N"])
+    min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
+    auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
-        auto_splits = choose_num_splits(2 * sms, programs, p.n_ctx_bound, cfg["BLOCK_N"])
+        auto_splits = choose_num_splits(2 * sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
 
@@ -422,15 +463,15 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     gluon_gqa = False
     if cfg["gluon_gqa"] is not False and not tile_forced and paged:
         if cfg["gluon_gqa"] is True:
-            gluon_gqa = gqa_takes(group, p.dk, p.dv, p.elt_bytes, splits, programs, p.n_ctx_bound, facts, forced=True)
+            gluon_gqa = gqa_takes(group, p.dk, p.dv, p.elt_bytes, splits, programs, n_ctx, facts, forced=True)
         else:
             g_splits = num_splits if num_splits > 0 else gqa_splits(programs, sms)
-            if gqa_takes(group, p.dk, p.dv, p.elt_bytes, g_splits, programs, p.n_ctx_bound, facts):
+            if gqa_takes(group, p.dk, p.dv, p.elt_bytes, g_splits, programs, n_ctx, facts):
                 gluon_gqa, splits = True, g_splits
 
     alone = programs * splits <= sms  # at most one program per SM
     long_tile = (not tile_forced and alone and max(block_dk, block_dv) >= 128
-                 and _cdiv(p.n_ctx_bound, splits) >= _LONG_SPLIT
+                 and _cdiv(n_ctx, splits) >= _LONG_SPLIT
                  and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))
     if long_tile:
         cfg.update(_LONG_TILE)

@@ -1,0 +1,187 @@
+"""Quantized KV caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3) in the Triton decode, against
+the float64 oracle given the same QuantizedTensor (flashcl.reference.decode_attention dequantizes
+it), within the plain kernels' tolerance: the quantization error is the oracle's too, so what is
+left is the kernel's own. Native on CUDA, TRITON_INTERPRET=1 on CPU (small shapes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import flashcl  # noqa: E402
+from flashcl import reference  # noqa: E402
+from flashcl.triton import decode as triton_decode  # noqa: E402
+from flashcl.triton import decode_plan as dp  # noqa: E402
+
+TOL = reference.TOLERANCE
+FORMATS = ("q8_0", "q4_0", "int8", "fp8_e4m3")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the launch allocates starts as NaN, so an unwritten element fails."""
+    monkeypatch.setattr(triton_decode, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+
+
+def _np(x):
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def _case(device, dtype, *, b, h_q, h_kv, lens, d=64, dv=None, block_size=16, paged=True, k_fmt="q8_0",
+          v_fmt="q8_0", seed=0, **variants):
+    """q and K/V caches (paged with permuted blocks, or contiguous), each quantized in its format
+    (None: plain), and the oracle's out/lse on exactly those caches."""
+    dv = dv or d
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    tdt = getattr(torch, dtype)
+    n_max = max(max(lens), 1)
+    q = torch.randn((b, h_q, d), generator=gen).to(tdt)
+    k = torch.randn((b, h_kv, n_max, d), generator=gen).to(tdt)
+    v = torch.randn((b, h_kv, n_max, dv), generator=gen).to(tdt)
+    bt = None
+    if paged:
+        per_seq = -(-n_max // block_size)
+        num_blocks = b * per_seq + 2
+        bt = torch.randperm(num_blocks, generator=gen)[: b * per_seq].view(b, per_seq).to(torch.int32)
+
+        def to_pages(x):
+            pages = torch.randn((num_blocks, block_size, h_kv, x.shape[3]), generator=gen).to(tdt)
+            padded = torch.nn.functional.pad(x, (0, 0, 0, per_seq * block_size - n_max))
+            pages[bt.flatten().long()] = padded.view(b, h_kv, per_seq, block_size, -1).permute(
+                0, 2, 3, 1, 4).reshape(-1, block_size, h_kv, x.shape[3])
+            return pages
+
+        k, v = to_pages(k), to_pages(v)
+    k_cache = flashcl.quantize(k.to(device), k_fmt) if k_fmt else k.to(device)
+    v_cache = flashcl.quantize(v.to(device), v_fmt) if v_fmt else v.to(device)
+    scale = 1.0 / math.sqrt(d)
+    ref_kw = {n: (_np(x) if torch.is_tensor(x) else x) for n, x in variants.items()}
+    ref_out, ref_lse = reference.decode_attention(
+        _np(q), k_cache if k_fmt else _np(k), v_cache if v_fmt else _np(v),
+        block_table=None if bt is None else bt.numpy(), context_lens=np.array(lens), scale=scale, return_lse=True,
+        **ref_kw)
+    return {"q": q.to(device), "k": k_cache, "v": v_cache, "block_table": None if bt is None else bt.to(device),
+            "lens": torch.tensor(lens, dtype=torch.int32, device=device), "ref": ref_out, "ref_lse": ref_lse,
+            "dtype": dtype, "variants": {n: (x.to(device) if torch.is_tensor(x) else x) for n, x in variants.items()}}
+
+
+def _run(c, num_splits):
+    return flashcl.decode(c["q"], c["k"], c["v"], block_table=c["block_table"], context_lens=c["lens"],
+                          num_splits=num_splits, backend="triton", return_lse=True, **c["variants"])
+
+
+def _check(out, lse, c, what):
+    o, got = _np(out), _np(lse)
+    ref, ref_lse = c["ref"], c["ref_lse"]
+    bad = ~np.isfinite(o)
+    assert not bad.any(), f"{what}: {bad.sum()} non-finite outputs, first at {np.argwhere(bad)[:4].tolist()}"
+    err = reference.rel_err(o, ref)
+    worst = np.unravel_index(np.argmax(np.abs(o - ref)), o.shape)
+    assert err <= TOL[c["dtype"]], (f"{what}: rel err {err:.2e} > {TOL[c['dtype']]:.0e}; worst {worst}: "
+                                    f"{o[worst]} vs {ref[worst]}")
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got) == ~seen).all(), f"{what}: lse -inf pattern differs"
+    lerr = np.abs(got[seen] - ref_lse[seen]).max(initial=0.0)
+    assert lerr <= 1e-3 * max(1.0, np.abs(ref_lse[seen]).max(initial=1.0)), f"{what}: lse err {lerr:.2e}"
+
+
+# (format, paged, block size, h_q, h_kv): every format paged and contiguous, block sizes 1 / 16 /
+# 64, GQA 4, MQA 8 and MHA spread over them
+MATRIX = [
+    ("q8_0", True, 16, 8, 2), ("q8_0", False, 16, 8, 1), ("q8_0", True, 1, 4, 4),
+    ("q4_0", True, 64, 8, 1), ("q4_0", False, 16, 4, 4), ("q4_0", True, 16, 8, 2),
+    ("int8", True, 16, 4, 4), ("int8", False, 16, 8, 2), ("int8", True, 64, 8, 2),
+    ("fp8_e4m3", True, 16, 8, 2), ("fp8_e4m3", False, 16, 8, 1), ("fp8_e4m3", True, 1, 8, 1),
+]
+
+
+@pytest.mark.parametrize("fmt,paged,block_size,h_q,h_kv", MATRIX)
+def test_formats_layouts_splits(triton_device, fmt, paged, block_size, h_q, h_kv, poison):
+    """Each format on paged (permuted blocks) and contiguous caches, GQA / MQA / MHA, contexts 0 /
+    1 / a block + 1 / several tiles; one split, 2 (fused merge) and 5 (reduce kernel)."""
+    c = _case(triton_device, "float16", b=4, h_q=h_q, h_kv=h_kv, lens=[0, 1, block_size + 1, 150], paged=paged,
+              block_size=block_size, k_fmt=fmt, v_fmt=fmt, seed=len(fmt) + block_size)
+    for ns in (1, 2, 5):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"{fmt} paged={paged} bs={block_size} splits={ns}")
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", None), (None, "q4_0"), ("int8", "fp8_e4m3"), ("q4_0", "int8")])
+def test_mixed_formats_and_head_dims(triton_device, k_fmt, v_fmt, poison):
+    """K and V in different formats (or one plain), DK != DV (both multiples of 32)."""
+    c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[77, 20], d=64, dv=96, k_fmt=k_fmt, v_fmt=v_fmt,
+              seed=3)
+    for ns in (1, 3):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"K {k_fmt} V {v_fmt} splits={ns}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logical_dtypes(triton_device, dtype, poison):
+    """A cache quantized from float32 or bfloat16 (q's dtype), d = 128."""
+    for fmt in ("q8_0", "int8"):
+        c = _case(triton_device, dtype, b=2, h_q=4, h_kv=2, lens=[50, 9], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
+        out, lse = _run(c, 2)
+        _check(out, lse, c, f"{dtype} {fmt}")
+
+
+def test_quantized_with_variants(triton_device, poison):
+    """A quantized cache with a window, softcap, sinks and ALiBi."""
+    gen = torch.Generator()
+    gen.manual_seed(8)
+    var = {"window": (33, 0), "softcap": 5.0, "sinks": torch.randn((8,), generator=gen),
+           "alibi_slopes": torch.rand((3, 8), generator=gen) * 0.2}
+    c = _case(triton_device, "float16", b=3, h_q=8, h_kv=2, lens=[100, 5, 64], k_fmt="q4_0", v_fmt="int8", seed=9,
+              **var)
+    for ns in (1, 3):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"variants splits={ns}")
+
+
+def test_plan_routes_quantized_to_the_dot_path():
+    """On a Hopper with Gluon, quantized K/V take the dot path's row-masked addressing (no Gluon,
+    no MHA loop, no whole pages); an unknown format is refused."""
+    from dataclasses import replace
+
+    facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
+    bases = (dp.DecodeProblem(1, 32, 8, 128, 128, 32768, 2, 16), dp.DecodeProblem(8, 32, 32, 128, 128, 8192, 2, 16))
+    for base in bases:
+        for fmt in FORMATS:
+            p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
+            assert p.kernel == "dot" and not p.whole_pages and not p.page_tiles, (fmt, p.kernel)
+    with pytest.raises(ValueError, match="quantized"):
+        dp.plan(replace(base, kv_formats=("q5_1", "")), facts)
+
+
+def test_compiled_with_quantized_cache_and_variants(triton_device):
+    """torch.compile (fullgraph) of a step that decodes over a q4_0 K / int8 V cache with a window
+    and sinks: no graph break, the op's fake kernel gives the logical head dim (inductor on CUDA,
+    aot_eager on CPU); the op passes opcheck with a quantized cache."""
+    gen = torch.Generator()
+    gen.manual_seed(12)
+    sinks = torch.randn((4,), generator=gen)
+    c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[40, 9], d=64, dv=32, k_fmt="q4_0", v_fmt="int8",
+              seed=13, window=(20, 0), sinks=sinks)
+    torch._dynamo.reset()
+
+    def step(q, k, v, bt, lens, sk):
+        out = flashcl.decode(q * 1.0, k, v, block_table=bt, context_lens=lens, backend="triton", window=(20, 0),
+                             sinks=sk)
+        return out.float() + 1.0
+
+    backend = "inductor" if triton_device == "cuda" else "aot_eager"
+    got = torch.compile(step, fullgraph=True, backend=backend)(c["q"], c["k"], c["v"], c["block_table"], c["lens"],
+                                                               c["variants"]["sinks"])
+    assert got.shape == (2, 4, 32)
+    assert reference.rel_err(_np(got - 1.0), c["ref"]) <= TOL["float16"]
+    args = (c["q"], c["k"].data, c["v"].data, c["block_table"], c["lens"], 0.125, 2, 20, 0.0, c["variants"]["sinks"],
+            None, None, c["v"].scales, "q4_0", "int8")
+    torch.library.opcheck(torch.ops.flashcl.decode.default, args, test_utils=("test_schema", "test_faketensor"))

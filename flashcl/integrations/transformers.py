@@ -1,0 +1,151 @@
+"""flashcl as an attention implementation of Hugging Face transformers.
+
+    import flashcl.integrations.transformers as fcl_hf
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=fcl_hf.register())
+
+Every attention layer then runs ``flashcl.prefill`` (or ``flashcl.decode`` for one new token per
+sequence): torch CPU tensors on an OpenCL device (``$FLASHCL_DEVICE``, else flashcl's default),
+CUDA tensors on the Triton kernels. Inference only: dropout, attention weights and gradients are
+refused with an error.
+
+The mask is transformers' own SDPA mask (boolean, True = attend, or None where a plain causal or
+full pattern holds), so padding, sliding windows and any custom pattern are honoured exactly. Each
+layer's mask is reduced to the tightest ``causal``/``window`` that contains it, which lets the
+kernels skip key tiles outside the band; the mask itself is passed on only when it hides keys
+inside that band (padding, packed sequences, custom patterns). Softcap (Gemma 2) and sinks
+(gpt-oss's ``s_aux``) map to flashcl's variants; GQA runs without repeating K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from .. import api
+
+# transformers sends any implementation whose name contains "flash" to its flash-attention loader.
+NAME = "fcl"
+
+# Keywords that describe inputs flashcl would otherwise misread: packed varlen batches (FA's
+# cu_seqlens) and additive position biases (T5-style) carry structure the mask does not show.
+_UNSUPPORTED = ("position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def register() -> str:
+    """Register flashcl with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``;
+    returns the name to pass as ``attn_implementation=``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return NAME
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one layer's mask maps onto flashcl: ``causal`` and ``window`` (keys visible to row i at
+    position p = i + N_kv - N_q, docs/design.md §2) contain every key the mask shows; ``mask`` is
+    None when they show exactly those keys, else a bool mask or a float32 additive one."""
+
+    causal: bool
+    window: Optional[Tuple[int, int]]
+    mask: Any
+
+
+def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
+    """The Plan of a 4-D (B or 1, H or 1, N_q, >= N_kv) mask, bool (True = attend) or additive
+    float (the dtype's minimum or -inf hides, as transformers' eager masks do)."""
+    import torch
+
+    if mask.dim() != 4 or mask.shape[-2] != n_q or mask.shape[-1] < n_kv:
+        raise ValueError(f"attention_mask: expected (B, 1 or H, {n_q}, >= {n_kv}), got {tuple(mask.shape)}")
+    mask = mask[..., :n_kv]  # a static cache's mask covers all of its slots
+    if mask.dtype == torch.bool:
+        visible, bias = mask, None
+    else:
+        visible = mask > torch.finfo(mask.dtype).min
+        has_bias = bool(torch.where(visible, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).any())
+        bias = torch.where(visible, mask.float(), float("-inf")) if has_bias else None
+    count = visible.sum(-1)
+    seen = count > 0
+    if not bool(seen.any()):
+        return Plan(causal=False, window=None, mask=visible)
+
+    # Per row: first and last visible key, relative to the row's bottom-right position p.
+    pos = torch.arange(n_q, device=mask.device) + (n_kv - n_q)
+    first = visible.to(torch.uint8).argmax(-1)
+    last = (n_kv - 1) - visible.flip(-1).to(torch.uint8).argmax(-1)
+    behind = int(torch.where(seen, pos - first, torch.iinfo(torch.int64).min).max())
+    ahead = int(torch.where(seen, last - pos, torch.iinfo(torch.int64).min).max())
+
+    causal = ahead <= 0
+    left = max(behind, 0) if behind < n_kv - 1 else -1
+    right = 0 if causal else (ahead if ahead < n_q - 1 else -1)
+    window = None if left == -1 and right == (0 if causal else -1) else (left, right)
+
+    # The band holds every visible key, so the mask adds nothing iff each row shows the whole band.
+    lo = (pos - left).clamp(min=0) if left >= 0 else torch.zeros_like(pos)
+    hi = (pos + right).clamp(max=n_kv - 1) if right >= 0 else torch.full_like(pos, n_kv - 1)
+    band = (hi - lo + 1).clamp(min=0)
+    exact = bias is None and bool((count == band).all())
+    return Plan(causal=causal, window=window, mask=None if exact else (bias if bias is not None else visible))
+
+
+def _cached_plan(mask, n_q: int, n_kv: int) -> Plan:
+    """plan_for_mask, kept on the mask tensor itself: every layer of a kind gets the same mask
+    object in one forward, and the plan dies with it."""
+    try:
+        version = mask._version  # an in-place change to the mask invalidates its plan
+    except RuntimeError:         # inference tensors keep no version counter
+        version = None
+    key = (version, n_q, n_kv)
+    held = getattr(mask, "_flashcl_plan", None)
+    if held is not None and held[0] == key:
+        return held[1]
+    plan = plan_for_mask(mask, n_q, n_kv)
+    mask._flashcl_plan = (key, plan)
+    return plan
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: Optional[float] = None, softcap: Optional[float] = None,
+                      s_aux=None, is_causal: Optional[bool] = None, sliding_window=None, **kwargs):
+    """transformers' attention-function signature: query (B, H_q, N_q, D), key/value
+    (B, H_kv, N_kv, D) -> ((B, N_q, H_q, DV), None).
+
+    ``sliding_window`` is not read: the layer's mask already holds the window, which is what
+    eager and SDPA attend through too.
+    """
+    import torch
+
+    if dropout:
+        raise ValueError(f"flashcl attention has no dropout (got {dropout}); call model.eval() or set "
+                         "the config's attention_dropout to 0")
+    if kwargs.get("output_attentions"):
+        raise ValueError("flashcl attention does not return attention weights; use attn_implementation='eager'")
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"flashcl attention does not take {name}; use attn_implementation='sdpa' or 'eager'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise ValueError("flashcl attention computes no gradients; run inference under torch.no_grad() "
+                         "or torch.inference_mode()")
+
+    n_q, n_kv = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # SDPA's convention for a mask it skipped: a top-left causal (or full) pattern.
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and n_q > 1
+        if causal and n_q > n_kv:
+            raise ValueError(f"causal attention without a mask needs N_q <= N_kv, got {n_q} > {n_kv}")
+        if causal and n_q < n_kv:
+            key, value, n_kv = key[:, :, :n_q], value[:, :, :n_q], n_q
+        plan = Plan(causal=causal, window=None, mask=None)
+    else:
+        plan = _cached_plan(attention_mask, n_q, n_kv)
+
+    variants = {"scale": scaling, "window": plan.window, "softcap": softcap, "sinks": s_aux}
+    if n_q == 1 and plan.mask is None:
+        out = api.decode(query[:, :, 0], key, value, **variants)[:, :, None]
+    else:
+        out = api.prefill(query, key, value, causal=plan.causal, mask=plan.mask, **variants)
+    return out.transpose(1, 2).contiguous(), None

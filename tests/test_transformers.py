@@ -1,0 +1,298 @@
+"""flashcl inside transformers (flashcl/integrations/transformers.py): tiny random models of each
+attention family run through flashcl and are compared with transformers' eager attention, on a
+left-padded batch whose sequences outrun the sliding window; plus the mask -> (causal, window,
+mask) reduction on its own, and the calls the integration refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import flashcl.api  # noqa: E402
+from flashcl.integrations import transformers as fcl_hf  # noqa: E402
+from flashcl.reference import rel_err  # noqa: E402
+
+WINDOW = 6           # sliding window of the tiny models; the sequences below are longer
+LENGTHS = (19, 11)   # a left-padded batch of two
+NEW_TOKENS = 8
+PAD = 0
+TOL = 1e-4           # float32 logits after two layers of flashcl vs eager
+
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               num_hidden_layers=2, intermediate_size=128, vocab_size=128, pad_token_id=PAD,
+               max_position_embeddings=128)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON))
+
+
+def _qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON))
+
+
+def _mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**_COMMON, sliding_window=WINDOW))
+
+
+def _gemma2():
+    # A softcap near the scores' size, so that it changes them.
+    cfg = transformers.Gemma2Config(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+                                    attn_logit_softcapping=0.5, query_pre_attn_scalar=16)
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
+def _gemma3():
+    cfg = transformers.Gemma3TextConfig(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+                                        query_pre_attn_scalar=16)
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+def _gpt_oss():
+    # max_position_embeddings = YaRN's factor x its original length, as the real model has them
+    cfg = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 32, "max_position_embeddings": 131072},
+                                    sliding_window=WINDOW,
+                                    layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # the sinks start at zero; make them matter
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+MODELS = {"llama": _llama, "qwen3": _qwen3, "mistral": _mistral, "gemma2": _gemma2,
+          "gemma3": _gemma3, "gpt_oss": _gpt_oss}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(params=["cpu", "cuda"])
+def torch_device(request, monkeypatch):
+    """"cpu": torch CPU tensors on the first OpenCL CPU device; "cuda": the Triton kernels."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        return "cuda"
+    monkeypatch.setenv("FLASHCL_DEVICE", request.getfixturevalue("cpu_device"))
+    return "cpu"
+
+
+@pytest.fixture
+def flashcl_calls(monkeypatch):
+    """Every flashcl call the integration makes, as (function, keywords): proof that the model ran
+    through flashcl, and what it asked for."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append((name, kwargs))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(flashcl.api, "prefill", spy("prefill", flashcl.api.prefill))
+    monkeypatch.setattr(flashcl.api, "decode", spy("decode", flashcl.api.decode))
+    return calls
+
+
+def _build(family: str, implementation: str, device: str):
+    torch.manual_seed(0)
+    model = MODELS[family]()
+    model.set_attn_implementation(implementation)
+    return model.eval().to(device)
+
+
+def _padded_batch(device: str):
+    gen = torch.Generator().manual_seed(1)
+    n = max(LENGTHS)
+    ids = torch.full((len(LENGTHS), n), PAD, dtype=torch.long)
+    mask = torch.zeros((len(LENGTHS), n), dtype=torch.long)
+    for row, length in enumerate(LENGTHS):
+        ids[row, n - length:] = torch.randint(1, _COMMON["vocab_size"], (length,), generator=gen)
+        mask[row, n - length:] = 1
+    return ids.to(device), mask.to(device)
+
+
+# --------------------------------------------------------------------------- models
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_logits_match_eager_on_a_left_padded_batch(family, torch_device, flashcl_calls):
+    ids, mask = _padded_batch(torch_device)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = _build(family, "eager", torch_device)(ids, attention_mask=mask, position_ids=position_ids).logits
+        assert not flashcl_calls
+        got = _build(family, fcl_hf.register(), torch_device)(
+            ids, attention_mask=mask, position_ids=position_ids).logits
+    assert len(flashcl_calls) == _COMMON["num_hidden_layers"], flashcl_calls
+    # Padded query rows see no key: eager averages over everything there, flashcl returns zeros.
+    # Real rows never see a padded key, so only they are compared.
+    real = mask.bool().cpu()
+    err = rel_err(got.cpu()[real].numpy(), want.cpu()[real].numpy())
+    assert err <= TOL, f"{family}: logits differ from eager by {err:.2e}"
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_greedy_generation_matches_eager(family, torch_device, flashcl_calls):
+    ids, mask = _padded_batch(torch_device)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                  pad_token_id=PAD)
+    with torch.no_grad():
+        want = _build(family, "eager", torch_device).generate(ids, **kwargs)
+        got = _build(family, fcl_hf.register(), torch_device).generate(ids, **kwargs)
+    assert torch.equal(got.cpu(), want.cpu()), f"{family}:\n flashcl {got.tolist()}\n eager   {want.tolist()}"
+    assert len(flashcl_calls) == NEW_TOKENS * _COMMON["num_hidden_layers"]
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_chunked_prefill_through_the_cache_matches_eager(family, torch_device, flashcl_calls):
+    """A second chunk of queries against a cache that holds the first (N_q < N_kv, and sliding
+    layers whose cache keeps only the window)."""
+    ids, mask = _padded_batch(torch_device)
+    cut = max(LENGTHS) - 7
+    logits = []
+    with torch.no_grad():
+        for implementation in ("eager", fcl_hf.register()):
+            model = _build(family, implementation, torch_device)
+            cache = model(ids[:, :cut], attention_mask=mask[:, :cut], use_cache=True).past_key_values
+            logits.append(model(ids[:, cut:], attention_mask=mask, past_key_values=cache).logits)
+    assert any(kw["mask"] is not None and kw["causal"] for name, kw in flashcl_calls)
+    real = mask[:, cut:].bool().cpu()
+    err = rel_err(logits[1].cpu()[real].numpy(), logits[0].cpu()[real].numpy())
+    assert err <= TOL, f"{family}: second-chunk logits differ from eager by {err:.2e}"
+
+
+def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):
+    """A static cache passes keys for all its slots, the unwritten ones hidden by the mask only."""
+    ids, mask = _padded_batch(torch_device)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                  pad_token_id=PAD, cache_implementation="static")
+    with torch.no_grad():
+        want = _build("gemma2", "eager", torch_device).generate(ids, **kwargs)
+        got = _build("gemma2", fcl_hf.register(), torch_device).generate(ids, **kwargs)
+    assert flashcl_calls
+    assert torch.equal(got.cpu(), want.cpu()), f"flashcl {got.tolist()}\n eager   {want.tolist()}"
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_unpadded_layers_pass_causal_and_window_not_a_mask(family, torch_device, flashcl_calls):
+    """Without padding a sliding layer's mask is exactly causal + window (W - 1, 0): flashcl gets
+    those (and skips tiles by them) rather than the mask; a global layer is plain causal."""
+    ids = _padded_batch(torch_device)[0][:1]   # the full-length row: no padding
+    with torch.no_grad():
+        want = _build(family, "eager", torch_device)(ids).logits
+        got = _build(family, fcl_hf.register(), torch_device)(ids).logits
+    err = rel_err(got.cpu().numpy(), want.cpu().numpy())
+    assert err <= TOL, f"{family}: logits differ from eager by {err:.2e}"
+    asked = {(kw["causal"], kw["window"], kw["mask"] is None) for name, kw in flashcl_calls}
+    expected = {(True, (WINDOW - 1, 0), True)} if family == "mistral" else {
+        (True, (WINDOW - 1, 0), True), (True, None, True)}
+    assert asked == expected, flashcl_calls
+
+
+# --------------------------------------------------------------------------- the mask reduction
+
+def _eager_like(visible: np.ndarray) -> "torch.Tensor":
+    """An additive float mask as transformers' eager mask writes it (0 or the dtype's minimum)."""
+    vis = torch.from_numpy(visible)
+    return torch.where(vis, torch.zeros(()), torch.tensor(torch.finfo(torch.float32).min))
+
+
+def _band(n_q, n_kv, left, right):
+    p = np.arange(n_q)[:, None] + n_kv - n_q
+    j = np.arange(n_kv)[None, :]
+    vis = np.ones((n_q, n_kv), dtype=bool)
+    if left >= 0:
+        vis &= j >= p - left
+    if right >= 0:
+        vis &= j <= p + right
+    return vis[None, None]
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(1, 9), (7, 7), (5, 12), (12, 12)])
+@pytest.mark.parametrize("left, right", [(-1, 0), (0, 0), (3, 0), (-1, -1), (2, 3), (-1, 2), (4, -1)])
+def test_a_band_reduces_to_causal_and_window_exactly(n_q, n_kv, left, right):
+    band = _band(n_q, n_kv, left, right)
+    for mask in (torch.from_numpy(band), _eager_like(band)):
+        plan = fcl_hf.plan_for_mask(mask, n_q, n_kv)
+        assert plan.mask is None, (left, right, plan)
+        shown = _band(n_q, n_kv, *(plan.window or (-1, -1)))
+        if plan.causal:
+            shown = shown & _band(n_q, n_kv, -1, 0)
+        np.testing.assert_array_equal(shown, band)
+
+
+def test_padding_keeps_the_mask_and_the_band_still_holds_it():
+    n = 10
+    band = np.repeat(_band(n, n, 3, 0), 2, axis=0)
+    band[1, :, :, :4] = False            # the second sequence is left-padded by 4
+    plan = fcl_hf.plan_for_mask(torch.from_numpy(band), n, n)
+    assert plan.causal and plan.window == (3, 0)
+    np.testing.assert_array_equal(plan.mask.numpy(), band)
+
+
+def test_a_static_cache_mask_is_cut_to_the_keys_and_keeps_hiding_empty_slots():
+    """A mask over more slots than the keys passed is cut (as eager does); keys before the
+    diagonal's bottom-right position that the mask hides keep it."""
+    vis = np.zeros((1, 1, 4, 16), dtype=bool)
+    vis[0, 0, :, :4] = np.tril(np.ones((4, 4), dtype=bool))   # 4 tokens in a 16-slot cache
+    plan = fcl_hf.plan_for_mask(torch.from_numpy(vis), 4, 8)
+    assert plan.causal and plan.mask is not None and plan.mask.shape[-1] == 8
+    np.testing.assert_array_equal(plan.mask.numpy()[0, 0], vis[0, 0, :, :8])
+
+
+def test_a_float_bias_is_kept_additive_and_hidden_keys_become_minus_inf():
+    vis = _band(4, 6, -1, 0)
+    bias = torch.where(torch.from_numpy(vis), torch.full((), 0.25), torch.tensor(torch.finfo(torch.float32).min))
+    plan = fcl_hf.plan_for_mask(bias, 4, 6)
+    assert plan.causal and plan.mask.dtype == torch.float32
+    assert torch.isneginf(plan.mask[~torch.from_numpy(vis)]).all()
+    assert (plan.mask[torch.from_numpy(vis)] == 0.25).all()
+
+
+def test_a_mask_that_hides_everything_is_passed_on():
+    plan = fcl_hf.plan_for_mask(torch.zeros((1, 1, 3, 5), dtype=torch.bool), 3, 5)
+    assert plan.mask is not None and not plan.mask.any()
+
+
+# --------------------------------------------------------------------------- refusals
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _qkv(requires_grad=False):
+    q, k, v = (torch.randn(1, 2, 4, 16, requires_grad=requires_grad) for _ in range(3))
+    return q, k, v
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dropout": 0.1}, "dropout"),
+    ({"position_bias": torch.zeros(1, 2, 4, 4)}, "position_bias"),
+    ({"cu_seq_lens_q": torch.tensor([0, 4])}, "cu_seq_lens_q"),
+    ({"output_attentions": True}, "attention weights"),
+])
+def test_unsupported_calls_raise_before_any_kernel(kwargs, match, flashcl_calls):
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        fcl_hf.attention_forward(_Module(), *_qkv(), None, **kwargs)
+    assert not flashcl_calls
+
+
+def test_gradients_are_refused(flashcl_calls):
+    with pytest.raises(ValueError, match="no_grad"):
+        fcl_hf.attention_forward(_Module(), *_qkv(requires_grad=True), None)
+    assert not flashcl_calls
+
+
+def test_registration_names_flashcl_for_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = fcl_hf.register()
+    assert "flash" not in name   # transformers would route it to its flash-attention loader
+    assert AttentionInterface()[name] is fcl_hf.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]

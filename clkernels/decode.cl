@@ -11,6 +11,11 @@
  *   flash_decode_split  writes the unnormalized float32 state (m in log2 units, l, acc) per split
  *   flash_decode_merge  rescales the splits to their shared max and writes out and lse
  *
+ * Variants (decode_common.h, each a -D flag; the plain build is unchanged): a sliding window
+ * narrows the keys the splits divide to [ctx - 1 - left, ctx), so keys left of it are never read;
+ * softcap and ALiBi change each score in the log2 domain before the online softmax; a sink joins
+ * the final normalizer of the single pass, or split 0's state under split-k (exactly once).
+ *
  * Keys at or past ctx[b] are never read (their chunks are zeros), so whatever the cache holds
  * there (the tail of a contiguous cache, the unwritten slots of a partial last block) cannot
  * reach out. NaN in q or in a visible K makes out and lse NaN, never lse = -inf ("saw no key").
@@ -26,6 +31,8 @@
  *                        row j at block_table[b][j >> block_shift]*k_s0 + (j & mask)*k_s1 + kvh*k_sh
  *            K/V offsets and strides are in units of 16-byte chunks (raw_t) and every row starts
  *            16-byte aligned (the host checks), so rows are read with whole 16-byte loads.
+ *            A quantized cache (K_QUANT / V_QUANT): the same layouts of quantized rows, offsets
+ *            and strides in bytes (see "quantized K/V caches" below).
  *   out      [B][H_q][HEAD_DV]                        at out + o_off + b*o_sb + h*o_sh
  *   lse      [B][H_q] float32, natural log, contiguous
  *   part_m, part_l  [B][H_q][num_splits] float32; part_acc [B][H_q][num_splits][HEAD_DV] float32
@@ -129,6 +136,7 @@ typedef float store_t;
 #endif
 
 #define DECODE_NV_PTX ROW_SHUFFLE
+#define QPIECE VW         // a lane's dims: the piece of a quantized row it dequantizes
 #include "decode_common.h"
 
 static inline floatW to_float(raw_t r)
@@ -139,6 +147,17 @@ static inline floatW to_float(raw_t r)
     return r;
 #endif
 }
+
+#if K_QUANT
+#define K_TO_FLOAT(r) dequant(K_QUANT, (r))
+#else
+#define K_TO_FLOAT(r) to_float(r)
+#endif
+#if V_QUANT
+#define V_TO_FLOAT(r) dequant(V_QUANT, (r))
+#else
+#define V_TO_FLOAT(r) to_float(r)
+#endif
 
 #if ROW_SHUFFLE
 /* Sum of x over the LANES work-items of one K row: they are consecutive and LANES-aligned in a
@@ -153,7 +172,7 @@ static inline float row_sum(float x)
 #endif
 
 /* The split's attention state of HEAD_TILE query heads; written normalized (final) or raw. */
-static inline void decode_body(DECODE_PARAMS, const bool partial,
+static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial,
                                __local float *partials, __local float *scores, __local raw_t *tile,
                                __local float *red_m, __local float *red_l, __local float *red_acc)
 {
@@ -169,17 +188,34 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
     int k0, k1;  /* this split's keys; none for a bad context length */
     const int n_ctx = context_lens[batch];
     const bool ctx_ok = context_ok(n_ctx, capacity);
-    split_range(ctx_ok ? n_ctx : 0, num_splits, split, BLOCK_N, &k0, &k1);
+    const int n_used = ctx_ok ? n_ctx : 0;
+    split_range(FIRST_KEY(n_used), n_used, num_splits, split, BLOCK_N, &k0, &k1);
 
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;
     __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
     __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
+    /* quantized caches: the (batch, KV head) base in bytes, relative to k_off / v_off */
+    const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;
+    const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
+#if K_QUANT
+#define LOAD_K(j, part) load_quant(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, \
+                                   (j), bt_row, block_shift, num_blocks, k_s0, k_s1, VW * (part))
+#else
+#define LOAD_K(j, part) load_chunk(k_base, (j), bt_row, block_shift, num_blocks, k_s0, k_s1, (part))
+#endif
+#if V_QUANT
+#define LOAD_V(j, part) load_quant(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, \
+                                   (j), bt_row, block_shift, num_blocks, v_s0, v_s1, VW * (part))
+#else
+#define LOAD_V(j, part) load_chunk(v_base, (j), bt_row, block_shift, num_blocks, v_s0, v_s1, (part))
+#endif
 
     /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros.
      * The empty state, or NaN for a bad context length (it survives every merge). */
     floatW qv[HEAD_TILE], acc[HEAD_TILE];
-    float m[HEAD_TILE], l[HEAD_TILE];
+    float m[HEAD_TILE], l[HEAD_TILE], slope[HEAD_TILE];
     for (int i = 0; i < HEAD_TILE; ++i) {
+        slope[i] = ALIBI_SLOPE_LOG2(batch, head0 + i);
         __global const store_t *q_row = q + q_off + batch * q_sb + (head0 + i) * q_sh;
         qv[i] = (lane < CK) ? LOAD_W(q_row, lane) * scale_log2 : (floatW)(0.0f);
         acc[i] = (floatW)(ctx_ok ? 0.0f : NAN);
@@ -197,9 +233,7 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
         const int key = c / (CK + CV), part = c % (CK + CV), j = (t0) + key;                \
         pre[c_] = (raw_t)(0);                                                               \
         if (c < TILE_CHUNKS && j < k1)                                                      \
-            pre[c_] = (part < CK)                                                           \
-                ? load_chunk(k_base, j, bt_row, block_shift, num_blocks, k_s0, k_s1, part)  \
-                : load_chunk(v_base, j, bt_row, block_shift, num_blocks, v_s0, v_s1, part - CK); \
+            pre[c_] = (part < CK) ? LOAD_K(j, part) : LOAD_V(j, part - CK);                 \
     }
 #else
     raw_t kn[UNROLL], vn[UNROLL];
@@ -210,9 +244,9 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
         vn[u] = (raw_t)(0);                                                                 \
         if (j < k1) {                                                                       \
             if (lane < CK)                                                                  \
-                kn[u] = load_chunk(k_base, j, bt_row, block_shift, num_blocks, k_s0, k_s1, lane); \
+                kn[u] = LOAD_K(j, lane);                                                    \
             if (lane < CV)                                                                  \
-                vn[u] = load_chunk(v_base, j, bt_row, block_shift, num_blocks, v_s0, v_s1, lane); \
+                vn[u] = LOAD_V(j, lane);                                                    \
         }                                                                                   \
     }
 #endif
@@ -249,18 +283,18 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
          * k1 (the tail of the last tile) are -inf */
         float sc[UNROLL][HEAD_TILE];
         for (int u = 0; u < UNROLL; ++u) {
-            const floatW kf = to_float(kc[u]);
-            const bool key_ok = t0 + u * ROWS + row < k1;
+            const floatW kf = K_TO_FLOAT(kc[u]);
+            const int key = t0 + u * ROWS + row;
             for (int i = 0; i < HEAD_TILE; ++i) {
                 const float s_ = row_sum(HSUM_W(qv[i] * kf));
-                sc[u][i] = key_ok ? s_ : -INFINITY;
+                sc[u][i] = (key < k1) ? SCORE_VARIANTS(s_, slope[i], n_used - 1 - key) : -INFINITY;
             }
         }
 #define SCORE(u, i) sc[u][i]
 #else
         /* partial dot products over this lane's VW dims, for every head of the tile */
         for (int u = 0; u < UNROLL; ++u) {
-            const floatW kf = to_float(kc[u]);
+            const floatW kf = K_TO_FLOAT(kc[u]);
             for (int i = 0; i < HEAD_TILE; ++i)
                 partials[((ht * HEAD_TILE + i) * BLOCK_N + u * ROWS + row) * PSTRIDE + lane] =
                     HSUM_W(qv[i] * kf);
@@ -272,7 +306,9 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
             float s = 0.0f;
             for (int c = 0; c < CK; ++c)
                 s += partials[x * PSTRIDE + c];
-            scores[x] = (t0 + x % BLOCK_N < k1) ? s : -INFINITY;  /* the tail of the last tile */
+            const int key = t0 + x % BLOCK_N;
+            s = SCORE_VARIANTS(s, ALIBI_SLOPE_LOG2(batch, kv_head * GROUP + x / BLOCK_N), n_used - 1 - key);
+            scores[x] = (key < k1) ? s : -INFINITY;  /* the tail of the last tile */
         }
         /* scores complete before they are read; the next write to them is after the next
          * iteration's first barrier, which every work-item reaches only after reading them */
@@ -284,7 +320,7 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
         /* online softmax of this row slot's keys: rescale acc to the new max, add p @ v */
         floatW vf[UNROLL];
         for (int u = 0; u < UNROLL; ++u)
-            vf[u] = to_float(vc[u]);
+            vf[u] = V_TO_FLOAT(vc[u]);
         for (int i = 0; i < HEAD_TILE; ++i) {
             float s[UNROLL];
             float tile_max = -INFINITY;
@@ -307,15 +343,19 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
 #undef SCORE
     }
 #undef FETCH_TILE
+#undef LOAD_K
+#undef LOAD_V
 
-    /* merge the ROWS row-slot states: shared max per head, then sum l and acc over the rows */
+    /* merge the ROWS row-slot states: shared max per head, then sum l and acc over the rows; a
+     * sink joins as one more slot of value zero */
     for (int i = 0; i < HEAD_TILE; ++i)
         if (lane == 0)
             red_m[row * GROUP + ht * HEAD_TILE + i] = m[i];
     barrier(CLK_LOCAL_MEM_FENCE);
-    float m_all[HEAD_TILE], l_all[HEAD_TILE];
+    float m_all[HEAD_TILE], l_all[HEAD_TILE], sink[HEAD_TILE];
     for (int i = 0; i < HEAD_TILE; ++i) {
-        float mx = -INFINITY;
+        sink[i] = SINK_LOG2(head0 + i, !partial || split == 0);
+        float mx = sink[i];
         for (int r = 0; r < ROWS; ++r)
             mx = fmax(mx, red_m[r * GROUP + ht * HEAD_TILE + i]);
         const float w = exp2(m[i] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty slot: w = 0 */
@@ -327,7 +367,8 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int i = 0; i < HEAD_TILE; ++i) {
-        float sum = 0.0f;
+        /* the sink's term; none here, or no key and no sink: exp2(-inf) = 0 */
+        float sum = SINKS ? exp2(sink[i] - ((m_all[i] == -INFINITY) ? 0.0f : m_all[i])) : 0.0f;
         for (int r = 0; r < ROWS; ++r)
             sum += red_l[r * GROUP + ht * HEAD_TILE + i];
         l_all[i] = sum;
@@ -371,14 +412,15 @@ static inline void decode_body(DECODE_PARAMS, const bool partial,
 
 #define DECODE_KERNEL(NAME, IS_PARTIAL)                                                      \
 __kernel FLASHCL_REQD_WG(WG)                                                                 \
-void NAME(DECODE_PARAMS)                                                                     \
+void NAME(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS)                                         \
 {                                                                                            \
     __local float partials[ROW_SHUFFLE ? 1 : GROUP * BLOCK_N * PSTRIDE];                     \
     __local float scores[ROW_SHUFFLE ? 1 : GROUP * BLOCK_N];                                 \
     __local raw_t tile[STAGED ? TILE_CHUNKS : 1];                                            \
     __local float red_m[ROWS * GROUP], red_l[ROWS * GROUP];                                  \
     __local float red_acc[ROWS > 1 ? ROWS * NHT * HEAD_DV : 4];                              \
-    decode_body(DECODE_ARGS, IS_PARTIAL, partials, scores, tile, red_m, red_l, red_acc);     \
+    decode_body(DECODE_ARGS VARIANT_ARGS QUANT_ARGS, IS_PARTIAL, partials, scores, tile, red_m, red_l, \
+                red_acc);                                                                    \
 }
 
 #if !MERGE_ONLY

@@ -26,14 +26,92 @@
     h_q, num_splits, bt_stride, block_shift, num_blocks, capacity, scale_log2, q_off, q_sb, q_sh, \
     k_off, k_s0, k_sh, k_s1, v_off, v_s0, v_sh, v_s1, o_off, o_sb, o_sh
 
-/* This split's keys [*k0, *k1) of a sequence of n keys: chunks of whole tiles of `tile` keys,
- * so that only the sequence's last tile is partial; a split past the end is empty (k0 == k1). */
-static inline void split_range(const int n, const int num_splits, const int split, const int tile,
-                               int *k0, int *k1)
+/* ---- attention variants (flashcl/variants.py), each a compile-time flag: off costs nothing ---- */
+#ifndef WINDOW
+#define WINDOW 0          // 1: sliding window: the query at p = ctx - 1 sees keys [p - window_left, ctx)
+#endif
+#ifndef SOFTCAP
+#define SOFTCAP 0         // 1: logit softcap, s = c tanh(s / c) (softcap_log2 = c log2(e))
+#endif
+#ifndef SINKS
+#define SINKS 0           // 1: one sink logit per query head joins the normalizer (sinks[h_q])
+#endif
+#ifndef ALIBI
+#define ALIBI 0           // 1: s -= slope[b, h] (p - j) (alibi_slopes[B][h_q])
+#endif
+#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI)
+
+/* The variants' run-time values follow DECODE_PARAMS only in builds with a variant on, so the
+ * plain kernels keep their argument list. */
+#if DECODE_VARIANTS
+#define VARIANT_PARAMS , const int window_left, const float softcap_log2,                    \
+                         __global const float *sinks, __global const float *alibi_slopes
+#define VARIANT_ARGS , window_left, softcap_log2, sinks, alibi_slopes
+#else
+#define VARIANT_PARAMS
+#define VARIANT_ARGS
+#endif
+
+/* The first key the query of a sequence of n keys sees: the split-k ranges divide [first, n), so
+ * the keys left of a window are never read. */
+#if WINDOW
+#define FIRST_KEY(n) max(0, (n) - 1 - window_left)
+#else
+#define FIRST_KEY(n) 0
+#endif
+
+/* ALiBi slope of query head `head` in log2 units; 0 when ALiBi is off */
+#if ALIBI
+#define ALIBI_SLOPE_LOG2(batch, head) (alibi_slopes[(ulong)(batch) * h_q + (head)] * M_LOG2E_F)
+#else
+#define ALIBI_SLOPE_LOG2(batch, head) 0.0f
+#endif
+
+/* The sink logit of query head `head` in log2 units, where this state takes it (the single pass,
+ * or split 0 of split-k: exactly once), else -inf, which adds nothing. */
+#if SINKS
+#define SINK_LOG2(head, takes) ((takes) ? sinks[head] * M_LOG2E_F : -INFINITY)
+#else
+#define SINK_LOG2(head, takes) (-INFINITY)
+#endif
+
+#if SOFTCAP || ALIBI
+/* A score s (log2 units) with the variants that change it, in the order of flashcl/variants.py:
+ * softcap, then ALiBi of a key `dist` positions before the query. The softcap in log2 units is
+ * c2 tanh(s / c2), c2 = c log2(e), with tanh(x) = 1 - 2 / (1 + 2^(2 log2(e) x)) from the hardware's
+ * exp2 and reciprocal approximations: a precise division or libm tanh per score made an fp32
+ * decode.cl 1.6x slower on an H200 (every lane of a row scores the key). `cap_rate` is
+ * 2 log2(e) / c2, loop-invariant. */
+#if SOFTCAP
+#define SOFTCAP_ARGS softcap_log2, (2.0f * M_LOG2E_F) / softcap_log2
+#else
+#define SOFTCAP_ARGS 0.0f, 0.0f
+#endif
+static inline float score_variants(float s, const float cap_log2, const float cap_rate,
+                                   const float slope_log2, const int dist)
 {
-    const int per_split = (n + num_splits - 1) / num_splits;
+#if SOFTCAP
+    s = cap_log2 - 2.0f * cap_log2 * native_recip(1.0f + native_exp2(s * cap_rate));
+#endif
+#if ALIBI
+    s -= slope_log2 * (float)dist;
+#endif
+    return s;
+}
+#define SCORE_VARIANTS(s, slope_log2, dist) score_variants((s), SOFTCAP_ARGS, (slope_log2), (dist))
+#else
+#define SCORE_VARIANTS(s, slope_log2, dist) (s)
+#endif
+
+/* This split's keys [*k0, *k1) of the keys [first, n) a sequence's query sees: chunks of whole
+ * tiles of `tile` keys, so that only the last tile is partial; a split past the end is empty
+ * (k0 == k1). */
+static inline void split_range(const int first, const int n, const int num_splits, const int split,
+                               const int tile, int *k0, int *k1)
+{
+    const int per_split = (n - first + num_splits - 1) / num_splits;
     const int chunk = (per_split + tile - 1) / tile * tile;
-    *k0 = min(split * chunk, n);
+    *k0 = first + min(split * chunk, n - first);
     *k1 = min(*k0 + chunk, n);
 }
 
@@ -86,6 +164,113 @@ static inline raw_t load_chunk(__global const raw_t *rows, const int j, __global
     bool ok;
     const ulong off = row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
     return ok ? rows[off + part] : RAW_NAN;
+}
+
+/* ---- quantized K/V caches (flashcl/quant.py, docs/quantized-formats.md) -------------------------
+ * A quantized cache is read as bytes: offsets and strides in bytes, rows contiguous. A work-item
+ * dequantizes pieces of QPIECE consecutive dims (8, or 4 in decode.cl's fp32 builds: the dims it
+ * would read of a plain row) from the row's own bytes: q8_0 and q4_0 take their 2-byte aligned
+ * piece of a ggml block (34 / 18 bytes: fp16 d, then int8 values / nibble pairs j, j + 16) and the
+ * block's d, int8 its QPIECE-byte aligned values and the row's float32 scale (k_scales / v_scales,
+ * one per row, at the row's byte offset / D). The load packs them into a raw_t (quant bytes, scale
+ * bits, nibble shift) that is converted when used, so that the prefetch of the next tile stays
+ * in flight exactly as for plain rows. Include-site: QPIECE defined. */
+#ifndef K_QUANT
+#define K_QUANT 0         // K cache format: 0 store_t rows, 1 q8_0, 2 q4_0, 3 int8
+#endif
+#ifndef V_QUANT
+#define V_QUANT 0         // V cache format, as K_QUANT
+#endif
+#define QUANT_Q8_0 1
+#define QUANT_Q4_0 2
+#define QUANT_INT8 3
+#define QUANT_SCALED (K_QUANT == QUANT_INT8 || V_QUANT == QUANT_INT8)
+
+#if (K_QUANT == QUANT_Q8_0 || K_QUANT == QUANT_Q4_0) && HEAD_DK % 32 != 0
+#error "q8_0/q4_0 K: DK must be a multiple of 32 (ggml blocks)"
+#endif
+#if (V_QUANT == QUANT_Q8_0 || V_QUANT == QUANT_Q4_0) && HEAD_DV % 32 != 0
+#error "q8_0/q4_0 V: DV must be a multiple of 32 (ggml blocks)"
+#endif
+
+/* int8 scales follow DECODE_PARAMS (and VARIANT_PARAMS) only in builds that read them */
+#if QUANT_SCALED
+#define QUANT_PARAMS , __global const float *k_scales, __global const float *v_scales,         \
+                       const ulong ks_off, const ulong vs_off
+#define QUANT_ARGS , k_scales, v_scales, ks_off, vs_off
+#define K_SCALES k_scales, ks_off
+#define V_SCALES v_scales, vs_off
+#else
+#define QUANT_PARAMS
+#define QUANT_ARGS
+#define K_SCALES (__global const float *)0, 0
+#define V_SCALES (__global const float *)0, 0
+#endif
+
+#if STORE_HALF
+#define RAW_OF_BITS(x) (x)
+#define BITS_OF_RAW(x) (x)
+#else
+#define RAW_OF_BITS(x) as_float4(x)
+#define BITS_OF_RAW(x) as_uint4(x)
+#endif
+
+/* The piece of key j's quantized row at dims [e, e + QPIECE) as a raw_t: .x (.y) its quant bytes,
+ * .z the scale's bits, .w the q4_0 nibble shift; the scale is NaN where the row's block id is out
+ * of range (not read). `rel` is the (batch, KV head) base, in bytes. */
+static inline raw_t load_quant(const int fmt, const int dim, __global const uchar *data, const ulong off,
+                               const ulong rel, __global const float *scales, const ulong s_off,
+                               const int j, __global const int *bt_row, const int block_shift,
+                               const int num_blocks, const ulong s0, const ulong s1, const int e)
+{
+    bool ok;
+    const ulong row = rel + row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
+    uint4 r = (uint4)(0u, 0u, as_uint(NAN), 0u);
+    if (ok) {
+        __global const uchar *p = data + off + row;
+        if (fmt == QUANT_INT8) {
+            r.z = as_uint(scales[s_off + row / dim]);
+#if QPIECE == 8
+            r.xy = *(__global const uint2 *)(p + e);
+#else
+            r.x = *(__global const uint *)(p + e);
+#endif
+        } else {
+            __global const uchar *blk = p + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18);
+            int at = e % 32;
+            r.z = as_uint(vload_half(0, (__global const half *)blk));
+            if (fmt == QUANT_Q4_0) {  /* dims 16..31 of a block are the high nibbles of bytes 0..15 */
+                r.w = (at >= 16) ? 4u : 0u;
+                at %= 16;
+            }
+            __global const ushort *u = (__global const ushort *)(blk + 2 + at);
+#if QPIECE == 8
+            const ushort4 h = vload4(0, u);
+            r.x = h.s0 | ((uint)h.s1 << 16);
+            r.y = h.s2 | ((uint)h.s3 << 16);
+#else
+            const ushort2 h = vload2(0, u);
+            r.x = h.s0 | ((uint)h.s1 << 16);
+#endif
+        }
+    }
+    return RAW_OF_BITS(r);
+}
+
+/* the QPIECE values of a piece load_quant packed (keys past the split's end: all zero, scale 0) */
+static inline FLASHCL_CAT(float, QPIECE) dequant(const int fmt, const raw_t raw)
+{
+    const uint4 r = BITS_OF_RAW(raw);
+    const float scale = as_float(r.z);
+#if QPIECE == 8
+    if (fmt == QUANT_Q4_0)
+        return (convert_float8((as_uchar8(r.xy) >> (uchar8)((uchar)r.w)) & (uchar8)(15)) - 8.0f) * scale;
+    return convert_float8(as_char8(r.xy)) * scale;
+#else
+    if (fmt == QUANT_Q4_0)
+        return (convert_float4((as_uchar4(r.x) >> (uchar4)((uchar)r.w)) & (uchar4)(15)) - 8.0f) * scale;
+    return convert_float4(as_char4(r.x)) * scale;
+#endif
 }
 
 #if DECODE_NV_PTX

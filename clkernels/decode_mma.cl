@@ -34,6 +34,13 @@
  * context length outside [0, capacity] or a used block id outside [0, num_blocks) reads nothing
  * out of bounds and gives the sequence NaN out and lse.
  *
+ * Variants as in decode.cl (decode_common.h): the window narrows the split ranges, softcap and
+ * ALiBi change the log2-domain scores before the softmax, a sink joins the warps' final merge.
+ * Quantized caches (K_QUANT / V_QUANT, decode_common.h): a work-item loads the same K quarter and
+ * V eighth as pieces of 8 dims of the quantized row and turns each into the 4 words of f16 pairs
+ * a plain row's chunk would be (value = fp16(q * scale), as flashcl.dequantize rounds), K when
+ * its prefetch is consumed, V just before O += P V.
+ *
  * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
  * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
  * against the float64 oracle on any OpenCL device (PoCL in CI); it is for tests, not speed. Every
@@ -64,6 +71,7 @@
 typedef uint4 raw_t;      // one 16-byte chunk of a K/V row: 8 halves
 typedef half store_t;
 #define DECODE_NV_PTX (!MMA_EMULATE)
+#define QPIECE 8          // dims per dequantized piece of a quantized row: 4 words of f16 pairs
 #include "decode_common.h"
 
 /* KV_EVICT_FIRST (default: with the PTX instructions): the loop's K/V loads are marked
@@ -207,9 +215,136 @@ static inline uint pack_half2(const float lo, const float hi)
 #define PAIR_LO(a, b) (((a) & 0xffffu) | ((b) << 16))
 #define PAIR_HI(a, b) (((a) >> 16) | ((b) & 0xffff0000u))
 
+/* ---- quantized rows: a work-item's pieces from whole 16-byte loads --------------------------- */
+
+#if K_QUANT || V_QUANT
+/* The len (8, 16 or 32) bytes at s (2-byte aligned) as len / 4 words, read as the 16-byte aligned
+ * chunks that hold them (one to three loads instead of len / 2 two-byte ones, which left the
+ * load units, not HBM, the limit) and shifted into place by s's offset in the first chunk. Only
+ * chunks holding a byte of [s, s + len) are read. */
+static inline void span_words(__global const uchar *s, const int len, uint *sw)
+{
+    const size_t a = (size_t)s;
+    __global const uint4 *base = (__global const uint4 *)(a & ~(size_t)15);
+    const int o = (int)(a & 15);
+    uint raw[16];
+    for (int k_ = 0; k_ < 4; ++k_) {
+        const uint4 x = (k_ < 3 && 16 * k_ < o + len) ? base[k_] : (uint4)(0u);
+        raw[4 * k_] = x.x; raw[4 * k_ + 1] = x.y; raw[4 * k_ + 2] = x.z; raw[4 * k_ + 3] = x.w;
+    }
+    const int wi = o >> 2;
+    const bool half_off = (o & 2) != 0;
+    for (int i = 0; i < len / 4; ++i) {
+        uint lo = raw[i], hi = raw[i + 1];
+        lo = (wi == 1) ? raw[i + 1] : lo; hi = (wi == 1) ? raw[i + 2] : hi;
+        lo = (wi == 2) ? raw[i + 2] : lo; hi = (wi == 2) ? raw[i + 3] : hi;
+        lo = (wi == 3) ? raw[i + 3] : lo; hi = (wi == 3) ? raw[i + 4] : hi;
+        sw[i] = half_off ? ((lo >> 16) | (hi << 16)) : lo;
+    }
+}
+
+/* The np pieces of 8 dims from dim e0 of key j's quantized row, as load_quant packs them (bytes,
+ * scale bits, q4_0 shift), with one row lookup: int8 as aligned 16-byte loads (the host checks
+ * 16-byte aligned rows), ggml blocks through span_words and one fp16 d per block. The pieces of
+ * one lane never straddle a block (e0 is a multiple of 8 np, np <= 4 or a multiple of 4). */
+static inline void load_pieces(const int fmt, const int dim, __global const uchar *data, const ulong off,
+                               const ulong rel, __global const float *scales, const ulong s_off,
+                               const int j, __global const int *bt_row, const int block_shift,
+                               const int num_blocks, const ulong s0, const ulong s1, const int e0,
+                               const int np, raw_t *out)
+{
+    bool ok;
+    const ulong row = rel + row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
+    if (!ok) {
+        for (int p_ = 0; p_ < np; ++p_)
+            out[p_] = (uint4)(0u, 0u, as_uint(NAN), 0u);
+        return;
+    }
+    __global const uchar *r = data + off + row;
+    if (fmt == QUANT_INT8) {
+        const uint sc = as_uint(scales[s_off + row / dim]);
+        if (np == 1) {
+            const uint2 x = *(__global const uint2 *)(r + e0);
+            out[0] = (uint4)(x.x, x.y, sc, 0u);
+        }
+        for (int p_ = 0; p_ + 1 < np; p_ += 2) {
+            const uint4 x = *(__global const uint4 *)(r + e0 + 8 * p_);
+            out[p_] = (uint4)(x.x, x.y, sc, 0u);
+            out[p_ + 1] = (uint4)(x.z, x.w, sc, 0u);
+        }
+        return;
+    }
+    for (int b0 = 0; b0 < np; b0 += 4) {   /* the pieces of one block */
+        const int e = e0 + 8 * b0, at0 = e % 32, npb = min(np - b0, 4);
+        __global const uchar *blk = r + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18);
+        const uint d = as_uint(vload_half(0, (__global const half *)blk));
+        uint sw[8];
+        if (fmt == QUANT_Q8_0) {
+            span_words(blk + 2 + at0, 8 * npb, sw);
+            for (int p_ = 0; p_ < npb; ++p_)
+                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], d, 0u);
+        } else if (npb == 4) {             /* a whole q4_0 block: dims 16..31 the high nibbles */
+            span_words(blk + 2, 16, sw);
+            for (int p_ = 0; p_ < 4; ++p_)
+                out[b0 + p_] = (uint4)(sw[2 * (p_ % 2)], sw[2 * (p_ % 2) + 1], d, (p_ >= 2) ? 4u : 0u);
+        } else {
+            span_words(blk + 2 + at0 % 16, 8 * npb, sw);
+            for (int p_ = 0; p_ < npb; ++p_)
+                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], d, (at0 >= 16) ? 4u : 0u);
+        }
+    }
+}
+
+/* A piece (load_pieces) as the 4 words of f16 pairs a plain row's 16-byte chunk would be, each
+ * value fp16(q * scale) as flashcl.dequantize rounds it. ggml: the scale d is fp16, so q (exact in
+ * fp16) times d in f16x2 arithmetic rounds the same; a byte becomes the half 1024 + byte with one
+ * byte permute per pair (prmt), the bias goes with one sub.f16x2: ~1.5 instructions a value
+ * against ~5 through cvt (a quarter-rate instruction) and fp32. int8 (a float32 scale): fp32,
+ * a byte as the float 2^23 + byte less 2^23 (no cvt). */
+static inline void piece_words(const int fmt, const raw_t piece, uint *dst)
+{
+    const uint4 r = piece;
+#if !MMA_EMULATE
+    if (fmt != QUANT_INT8) {
+        uint d2, bias2;
+        asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b32 %0, {h, h}; }" : "=r"(d2) : "f"(as_float(r.z)));
+        uint w[2] = {r.x, r.y};
+        if (fmt == QUANT_Q8_0) {          /* signed bytes: + 128 makes them unsigned */
+            w[0] ^= 0x80808080u;
+            w[1] ^= 0x80808080u;
+            bias2 = 0x64806480u;          /* 1152 = 1024 + 128 */
+        } else {                          /* nibbles, value n - 8 */
+            w[0] = (w[0] >> r.w) & 0x0f0f0f0fu;
+            w[1] = (w[1] >> r.w) & 0x0f0f0f0fu;
+            bias2 = 0x64086408u;          /* 1032 = 1024 + 8 */
+        }
+        for (int i = 0; i < 4; ++i) {
+            uint h;
+            asm("prmt.b32 %0, %1, %2, %3;"   /* two bytes as the halves 1024 + byte */
+                : "=r"(h) : "r"(w[i >> 1]), "r"(0x64646464u), "r"((i & 1) ? 0x4342u : 0x4140u));
+            asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(bias2));
+            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(dst[i]) : "r"(h), "r"(d2));
+        }
+        return;
+    }
+#endif
+    float f[8];
+    if (fmt == QUANT_INT8) {
+        const uint w[2] = {r.x ^ 0x80808080u, r.y ^ 0x80808080u};
+        for (int i = 0; i < 8; ++i)
+            f[i] = (as_float(0x4b000000u | ((w[i >> 2] >> (8 * (i & 3))) & 0xffu)) - 8388736.0f) * as_float(r.z);
+    } else {
+        const float8 x = dequant(fmt, piece);
+        f[0] = x.s0; f[1] = x.s1; f[2] = x.s2; f[3] = x.s3; f[4] = x.s4; f[5] = x.s5; f[6] = x.s6; f[7] = x.s7;
+    }
+    for (int i = 0; i < 4; ++i)
+        dst[i] = PACK_HALF2(f[2 * i], f[2 * i + 1]);
+}
+#endif
+
 /* ---- the kernel body ------------------------------------------------------------------------ */
 
-static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
+static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial,
                                    __local float *red_m, __local float *red_l, __local float *red_acc
 #if MMA_EMULATE
                                    , __local warp_scratch *scratch
@@ -229,12 +364,15 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
     int k0, k1;  /* this split's keys; every warp runs `rounds` iterations (uniform barriers) */
     const int n_ctx = context_lens[batch];
     const bool ctx_ok = context_ok(n_ctx, capacity);   /* else no key and a NaN state */
-    split_range(ctx_ok ? n_ctx : 0, num_splits, split, ROUND, &k0, &k1);
+    const int n_used = ctx_ok ? n_ctx : 0;
+    split_range(FIRST_KEY(n_used), n_used, num_splits, split, ROUND, &k0, &k1);
     const int rounds = (k1 - k0 + ROUND - 1) / ROUND;
 
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;
     __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
     __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
+    const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;  /* quantized: bytes */
+    const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
 
     /* Q's A fragments, exact fp16 bits: rows g and g + 8 (heads past G are zeros); word
      * qa[h][s][e] holds dims c*KQ + 4s + 2e, +1 of row g + 8h */
@@ -251,7 +389,9 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
 
     float m[NH], l[NH];              /* per row: running max (log2 units), this lane's share of the sum */
     float acc[NTV][2 * NH];          /* O's C fragments: [d][2h + i] = row g + 8h, dim (2c + i) * NTV + d */
+    float slope[NH];                 /* ALiBi slope of row g + 8h (padding rows: the last head's) */
     for (int h = 0; h < NH; ++h) {
+        slope[h] = ALIBI_SLOPE_LOG2(batch, head0 + min(g + 8 * h, rows - 1));
         m[h] = -INFINITY;
         l[h] = ctx_ok ? 0.0f : NAN;
         for (int d = 0; d < NTV; ++d)
@@ -262,6 +402,19 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
      * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros, rows
      * of an out-of-range block as NaN (not read). */
     uint kw[2][KQ / 2], vw[4][NTV / 2];
+#if K_QUANT
+    /* quantized K: the pieces of 8 dims as loaded (load_quant), turned into f16 pairs when used */
+    raw_t kq[2][KQ / 8];
+#define LOAD_K(t0, LOAD)                                                                     \
+    for (int t = 0; t < 2; ++t) {                                                            \
+        const int j = (t0) + 8 * t + g;                                                      \
+        for (int p_ = 0; p_ < KQ / 8; ++p_)                                                  \
+            kq[t][p_] = (raw_t)(0u);                                                         \
+        if (j < k1)                                                                          \
+            load_pieces(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, j, \
+                        bt_row, block_shift, num_blocks, k_s0, k_s1, c * KQ, KQ / 8, kq[t]); \
+    }
+#else
 #define LOAD_K(t0, LOAD)                                                                     \
     for (int t = 0; t < 2; ++t) {                                                            \
         const int j = (t0) + 8 * t + g;                                                      \
@@ -273,6 +426,19 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
             kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
         }                                                                                    \
     }
+#endif
+#if V_QUANT
+    raw_t vq[4][NTV / 8];
+#define LOAD_V(t0)                                                                           \
+    for (int r = 0; r < 4; ++r) {                                                            \
+        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
+        for (int p_ = 0; p_ < NTV / 8; ++p_)                                                 \
+            vq[r][p_] = (raw_t)(0u);                                                         \
+        if (j < k1)                                                                          \
+            load_pieces(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, j, \
+                        bt_row, block_shift, num_blocks, v_s0, v_s1, g * NTV, NTV / 8, vq[r]); \
+    }
+#else
 #define LOAD_V(t0)                                                                           \
     for (int r = 0; r < 4; ++r) {                                                            \
         const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
@@ -284,6 +450,9 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
             vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
         }                                                                                    \
     }
+#endif
+/* a dequantized piece as the 4 words of f16 pairs a plain row's 16-byte chunk would give */
+#define PIECE_WORDS(dst, fmt, piece) piece_words((fmt), (piece), (dst))
 
     /* A tile's K words are loaded one iteration ahead (into kw, copied to kc): the next tile's K
      * is in flight while this one is computed. Its V is loaded at the top of its own iteration
@@ -293,9 +462,15 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
         uint kc[2][KQ / 2];
+#if K_QUANT
+        for (int t = 0; t < 2; ++t)
+            for (int p_ = 0; p_ < KQ / 8; ++p_)
+                PIECE_WORDS(&kc[t][4 * p_], K_QUANT, kq[t][p_]);
+#else
         for (int t = 0; t < 2; ++t)
             for (int i = 0; i < KQ / 2; ++i)
                 kc[t][i] = kw[t][i];
+#endif
         if (it + 1 < rounds) {
             LOAD_K(t0 + ROUND, load_kv_streamed)
         }
@@ -319,7 +494,9 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
             float x[4];
             for (int i = 0; i < 4; ++i) {
                 const int key = t0 + 8 * (i >> 1) + 2 * c + (i & 1);
-                x[i] = (key < k1) ? sc[i >> 1][2 * h + (i & 1)] * scale_log2 : -INFINITY;
+                x[i] = (key < k1) ? SCORE_VARIANTS(sc[i >> 1][2 * h + (i & 1)] * scale_log2, slope[h],
+                                                   n_used - 1 - key)
+                                  : -INFINITY;
             }
             float mx = fmax(fmax(x[0], x[1]), fmax(x[2], x[3]));
             mx = fmax(mx, WARP_XOR(mx, 1));
@@ -340,6 +517,11 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
             pa[h][1] = PACK_HALF2(p[2], p[3]);
         }
 
+#if V_QUANT
+        for (int r = 0; r < 4; ++r)
+            for (int p_ = 0; p_ < NTV / 8; ++p_)
+                PIECE_WORDS(&vw[r][4 * p_], V_QUANT, vq[r][p_]);
+#endif
         /* O += P V, one n-tile (8 output dims) at a time */
         for (int d = 0; d < NTV; ++d) {
             const int w = d >> 1;
@@ -350,6 +532,7 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
     }
 #undef LOAD_K
 #undef LOAD_V
+#undef PIECE_WORDS
 
     /* each row's sum over its 4 lanes; then the warps' states meet: shared max per row, the
      * accumulators rescaled to it and summed in local memory */
@@ -363,11 +546,12 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+    const bool takes_sink = !partial || split == 0;   /* exactly once per query head */
     for (int h = 0; h < NH; ++h) {
         const int row = g + 8 * h;
         if (row >= rows)
             continue;
-        float mx = -INFINITY;
+        float mx = SINK_LOG2(head0 + row, takes_sink);
         for (int w = 0; w < MMA_WARPS; ++w)
             mx = fmax(mx, red_m[w * MT_ROWS + row]);
         const float f = exp2(m[h] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty warp: 0 */
@@ -381,11 +565,12 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
 
     for (int x = tid; x < rows * HEAD_DV; x += WG) {
         const int row = x / HEAD_DV, dim = x % HEAD_DV;
-        float mx = -INFINITY;
+        const float sink = SINK_LOG2(head0 + row, takes_sink);  /* a slot of value zero */
+        float mx = sink;
         for (int w = 0; w < MMA_WARPS; ++w)
             mx = fmax(mx, red_m[w * MT_ROWS + row]);
         const float m_use = (mx == -INFINITY) ? 0.0f : mx;
-        float a = 0.0f, l_all = 0.0f;
+        float a = 0.0f, l_all = SINKS ? exp2(sink - m_use) : 0.0f;
         for (int w = 0; w < MMA_WARPS; ++w) {
             a += red_acc[(w * MT_ROWS + row) * HEAD_DV + dim];
             l_all += red_l[w * MT_ROWS + row] * exp2(red_m[w * MT_ROWS + row] - m_use);
@@ -417,12 +602,13 @@ static inline void decode_mma_body(DECODE_PARAMS, const bool partial,
 
 #define DECODE_MMA_KERNEL(NAME, IS_PARTIAL)                                                  \
 __kernel FLASHCL_REQD_WG(WG)                                                                 \
-void NAME(DECODE_PARAMS)                                                                     \
+void NAME(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS)                                         \
 {                                                                                            \
     __local float red_m[MMA_WARPS * MT_ROWS], red_l[MMA_WARPS * MT_ROWS];                    \
     __local float red_acc[MMA_WARPS * MT_ROWS * HEAD_DV];                                    \
     SCRATCH_DECL                                                                             \
-    decode_mma_body(DECODE_ARGS, IS_PARTIAL, red_m, red_l, red_acc SCRATCH_ARG);             \
+    decode_mma_body(DECODE_ARGS VARIANT_ARGS QUANT_ARGS, IS_PARTIAL, red_m, red_l, red_acc     \
+                    SCRATCH_ARG);                                                            \
 }
 
 DECODE_MMA_KERNEL(flash_decode, false)

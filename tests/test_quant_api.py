@@ -63,18 +63,14 @@ def triton_boundary(monkeypatch, triton_device):
     return boundary
 
 
-# --- prefill refuses quantized K/V for now, in one message ---
+# --- prefill: OpenCL takes q8_0/q4_0/int8 (tests/test_quant_prefill_opencl.py), Triton none yet ---
 
-@pytest.mark.parametrize("which", ["k", "v", "both"])
-def test_prefill_refuses_quantized_kv_on_opencl(which):
-    q, k, v = (x[:, :, None] if x.ndim == 3 else x for x in _decode_inputs())
-    q = np.repeat(q, 3, axis=2)                                  # (B, H_q, 3, DK)
-    k = flashcl.quantize(k, "q8_0") if which in ("k", "both") else k
-    v = flashcl.quantize(v, "int8") if which in ("v", "both") else v
-    with pytest.raises(TypeError) as e:
-        flashcl.prefill(q, k, v, causal=True)
-    assert str(e.value) == ("prefill: quantized K/V caches are not supported yet on opencl; "
-                            "dequantize them with flashcl.dequantize(...)")
+def test_fp8_is_refused_by_opencl_prefill():
+    q, k, v = (torch.from_numpy(x) for x in _decode_inputs())
+    q = q[:, :, None].repeat(1, 1, 3, 1).contiguous()
+    with pytest.raises(TypeError, match=r"^k: prefill on opencl takes quantized caches in q8_0, q4_0, "
+                                        r"int8; got 'fp8_e4m3' \(a torch-only format"):
+        flashcl.prefill(q, flashcl.quantize(k, "fp8_e4m3"), v, backend="opencl")
 
 
 def test_prefill_refuses_quantized_kv_on_triton(triton_device):
@@ -87,7 +83,8 @@ def test_prefill_refuses_quantized_kv_on_triton(triton_device):
 
 
 def test_prefill_and_decode_read_the_one_format_table():
-    assert QUANTIZED_KV_FORMATS[("opencl", "prefill")] == QUANTIZED_KV_FORMATS[("triton", "prefill")] == ()
+    assert QUANTIZED_KV_FORMATS[("opencl", "prefill")] == ("q8_0", "q4_0", "int8")
+    assert QUANTIZED_KV_FORMATS[("triton", "prefill")] == ()
     assert QUANTIZED_KV_FORMATS[("opencl", "decode")] == ("q8_0", "q4_0", "int8")
     assert set(QUANTIZED_KV_FORMATS[("triton", "decode")]) == set(flashcl.quant.FORMATS)
 
@@ -232,8 +229,6 @@ def test_triton_decode_gets_the_quantized_tensor_unchanged(triton_boundary, trit
 
 # --- end to end on an OpenCL device ---
 
-@pytest.mark.xfail(strict=True, reason="the OpenCL decode kernels do not dequantize yet; remove this "
-                                       "mark when they do")
 @pytest.mark.parametrize("k_fmt, v_fmt", [("q8_0", "q8_0"), ("q4_0", None), ("int8", "q8_0")])
 def test_opencl_decode_attends_the_quantized_values(cpu_device, k_fmt, v_fmt):
     q, k, v, table, lens = _paged_inputs()

@@ -11,6 +11,11 @@ decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), 
 instructions per key instead of ~115, so the SMs no longer run out of issue slots before HBM runs
 out of bandwidth. decode.cl serves every other device and fp32 caches. What was measured for
 both, and every variant that lost: docs/notes/opencl-decode-nvidia.md.
+
+Attention variants (window, softcap, sinks, ALiBi: :class:`DecodeVariants`) and quantized caches
+(q8_0, q4_0, int8 QuantizedTensors: ``DecodeProblem.k_fmt`` / ``v_fmt``) are -D flags of both
+kernel files, so the plain builds are unchanged; a window narrows the keys the splits divide to
+the ones the query sees, and the split count is chosen from that length.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
+from ..quant import BLOCK_BYTES, QK, QuantizedTensor
 from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
                      nbytes, to_device_4d, wait_for_inputs)
 from .runtime import DeviceHandle, build, check_variant, launch, launch_sequence, spill_report
@@ -135,6 +141,20 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     return int(max(1, min(max(fill, work), cap)))
 
 
+# Quantized cache formats decode.cl reads (its K_QUANT / V_QUANT codes); flashcl.quant has the bytes.
+QUANT_CODES = {"q8_0": 1, "q4_0": 2, "int8": 3}
+
+
+def row_bytes(fmt: str | None, d: int, dtype: str) -> int:
+    """Bytes of one stored K or V row of d values: plain (fmt None), ggml blocks of 32 values, or
+    int8 values and their float32 row scale."""
+    if fmt is None:
+        return d * np.dtype(dtype).itemsize
+    if fmt in BLOCK_BYTES:
+        return d // QK * BLOCK_BYTES[fmt]
+    return d + 4
+
+
 @dataclass(frozen=True)
 class DecodeProblem:
     b: int
@@ -144,20 +164,29 @@ class DecodeProblem:
     dv: int
     paged: bool
     dtype: str  # "float32" | "float16"
+    k_fmt: str | None = None   # quantized K cache format (QUANT_CODES), None: dtype rows
+    v_fmt: str | None = None
 
     @property
     def group(self) -> int:
         return self.h_q // self.h_kv
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_fmt is not None or self.v_fmt is not None
+
     def bytes_moved(self, ctx_total: int) -> int:
-        """Fewest bytes one decode step moves: every K and V row read once per GQA group
-        (ctx_total = Σ_b context_len[b] keys, per KV head), q read and out written once.
+        """Fewest bytes one decode step moves: every K and V row read once per GQA group, as
+        stored (ctx_total = Σ_b context_len[b] keys, per KV head), q read and out written once.
 
-            bytes = H_kv · Σ_b ctx_b · (DK + DV) · e  +  B · H_q · (DK + DV) · e
+            bytes = H_kv · Σ_b ctx_b · (row_bytes(K) + row_bytes(V))  +  B · H_q · (DK + DV) · e
 
-        Block table, context lengths and split-k partials are overhead, not counted."""
+        row_bytes: (DK or DV) · e plain, 34 or 18 per 32 values for q8_0 / q4_0, D + 4 for int8
+        (its float32 row scale). Block table, context lengths and split-k partials are overhead,
+        not counted."""
         e = np.dtype(self.dtype).itemsize
-        return self.h_kv * ctx_total * (self.dk + self.dv) * e + self.b * self.h_q * (self.dk + self.dv) * e
+        per_key = row_bytes(self.k_fmt, self.dk, self.dtype) + row_bytes(self.v_fmt, self.dv, self.dtype)
+        return self.h_kv * ctx_total * per_key + self.b * self.h_q * (self.dk + self.dv) * e
 
 
 def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None = None,
@@ -216,16 +245,73 @@ def mma_tiles(group: int) -> int:
     return -(-group // 16)
 
 
+# --------------------------------------------------------------------------- variants
+
+@dataclass(frozen=True)
+class DecodeVariants:
+    """What the decode kernels specialize on (decode_common.h's -D flags) and the run-time values
+    they take, from a flashcl.variants.Variants. The query of sequence b sits at ctx[b] - 1, so a
+    window's right side hides nothing and a left side of -1 is no window at all."""
+
+    window_left: int | None = None   # keys [ctx - 1 - window_left, ctx); None: every key
+    softcap: float | None = None
+    sinks: np.ndarray | None = None          # float32 (H_q,): numpy, or a pyopencl Array
+    alibi_slopes: np.ndarray | None = None   # float32 (B, H_q): numpy, or a pyopencl Array
+
+    @classmethod
+    def of(cls, variants, prob: "DecodeProblem") -> "DecodeVariants | None":
+        """None when nothing changes the plain kernels' answer (they then run unchanged)."""
+        if variants is None:
+            return None
+        if getattr(variants, "mask", None) is not None:
+            raise ValueError("decode takes no mask (one query row per sequence: use window, or "
+                             "context_lens to end a sequence)")
+        left = None
+        if variants.window is not None and variants.window[0] >= 0:
+            left = int(variants.window[0])
+        sinks = slopes = None
+        if variants.sinks is not None:
+            sinks = np.ascontiguousarray(_host(variants.sinks), dtype=np.float32).reshape(prob.h_q)
+        if variants.alibi_slopes is not None:
+            slopes = np.ascontiguousarray(np.broadcast_to(_host(variants.alibi_slopes).astype(np.float32),
+                                                          (prob.b, prob.h_q)))
+        out = cls(left, None if variants.softcap is None else float(variants.softcap), sinks, slopes)
+        return out if out.flags() else None
+
+    def flags(self) -> dict:
+        """The -D defines of the variants that are on (the plain build has none of them)."""
+        on = {"WINDOW": self.window_left is not None, "SOFTCAP": self.softcap is not None,
+              "SINKS": self.sinks is not None, "ALIBI": self.alibi_slopes is not None}
+        return {k: 1 for k, v in on.items() if v}
+
+    def keys_seen(self, n_ctx: int) -> int:
+        """Keys the query of a sequence of n_ctx keys sees (what the split count is chosen from)."""
+        return n_ctx if self.window_left is None else min(n_ctx, self.window_left + 1)
+
+    def kernel_args(self, queue, dummy) -> tuple[list, list]:
+        """VARIANT_PARAMS (decode_common.h): window_left, softcap_log2, sinks, alibi_slopes (an
+        unused buffer argument gets ``dummy``, never read); and the device arrays, which the
+        caller keeps alive until the kernels have run."""
+        left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
+        cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
+        arrays = [x if x is None or isinstance(x, cla.Array) else cla.to_device(queue, x)
+                  for x in (self.sinks, self.alibi_slopes)]
+        bufs = [dummy if a is None else a.data for a in arrays]
+        return [np.int32(left), np.float32(cap), *bufs], [a for a in arrays if a is not None]
+
+
 def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = False,
-                    unroll_merge: bool = True, merge_only: bool = False) -> dict:
+                    unroll_merge: bool = True, merge_only: bool = False, variant_flags=None) -> dict:
     """The ``-D`` defines of decode.cl for one problem class and parameter set: what DecodeKernel
     builds and `flashcl export` writes. ``row_shuffle``: NVIDIA only (row_shuffle_ok);
-    ``unroll_merge``: off on CPUs; ``merge_only``: decode_mma.cl runs the two decode kernels."""
+    ``unroll_merge``: off on CPUs; ``merge_only``: decode_mma.cl runs the two decode kernels;
+    ``variant_flags``: DecodeVariants.flags() (none: the plain kernels)."""
     return {
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
         "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
         "ROW_SHUFFLE": row_shuffle, "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": merge_only,
-        **{k: params[k] for k in _PARAM_NAMES},
+        **{k: params[k] for k in _PARAM_NAMES}, **(variant_flags or {}),
+        **{name: QUANT_CODES[fmt] for name, fmt in (("K_QUANT", prob.k_fmt), ("V_QUANT", prob.v_fmt)) if fmt},
     }
 
 
@@ -249,7 +335,8 @@ def workspace_shapes(prob: DecodeProblem, num_splits: int) -> tuple:
 # The arguments of flash_decode and flash_decode_split (decode_common.h: DECODE_PARAMS), in order:
 # (name, OpenCL C type, meaning). store_t is float, or half when STORE_HALF; raw_t, one 16-byte
 # chunk, is float4, or uint4 holding 8 halves. DecodeKernel.__call__ passes them in this order.
-_KV_STRIDES = "in 16-byte chunks (elements / 4 for float, / 8 for half); rows start 16-byte aligned"
+_KV_STRIDES = ("in 16-byte chunks (elements / 4 for float, / 8 for half); rows start 16-byte aligned "
+               "(a quantized cache, K_QUANT / V_QUANT: in bytes)")
 ARGS = (
     ("q", "__global const store_t *", "queries (B, H_q, DK): element (b, h, d) at q_off + b*q_sb + h*q_sh + d"),
     ("k", "__global const raw_t *", "K cache, paged (num_blocks, block_size, H_kv, DK) or contiguous "
@@ -293,6 +380,21 @@ ARGS = (
     ("o_sh", "const ulong", "out head stride in elements"),
 )
 
+# Arguments that follow ARGS only in builds that need them (decode_common.h VARIANT_PARAMS, then
+# decode.cl QUANT_PARAMS); a quantized K or V cache also takes its offset and strides in bytes.
+VARIANT_ARGS = (
+    ("window_left", "const int", "WINDOW: the query at p = ctx - 1 sees keys [p - window_left, ctx)"),
+    ("softcap_log2", "const float", "SOFTCAP: the softcap times log2(e)"),
+    ("sinks", "__global const float *", "SINKS: (H_q,) sink logits, natural log; else any buffer"),
+    ("alibi_slopes", "__global const float *", "ALIBI: (B, H_q) slopes; else any buffer"),
+)
+QUANT_ARGS = (
+    ("k_scales", "__global const float *", "int8 K: one float32 scale per row, in the rows' order; else any buffer"),
+    ("v_scales", "__global const float *", "int8 V: as k_scales"),
+    ("ks_off", "const ulong", "offset of k_scales[0] in floats"),
+    ("vs_off", "const ulong", "offset of v_scales[0] in floats"),
+)
+
 # The arguments of flash_decode_merge, in order; it runs after flash_decode_split when num_splits > 1.
 MERGE_ARGS = (
     ("part_m", "__global const float *", "flash_decode_split's part_m (B, H_q, num_splits)"),
@@ -327,8 +429,10 @@ class DecodeKernel:
 
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
                  verbose: bool = False, extra_options=(), row_shuffle: bool | None = None,
-                 tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS):
+                 tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS,
+                 variant_flags: dict | None = None):
         self.handle, self.prob, self.params = handle, prob, dict(params)
+        self.variant_flags = dict(variant_flags or {})
         shuffle_ok = row_shuffle_ok(handle, params, prob.group, prob.dk, prob.dv, prob.dtype)
         if row_shuffle and not shuffle_ok:
             raise ValueError("row_shuffle: needs an NVIDIA device, HEAD_TILE == G, and K rows of a "
@@ -343,7 +447,8 @@ class DecodeKernel:
                              "cache, DK a multiple of 32 up to 256 and DV 64 or 128")
         self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
         self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle,
-                                       unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores))
+                                       unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores),
+                                       variant_flags=self.variant_flags)
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
         self.built_decode = self.built  # the program of flash_decode and flash_decode_split
@@ -351,7 +456,8 @@ class DecodeKernel:
         if self.tensor_cores:
             mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "STORE_HALF": 1,
                            "PAGED": prob.paged, "MMA_WARPS": mma_warps,
-                           "MMA_EMULATE": self.tensor_cores == "emulate"}
+                           "MMA_EMULATE": self.tensor_cores == "emulate", **self.variant_flags,
+                           **{k_: v_ for k_, v_ in self.defines.items() if k_ in ("K_QUANT", "V_QUANT")}}
             self.built_decode = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,
                                       extra_options=extra_options)
             self.wg = 32 * mma_warps
@@ -394,19 +500,30 @@ class DecodeKernel:
         return ws
 
     def __call__(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
-                 wait_for=None) -> list[cl.Event]:
+                 wait_for=None, variants: DecodeVariants | None = None) -> list[cl.Event]:
         """Enqueue on pyopencl Arrays; returns the events (decode, and merge when num_splits > 1).
 
         q (B, H_q, DK) and out (B, H_q, DV): head dim contiguous. k/v: contiguous (B, H_kv, N_max, D)
         or paged (num_blocks, block_size, H_kv, D), head dim contiguous, offsets and other strides
         multiples of 16 bytes. block_table (B, max_blocks) int32 (paged; any int32 array otherwise),
         context_lens (B,) int32, lse (B, H_q) float32; all contiguous. Bad table values: see the
-        class docstring.
+        class docstring. ``variants``: the run-time values of the variants this kernel was built
+        for (the same flags), or None for a plain build.
         """
         p, h = self.prob, self.handle
+        given = variants.flags() if variants is not None else {}
+        if given != self.variant_flags:
+            raise ValueError(f"variants: this kernel was built for {sorted(self.variant_flags) or 'none'}, "
+                             f"the call has {sorted(given) or 'none'}")
+        extra, self._variant_arrays = variants.kernel_args(h.queue, lse.data) if variants else ([], [])
         w = chunk_elems(p.dtype)
-        kv_args = []
-        for arr in (k, v):
+        kv_args, scale_args = [], []
+        for arr, fmt in ((k, p.k_fmt), (v, p.v_fmt)):
+            if fmt is not None:
+                kv_args += _quantized_addressing(arr, fmt, p.paged, w, wide=bool(self.tensor_cores))
+                scale_args.append(arr.scales if fmt == "int8" else None)
+                continue
+            scale_args.append(None)
             strides = elem_strides(arr)
             off = arr.offset // arr.dtype.itemsize
             if p.paged:   # (num_blocks, block_size, H_kv, D): s0 = block, s1 = slot
@@ -429,15 +546,19 @@ class DecodeKernel:
                   np.int32(min(capacity, 2**31 - 1)), np.float32(scale * _LOG2E),
                   np.uint64(q.offset // q.dtype.itemsize), np.uint64(qs[0]), np.uint64(qs[1]),
                   *kv_args,
-                  np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1])]
+                  np.uint64(out.offset // out.dtype.itemsize), np.uint64(os_[0]), np.uint64(os_[1]),
+                  *extra]
+        if "int8" in (p.k_fmt, p.v_fmt):  # QUANT_PARAMS: the int8 row scales and their offsets
+            common += [lse.data if sc is None else sc.base_data for sc in scale_args]
+            common += [np.uint64(0 if sc is None else sc.offset // 4) for sc in scale_args]
         gsize, lsize = launch_grid(p, self.wg, num_splits, self.head_tiles)
         if num_splits == 1:
-            args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
+            args = [q.base_data, _buffer(k), _buffer(v), out.base_data, lse.data,
                     lse.data, lse.data, lse.data, block_table.data, context_lens.data, *common]
             return [launch(h, self.kernels["flash_decode"], gsize, lsize, args, name=KERNEL,
                            params=self.params)]
         pm, pl, pacc = self.workspace(num_splits)
-        args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.data,
+        args = [q.base_data, _buffer(k), _buffer(v), out.base_data, lse.data,
                 pm.data, pl.data, pacc.data, block_table.data, context_lens.data, *common]
         mwg = self.params["MERGE_WG"]
         margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
@@ -448,12 +569,61 @@ class DecodeKernel:
                                     *merge_grid(p, mwg), margs)], params=self.params)
 
     def auto_splits(self, n_ctx: int) -> int:
-        """The split count choose_num_splits gives this kernel for contexts up to n_ctx keys."""
+        """The split count choose_num_splits gives this kernel for a query that sees up to n_ctx
+        keys (with a window: the windowed length, DecodeVariants.keys_seen)."""
         tuned = dict(waves=MMA_WAVES, keys_per_split=MMA_KEYS_PER_SPLIT,
                      min_keys=MMA_MIN_KEYS_PER_SPLIT) if self.tensor_cores else {}
         return choose_num_splits(int(self.handle.device.max_compute_units),
                                  self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned,
                                  params=self.params)
+
+
+def _quant_format(x, name: str) -> str | None:
+    """A cache's QUANT_CODES format, None for a plain one; a format decode.cl cannot read raises."""
+    if not isinstance(x, QuantizedTensor):
+        return None
+    if x.fmt not in QUANT_CODES:
+        raise TypeError(f"{name}: the OpenCL decode kernels read {', '.join(QUANT_CODES)} caches, got {x.fmt!r}")
+    return x.fmt
+
+
+def quantized_to_device(qt: QuantizedTensor, queue) -> QuantizedTensor:
+    """The QuantizedTensor with data (and int8 scales) as pyopencl Arrays; pyopencl ones stay."""
+    def dev(x):
+        return x if isinstance(x, cla.Array) else cla.to_device(queue, native_host(x))
+
+    scales = dev(qt.scales) if qt.fmt == "int8" else None  # ggml scales live inside data
+    return QuantizedTensor(dev(qt.data), scales, qt.fmt, tuple(qt.shape), qt.dtype)
+
+
+def _buffer(x):
+    """The buffer a K/V argument reads: a plain Array's, or a quantized cache's data."""
+    return x.data.base_data if isinstance(x, QuantizedTensor) else x.base_data
+
+
+def _quantized_addressing(qt: QuantizedTensor, fmt: str, paged: bool, w: int, wide: bool = False) -> list:
+    """decode.cl's off, s0, sh, s1 of a quantized cache (pyopencl data), in bytes. Rows must be
+    contiguous and their pieces aligned as the kernels read them: 2 bytes in ggml blocks; int8 8
+    (fp16 q) or 4 (fp32 q), 16 for decode_mma.cl (``wide``), its scales one contiguous float32 per
+    row in the rows' order."""
+    data = qt.data
+    if not isinstance(data, cla.Array):
+        raise TypeError(f"a quantized cache's data must be a pyopencl Array here, got {type(data).__name__}")
+    st = data.strides
+    row = qt.shape[-1] // QK * BLOCK_BYTES[fmt] if fmt in BLOCK_BYTES else qt.shape[-1]
+    contiguous_row = (st[-1] == 1 and st[-2] == BLOCK_BYTES[fmt]) if fmt in BLOCK_BYTES else st[-1] == 1
+    align = 2 if fmt in BLOCK_BYTES else 16 if wide else 2 * w
+    if fmt == "int8" and not (data.flags.c_contiguous and qt.scales.flags.c_contiguous):
+        raise ValueError("int8 k_cache/v_cache: data and scales must be C-contiguous (the row scale is "
+                         "found at the row's byte offset / D)")
+    if not contiguous_row or any(x % align for x in (data.offset, *st[:3])):
+        raise ValueError(f"{fmt} k_cache/v_cache: rows of {row} contiguous bytes with offset and strides "
+                         f"multiples of {align} needed; got offset {data.offset}, strides {st}")
+    if paged:   # (num_blocks, block_size, H_kv, ...): s0 = block, s1 = slot
+        s0, s1, sh = st[0], st[1], st[2]
+    else:       # (B, H_kv, N_max, ...): s0 = batch, s1 = token
+        s0, sh, s1 = st[0], st[1], st[2]
+    return [np.uint64(data.offset), np.uint64(s0), np.uint64(sh), np.uint64(s1)]
 
 
 # --------------------------------------------------------------------------- host-side checks
@@ -519,25 +689,28 @@ def max_context(geo: dict, context_lens) -> int:
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
            device, params, return_lse: bool, variants=None):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api."""
-    if variants is not None:
-        raise NotImplementedError("attention variants are not implemented on this backend yet")
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
                          f"weight per split in local memory)")
     is_cl = isinstance(q, cla.Array)
-    handle = handle_for_inputs({"q": q, "k_cache": k_cache, "v_cache": v_cache}, device)
+    stored = {name: (t.data if isinstance(t, QuantizedTensor) else t)  # the arrays that hold the bytes
+              for name, t in (("k_cache", k_cache), ("v_cache", v_cache))}
+    handle = handle_for_inputs({"q": q, **stored}, device)
     dtype = dtype_name(q)
     b, h_q, h_kv = geo["B"], geo["H_q"], geo["H_kv"]
-    prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype)
+    k_fmt, v_fmt = (_quant_format(t, name) for name, t in (("k_cache", k_cache), ("v_cache", v_cache)))
+    prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype, k_fmt, v_fmt)
+    var = DecodeVariants.of(variants, prob)
     n_ctx = max_context(geo, context_lens)
-    check_fits(handle, {"q": nbytes(q.shape, dtype), "k_cache": nbytes(k_cache.shape, dtype),
-                        "v_cache": nbytes(v_cache.shape, dtype), "out": nbytes((b, h_q, geo["DV"]), dtype),
+    check_fits(handle, {"q": nbytes(q.shape, dtype),
+                        **{name: nbytes(t.shape, dtype_name(t)) for name, t in stored.items()},
+                        "out": nbytes((b, h_q, geo["DV"]), dtype),
                         "partial states": nbytes((b, h_q, num_splits or 1, geo["DV"] + 2), np.float32)})
     choice = choose_params(handle, prob, params, n_ctx)
-    kern = DecodeKernel(handle, prob, choice.params)
+    kern = DecodeKernel(handle, prob, choice.params, variant_flags=var.flags() if var else None)
     if num_splits is None:
-        num_splits = kern.auto_splits(n_ctx)
+        num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx)
 
     queue = handle.queue
     if is_cl:
@@ -548,13 +721,14 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
         qd = q
     else:
         qd = cla.to_device(queue, native_host(q))
-    kd, vd = (to_device_4d(t, queue, 4) for t in (k_cache, v_cache))
+    kd, vd = (quantized_to_device(t, queue) if isinstance(t, QuantizedTensor) else to_device_4d(t, queue, 4)
+              for t in (k_cache, v_cache))
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,)) if geo["paged"] else lens_d
     out = cla.empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q), np.float32)
-    wait_for_inputs(queue, (q, k_cache, v_cache, block_table, context_lens))
-    events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits)
+    wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens))
+    events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits, variants=var)
 
     if is_cl:
         attach_events((out, lse), events[-1:])

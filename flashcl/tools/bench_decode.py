@@ -16,6 +16,16 @@ GB/s = bytes / median time, reported as a percentage of the copy bandwidth measu
 run (a buffer-to-buffer clEnqueueCopyBuffer larger than the cache: 2 · size bytes per copy). Each
 shape runs single pass (num_splits=1), the automatic split count, and every forced count in
 ``splits``; the row says which forced count was best and whether auto is within 5% of it.
+
+``variants`` (e.g. {"window": (1023, 0), "softcap": 30.0}; "sinks" and "alibi_slopes" True draw
+values): the same inputs are also timed with the variants on, at their own automatic split count
+(from the windowed length), and the row gives both times and their ratio. Bytes of the variant run
+count the keys its query sees.
+
+``kv_format`` ("q8_0", "q4_0", "int8"): the same K/V values quantized (flashcl.quantize) are timed
+at the automatic split count next to the plain cache, in copies that rotate past the cache like
+the plain ones; bytes are counted as stored (DecodeProblem.bytes_moved), and the row gives the
+quantized time, its TB/s and its ratio to the plain time.
 """
 
 from __future__ import annotations
@@ -27,10 +37,11 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
-from .. import reference
+from .. import quant, reference
 from . import shapes
 from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
-from ..opencl.decode import DecodeKernel, DecodeProblem, choose_params
+from ..opencl.decode import DecodeKernel, DecodeProblem, DecodeVariants, choose_params, quantized_to_device
+from ..variants import Variants
 from ..opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
@@ -65,6 +76,21 @@ class DecodeRow:
     rel_err: float
     forced_ms: dict = field(default_factory=dict)
     kernel: str = ""         # which decode kernel ran (DecodeKernel.path)
+    variants: str = ""       # the variants timed next to the plain call ("" none)
+    var_auto_splits: int = 0
+    var_ms: float = float("nan")       # median, variants on, at var_auto_splits
+    var_gbps: float = float("nan")     # bytes of the keys the query sees
+    var_ratio: float = float("nan")    # var_ms / auto_ms
+    var_rel_err: float = float("nan")
+    var_forced_ms: dict = field(default_factory=dict)   # variants on, every forced split count
+    kv_format: str = ""      # the quantized cache timed next to the plain one ("" none)
+    quant_kernel: str = ""
+    quant_auto_splits: int = 0
+    quant_bytes: int = 0               # as stored
+    quant_ms: float = float("nan")     # median at quant_auto_splits
+    quant_tbps: float = float("nan")
+    quant_ratio: float = float("nan")  # quant_ms / auto_ms
+    quant_rel_err: float = float("nan")
 
 
 def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -113,12 +139,31 @@ def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int =
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
 
 
+def _bench_variants(variants: dict, b: int, h_q: int) -> dict:
+    """Oracle keywords for ``variants``: window and softcap as given, sinks and ALiBi slopes
+    (True) drawn as models use them (sinks ~ N(0, 1), slopes 2^(-8 (h + 1) / H_q))."""
+    unknown = set(variants) - {"window", "softcap", "sinks", "alibi_slopes"}
+    if unknown:
+        raise ValueError(f"variants: unknown {sorted(unknown)}; decode takes window, softcap, sinks, alibi_slopes")
+    kw = {k: variants[k] for k in ("window", "softcap") if variants.get(k) is not None}
+    if variants.get("sinks") is not None:
+        sinks = variants["sinks"]
+        kw["sinks"] = np.random.default_rng(1).standard_normal(h_q).astype(np.float32) if sinks is True else sinks
+    if variants.get("alibi_slopes") is not None:
+        slopes = variants["alibi_slopes"]
+        if slopes is True:
+            slopes = np.broadcast_to(2.0 ** (-8.0 * np.arange(1, h_q + 1) / h_q), (b, h_q))
+        kw["alibi_slopes"] = np.ascontiguousarray(np.broadcast_to(slopes, (b, h_q)), dtype=np.float32)
+    return kw
+
+
 def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_size: int = 16,
                  repeats: int = 10, splits=DEFAULT_SPLITS, params: dict | None = None,
                  check: bool = True, verbose_build: bool = False, progress=None,
-                 block_order: str = "random", head_dim: int = HEAD_DIM) -> list[DecodeRow]:
+                 block_order: str = "random", head_dim: int = HEAD_DIM,
+                 variants: dict | None = None, kv_format: str | None = None) -> list[DecodeRow]:
     """Time single pass, the automatic split count and every forced count of ``splits``, head dim
-    ``head_dim`` for q, K and V."""
+    ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring)."""
     rng = np.random.default_rng(0)
     dev = handle.device
     cache = int(dev.global_mem_cache_size)
@@ -157,16 +202,91 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         best = min(forced, key=forced.get)
         nbytes = prob.bytes_moved(b * ctx)
 
+        g = h_q // h_kv
+
+        def rel_err_of_first(kw):
+            """Relative error of sequence 0's first GQA group against the oracle."""
+            got = out.get()[:1, :g].astype(np.float64)
+            kw = {**kw, **{n: kw[n][..., :g] for n in ("sinks", "alibi_slopes") if n in kw}}
+            if "alibi_slopes" in kw:
+                kw["alibi_slopes"] = kw["alibi_slopes"][:1]
+            ref = reference.decode_attention(q[:1, :g], k[:, :, :1], v[:, :, :1], block_table=table[:1],
+                                             context_lens=lens[:1], **kw)
+            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
         err = float("nan")
         if check:
             for ev in run(auto)(0):
                 ev.wait()
-            g = h_q // h_kv
-            got = out.get()[:1, :g].astype(np.float64)
-            ref = reference.decode_attention(q[:1, :g], k[:, :, :1], v[:, :, :1], block_table=table[:1],
-                                             context_lens=lens[:1])
-            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            err = rel_err_of_first({})
         gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
+
+        var_fields = {}
+        if variants:
+            kw = _bench_variants(variants, b, h_q)
+            var = DecodeVariants.of(Variants(**kw), prob)
+            if var is None:
+                raise ValueError(f"variants {variants}: nothing changes the plain call (a window's left -1 hides no key)")
+            on_device = DecodeVariants(var.window_left, var.softcap,
+                                       *(None if x is None else cla.to_device(queue, x)
+                                         for x in (var.sinks, var.alibi_slopes)))
+            vkern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, variant_flags=var.flags())
+            vauto = vkern.auto_splits(var.keys_seen(ctx))
+
+            def run_var_splits(num_splits):
+                def go(i):
+                    qd, kd, vd, td, ld = sets[i % copies]
+                    return vkern(qd, kd, vd, out, lse, td, ld, scale, num_splits, variants=on_device)
+                return go
+
+            var_med = {s_: statistics.median(event_times(run_var_splits(s_), repeats))
+                       for s_ in sorted({1, vauto, *splits})}
+            run_var = run_var_splits(vauto)
+            var_ms = var_med[vauto]
+            var_err = float("nan")
+            if check:
+                for ev in run_var(0):
+                    ev.wait()
+                var_err = rel_err_of_first(kw)
+            var_bytes = prob.bytes_moved(b * var.keys_seen(ctx))
+            var_fields = dict(variants=" ".join(f"{k_}={v_}" for k_, v_ in variants.items()),
+                              var_auto_splits=vauto, var_ms=var_ms, var_gbps=var_bytes / (var_ms * 1e-3) / 1e9,
+                              var_ratio=var_ms / med[auto], var_rel_err=var_err,
+                              var_forced_ms={s_: var_med[s_] for s_ in sorted({1, *splits})})
+        quant_fields = {}
+        if kv_format:
+            qprob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype, kv_format, kv_format)
+            qkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
+                                 verbose=verbose_build)
+            qk, qv = quant.quantize(k, kv_format), quant.quantize(v, kv_format)
+            qbytes = qprob.bytes_moved(b * ctx)
+            stored = sum(x.nbytes for x in (qk.data, qv.data)) + (
+                qk.scales.nbytes + qv.scales.nbytes if kv_format == "int8" else 0)
+            # the same bytes at other addresses, as many copies as the plain cache's rule gives
+            qcopies = int(max(1, min(-(-3 * cache // stored), mem_budget // max(stored, 1), 8)))
+            qsets = [[quantized_to_device(x, queue) for x in (qk, qv)] for _ in range(qcopies)]
+            qauto = qkern.auto_splits(ctx)
+
+            def run_quant(i):
+                qd, _, _, td, ld = sets[i % copies]
+                kd, vd = qsets[i % qcopies]
+                return qkern(qd, kd, vd, out, lse, td, ld, scale, qauto)
+
+            quant_ms = statistics.median(event_times(run_quant, repeats))
+            quant_err = float("nan")
+            if check:
+                for ev in run_quant(0):
+                    ev.wait()
+                got = out.get()[:1, :g].astype(np.float64)
+                ref = reference.decode_attention(q[:1, :g], quant.dequantize(qk)[:, :, :1],
+                                                 quant.dequantize(qv)[:, :, :1], block_table=table[:1],
+                                                 context_lens=lens[:1])
+                quant_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            quant_fields = dict(kv_format=kv_format, quant_kernel=qkern.path, quant_auto_splits=qauto,
+                                quant_bytes=qbytes, quant_ms=quant_ms,
+                                quant_tbps=qbytes / (quant_ms * 1e-3) / 1e12,
+                                quant_ratio=quant_ms / med[auto], quant_rel_err=quant_err)
+            del qsets
         row = DecodeRow(
             shape=f"({b},{h_q}/{h_kv},{ctx},{head_dim})", dtype=dtype, block_size=block_size,
             block_order=block_order,
@@ -176,7 +296,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             auto_min_ms=min(timed[auto]), auto_max_ms=max(timed[auto]), auto_gbps=gbps(med[auto]),
             copy_gbps=copy_gbps, pct_copy=100.0 * gbps(med[auto]) / copy_gbps, best_split=best, best_ms=forced[best],
             auto_ok=med[auto] <= AUTO_TOLERANCE * forced[best], rel_err=err, forced_ms=forced,
-            kernel=kern.path)
+            kernel=kern.path, **var_fields, **quant_fields)
         rows.append(row)
         if progress:
             progress(row)
@@ -206,6 +326,20 @@ def format_decode(rows, cond: dict) -> str:
             f"{'yes' if r.auto_ok else 'NO':>8} {r.rel_err:8.1e}")
     lines.append("# forced split sweep (ms): " + "; ".join(
         f"{r.shape} " + " ".join(f"{s}:{t:.3f}" for s, t in r.forced_ms.items()) for r in rows))
+    if any(r.variants for r in rows):
+        lines.append("# with variants (auto splits from the keys the query sees; ratio = variant ms / plain auto ms):")
+        for r in rows:
+            lines.append(f"#   {r.shape:24} {r.variants}: splits {r.var_auto_splits}, {r.var_ms:.3f} ms vs "
+                         f"{r.auto_ms:.3f} ms plain, ratio {r.var_ratio:.3f} ({1 / r.var_ratio:.1f}x faster), "
+                         f"{r.var_gbps:.1f} GB/s, rel err {r.var_rel_err:.1e}; forced splits (ms): "
+                         + " ".join(f"{s}:{t:.3f}" for s, t in r.var_forced_ms.items()))
+    if any(r.kv_format for r in rows):
+        lines.append("# quantized cache (bytes as stored; ratio = quantized ms / plain auto ms):")
+        for r in rows:
+            lines.append(f"#   {r.shape:24} {r.kv_format}: {r.quant_bytes / 1e6:.1f} MB, splits {r.quant_auto_splits}, "
+                         f"{r.quant_ms:.3f} ms vs {r.auto_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
+                         f"{r.quant_tbps:.3g} TB/s vs {r.auto_gbps / 1e3:.3g}, rel err {r.quant_rel_err:.1e} "
+                         f"[{r.quant_kernel}]")
     lines.append("# decode kernel: " + "; ".join(sorted({r.kernel for r in rows})))
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources) + "; params: " + "; ".join(sorted({r.params for r in rows})))

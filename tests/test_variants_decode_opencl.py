@@ -1,0 +1,277 @@
+"""Attention variants in the OpenCL decode kernels (decode.cl, and decode_mma.cl through its
+emulated PTX) against the float64 oracle, on every OpenCL device present (conftest.py).
+
+The query of sequence b sits at position ctx[b] - 1: a window (left, right) shows it the keys
+[ctx - 1 - left, ctx); softcap and ALiBi change each score; a sink joins the normalizer once, in
+the single pass or in one split of split-k. Outputs are NaN-poisoned before each run, and the keys
+a row cannot see are NaN/inf in K and V, so a key read or an element left unwritten fails. Each
+flag set is one program build, so the tests vary what is a run-time argument (windows, split
+counts, context lengths, block tables) within a few builds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcl
+from flashcl import reference
+from flashcl.opencl import decode as cl_decode
+from flashcl.opencl.decode import DecodeKernel, DecodeProblem, DecodeVariants, choose_params
+from flashcl.opencl.runtime import get_device
+from flashcl.variants import Variants
+
+from ._check import assert_close
+
+cla = pytest.importorskip("pyopencl.array")
+
+ALL = ("window", "softcap", "sinks", "alibi")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _variants(rng, names, b, h_q, window=(37, 0)) -> dict:
+    """Oracle keywords of the variants ``names``; per-batch ALiBi slopes, sinks of both signs."""
+    kw = {}
+    if "window" in names:
+        kw["window"] = window
+    if "softcap" in names:
+        kw["softcap"] = 2.5          # below the logits' spread: the cap is active
+    if "sinks" in names:
+        kw["sinks"] = (rng.standard_normal(h_q) * 2).astype(np.float32)
+    if "alibi" in names:
+        kw["alibi_slopes"] = (rng.random((b, h_q)) * 0.2).astype(np.float32)
+    return kw
+
+
+def _paged(rng, b, h_q, h_kv, dk, dv, lens, block_size, dtype, logit_scale=2.0):
+    """q and a paged cache in permuted blocks; table entries past each sequence's end are bad ids."""
+    max_blocks = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = b * max_blocks + 2
+    q = (rng.standard_normal((b, h_q, dk)) * logit_scale).astype(dtype)
+    k = rng.standard_normal((num_blocks, block_size, h_kv, dk)).astype(dtype)
+    v = rng.standard_normal((num_blocks, block_size, h_kv, dv)).astype(dtype)
+    table = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    lens = np.asarray(lens, dtype=np.int32)
+    for i, n in enumerate(lens):
+        table[i, -(-n // block_size):] = -7
+    return q, k, v, table, lens
+
+
+def _poison_outside_window(k, v, table, lens, left, block_size=None):
+    """NaN in K and inf in V at every key left of each sequence's window (never to be read)."""
+    k, v = k.copy(), v.copy()
+    for i, n in enumerate(lens):
+        for j in range(max(0, int(n) - 1 - left)):
+            if table is None:
+                k[i, :, j], v[i, :, j] = np.nan, np.inf
+            else:
+                blk, slot = table[i, j // block_size], j % block_size
+                k[blk, slot], v[blk, slot] = np.nan, np.inf
+    return k, v
+
+
+def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None):
+    """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse."""
+    h = get_device(device)
+    b, h_q, dk = q.shape
+    paged = table is not None
+    h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
+    prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
+    var = DecodeVariants.of(Variants(**kw), prob) if kw else None
+    choice = choose_params(h, prob, params)
+    kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
+                        variant_flags=var.flags() if var else None)
+    qd, kd, vd, lens_d = (cla.to_device(h.queue, x) for x in (q, k, v, lens))
+    table_d = cla.to_device(h.queue, table) if paged else lens_d
+    out = cla.to_device(h.queue, np.full((b, h_q, dv), np.nan, dtype=q.dtype))
+    lse = cla.to_device(h.queue, np.full((b, h_q), np.nan, dtype=np.float32))
+    for ev in kern(qd, kd, vd, out, lse, table_d, lens_d, dk ** -0.5, num_splits, variants=var):
+        ev.wait()
+    return out.get(), lse.get()
+
+
+def check(got, q, k, v, table, lens, kw, what):
+    out, lse = got
+    ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
+                                                  return_lse=True, **kw)
+    dtype = q.dtype.name
+    assert_close(out, ref_out, dtype, f"{what}: out")
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse)), f"{what}: lse finite at {np.isfinite(lse)}, expected {finite}"
+    assert np.array_equal(lse[~finite], ref_lse[~finite]), f"{what}: lse {lse[~finite]} vs {ref_lse[~finite]}"
+    if finite.any():
+        assert_close(lse[finite], ref_lse[finite], dtype, f"{what}: lse")
+
+
+# --------------------------------------------------------------------------- each variant, combined
+
+@pytest.mark.parametrize("names", [("window",), ("softcap",), ("sinks",), ("alibi",), ALL],
+                         ids=lambda n: "+".join(n))
+def test_each_variant_and_all(cl_device, names):
+    """GQA 4:1, paged block 16, contexts of 1, a partial block and several tiles, left of the
+    window poisoned; single pass, split-k, more splits than keys."""
+    rng = np.random.default_rng(1)
+    b, h_q, h_kv, d, bs = 3, 8, 2, 64, 16
+    lens = [1, 45, 200]
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, lens, bs, np.float32)
+    kw = _variants(rng, names, b, h_q)
+    if "window" in names:
+        k, v = _poison_outside_window(k, v, table, lens, kw["window"][0], bs)
+    for splits in (1, 3, 64):
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        check(got, q, k, v, table, lens, kw, f"{names} splits={splits}")
+
+
+def test_all_variants_fp16_d128(cl_device):
+    """Every variant on the path the device picks for an fp16 cache at d = 128 (decode_mma.cl on
+    NVIDIA tensor cores, decode.cl elsewhere), GQA 8:1, paged block 16, several split counts."""
+    rng = np.random.default_rng(9)
+    b, h_q, h_kv, d = 2, 16, 2, 128
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [300, 81], 16, np.float16)
+    kw = _variants(rng, ALL, b, h_q, window=(100, 0))
+    k, v = _poison_outside_window(k, v, table, lens, 100, 16)
+    for splits in (1, 2, 9):
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        check(got, q, k, v, table, lens, kw, f"fp16 d=128 splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_window_edges(cl_device, dtype):
+    """Windows at and around the tile edges, wider than the context, right side > 0 (nothing for
+    decode); a contiguous cache poisoned left of each window. One build: left is an argument."""
+    rng = np.random.default_rng(2)
+    b, h_q, h_kv, d, n_max = 2, 4, 1, 64, 150
+    h = get_device(cl_device)
+    prob = DecodeProblem(b, h_q, h_kv, d, d, False, dtype)
+    params = choose_params(h, prob).params
+    tile = params["ROWS"] * params["UNROLL"]
+    lens = np.array([150, 2 * tile + 3], dtype=np.int32)
+    q = (rng.standard_normal((b, h_q, d)) * 2).astype(dtype)
+    k0 = rng.standard_normal((b, h_kv, n_max, d)).astype(dtype)
+    v0 = rng.standard_normal((b, h_kv, n_max, d)).astype(dtype)
+    for left in (0, 1, tile - 1, tile, tile + 1, 2 * tile + 2, 1000):
+        for right in (0, 5):
+            k, v = _poison_outside_window(k0, v0, None, lens, left)
+            kw = {"window": (left, right)}
+            for splits in (1, 4):
+                got = run_variants(cl_device, q, k, v, None, lens, splits, kw)
+                check(got, q, k, v, None, lens, kw, f"window {(left, right)} splits={splits}")
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_staged_head_tiles_fp16(cl_device, block_size):
+    """Every variant with the K/V tile staged in local memory for two head tiles (HEAD_TILE < G),
+    DK != DV, fp16, MQA (one KV head for 8 query heads)."""
+    rng = np.random.default_rng(3)
+    b, h_q, h_kv, dk, dv = 2, 8, 1, 64, 32
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, dk, dv, [70, 33], block_size, np.float16)
+    kw = _variants(rng, ALL, b, h_q, window=(20, 0))
+    k, v = _poison_outside_window(k, v, table, lens, 20, block_size)
+    params = {"ROWS": 4, "UNROLL": 2, "HEAD_TILE": 4, "MERGE_WG": 64}
+    for splits in (1, 5):
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw, params=params)
+        check(got, q, k, v, table, lens, kw, f"staged bs={block_size} splits={splits}")
+
+
+def test_tensor_core_kernel_emulated(cl_device):
+    """decode_mma.cl (its mma.sync / shfl.sync emulated) with every variant: G = 4 (padding MMA
+    rows), single pass and split-k."""
+    rng = np.random.default_rng(4)
+    b, h_q, h_kv, d = 2, 8, 2, 64
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [150, 40], 16, np.float16)
+    kw = _variants(rng, ALL, b, h_q, window=(70, 0))
+    k, v = _poison_outside_window(k, v, table, lens, 70, 16)
+    for splits in (1, 3):
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw, tensor_cores="emulate")
+        check(got, q, k, v, table, lens, kw, f"decode_mma.cl emulated splits={splits}")
+
+
+# --------------------------------------------------------------------------- sinks, empty rows
+
+def test_sinks_split_k_and_empty_sequences(cl_device):
+    """A sink counts once however many splits (and empty splits) there are; a sequence of 0 keys
+    returns zeros with lse = the sink; huge sinks dominate the normalizer."""
+    rng = np.random.default_rng(5)
+    b, h_q, h_kv, d = 3, 4, 2, 32
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [0, 5, 90], 16, np.float32)
+    sinks = np.array([-3.0, 0.5, 30.0, -np.inf], dtype=np.float32)
+    kw = {"sinks": sinks}
+    for splits in (1, 2, 7, 128):
+        out, lse = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        check((out, lse), q, k, v, table, lens, kw, f"sinks splits={splits}")
+        assert np.all(out[0] == 0), out[0]
+        np.testing.assert_allclose(lse[0], sinks, rtol=1e-6)  # through log2 units and back
+
+
+def test_alibi_slopes_per_batch_row(cl_device):
+    """Per-batch slopes: swapping two sequences' slopes changes exactly their outputs."""
+    rng = np.random.default_rng(6)
+    b, h_q, h_kv, d = 2, 4, 4, 32
+    q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [60, 60], 8, np.float32)
+    slopes = np.array([[0.0, 0.05, 0.3, 1.0], [0.7, 0.0, 0.01, 0.2]], dtype=np.float32)
+    for s in (slopes, slopes[::-1].copy()):
+        kw = {"alibi_slopes": s}
+        for splits in (1, 4):
+            got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+            check(got, q, k, v, table, lens, kw, f"alibi {s.tolist()} splits={splits}")
+
+
+# --------------------------------------------------------------------------- host side
+
+def test_public_api_and_window_splits(cl_device, monkeypatch):
+    """flashcl.decode takes the variants; the automatic split count is chosen from the windowed
+    length, and a window that hides nothing (left -1) runs the plain kernels."""
+    rng = np.random.default_rng(7)
+    b, h_q, h_kv, d, n = 1, 4, 1, 32, 4096
+    q = rng.standard_normal((b, h_q, d)).astype(np.float32)
+    k = rng.standard_normal((b, h_kv, n, d)).astype(np.float32)
+    v = rng.standard_normal((b, h_kv, n, d)).astype(np.float32)
+    seen = []
+    call = DecodeKernel.__call__
+
+    def spy(self, *a, variants=None, **kw_):
+        seen.append((a[8], dict(self.variant_flags)))
+        return call(self, *a, variants=variants, **kw_)
+
+    monkeypatch.setattr(DecodeKernel, "__call__", spy)
+    kw = {"window": (63, 0), "softcap": 3.0, "sinks": rng.standard_normal(h_q).astype(np.float32),
+          "alibi_slopes": rng.random(h_q).astype(np.float32) * 0.1}
+    out, lse = flashcl.decode(q, k, v, device=cl_device, return_lse=True, **kw)
+    ref_out, ref_lse = reference.decode_attention(q, k, v, return_lse=True, **kw)
+    assert_close(out, ref_out, "float32", "api out")
+    assert_close(lse, ref_lse, "float32", "api lse")
+    h = get_device(cl_device)
+    prob = DecodeProblem(b, h_q, h_kv, d, d, False, "float32")
+    kern = DecodeKernel(h, prob, choose_params(h, prob).params)
+    assert seen[-1] == (kern.auto_splits(64), {"WINDOW": 1, "SOFTCAP": 1, "SINKS": 1, "ALIBI": 1})
+    assert kern.auto_splits(64) < kern.auto_splits(n) or kern.auto_splits(n) == 1
+
+    flashcl.decode(q, k, v, device=cl_device, window=(-1, 8))
+    assert seen[-1][1] == {}, "a window that hides no key must run the plain kernels"
+
+
+def test_plain_path_and_errors(cl_device):
+    """No variant: the defines and argument list are the plain kernels'; a kernel built for one
+    flag set refuses calls with another; decode refuses a mask."""
+    h = get_device(cl_device)
+    prob = DecodeProblem(1, 2, 1, 32, 32, False, "float32")
+    params = choose_params(h, prob).params
+    plain = cl_decode.program_defines(prob, params)
+    assert not {"WINDOW", "SOFTCAP", "SINKS", "ALIBI"} & set(plain)
+    assert DecodeVariants.of(Variants(window=(-1, 3)), prob) is None
+    with pytest.raises(ValueError, match="mask"):
+        DecodeVariants.of(Variants(mask=np.ones((1, 1, 1, 4), dtype=bool)), prob)
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 40, 32)).astype(np.float32)
+    lens = np.array([40], dtype=np.int32)
+    with pytest.raises(ValueError, match="built for"):
+        kern = DecodeKernel(h, prob, params, variant_flags={"SOFTCAP": 1})
+        qd, kd, ld = (cla.to_device(h.queue, x) for x in (q, k, lens))
+        out = cla.empty(h.queue, (1, 2, 32), np.float32)
+        lse = cla.empty(h.queue, (1, 2), np.float32)
+        kern(qd, kd, kd, out, lse, ld, ld, 1.0, 1)
+    got = run_variants(cl_device, q, k, k, None, lens, 2, {})
+    check(got, q, k, k, None, lens, {}, "plain")

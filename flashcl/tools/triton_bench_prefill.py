@@ -1,6 +1,7 @@
 """Prefill benchmark: flashcl's Triton kernel against torch SDPA's backends, same inputs, same run.
 
     flashcl bench prefill --backend triton [--dtype float16] [--rounds 3] [--json]
+    flashcl bench prefill --backend triton --window 4095,0 [--softcap 50] --shape 1,32,32,16384,128,1
 
 Throughput is TFLOP/s of exact attention (FLOPs below, next to the timing); each implementation
 is timed by CUDA-graph replay over input sets rotated past 3x L2 (flashcl.cuda_timing). The
@@ -11,11 +12,18 @@ settles: a single pass favours whoever runs first). Reported: the median over th
 spread of the round medians. Peers are torch SDPA restricted to one backend each (FLASH_ATTENTION
 = FlashAttention-2, CUDNN_ATTENTION, EFFICIENT_ATTENTION); a backend that refuses a shape is
 reported as n/a with its reason.
+
+With variants (``run(variants={"window": (left, right), "softcap": c, ...})``) each shape is timed
+three ways on the same inputs: flashcl with the variants, flashcl without them, and torch's
+FlexAttention (compiled, a causal + sliding-window block mask, a softcap / ALiBi score_mod). Their
+TFLOP/s count only the (row, key) pairs each call sees (visible_pairs), so a window's skipped keys
+count for nothing; the speed-up over the plain call is a ratio of times.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import sys
 
@@ -34,6 +42,21 @@ def prefill_flops(b: int, h_q: int, n_q: int, n_kv: int, dk: int, dv: int, causa
     convention, exact up to the diagonal)."""
     flops = 2.0 * b * h_q * n_q * n_kv * (dk + dv)
     return flops / 2 if causal else flops
+
+
+def visible_pairs(n_q: int, n_kv: int, causal: bool, window=None) -> int:
+    """(row, key) pairs that see each other under causal (bottom-right) and a window
+    (flashcl.variants.key_range per row)."""
+    import numpy as np
+
+    from ..variants import window_bounds
+
+    p = np.arange(n_q, dtype=np.int64) + (n_kv - n_q)  # row positions
+    left, right = window_bounds(window)
+    lo = np.maximum(p - left, 0)
+    hi = np.minimum(p + 1, n_kv) if causal else np.full_like(p, n_kv)
+    hi = np.minimum(hi, np.maximum(p + right + 1, 0))
+    return int(np.maximum(hi - lo, 0).sum())
 
 
 def _sdpa_call(backend_name: str, q, k, v, causal: bool):
@@ -57,6 +80,144 @@ def _flashcl_call(q, k, v, causal: bool):
     return lambda: tp.prefill(q, k, v, causal=causal)
 
 
+def _torch_variants(variants: dict, b: int, h_q: int):
+    """A flashcl.variants.Variants of torch CUDA tensors from the benchmark's ``variants`` dict
+    (window, softcap, sinks (H_q,), alibi_slopes (H_q,) or (B, H_q)); made once, outside the
+    timed graph."""
+    from ..variants import Variants
+
+    unknown = set(variants) - {"window", "softcap", "sinks", "alibi_slopes"}
+    if unknown:
+        raise ValueError(f"variants: the prefill benchmark takes window, softcap, sinks and alibi_slopes; "
+                         f"got {sorted(unknown)}")
+    window = variants.get("window")
+    window = None if window is None or tuple(window) == (-1, -1) else tuple(int(w) for w in window)
+    softcap = variants.get("softcap")
+
+    def tensor(name, shape):
+        x = variants.get(name)
+        return None if x is None else torch.as_tensor(x, dtype=torch.float32).expand(shape).contiguous().cuda()
+
+    return Variants(window, None if softcap is None else float(softcap), tensor("sinks", (h_q,)),
+                    tensor("alibi_slopes", (b, h_q)))
+
+
+def _flex_call(q, k, v, causal: bool, var):
+    """torch's FlexAttention on the same problem: a block mask for causal + window, a score_mod
+    for softcap and ALiBi (no sinks: it has none)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ..variants import window_bounds
+
+    if var.sinks is not None:
+        raise NotImplementedError("FlexAttention has no sinks")
+    n_q, n_kv = q.shape[2], k.shape[2]
+    shift = n_kv - n_q
+    left, right = window_bounds(var.window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = q_idx + shift
+        seen = (kv_idx >= pos - left) & (kv_idx <= pos + right)
+        return seen & (kv_idx <= pos) if causal else seen
+
+    block_mask = create_block_mask(mask_mod, None, None, n_q, n_kv, device=q.device)
+    cap, slopes = var.softcap, var.alibi_slopes
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - slopes[b, h] * (q_idx + shift - kv_idx).abs()
+        return score
+
+    flex = _compiled_flex()
+    gqa = q.shape[1] != k.shape[1]
+    mod = score_mod if (cap is not None or slopes is not None) else None
+    return lambda: flex(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    """flex_attention through torch.compile (its fused kernel; eager runs a reference loop)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+VARIANT_IMPLS = ("flashcl", "flashcl-plain", "flex")
+
+
+def _bench_variant_shape(shape, dtype, meta, rounds: int, variants: dict) -> list[dict]:
+    """One shape with variants: flashcl with them, flashcl without, FlexAttention (module docstring)."""
+    from . import cuda_timing
+    from ..triton import prefill as tp
+
+    b, h_q, h_kv, n, d, causal = shape
+    var = _torch_variants(variants, b, h_q)
+    sets = _input_sets(shape, dtype)
+    pairs = {"flashcl": visible_pairs(n, n, causal, var.window), "flex": visible_pairs(n, n, causal, var.window),
+             "flashcl-plain": visible_pairs(n, n, causal)}
+    makers = {
+        "flashcl": lambda q, k, v: (lambda: tp.prefill(q, k, v, causal=causal, variants=var)),
+        "flashcl-plain": lambda q, k, v: _flashcl_call(q, k, v, causal),
+        "flex": lambda q, k, v: _flex_call(q, k, v, causal, var),
+    }
+    described = {n_: (list(x) if isinstance(x, tuple) else x) for n_, x in variants.items()}
+    rows, outputs, runnable = [], {}, {}
+    for impl in VARIANT_IMPLS:
+        flops = 2.0 * b * h_q * pairs[impl] * 2 * d  # QK^T and PV over the visible pairs
+        row = {**meta, "impl": impl, "B": b, "H_q": h_q, "H_kv": h_kv, "N": n, "d": d, "causal": causal,
+               "variants": described if impl != "flashcl-plain" else {}, "visible_pairs": pairs[impl],
+               "rotated_sets": len(sets), "flops": flops, "rounds": rounds}
+        rows.append(row)
+        try:
+            calls = [makers[impl](q, k, v) for q, k, v in sets]
+            outputs[impl] = calls[0]()  # compiles / autotunes outside the graph
+            torch.cuda.synchronize()
+            if impl.startswith("flashcl"):
+                row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q,
+                                               variants=var if impl == "flashcl" else None)
+            else:  # a compiled peer must also replay inside a CUDA graph
+                cuda_timing.time_graph(calls[:1], warmup=1, reps=1)
+            runnable[impl] = calls
+        except Exception as e:  # FlexAttention missing, or a variant it does not express
+            row.update(median_ms=None, tflops=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+    timed = cuda_timing.interleaved_rounds(
+        {impl: (lambda c=calls: cuda_timing.time_graph(c, warmup=3, reps=20)["median_ms"])
+         for impl, calls in runnable.items()}, rounds)
+    by = {r["impl"]: r for r in rows}
+    for impl, t in timed.items():
+        r = by[impl]
+        r.update(t, spread_pct=100.0 * (t["max_ms"] - t["min_ms"]) / t["median_ms"],
+                 tflops=r["flops"] / (t["median_ms"] * 1e-3) / 1e12)
+    mine = by["flashcl"]
+    if mine.get("median_ms"):
+        for peer, key in (("flashcl-plain", "speedup_vs_plain"), ("flex", "speedup_vs_flex")):
+            if by[peer].get("median_ms"):
+                mine[key] = by[peer]["median_ms"] / mine["median_ms"]
+    if "flashcl" in outputs and "flex" in outputs:  # same inputs, same answer
+        ref = outputs["flex"].float()
+        mine["rel_diff_vs_flex"] = float((outputs["flashcl"].float() - ref).norm() / ref.norm())
+    del sets, outputs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _input_sets(shape, dtype):
+    """Fresh (q, k, v) sets, enough of them to rotate past 3x L2."""
+    from . import cuda_timing
+
+    b, h_q, h_kv, n, d, _ = shape
+    elt = torch.empty((), dtype=dtype).element_size()
+    set_bytes = (2 * b * h_q * n * d + 2 * b * h_kv * n * d) * elt  # q, out, k, v
+    n_sets = cuda_timing.rotation_count(set_bytes)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [tuple(torch.randn(s, device="cuda", dtype=dtype, generator=g)
+                  for s in ((b, h_q, n, d), (b, h_kv, n, d), (b, h_kv, n, d)))
+            for _ in range(n_sets)]
+
+
 def _config_name(c) -> str:
     return _tile_name({**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages,
                        "maxnreg": c.maxnreg})
@@ -78,13 +239,8 @@ def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
     from ..triton import prefill as tp
 
     b, h_q, h_kv, n, d, causal = shape
-    elt = torch.empty((), dtype=dtype).element_size()
-    set_bytes = (2 * b * h_q * n * d + 2 * b * h_kv * n * d) * elt  # q, out, k, v
-    n_sets = cuda_timing.rotation_count(set_bytes)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sets = [tuple(torch.randn(s, device="cuda", dtype=dtype, generator=g)
-                  for s in ((b, h_q, n, d), (b, h_kv, n, d), (b, h_kv, n, d)))
-            for _ in range(n_sets)]
+    sets = _input_sets(shape, dtype)
+    n_sets = len(sets)
     flops = prefill_flops(b, h_q, n, n, d, d, causal)
 
     rows, outputs, runnable = [], {}, {}
@@ -131,11 +287,13 @@ def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
     return rows
 
 
-def run(shapes=None, dtype: str = "float16", rounds: int = 3) -> list[dict]:
+def run(shapes=None, dtype: str = "float16", rounds: int = 3, variants: dict | None = None) -> list[dict]:
     """Time every implementation on every shape; one row per (shape, implementation).
 
     ``shapes``: (B, H_q, H_kv, N, d, causal) tuples, or (B, H, N, d, causal) for H_q = H_kv;
     default REFERENCE_SHAPES. ``rounds``: turns each implementation gets (module docstring).
+    ``variants``: {"window": (left, right), "softcap": c, "sinks": (H_q,), "alibi_slopes": ...}:
+    each shape timed with them, without them and by FlexAttention (VARIANT_IMPLS).
     """
     from .. import __version__
     from . import cuda_timing
@@ -148,14 +306,19 @@ def run(shapes=None, dtype: str = "float16", rounds: int = 3) -> list[dict]:
         "device": summary["device"], "capability": summary["capability"], "driver": summary["driver"],
         "torch": summary["torch"], "triton": __import__("triton").__version__, "dtype": dtype,
         "flashcl": __version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["flashcl bench prefill --backend triton", *sys.argv[1:]]),
+        # the CLI's own words when it called us, else what a script passed
+        "command": ("flashcl " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "prefill"]
+                    else " ".join(["flashcl bench prefill --backend triton", *sys.argv[1:]])),
     }
     rows = []
     for shape in shapes or REFERENCE_SHAPES:
         if len(shape) == 5:
             b, h, n, d, causal = shape
             shape = (b, h, h, n, d, causal)
-        rows += _bench_shape(tuple(shape), torch_dtype, meta, rounds)
+        if variants:
+            rows += _bench_variant_shape(tuple(shape), torch_dtype, meta, rounds, variants)
+        else:
+            rows += _bench_shape(tuple(shape), torch_dtype, meta, rounds)
     return rows
 
 
@@ -163,6 +326,8 @@ def format_table(rows: list[dict]) -> str:
     """A human table: one line per shape, TFLOP/s per implementation, flashcl's ratios."""
     if not rows:
         return "(no rows)"
+    if "variants" in rows[0]:
+        return _format_variant_table(rows)
     m = rows[0]
     head = (f"flashcl {m['flashcl']} prefill, {m['dtype']}, {m['device']} (sm_{m['capability'].replace('.', '')}), "
             f"driver {m['driver']}, torch {m['torch']}, triton {m['triton']}, {m['date']}\n"
@@ -203,3 +368,35 @@ def format_table(rows: list[dict]) -> str:
     if errors:
         out += "\nn/a:\n" + "\n".join(errors)
     return out
+
+
+def _format_variant_table(rows: list[dict]) -> str:
+    """The variant rows: per shape, TFLOP/s over the visible pairs of each implementation and
+    flashcl's speed-up over its plain call and over FlexAttention (ratios of times)."""
+    m = rows[0]
+    head = (f"flashcl {m['flashcl']} prefill with variants {m['variants']}, {m['dtype']}, {m['device']} "
+            f"(sm_{m['capability'].replace('.', '')}), driver {m['driver']}, torch {m['torch']}, "
+            f"triton {m['triton']}, {m['date']}\ncommand: {m['command']}\n"
+            "TFLOP/s = 4*B*H_q*d*(visible pairs) / median time (flashcl-plain: the causal pairs); "
+            f"CUDA-graph replay, inputs rotated past 3x L2; {m.get('rounds', 1)} interleaved rounds, median\n")
+    cols = ["B", "H_q/H_kv", "N", "d", "causal", *VARIANT_IMPLS, "ms", "plain ms", "flex ms",
+            "x plain", "x flex", "spread%", "flashcl config", "diff vs flex"]
+    keyf = lambda r: (r["B"], r["H_q"], r["H_kv"], r["N"], r["d"], r["causal"])  # noqa: E731
+    keys = list(dict.fromkeys(keyf(r) for r in rows))
+    lines = []
+    for key in keys:
+        by = {r["impl"]: r for r in rows if keyf(r) == key}
+        f = by.get("flashcl", {})
+        num = lambda r, k, fmt: fmt.format(r[k]) if r.get(k) is not None else "n/a"  # noqa: E731
+        cfg = f.get("config")
+        lines.append([str(key[0]), f"{key[1]}/{key[2]}", str(key[3]), str(key[4]), "T" if key[5] else "F",
+                      *[num(by.get(i, {}), "tflops", "{:.1f}") for i in VARIANT_IMPLS],
+                      *[num(by.get(i, {}), "median_ms", "{:.3f}") for i in VARIANT_IMPLS],
+                      num(f, "speedup_vs_plain", "{:.2f}"), num(f, "speedup_vs_flex", "{:.2f}"),
+                      num(f, "spread_pct", "{:.1f}"), _tile_name(cfg) if cfg else "-",
+                      num(f, "rel_diff_vs_flex", "{:.1e}")])
+    widths = [max(len(c), *(len(l[j]) for l in lines)) for j, c in enumerate(cols)]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = head + fmt(cols) + "\n" + "\n".join(fmt(l) for l in lines)
+    errors = [f"  {r['impl']} {keyf(r)}: {r['error']}" for r in rows if r.get("error")]
+    return out + ("\nn/a:\n" + "\n".join(errors) if errors else "")

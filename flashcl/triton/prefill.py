@@ -20,11 +20,27 @@ streaming K/V in tiles of BLOCK_N rows (FlashAttention-2, online softmax in the 
 the diagonal are never loaded (the loop bounds stop before them); only the tiles the diagonal
 crosses, and the ragged last tile of a non-causal row, go through the masked loop.
 
+Variants (flashcl.variants; each a compile-time flag, all off: the plain kernel, instruction for
+instruction): WINDOW narrows the loop to the tiles the block's window reaches,
+
+          keys ->   0   lo       full_start           full_end  hi      N_kv
+                  +----+--------+--------+--------+--------+--------+----+
+    BLOCK_M rows  |skip|  \     | full   | full   | full   |  \     |skip|
+                  +----+--------+--------+--------+--------+--------+----+
+                        loop 0    '------ loop 1 ---------'  loop 2
+
+(loop 0 masks the left edge, loop 2 the right edge or the causal diagonal); SOFTCAP and ALIBI
+change the scores of every tile (_variant_scores); SINKS start each row's state at the sink
+(m = sink, l = 1, so lse includes it); MASK (bool or additive) runs the tiles the host lists per
+query block (_list_mask_tiles: the block map, causal and the window) through the masked path,
+reading the mask tile with the scores.
+
 Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
 
 Non-finite inputs: a key a row cannot see never reaches that row, whatever its K or V holds: the
-masked tiles select scores with tl.where, keys past N_kv load as 0, and a causal block whose acc
-comes out non-finite is redone with V cleaned (_careful_block), a path finite inputs never take.
+masked tiles select scores with tl.where, keys past N_kv load as 0, and a causal, windowed or
+masked block whose acc comes out non-finite is redone with V cleaned (_careful_block), a path
+finite inputs never take.
 A row whose q or a visible K holds NaN/inf gets NaN out and lse (never lse = -inf); one that
 sees a non-finite V gets NaN in its whole output row if causal, else NaN/inf in that column
 (its lse stays exact).
@@ -41,7 +57,8 @@ in L2, and the longest causal rows of every head start first, so the short ones 
 the launch (HEAD_GROUP = 1 is plain head-by-head order). On sm_90+ with 16-byte aligned inputs the
 autotuner also times a config that moves tiles with tensor descriptors (TMA), built once per call
 on the host over the 4-D tensors; everywhere else the kernel uses plain pointer loads (sm_80+).
-Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, dtypes);
+Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, the variant
+flags, dtypes);
 the candidate configs come from _TILE_SPACE through the named filter _prune_configs.
 """
 
@@ -55,9 +72,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import KernelLaunchError
+from ..variants import Variants, window_bounds
 from . import interpreting
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
+LOG2E_K = tl.constexpr(LOG2E)  # the same, for kernels (they read only constexpr globals)
+MASK_BOOL = tl.constexpr(1)  # values of the kernel's MASK flag (0: no mask)
+MASK_ADD = tl.constexpr(2)
+SOFTCAP_EXACT = tl.constexpr(1)  # values of the kernel's SOFTCAP flag (0: no softcap), see _tanh
+SOFTCAP_FAST = tl.constexpr(2)
+# The mask's block map has one entry per MAP_GRAIN x MAP_GRAIN (queries x keys), the smallest
+# tile of _TILE_SPACE, so one map serves every config; a tile ORs the entries it covers.
+MAP_GRAIN = tl.constexpr(16)
+MAP_SEEN_K = tl.constexpr(1)  # MAP_SEEN for kernels
+MAP_PAD = tl.constexpr(128)  # map rows and columns padded to the largest tile (no bounds checks)
+MAP_SEEN, MAP_PLAIN = 1, 2  # block-map bits (_mask_block_map)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -125,18 +154,64 @@ def _hide_nonfinite_v(p, v, seen):
 
 
 @triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    """tanh in float32. FAST: PTX's tanh.approx (one MUFU op, relative error <= 2^-11, below what
+    16-bit inputs resolve); else from one exp2 and a division, odd by construction, exact at
+    +-inf, NaN stays NaN (libdevice's tanh has no interpreter twin)."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(x < 0, -t, t)
+    return t
+
+
+@triton.jit
+def _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos, key_pos,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Scores of a tile in log2 units: scale, then softcap c * tanh(s / c) (SOFTCAP_EXACT or
+    SOFTCAP_FAST, see _tanh), then ALiBi - slope * |p - j| (flashcl.variants' order). With
+    neither, the plain qk * qk_scale."""
+    if SOFTCAP:
+        s = softcap_log2 * _tanh(qk * softcap_scale, SOFTCAP == SOFTCAP_FAST)
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        # float distances (exact below 2^24): one subtract per score, no int-to-float convert
+        dist = row_pos.to(tl.float32)[:, None] - key_pos.to(tl.float32)[None, :]
+        s = s - alibi_log2 * tl.abs(dist)
+    return s
+
+
+@triton.jit
+def _tile_in_map(map_rows, start_n, BLOCK_N: tl.constexpr):
+    """Whether the block map holds a visible key in key tile start_n of these map rows
+    (map_rows: (rows, 1) pointers to the MAP_GRAIN x MAP_GRAIN entries of the query block)."""
+    cols = start_n // MAP_GRAIN + tl.arange(0, BLOCK_N // MAP_GRAIN)
+    return (tl.max(tl.load(map_rows + cols[None, :])) & MAP_SEEN_K) != 0
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                  stride_kn, stride_vn, N_KV, row_last, qk_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CLEAN_V: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr,
-                 EARLY_V: tl.constexpr):
+                 EARLY_V: tl.constexpr,
+                 row_first=None, row_pos=None, softcap_scale=None, softcap_log2=None,
+                 alibi_log2=None, mask_rows=None, stride_mk=None,
+                 WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                 ALIBI: tl.constexpr = False, MASK: tl.constexpr = 0):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
     k_src/v_src: see _load_tile. MASKED: row i sees the keys j <= row_last[i] (row_last < N_kv
-    folds the causal limit and the ragged end). CLEAN_V (masked tiles): _hide_nonfinite_v.
-    EARLY_V: V is loaded with K, before QK^T (with the software pipeline's stages both then wait
-    on one barrier; see the notes next to _TILE_SPACE)."""
+    folds the causal limit, the window's right edge and the ragged end), and j >= row_first[i]
+    under WINDOW. CLEAN_V (masked tiles): _hide_nonfinite_v. EARLY_V: V is loaded with K, before
+    QK^T (with the software pipeline's stages both then wait on one barrier; see the notes next to
+    _TILE_SPACE). SOFTCAP, ALIBI: _variant_scores (row_pos = the rows' positions p). MASK (masked
+    tiles only): MASK_BOOL / MASK_ADD, read through mask_rows, (BLOCK_M, 1) row pointers."""
     k = _load_tile(k_src, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn, N_KV,
                    DK, BLOCK_DK, BLOCK_N, MASKED, USE_TMA)
     if EARLY_V:
@@ -145,15 +220,37 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
     qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS)
 
     # -- new running max and probabilities (scale * log2(e) folded into one multiply-add)
+    offs_kv = start_n + offs_n
     if MASKED:
-        offs_kv = start_n + offs_n
         seen = offs_kv[None, :] <= row_last[:, None]
-        qk = tl.where(seen, qk * qk_scale, float("-inf"))  # a select: a NaN/inf K at a hidden key goes too
+        if WINDOW:
+            seen = seen & (offs_kv[None, :] >= row_first[:, None])
+        s = _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos, offs_kv,
+                            SOFTCAP, ALIBI)
+        if MASK != 0:
+            # keys past N_kv read the last key's entry (unmasked loads need fewer registers):
+            # row_last hides them anyway; mask_rows clamps the rows past N_q the same way
+            mask_tile = tl.load(mask_rows + tl.minimum(offs_kv, N_KV - 1)[None, :] * stride_mk)
+            if MASK == MASK_BOOL:
+                allowed = mask_tile != 0
+            else:
+                allowed = mask_tile != float("-inf")
+                s = s + mask_tile * LOG2E_K
+            # a select, as for seen below; seen itself takes the mask only where CLEAN_V reads it
+            # (folding it in there costs registers: ptxas spilled and serialized the wgmma)
+            s = tl.where(allowed, s, float("-inf"))
+            if CLEAN_V:
+                seen = seen & allowed
+        qk = tl.where(seen, s, float("-inf"))  # a select: a NaN/inf K at a hidden key goes too
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         p = tl.math.exp2(qk - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
+    elif SOFTCAP or ALIBI:
+        s = _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos, offs_kv,
+                            SOFTCAP, ALIBI)
+        p, alpha, m_ij = _full_tile_softmax(s, m_i, 1.0)
     else:
         p, alpha, m_ij = _full_tile_softmax(qk, m_i, qk_scale)
     l_ij = tl.sum(p, 1)
@@ -171,34 +268,42 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
 
 
 @triton.jit
-def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_end, offs_n,
-                                  offs_dk, offs_dv, stride_kn, stride_vn, N_KV, qk_scale,
+def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_start, full_end,
+                                  offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV, qk_scale,
                                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                  UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr):
-    """Loop 1 (the tiles [0, full_end) every row sees in full) with each tile's softmax running
-    under a tensor-core dot (FlashAttention-3's intra-warpgroup overlap; measured next to
+                                  UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr,
+                                  row_pos=None, softcap_scale=None, softcap_log2=None, alibi_log2=None,
+                                  SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+    """Loop 1 (the tiles [full_start, full_end) every row sees in full) with each tile's softmax
+    running under a tensor-core dot (FlashAttention-3's intra-warpgroup overlap; measured next to
     _TILE_SPACE): trip j issues QK^T of tile j, then P @ V of tile j - 1, then the
     softmax of tile j while that P @ V runs. P waits one trip, in float32; the first trip
-    multiplies P = 0 by tile 0 and the P @ V of the last tile follows the loop."""
+    multiplies P = 0 by tile 0 and the P @ V of the last tile follows the loop. SOFTCAP, ALIBI:
+    _variant_scores."""
     p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
+    for start_n in range(full_start, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        # K of this tile and V of the previous one (tile 0 again on the first trip, where P = 0)
+        # K of this tile and V of the previous one (the first tile again on the first trip, where P = 0)
         k = _load_tile(k_src, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn, N_KV,
                        DK, BLOCK_DK, BLOCK_N, False, USE_TMA)
-        v = _load_tile(v_src, off_b, off_hkv, tl.maximum(start_n - BLOCK_N, 0), offs_n, offs_dv,
+        v = _load_tile(v_src, off_b, off_hkv, tl.maximum(start_n - BLOCK_N, full_start), offs_n, offs_dv,
                        stride_vn, N_KV, DV, BLOCK_DV, BLOCK_N, False, USE_TMA)
         qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS)
         # Triton waits for QK^T right after it (its result is used in this trip); P @ V's
         # result is only carried to the next trip, so its wait moves past the softmax below
         acc = acc * alpha[:, None]
         acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
-        p, alpha, m_i = _full_tile_softmax(qk, m_i, qk_scale)
+        if SOFTCAP or ALIBI:
+            s = _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos,
+                                start_n + offs_n, SOFTCAP, ALIBI)
+            p, alpha, m_i = _full_tile_softmax(s, m_i, 1.0)
+        else:
+            p, alpha, m_i = _full_tile_softmax(qk, m_i, qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
-    if full_end > 0:
+    if full_end > full_start:
         v = _load_tile(v_src, off_b, off_hkv, full_end - BLOCK_N, offs_n, offs_dv, stride_vn, N_KV,
                        DV, BLOCK_DV, BLOCK_N, False, USE_TMA)
         acc = acc * alpha[:, None]
@@ -207,16 +312,25 @@ def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv
 
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "H_Q", "GQA_GROUP", "N_Q", "N_KV",
-                              "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK", "HEAD_GROUP"])
+                              "Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "TMA_OK", "HEAD_GROUP",
+                              "window_left", "window_right"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     DescQ, DescK, DescV, DescO,    # USE_TMA: host-built descriptors of q, k, v, out (else None)
+    Sinks, Alibi, Mask,            # the variants' tensors, None where off (see _VariantArgs)
+    MaskMap, MaskTiles,            # MASK: block map and per-block tile lists (_VariantArgs)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_ab, stride_ah,          # Alibi (B, H_q)
+    stride_mb, stride_mh, stride_mq, stride_mk,  # Mask (Bm, Hm, N_q, N_kv); 0 on a broadcast dim
+    stride_pb, stride_ph, stride_pq,             # MaskMap (Bm, Hm, rows, cols), unit last stride
+    stride_tb, stride_th, stride_tq,             # MaskTiles (Bm, Hm, rows, 2 + cols), unit last
     qk_scale,                      # softmax scale * log2(e), >= 0
+    window_left, window_right,     # WINDOW: keys p - left .. p + right (unbounded: 2^30)
+    softcap_scale, softcap_log2,   # SOFTCAP: scale / softcap and softcap * log2(e)
     H_Q, GQA_GROUP, N_Q, N_KV,     # GQA_GROUP = H_q // H_kv query heads per KV head
     Q_BUCKET, KV_BUCKET,           # sequence-length buckets: autotune keys only, unused here
     BH_BUCKET,                     # B * H_q bucket (how many programs fill the GPU): autotune key
@@ -226,6 +340,9 @@ def _prefill_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,  # head dims padded to powers of two (>= 16)
     IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,     # interpreter only: it multiplies bfloat16 as raw uint16 bits
+    WINDOW: tl.constexpr, SINKS: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr,         # 0, SOFTCAP_EXACT or SOFTCAP_FAST
+    MASK: tl.constexpr,            # 0, MASK_BOOL or MASK_ADD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,         # sm_90+: tiles moved by the copy engine (TMA) via DescQ..DescO
     SOFTMAX_OVERLAP: tl.constexpr,  # loop 1 runs each softmax under a tensor-core dot
@@ -233,6 +350,7 @@ def _prefill_kernel(
     tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV, "head dims must fit their padded blocks")
     tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs every dimension >= 16")
+    tl.static_assert(BLOCK_M <= MAP_PAD and BLOCK_N <= MAP_PAD, "the block map is padded to MAP_PAD")
 
     # Program order: sections of HEAD_GROUP (batch, head) pairs (the last one may be shorter);
     # inside a section the query blocks go last to first, the section's heads interleaved. Causal
@@ -272,8 +390,13 @@ def _prefill_kernel(
     if UPCAST_DOTS:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # the empty state, or the sink's: a key of logit sinks[h] and value 0 (m = sink, l = 1)
+    if SINKS:
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h) * LOG2E_K
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # -- key range of this query block: [0, full_end) needs no mask, [full_end, hi) does
@@ -292,42 +415,152 @@ def _prefill_kernel(
     else:
         row_last = tl.full([BLOCK_M], N_KV - 1, dtype=tl.int32)
 
-    # loop 1: tiles every row sees in full
-    if SOFTMAX_OVERLAP:
-        acc, l_i, m_i = _attend_full_tiles_overlapped(
-            acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_end, offs_n, offs_dk, offs_dv,
-            stride_kn, stride_vn, N_KV, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N,
-            DOT_PRECISION, UPCAST_DOTS, USE_TMA)
+    # -- the variants' view of the block: a window narrows the key range to [lo, hi) with the
+    # full tiles [full_start, full_end) inside it
+    row_pos = offs_m + causal_shift
+    row_first = row_last  # read only under WINDOW
+    lo = 0
+    full_start = 0
+    if WINDOW:
+        lo, hi, full_start, full_end = _window_tiles(start_m * BLOCK_M + causal_shift, hi, full_end,
+                                                     window_left, window_right, BLOCK_M, BLOCK_N)
+        row_first = row_pos - window_left
+        row_last = tl.minimum(row_last, row_pos + window_right)
+    alibi_log2 = 0.0
+    if ALIBI:
+        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_K
+
+    if MASK != 0:
+        # the tiles that the mask, causal and the window leave visible to this block, listed by
+        # the host for this config (_list_mask_tiles): full ones first (no mask read), then the
+        # partial ones. A hidden tile is never reached, and the loops have no branch to keep
+        # them from being software-pipelined
+        mask_rows = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+                     + tl.minimum(offs_m, N_Q - 1).to(tl.int64)[:, None] * stride_mq)
+        tiles = MaskTiles + off_b * stride_tb + off_h * stride_th + start_m * stride_tq
+        n_full = tl.load(tiles)
+        for i in range(0, n_full):
+            start_n = tl.multiple_of(tl.load(tiles + 2 + i) * BLOCK_N, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
+                stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False, row_first, row_pos,
+                softcap_scale, softcap_log2, alibi_log2, None, None, False, SOFTCAP, ALIBI, 0)
+        for i in range(n_full, n_full + tl.load(tiles + 1)):
+            start_n = tl.multiple_of(tl.load(tiles + 2 + i) * BLOCK_N, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
+                stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                True, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, row_first, row_pos,
+                softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW, SOFTCAP, ALIBI,
+                MASK)
     else:
-        for start_n in range(0, full_end, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n,
-                                         offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV,
-                                         row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                                         False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False)
-    # loop 2: tiles crossed by the causal diagonal, or the ragged last tile
-    for start_n in range(full_end, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n,
-                                     offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
-                                     DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, False, DOT_PRECISION,
-                                     UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP)
+        # loop 0 (WINDOW): tiles crossed by the window's left edge
+        if WINDOW:
+            acc, l_i, m_i = _attend_masked_tiles(
+                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, lo, full_start, offs_n, offs_dk,
+                offs_dv, stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale,
+                softcap_scale, softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK,
+                BLOCK_DV, BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW,
+                SOFTCAP, ALIBI, 0)
+        # loop 1: tiles every row sees in full
+        if SOFTMAX_OVERLAP:
+            acc, l_i, m_i = _attend_full_tiles_overlapped(
+                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_start, full_end, offs_n, offs_dk,
+                offs_dv, stride_kn, stride_vn, N_KV, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, row_pos, softcap_scale, softcap_log2,
+                alibi_log2, SOFTCAP, ALIBI)
+        else:
+            for start_n in range(full_start, full_end, BLOCK_N):
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n,
+                                             offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV,
+                                             row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                                             False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False,
+                                             row_first, row_pos, softcap_scale, softcap_log2,
+                                             alibi_log2, None, None, False, SOFTCAP, ALIBI, 0)
+        # loop 2: tiles crossed by the causal diagonal or the window's right edge, and the ragged
+        # last tile
+        acc, l_i, m_i = _attend_masked_tiles(
+            acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_end, hi, offs_n, offs_dk, offs_dv,
+            stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale, softcap_scale,
+            softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+            DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW, SOFTCAP, ALIBI, 0)
     redo = False
-    if IS_CAUSAL:
-        # a diagonal tile multiplies a hidden key's V by P = 0, and 0 * inf is NaN: rather than
+    if IS_CAUSAL or WINDOW or MASK != 0:
+        # a masked tile multiplies a hidden key's V by P = 0, and 0 * inf is NaN: rather than
         # clean V on every such tile, a block whose acc comes out non-finite (rare) is redone
         total = tl.sum(tl.sum(acc, 1), 0)
         redo = total - total != 0.0
     if redo:
-        _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal_shift, N_Q, N_KV, qk_scale,
-                       stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                       stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-                       stride_lb, stride_lh, stride_lm, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, RETURN_LSE,
-                       DOT_PRECISION, UPCAST_DOTS)
+        _careful_block(Q, K, V, Out, Lse, Sinks, Alibi, Mask, MaskMap, off_b, off_h, off_hkv, start_m,
+                       hi, causal_shift, N_Q, N_KV, qk_scale, window_left, window_right, softcap_scale,
+                       softcap_log2, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh,
+                       stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
+                       stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm, stride_ab,
+                       stride_ah, stride_mb, stride_mh, stride_mq, stride_mk, stride_pb, stride_ph,
+                       stride_pq, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, IS_CAUSAL, RETURN_LSE,
+                       DOT_PRECISION, UPCAST_DOTS, WINDOW, SOFTCAP, SINKS, ALIBI, MASK)
     else:
         _finish_rows(acc, l_i, m_i, Out, Lse, DescO, off_b, off_h, start_m * BLOCK_M, offs_m, offs_dv, N_Q,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      DV, BLOCK_DV, BLOCK_M, RETURN_LSE, USE_TMA)
+
+
+@triton.jit
+def _window_tiles(first_pos, hi, full_end, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, hi, full_start, full_end) of a query block whose rows sit at positions first_pos ..
+    first_pos + BLOCK_M - 1 under a window: its keys [lo, hi) start at the tile of the first row's
+    left edge and stop at the last row's right edge; the tiles [full_start, full_end) are seen in
+    full by every row (lo <= full_start <= full_end). hi, full_end: the causal / N_kv ones."""
+    last_pos = first_pos + BLOCK_M - 1
+    lo = (tl.maximum(first_pos - window_left, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(hi, tl.maximum(last_pos + window_right + 1, 0))
+    full_end = tl.minimum(full_end, (tl.maximum(first_pos + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_end = tl.maximum(full_end, lo)
+    full_start = tl.minimum(tl.cdiv(tl.maximum(last_pos - window_left, 0), BLOCK_N) * BLOCK_N, full_end)
+    return lo, hi, full_start, full_end
+
+
+@triton.jit
+def _map_rows(MaskMap, off_b, off_h, start_m, stride_pb, stride_ph, stride_pq, BLOCK_M: tl.constexpr):
+    """(BLOCK_M / MAP_GRAIN, 1) pointers to the block-map rows of query block start_m."""
+    rows = start_m * (BLOCK_M // MAP_GRAIN) + tl.arange(0, BLOCK_M // MAP_GRAIN)
+    return MaskMap + off_b * stride_pb + off_h * stride_ph + rows[:, None] * stride_pq
+
+
+@triton.jit
+def _attend_masked_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start, end, offs_n, offs_dk,
+                         offs_dv, stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale,
+                         softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, map_rows,
+                         DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr, EARLY_V: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                         MASK: tl.constexpr, CLEAN_V: tl.constexpr = False,
+                         NUM_STAGES: tl.constexpr = None):
+    """The masked tiles [start, end) (see _attend_tile); under a mask, the tiles whose block-map
+    entries are all 0 are skipped, neither loaded nor computed. NUM_STAGES: the loop's software
+    pipeline depth (None: the config's)."""
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if MASK != 0:
+            if _tile_in_map(map_rows, start_n, BLOCK_N):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
+                    stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV,
+                    BLOCK_N, True, CLEAN_V, DOT_PRECISION, UPCAST_DOTS, USE_TMA, EARLY_V, row_first,
+                    row_pos, softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW,
+                    SOFTCAP, ALIBI, MASK)
+        else:
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
+                stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV,
+                BLOCK_N, True, CLEAN_V, DOT_PRECISION, UPCAST_DOTS, USE_TMA, EARLY_V, row_first,
+                row_pos, softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW,
+                SOFTCAP, ALIBI, MASK)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -355,16 +588,21 @@ def _finish_rows(acc, l_i, m_i, Out, Lse, DescO, off_b, off_h, row0, offs_m, off
 
 
 @triton.jit
-def _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal_shift, N_Q, N_KV, qk_scale,
-                   stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-                   stride_lb, stride_lh, stride_lm,
-                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   UPCAST_DOTS: tl.constexpr):
-    """A causal query block redone and stored with V cleaned on every tile (_hide_nonfinite_v):
-    16 rows by 16 keys at a time with pointer loads, unpipelined, so that this rare path needs
-    fewer registers and less shared memory than the fast one and leaves the kernel's as they are."""
+def _careful_block(Q, K, V, Out, Lse, Sinks, Alibi, Mask, MaskMap, off_b, off_h, off_hkv, start_m, hi,
+                   causal_shift, N_Q, N_KV, qk_scale, window_left, window_right, softcap_scale,
+                   softcap_log2, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh,
+                   stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
+                   stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm, stride_ab,
+                   stride_ah, stride_mb, stride_mh, stride_mq, stride_mk, stride_pb, stride_ph,
+                   stride_pq, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+                   ALIBI: tl.constexpr, MASK: tl.constexpr):
+    """A query block (causal, windowed or masked) redone and stored with V cleaned on every tile
+    (_hide_nonfinite_v): 16 rows by 16 keys at a time with pointer loads, unpipelined, so that
+    this rare path needs fewer registers and less shared memory than the fast one and leaves the
+    kernel's as they are."""
     SUB: tl.constexpr = 16
     offs_s = tl.arange(0, SUB)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -374,21 +612,47 @@ def _careful_block(Q, K, V, Out, Lse, off_b, off_h, off_hkv, start_m, hi, causal
              + offs_s[:, None] * stride_kn + offs_dk[None, :] * stride_kd)
     v_src = (V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
              + offs_s[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    alibi_log2 = 0.0
+    if ALIBI:
+        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_K
     for row0 in tl.range(start_m * BLOCK_M, (start_m + 1) * BLOCK_M, SUB, num_stages=1):
         offs_m = row0 + offs_s
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
                     mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
         if UPCAST_DOTS:
             q = q.to(tl.float32)
-        m_i = tl.full([SUB], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([SUB], dtype=tl.float32)
+        if SINKS:
+            m_i = tl.full([SUB], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h) * LOG2E_K
+            l_i = tl.full([SUB], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([SUB], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([SUB], dtype=tl.float32)
         acc = tl.zeros([SUB, BLOCK_DV], dtype=tl.float32)
-        row_last = tl.minimum(offs_m + causal_shift, N_KV - 1)
-        for start_n in tl.range(0, tl.minimum(hi, row0 + SUB + causal_shift), SUB, num_stages=1):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_s,
-                                         offs_dk, offs_dv, stride_kn, stride_vn, N_KV, row_last, qk_scale,
-                                         DK, DV, BLOCK_DK, BLOCK_DV, SUB, True, True, DOT_PRECISION,
-                                         UPCAST_DOTS, False, False)
+        row_pos = offs_m + causal_shift
+        sub_lo = 0
+        sub_hi = hi
+        if IS_CAUSAL:
+            row_last = tl.minimum(row_pos, N_KV - 1)
+            sub_hi = tl.minimum(hi, row0 + SUB + causal_shift)
+        else:
+            row_last = tl.full([SUB], N_KV - 1, dtype=tl.int32)
+        row_first = row_last
+        if WINDOW:
+            sub_lo, sub_hi, _, _ = _window_tiles(row0 + causal_shift, sub_hi, sub_hi, window_left,
+                                                 window_right, SUB, SUB)
+            row_first = row_pos - window_left
+            row_last = tl.minimum(row_last, row_pos + window_right)
+        mask_rows = Mask
+        map_rows = MaskMap
+        if MASK != 0:
+            mask_rows = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+                         + tl.minimum(offs_m, N_Q - 1).to(tl.int64)[:, None] * stride_mq)
+            map_rows = _map_rows(MaskMap, off_b, off_h, row0 // SUB, stride_pb, stride_ph, stride_pq, SUB)
+        acc, l_i, m_i = _attend_masked_tiles(
+            acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, sub_lo, sub_hi, offs_s, offs_dk, offs_dv,
+            stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale, softcap_scale,
+            softcap_log2, alibi_log2, mask_rows, stride_mk, map_rows, DK, DV, BLOCK_DK, BLOCK_DV,
+            SUB, DOT_PRECISION, UPCAST_DOTS, False, False, WINDOW, SOFTCAP, ALIBI, MASK, True, 1)
         _finish_rows(acc, l_i, m_i, Out, Lse, None, off_b, off_h, row0, offs_m, offs_dv, N_Q,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      DV, BLOCK_DV, SUB, RETURN_LSE, False)
@@ -430,8 +694,54 @@ def _set_descriptor_blocks(nargs) -> None:
     nargs["DescO"].block_shape = [1, 1, bm, bdv]
 
 
+def _list_mask_tiles(nargs) -> None:
+    """Config pre-hook (MASK): per query block of this config's BLOCK_M, the key tiles of its
+    BLOCK_N in MaskTiles as [n_full, n_partial, full tiles.., partial tiles..], each group in
+    increasing order. Full: every row sees every key with nothing to add (block map MAP_PLAIN,
+    inside causal, the window and N_kv): the unmasked path, no mask read. Partial: some row sees
+    some key (MAP_SEEN, within reach). Other tiles are left out. No-op without a mask."""
+    tiles, block_map = nargs["MaskTiles"], nargs["MaskMap"]
+    if tiles is None:
+        return
+    bm, bn, n_q, n_kv = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["N_Q"], nargs["N_KV"]
+    grain = MAP_GRAIN.value
+    fm, fn = bm // grain, bn // grain
+    b_, h_, rows, cols = block_map.shape
+    tq, tk = triton.cdiv(n_q, bm), triton.cdiv(n_kv, bn)
+    blocks = block_map.view(b_, h_, rows // fm, fm, cols // fn, fn)
+    seen = (blocks & MAP_SEEN).amax(dim=(3, 5))[:, :, :tq, :tk] != 0
+    plain = (blocks & MAP_PLAIN).amin(dim=(3, 5))[:, :, :tq, :tk] != 0
+    # per query block (rows at positions first .. last): the keys [lo, hi) any row may see, and
+    # [full_lo, full_hi) that every row sees, under causal and the window (as _window_tiles)
+    first = torch.arange(tq, device=tiles.device) * bm + (n_kv - n_q)
+    last = first + bm - 1
+    lo, hi = torch.zeros_like(first), torch.full_like(first, n_kv)
+    full_lo, full_hi = torch.zeros_like(first), torch.full_like(first, n_kv)
+    if nargs["IS_CAUSAL"]:
+        hi, full_hi = torch.minimum(hi, last + 1), torch.minimum(full_hi, first + 1)
+    if nargs["WINDOW"]:
+        left, right = nargs["window_left"], nargs["window_right"]
+        lo, full_lo = (first - left).clamp(min=0), (last - left).clamp(min=0)
+        hi = torch.minimum(hi, (last + right + 1).clamp(min=0))
+        full_hi = torch.minimum(full_hi, (first + right + 1).clamp(min=0))
+    start = torch.arange(tk, device=tiles.device)[None, :] * bn
+    seen &= (start < hi[:, None]) & (start + bn > lo[:, None])
+    full = seen & plain & (start >= full_lo[:, None]) & (start + bn <= full_hi[:, None])
+    group = 2 - full.to(torch.uint8) - seen.to(torch.uint8)  # 0 full, 1 partial, 2 left out
+    order = torch.sort(group, dim=-1, stable=True).indices
+    tiles[:, :, :tq, 0] = full.sum(-1, dtype=torch.int32)
+    tiles[:, :, :tq, 1] = (seen & ~full).sum(-1, dtype=torch.int32)
+    tiles[:, :, :tq, 2:tk + 2] = order.to(torch.int32)
+
+
+def _config_pre_hook(nargs) -> None:
+    """Config pre-hook: what depends on the config's tiles (descriptor blocks, mask tile lists)."""
+    _set_descriptor_blocks(nargs)
+    _list_mask_tiles(nargs)
+
+
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "SOFTMAX_OVERLAP": overlap},
-                          num_warps=w, num_stages=s, maxnreg=mr, pre_hook=_set_descriptor_blocks)
+                          num_warps=w, num_stages=s, maxnreg=mr, pre_hook=_config_pre_hook)
             for bm, bn, w, s, tma, mr, overlap in _TILE_SPACE]
 # The interpreter (TRITON_INTERPRET=1, CPU CI) runs one small config: nothing to time there.
 _INTERPRETER_PARAMS = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "USE_TMA": False,
@@ -571,7 +881,8 @@ def candidate_params(dtype, dk: int, dv: int, n_q: int, device=None, tma_ok: boo
 _prefill_autotuned = triton.autotune(
     configs=_CONFIGS,
     # The tensors' dtypes are appended to the key by Triton itself.
-    key=["Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "DK", "DV", "IS_CAUSAL", "TMA_OK"],
+    key=["Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "DK", "DV", "IS_CAUSAL", "TMA_OK",
+         "WINDOW", "SOFTCAP", "SINKS", "ALIBI", "MASK"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_prefill_kernel)
 
@@ -591,11 +902,16 @@ def _padded_head_dim(d: int) -> int:
 
 
 def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, batch_heads: int,
-                tma_ok: bool = True) -> dict | None:
+                tma_ok: bool = True, variants=None) -> dict | None:
     """The config the autotuner picked for this key (None if that key was not tuned yet);
-    ``batch_heads`` is B * H_q."""
-    key = ((_seq_bucket(q_len), _seq_bucket(kv_len), _bh_bucket(batch_heads), dk, dv, causal, int(tma_ok))
-           + (str(dtype),) * 4 + (str(torch.float32),))
+    ``batch_heads`` is B * H_q, ``variants`` the call's flashcl.variants.Variants."""
+    flags = _VariantArgs.of(variants, dtype).flags
+    # Triton appends the dtype of every tensor argument: q, k, v, out, lse, then the variants'
+    variant_dtypes = ((torch.float32,) * (flags["SINKS"] + flags["ALIBI"])
+                      + {0: (), 1: (torch.uint8, torch.uint8, torch.int32),
+                         2: (torch.float32, torch.uint8, torch.int32)}[flags["MASK"]])
+    key = ((_seq_bucket(q_len), _seq_bucket(kv_len), _bh_bucket(batch_heads), dk, dv, causal, int(tma_ok),
+            *flags.values()) + (str(dtype),) * 4 + (str(torch.float32),) + tuple(map(str, variant_dtypes)))
     cfg = _prefill_autotuned.cache.get(key)
     if cfg is None:
         return None
@@ -637,14 +953,77 @@ def head_group(device, batch_heads: int, gqa_group: int, n_kv: int, dk: int, dv:
     return max(1, min(batch_heads, (1 << (fit.bit_length() - 1)) * gqa_group))
 
 
+class _VariantArgs:
+    """The kernel's variant arguments of one call: the tensors (Sinks, Alibi, Mask, MaskMap; None
+    where off), their strides, the window and softcap scalars and the compile-time flags."""
+
+    def __init__(self, window, softcap, sinks, alibi_slopes, mask, scale: float, block_map: bool,
+                 fast_tanh: bool):
+        left, right = window_bounds(window)
+        softcap_mode = 0 if softcap is None else (SOFTCAP_FAST.value if fast_tanh else SOFTCAP_EXACT.value)
+        self.flags = dict(WINDOW=window is not None, SOFTCAP=softcap_mode,
+                          SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
+                          MASK=0 if mask is None else (1 if mask.dtype == torch.bool else 2))
+        data, mask_map, tiles = None, None, None
+        mask_strides, map_strides, tile_strides = (0, 0, 0, 0), (0, 0, 0), (0, 0, 0)
+        if mask is not None:
+            # bool data read as bytes; a broadcast dim (size 1) gets stride 0
+            data = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+            mask_strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
+        if mask is not None and block_map:
+            mask_map = _mask_block_map(mask)
+            # per query block: two counts, then tile indices (_list_mask_tiles)
+            tiles = torch.zeros((*mask_map.shape[:3], 2 + mask_map.shape[3]), dtype=torch.int32,
+                                device=mask.device)
+            map_strides, tile_strides = (tuple(0 if mask.shape[i] == 1 else t.stride(i) for i in range(3))
+                                         for t in (mask_map, tiles))
+        self.tensors = (sinks, alibi_slopes, data, mask_map, tiles)
+        alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+        self.strides = (*alibi_strides, *mask_strides, *map_strides, *tile_strides)
+        cap = softcap or 1.0
+        self.scalars = (left, right, scale / cap, cap * LOG2E)
+
+    @classmethod
+    def of(cls, variants, dtype, scale: float = 1.0, block_map: bool = False) -> "_VariantArgs":
+        """``dtype``: the inputs'; 16-bit ones on a GPU take the fast tanh (_tanh)."""
+        if variants is None:
+            return cls(None, None, None, None, None, scale, False, False)
+        fast = dtype != torch.float32 and not interpreting()
+        return cls(variants.window, variants.softcap, variants.sinks, variants.alibi_slopes,
+                   variants.mask, scale, block_map, fast)
+
+
+def _mask_block_map(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 (Bm, Hm, rows, cols) on the mask's device, one entry per MAP_GRAIN x MAP_GRAIN block
+    of (queries, keys): bit MAP_SEEN where the block holds a visible key (flashcl.variants.
+    mask_block_map at MAP_GRAIN), bit MAP_PLAIN where every key is visible with nothing to add
+    (bool True, additive 0). Rows and columns padded to MAP_PAD with entries of MAP_PLAIN alone:
+    padding neither shows a key nor spoils a plain tile (the kernel bounds rows and keys itself)."""
+    if mask.dtype == torch.bool:
+        code = mask.to(torch.uint8) * (MAP_SEEN | MAP_PLAIN)
+    else:
+        code = (mask != float("-inf")).to(torch.uint8) * MAP_SEEN + (mask == 0).to(torch.uint8) * MAP_PLAIN
+    bm, hm, n_q, n_kv = code.shape
+    pad = MAP_PAD.value
+    rows, cols = (-(-n // pad) * pad for n in (n_q, n_kv))
+    code = torch.nn.functional.pad(code, (0, cols - n_kv, 0, rows - n_q), value=MAP_PLAIN)
+    grain = MAP_GRAIN.value
+    blocks = code.view(bm, hm, rows // grain, grain, cols // grain, grain)
+    seen = (blocks & MAP_SEEN).amax(dim=(3, 5))
+    plain = (blocks & MAP_PLAIN).amin(dim=(3, 5))
+    return (seen | plain).contiguous()
+
+
 def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None,
-            head_group_override: int | None = None):
+            head_group_override: int | None = None, variants=None):
     """Run the kernel; ``params`` forces a config, and
-    ``head_group_override`` replaces head_group()'s launch order (benchmarks compare them)."""
+    ``head_group_override`` replaces head_group()'s launch order (benchmarks compare them).
+    ``variants``: a flashcl.variants.Variants of torch tensors on q's device, or None."""
     b, h_q, n_q, dk = q.shape
     h_kv, n_kv, dv = k.shape[1], k.shape[2], v.shape[3]
     if scale < 0:  # keep the kernel's scale >= 0 (see _attend_tile); negation is exact
         q, scale = -q, -scale
+    var = _VariantArgs.of(variants, q.dtype, scale, block_map=True)
     out = torch.empty((b, h_q, n_q, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, n_q) if return_lse else (1, 1, 1), dtype=torch.float32, device=q.device)
     tma_ok = _tma_ok(q, k, v, out)
@@ -653,16 +1032,16 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
                                               q.element_size())
     args = (
-        q, k, v, out, lse, *descs,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        scale * LOG2E, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
+        q, k, v, out, lse, *descs, *var.tensors,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *var.strides,
+        scale * LOG2E, *var.scalars, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
         _bh_bucket(b * h_q), int(tma_ok), max(1, min(int(group), b * h_q)),
     )
     # bfloat16 products are exact in float32, so the interpreter's upcast changes no result bit
     # beyond summation order; on GPUs 16-bit dots run on tensor cores with float32 accumulation.
     upcast = interpreting() and q.dtype == torch.bfloat16
     meta = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
-                IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast,
+                IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast, **var.flags,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
 
     def grid(META):  # 1-D: the kernel maps program ids to (query block, batch * head) itself
@@ -679,8 +1058,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
         if params is None:
             _prefill_autotuned[grid](*args, **meta)
         else:
-            if tma_ok:
-                _set_descriptor_blocks(dict(zip(("DescQ", "DescK", "DescV", "DescO"), descs), **meta, **params))
+            _config_pre_hook({**dict(zip(_prefill_kernel.arg_names, args)), **meta, **params})
             _prefill_kernel[grid](*args, **meta, **params)
     except triton.runtime.errors.OutOfResources as e:
         raise KernelLaunchError("_prefill_kernel", {**meta, **(params or {"autotuned": True})},
@@ -698,17 +1076,20 @@ def _device_name(device) -> str:
 
 _SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse, "
            "int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False, "
-           "int maxnreg=0, bool softmax_overlap=False) -> (Tensor, Tensor)")
+           "int maxnreg=0, bool softmax_overlap=False, int[]? window=None, float? softcap=None, "
+           "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("flashcl::prefill", mutates_args=(), schema=_SCHEMA)
 def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 return_lse: bool, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
                 num_stages: int = 0, use_tma: bool = False, maxnreg: int = 0,
-                softmax_overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                softmax_overlap: bool = False, window=None, softcap=None, sinks=None,
+                alibi_slopes=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``flashcl::prefill(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse,
     int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False,
-    int maxnreg=0, bool softmax_overlap=False) -> (Tensor out, Tensor lse)``
+    int maxnreg=0, bool softmax_overlap=False, int[]? window=None, float? softcap=None,
+    Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None) -> (Tensor out, Tensor lse)``
 
     Stable schema. q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV): 4-D, any
     strides, one dtype of float32/float16/bfloat16. ``scale`` is the softmax scale (no default
@@ -718,18 +1099,26 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     descriptors when ``use_tma`` (sm_90+, aligned inputs), registers capped at ``maxnreg``
     per thread when > 0, and each softmax of the unmasked tiles run under a tensor-core dot
     when ``softmax_overlap`` (same results up to rounding; see _attend_full_tiles_overlapped).
-    The last argument has a default, so calls written before it keep working.
+    The variants (flashcl.variants, normalized as flashcl.prefill hands them on): ``window``
+    [left, right] (-1 unbounded), ``softcap``, ``sinks`` float32 (H_q,), ``alibi_slopes`` float32
+    (B, H_q), ``mask`` (Bm, Hm, N_q, N_kv) contiguous, bool or float32 additive, Bm in {1, B},
+    Hm in {1, H_q}; all None: the plain kernel. The arguments after q .. return_lse have
+    defaults, so calls written before them keep working.
     """
     tiles = (block_m, block_n, num_warps, num_stages)
     params = (dict(zip(_PARAM_KEYS, (*tiles, use_tma, maxnreg or None, softmax_overlap)))
               if all(t > 0 for t in tiles) else None)
-    out, lse = _launch(q, k, v, causal, scale, return_lse, params)
+    variants = None
+    if any(x is not None for x in (window, softcap, sinks, alibi_slopes, mask)):
+        variants = Variants(None if window is None else tuple(window), softcap, sinks, alibi_slopes, mask)
+    out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants)
     return out, (lse if return_lse else lse.new_empty((0,)))
 
 
 @_prefill_op.register_fake
 def _prefill_fake(q, k, v, causal, scale, return_lse, block_m=0, block_n=0, num_warps=0,
-                  num_stages=0, use_tma=False, maxnreg=0, softmax_overlap=False):
+                  num_stages=0, use_tma=False, maxnreg=0, softmax_overlap=False, window=None,
+                  softcap=None, sinks=None, alibi_slopes=None, mask=None):
     b, h_q, n_q, _ = q.shape
     out = q.new_empty((b, h_q, n_q, v.shape[3]))
     lse = q.new_empty((b, h_q, n_q) if return_lse else (0,), dtype=torch.float32)
@@ -765,6 +1154,29 @@ def _tile_params(params: dict | None) -> tuple[int, int, int, int, bool, int, bo
     return (*(params[n] for n in _PARAM_KEYS[:4]), use_tma, maxnreg, overlap)
 
 
+def _variant_op_args(variants, q, k) -> tuple:
+    """(window, softcap, sinks, alibi_slopes, mask) for flashcl::prefill from a Variants (or
+    None), checked against q (B, H_q, N_q, DK) and k: a mismatch is a ValueError before launch."""
+    if variants is None:
+        return (None,) * 5
+    b, h_q, n_q, n_kv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    sinks, slopes, mask = variants.sinks, variants.alibi_slopes, variants.mask
+    for name, t, shape in (("sinks", sinks, (h_q,)), ("alibi_slopes", slopes, (b, h_q))):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape
+                              or t.dtype != torch.float32 or t.device != q.device):
+            raise ValueError(f"variants.{name}: expected a float32 tensor of shape {shape} on {q.device}, "
+                             f"got {t!r:.80}")
+    if mask is not None:
+        ok = (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] in (1, b)
+              and mask.shape[1] in (1, h_q) and tuple(mask.shape[2:]) == (n_q, n_kv)
+              and mask.dtype in (torch.bool, torch.float32) and mask.device == q.device)
+        if not ok:
+            raise ValueError(f"variants.mask: expected a bool or float32 tensor (1 or {b}, 1 or {h_q}, "
+                             f"{n_q}, {n_kv}) on {q.device}, got {mask!r:.80}")
+    window = None if variants.window is None else [int(w) for w in variants.window]
+    return window, variants.softcap, sinks, slopes, mask
+
+
 def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
             params: dict | None = None, variants=None):
     """Flash-attention prefill of torch tensors (called by ``flashcl.prefill``, which validates).
@@ -772,17 +1184,17 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
     Inputs all 3-D (H, N, D) or all 4-D (B, H, N, D); returns out with the input's rank and dtype,
     plus lse (..., H_q, N_q) float32 when ``return_lse``. ``params`` forces a tile config
     ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, optionally "USE_TMA", "maxnreg",
-    "SOFTMAX_OVERLAP"); None autotunes.
+    "SOFTMAX_OVERLAP"); None autotunes. ``variants``: a flashcl.variants.Variants whose arrays are
+    torch tensors on q's device (as flashcl.prefill normalizes them), or None for the plain kernel.
     Traceable by torch.compile(fullgraph=True): the kernel runs inside the ``flashcl::prefill`` op.
     """
-    if variants is not None:
-        raise NotImplementedError("attention variants are not implemented on this backend yet")
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _prefill_op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params))
+    out, lse = _prefill_op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params),
+                           *_variant_op_args(variants, q, k))
     if squeeze:
         out = out.squeeze(0)
         lse = lse.squeeze(0) if return_lse else lse

@@ -1,0 +1,505 @@
+"""Attention variants (flashcl.variants) in the Triton prefill, against the float64 oracle.
+
+Runs natively on CUDA with one forced tile config (T = BLOCK_N = 64), and under TRITON_INTERPRET=1
+on CPU with the interpreter's 16 x 16 tile (T = 16): window edges are placed relative to T.
+Tolerances: flashcl.reference.TOLERANCE, and for float16 and bfloat16 at most twice the error of
+the same variants computed naively in that dtype (_naive).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+from flashcl import reference
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import flashcl  # noqa: E402  (after the importorskip above)
+from flashcl.triton import prefill as tp  # noqa: E402
+from flashcl.variants import Variants, mask_block_map  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LSE_TOL = 1e-4  # |lse - ref| <= LSE_TOL * (1 + |ref|): scores accumulate in float32 in every dtype
+NAIVE_FACTOR = 2.0
+CUDA_PARAMS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _params(device: str, **extra) -> dict:
+    """The forced tile config of these tests (one compile per flag set on CUDA)."""
+    base = dict(tp._INTERPRETER_PARAMS) if device == "cpu" else dict(CUDA_PARAMS)
+    return {**base, **extra}
+
+
+def _tile(device: str) -> int:
+    return _params(device)["BLOCK_N"]
+
+
+def _randn(shape, dtype, device, seed, std=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * std).to(dtype).to(device)
+
+
+def _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, dtype, device, seed):
+    return (_randn((b, h_q, n_q, dk), dtype, device, seed), _randn((b, h_kv, n_kv, dk), dtype, device, seed + 1),
+            _randn((b, h_kv, n_kv, dv), dtype, device, seed + 2))
+
+
+def _seed(*key) -> int:
+    return zlib.crc32(repr(key).encode()) % 10000
+
+
+def _np(x):
+    """float64 numpy of a tensor (a bool mask stays bool)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return (x if x.dtype == torch.bool else x.double()).cpu().numpy()
+
+
+def _oracle(q, k, v, causal, scale, **variants):
+    """float64 (out, lse); finite stand-ins replace non-finite K/V the caller planted at keys no row
+    sees (``clean_k``/``clean_v``), the oracle otherwise propagating them."""
+    clean_k, clean_v = variants.pop("clean_k", k), variants.pop("clean_v", v)
+    return reference.attention(_np(q), _np(clean_k), _np(clean_v), causal=causal, scale=scale, return_lse=True,
+                               **{n: _np(x) for n, x in variants.items()})
+
+
+def _naive(q, k, v, causal, scale, window=None, softcap=None, sinks=None, alibi_slopes=None, mask=None):
+    """The variants computed plainly in the inputs' dtype (the error baseline for 16-bit types)."""
+    b, h_q, n_q, _ = q.shape
+    n_kv = k.shape[2]
+    group = h_q // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    dist = (torch.arange(n_q)[:, None] + n_kv - n_q - torch.arange(n_kv)[None, :]).to(q.device)
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.reshape(-1, h_q, 1, 1).to(s.dtype) * dist.abs().to(s.dtype)
+    visible = torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= dist >= 0
+    if window is not None:
+        left, right = (1 << 30 if w < 0 else w for w in window)
+        visible &= (dist <= left) & (-dist <= right)
+    if mask is not None:
+        visible = visible & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+        if mask.dtype != torch.bool:
+            s = s + mask.to(s.dtype)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).reshape(1, h_q, 1, 1).expand(b, h_q, n_q, 1)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees nothing: 0, as the kernel
+    return p @ v
+
+
+def _describe(got: np.ndarray, ref: np.ndarray, n: int = 5) -> str:
+    diff = np.abs(np.nan_to_num(got, nan=np.inf) - ref)
+    worst = np.argsort(diff, axis=None)[::-1][:n]
+    return f"max abs diff {diff.max():.3g}; worst:\n" + "\n".join(
+        f"  at {np.unravel_index(i, diff.shape)}: got {got.flat[i]:.6g}, want {ref.flat[i]:.6g}" for i in worst)
+
+
+def _check(q, k, v, *, causal, device, params=None, scale=None, naive=True, rows=None, **variants):
+    """Run flashcl.prefill (backend triton) with ``variants``; check out and lse against the oracle
+    (on the query ``rows`` only, if given). Returns (out, lse) of the kernel."""
+    dtype_name = str(q.dtype).split(".")[-1]
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    kernel_variants = {n: x for n, x in variants.items() if n not in ("clean_k", "clean_v")}
+    if device == "cuda":  # NaN in the memory the output reuses: an unwritten element fails
+        torch.full((q.numel() * v.shape[3] // q.shape[3],), float("nan"), dtype=q.dtype, device=device)
+    out, lse = flashcl.prefill(q, k, v, causal=causal, scale=scale, backend="triton", return_lse=True,
+                               params=params if params is not None else _params(device), **kernel_variants)
+    ref_out, ref_lse = _oracle(q, k, v, causal, scale, **variants)
+    got, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+    if rows is not None:
+        got, got_lse, ref_out, ref_lse = (x[:, :, rows] for x in (got, got_lse, ref_out, ref_lse))
+    assert np.isfinite(got).all(), "non-finite output: " + _describe(got, ref_out)
+    err = reference.rel_err(got, ref_out)
+    tol = reference.TOLERANCE[dtype_name]
+    assert err <= tol, f"{dtype_name} relative error {err:.3g} > {tol:g}; " + _describe(got, ref_out)
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(got_lse), ~seen), "lse must be -inf exactly where a row sees no key"
+    lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1.0 + np.abs(ref_lse[seen]))
+    assert lse_err.size == 0 or lse_err.max() <= LSE_TOL, f"lse error {lse_err.max():.3g} > {LSE_TOL}"
+    if naive and dtype_name != "float32" and rows is None:
+        base = _naive(q, k, v, causal, scale, **kernel_variants).double().cpu().numpy()
+        naive_err = reference.rel_err(base, ref_out)
+        assert err <= NAIVE_FACTOR * naive_err + 1e-5, (
+            f"{dtype_name} error {err:.3g} is worse than {NAIVE_FACTOR}x plain attention's {naive_err:.3g}")
+    return out, lse
+
+
+def _variant_kwargs(name, b, h_q, n_q, n_kv, device, seed) -> dict:
+    """Keyword arguments of one variant (random, on ``device``) for flashcl.prefill."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "window":
+        return {"window": (5, 2)}
+    if name == "softcap":
+        return {"softcap": 2.5}  # scores beyond +-2.5 get bent: the cap matters
+    if name == "sinks":
+        return {"sinks": (torch.randn(h_q, generator=g) * 2).to(device)}
+    if name == "alibi":
+        return {"alibi_slopes": (torch.rand(b, h_q, generator=g) * 0.5).to(device)}
+    if name == "mask_bool":
+        return {"mask": (torch.rand(b, 1, n_q, n_kv, generator=g) < 0.6).to(device)}
+    if name == "mask_add":
+        add = torch.randn(1, h_q, n_q, n_kv, generator=g)
+        add[torch.rand(1, h_q, n_q, n_kv, generator=g) < 0.3] = float("-inf")
+        return {"mask": add.to(device)}
+    raise KeyError(name)
+
+
+# --------------------------------------------------------------------------- each variant, combined
+
+VARIANTS = ["window", "softcap", "sinks", "alibi", "mask_bool", "mask_add"]
+COMBOS = [[v] for v in VARIANTS] + [["window", "softcap", "sinks", "alibi"],
+                                    ["window", "softcap", "sinks", "alibi", "mask_add"],
+                                    ["window", "mask_bool", "sinks"]]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
+def test_variants_match_reference(triton_device, combo, dtype_name):
+    """Each variant alone and combined: batch 2, GQA 2:1, DK != DV, ragged tiles, causal, N_q < N_kv."""
+    t = _tile(triton_device)
+    b, h_q, h_kv, n_q, n_kv, dk, dv = 2, 2, 1, 2 * t + 3, 3 * t + 1, 32, 48
+    seed = _seed(combo, dtype_name)
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, DTYPES[dtype_name], triton_device, seed)
+    kw = {}
+    for name in combo:
+        kw.update(_variant_kwargs(name, b, h_q, n_q, n_kv, triton_device, seed))
+    _check(q, k, v, causal=True, device=triton_device, **kw)
+    if dtype_name == "float32":  # and non-causal, with the scale's sign flipped (q negated inside)
+        _check(q, k, v, causal=False, device=triton_device, scale=-0.2, **kw)
+
+
+# --------------------------------------------------------------------------- windows at tile edges
+
+def _windows(t: int, n_kv: int):
+    """(left, right) at and around the tile edges, unbounded, and beyond N_kv."""
+    return [(0, 0), (1, 0), (t - 1, 0), (t, 0), (t + 1, 0), (2 * t + 3, 0), (n_kv + 5, 0), (-1, 0),
+            (0, 1), (3, t - 1), (t, t), (1, t + 1), (t + 1, -1), (-1, 3)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("index", range(14))
+def test_window_edges(triton_device, index, causal):
+    t = _tile(triton_device)
+    n = 3 * t + 5
+    window = _windows(t, n)[index]
+    if causal and window[1] != 0 and index % 3:
+        pytest.skip("right > 0 under causal is the same as right = 0; a third of them run")
+    q, k, v = _inputs(1, 2, 1, n, n, 32, 32, torch.float32, triton_device, _seed(window, causal))
+    _check(q, k, v, causal=causal, device=triton_device, window=window)
+
+
+# (N_q, N_kv, window, causal) for tile width t
+CHUNKED = {
+    "chunk": lambda t: (t + 3, 4 * t + 1, (5, 0), True),       # bottom-right aligned positions
+    "one-row": lambda t: (1, 4 * t + 1, (t, 0), True),         # a single query row
+    "full": lambda t: (t - 1, 3 * t, (t + 1, 2), False),
+    "nq>nkv": lambda t: (3 * t, t + 2, (3, 0), True),          # the first rows see no key
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED))
+def test_window_chunked_prefill(triton_device, case):
+    n_q, n_kv, window, causal = CHUNKED[case](_tile(triton_device))
+    q, k, v = _inputs(1, 4, 1, n_q, n_kv, 16, 24, torch.float16, triton_device, _seed(case))
+    _check(q, k, v, causal=causal, device=triton_device, window=window,
+           alibi_slopes=torch.tensor([0.3, 0.1, 0.05, 0.0], device=triton_device))
+
+
+def test_window_with_softmax_overlap(triton_device):
+    """The overlapped loop 1 starting at the window's first full tile (its first trip reloads that
+    tile's V with P = 0), with a softcap applied in it."""
+    t = _tile(triton_device)
+    extra = {"SOFTMAX_OVERLAP": True}
+    if triton_device == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        extra["USE_TMA"] = True
+    q, k, v = _inputs(1, 2, 2, 6 * t + 7, 6 * t + 7, 64, 64, torch.float16, triton_device, 3)
+    for window in ((2 * t + 5, 0), (3 * t, t + 2)):
+        _check(q, k, v, causal=window[1] == 0, device=triton_device, params=_params(triton_device, **extra),
+               window=window, softcap=4.0)
+
+
+# --------------------------------------------------------------------------- masks
+
+def test_mask_empties_rows_and_tiles(triton_device):
+    """Whole rows and whole (query block, key tile) tiles hidden: rows that see nothing give 0
+    and lse -inf, or lse = the sink with sinks."""
+    t = _tile(triton_device)
+    n_q, n_kv = 2 * t + 5, 3 * t + 2
+    q, k, v = _inputs(1, 2, 2, n_q, n_kv, 32, 32, torch.float32, triton_device, 21)
+    mask = torch.rand(1, 2, n_q, n_kv, generator=torch.Generator().manual_seed(5)) < 0.7
+    mask[:, :, 3] = False            # an empty row
+    mask[:, 1, t:2 * t] = False      # a whole query block of head 1
+    mask[:, :, :t, t:2 * t] = False  # a whole tile
+    mask[:, 0, :, 2 * t:] = False    # the last tiles of head 0
+    mask = mask.to(triton_device)
+    out, lse = _check(q, k, v, causal=False, device=triton_device, mask=mask)
+    assert not out[0, :, 3].any() and torch.isneginf(lse[0, :, 3]).all()
+    sinks = torch.tensor([0.7, -2.0], device=triton_device)
+    out, lse = _check(q, k, v, causal=False, device=triton_device, mask=mask, sinks=sinks)
+    assert not out[0, :, 3].any() and torch.allclose(lse[0, :, 3], sinks)
+    # additive: -inf over the same keys, a finite bias elsewhere
+    bias = torch.where(mask, torch.randn(mask.shape, device=triton_device), torch.tensor(float("-inf"), device=triton_device))
+    _check(q, k, v, causal=True, device=triton_device, mask=bias)
+
+
+def test_mask_broadcast_and_strided_batch(triton_device):
+    """A (N_q, N_kv) mask broadcast over batch and heads, and a (B, 1, ..) one per batch."""
+    t = _tile(triton_device)
+    q, k, v = _inputs(2, 4, 2, t + 7, 2 * t + 1, 16, 16, torch.float16, triton_device, 8)
+    g = torch.Generator().manual_seed(9)
+    _check(q, k, v, causal=True, device=triton_device,
+           mask=(torch.rand(t + 7, 2 * t + 1, generator=g) < 0.5).to(triton_device))
+    _check(q, k, v, causal=False, device=triton_device,
+           mask=(torch.rand(2, 1, t + 7, 2 * t + 1, generator=g) < 0.5).to(triton_device))
+
+
+def test_block_map_matches_numpy(triton_device):
+    """The device block map: MAP_SEEN is flashcl.variants.mask_block_map at MAP_GRAIN, MAP_PLAIN
+    marks blocks where every key is visible with nothing to add; padding is MAP_PLAIN alone."""
+    g = torch.Generator().manual_seed(2)
+    grain = tp.MAP_GRAIN.value
+    bool_mask = torch.rand(2, 3, 37, 70, generator=g) < 0.05
+    bool_mask[:, :, :16, :32] = True
+    bias = torch.where(torch.rand(1, 1, 130, 17, generator=g) < 0.1, 0.5, float("-inf"))
+    bias[..., 16:32, :16] = 0.0
+    for mask in (bool_mask, bias):
+        got = tp._mask_block_map(mask.to(triton_device)).cpu().numpy()
+        want = mask_block_map(mask.numpy(), grain, grain)
+        rows, cols = want.shape[2:]
+        assert got.shape[2] % (tp.MAP_PAD.value // grain) == 0 and got.shape[3] % (tp.MAP_PAD.value // grain) == 0
+        assert np.array_equal((got[:, :, :rows, :cols] & tp.MAP_SEEN) != 0, want != 0)
+        assert (got[:, :, rows:] == tp.MAP_PLAIN).all() and (got[:, :, :, cols:] == tp.MAP_PLAIN).all()
+        plain = mask.numpy() if mask.dtype == torch.bool else mask.numpy() == 0
+        n_q, n_kv = plain.shape[2:]
+        padded = np.ones((*plain.shape[:2], rows * grain, cols * grain), dtype=bool)
+        padded[:, :, :n_q, :n_kv] = plain
+        want_plain = padded.reshape(*plain.shape[:2], rows, grain, cols, grain).all(axis=(3, 5))
+        assert np.array_equal((got[:, :, :rows, :cols] & tp.MAP_PLAIN) != 0, want_plain)
+        assert want_plain.any() and not want_plain.all()
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (40, 0)), (False, (17, 9))])
+def test_mask_tile_lists(triton_device, causal, window):
+    """The per-config tile lists: full tiles (every row sees every key with nothing to add), then
+    partial ones, each in increasing order; together every tile where some row sees a key, none
+    the mask hides wholly or causal / the window puts out of reach."""
+    g = torch.Generator().manual_seed(3)
+    n_q, n_kv, bm, bn = 150, 230, 64, 32
+    mask = torch.rand(2, 1, n_q, n_kv, generator=g) < 0.02
+    mask[0, :, :, :96] = True        # full tiles where causal and the window allow
+    mask[1, :, :, 100:180] = False   # hidden tiles
+    var = tp._VariantArgs.of(Variants(window=window, mask=mask.to(triton_device)), torch.float32, block_map=True)
+    nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=n_q,
+                 N_KV=n_kv, IS_CAUSAL=causal, WINDOW=window is not None, window_left=var.scalars[0],
+                 window_right=var.scalars[1])
+    tp._list_mask_tiles(nargs)
+    tiles = nargs["MaskTiles"].cpu().numpy()
+    _, visible = reference.logits(np.zeros((2, 1, n_q, 1)), np.zeros((2, 1, n_kv, 1)), causal=causal,
+                                  window=window, mask=mask.numpy())
+    _, reach = reference.logits(np.zeros((1, 1, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=causal,
+                                window=window)
+    n_full_total = 0
+    for b in range(2):
+        for qb in range(-(-n_q // bm)):
+            n_full, n_part = tiles[b, 0, qb, :2]
+            full, part = tiles[b, 0, qb, 2:2 + n_full], tiles[b, 0, qb, 2 + n_full:2 + n_full + n_part]
+            rows = slice(qb * bm, (qb + 1) * bm)
+            key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
+            needed = [t for t, keys in enumerate(key_tiles) if visible[b, 0, rows, keys].any()]
+            hidden = [t for t, keys in enumerate(key_tiles)
+                      if not mask[b, 0, :, keys].any() or not reach[0, 0, rows, keys].any()]
+            listed = set(full) | set(part)
+            assert list(full) == sorted(full) and list(part) == sorted(part) and not set(full) & set(part)
+            assert set(needed) <= listed and not listed & set(hidden), (b, qb, full, part, needed, hidden)
+            for t in full:  # a full tile: every (real) row sees every key of it, and it lies within N_kv
+                assert (t + 1) * bn <= n_kv and visible[b, 0, rows, key_tiles[t]].all(), (b, qb, t)
+            n_full_total += n_full
+    assert n_full_total > 0 or window is not None  # windows narrower than a block have none
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_mask_full_and_partial_tiles(triton_device, dtype_name):
+    """Structured masks whose tiles are mostly full (causal as a bool mask, key padding, an
+    additive mask of zeros and -inf with a bias on some keys), with causal and a window on top:
+    the unmasked path on full tiles, the masked one on the rest."""
+    t = _tile(triton_device)
+    n_q, n_kv = 3 * t + 3, 4 * t + 5
+    q, k, v = _inputs(2, 2, 1, n_q, n_kv, 32, 32, DTYPES[dtype_name], triton_device, 71)
+    pos = torch.arange(n_q)[:, None] + n_kv - n_q
+    key = torch.arange(n_kv)[None, :]
+    causal_mask = (key <= pos)[None, None].expand(2, 1, n_q, n_kv).clone()
+    causal_mask[1, :, :, n_kv - t - 2:] = False  # the second sequence padded on the right
+    causal_mask = causal_mask.to(triton_device)
+    _check(q, k, v, causal=False, device=triton_device, mask=causal_mask)
+    _check(q, k, v, causal=True, device=triton_device, mask=causal_mask, window=(2 * t + 1, 0),
+           sinks=torch.tensor([0.3, -0.3], device=triton_device))
+    bias = torch.where(causal_mask.cpu(), 0.0, float("-inf"))
+    bias[:, :, :, t:t + 5] += 0.75 * (bias[:, :, :, t:t + 5] == 0)
+    _check(q, k, v, causal=False, device=triton_device, mask=bias.to(triton_device), softcap=5.0)
+
+
+# --------------------------------------------------------------------------- non-finite K/V at hidden keys
+
+# where the bad keys go, for tile width t and n = 4t + 3 keys: (keys, window, causal, rows compared)
+HIDDEN = {
+    # keys < 2t + 1 left of every row's window: tiles 0-1 skipped, tile 2 masked
+    "window_left": lambda t, n: (slice(t, 2 * t + 1), (t + 1, 0), True, slice(3 * t + 2, None)),
+    # right of the window of rows < 2t - 1; the later rows see them and are not compared
+    "window_right": lambda t, n: (slice(2 * t + 1, n), (-1, 2), False, slice(0, 2 * t - 1)),
+    "mask_in_tile": lambda t, n: (slice(t + 3, t + 9), None, True, slice(None)),
+    "mask_whole_tile": lambda t, n: (slice(t, 2 * t), None, True, slice(None)),
+}
+
+
+@pytest.mark.parametrize("where", list(HIDDEN))
+def test_nonfinite_kv_at_hidden_keys(triton_device, where):
+    """NaN and inf in K and V at keys no compared row sees (left of the window, right of it
+    without causal, hidden by the mask inside a kept tile or in a skipped one) never reach it."""
+    t = _tile(triton_device)
+    n = 4 * t + 3
+    bad, window, causal, rows = HIDDEN[where](t, n)
+    q, k, v = _inputs(1, 2, 1, n, n, 32, 32, torch.float16, triton_device, _seed(where))
+    kw = {"window": window} if window is not None else {}
+    if where.startswith("mask"):
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+        mask[..., bad] = False
+        kw["mask"] = mask.to(triton_device)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, bad, ::2] = float("nan")
+    k_bad[:, :, bad, 1::2] = float("inf")
+    v_bad[:, :, bad] = float("inf")
+    v_bad[:, :, bad, 0] = float("nan")
+    _check(q, k_bad, v_bad, causal=causal, device=triton_device, rows=rows, clean_k=k, clean_v=v, **kw)
+
+
+# --------------------------------------------------------------------------- ALiBi, sinks, lse
+
+def test_alibi_per_batch_slopes(triton_device):
+    """(B, H_q) slopes: each batch its own; distances in both directions without causal."""
+    t = _tile(triton_device)
+    q, k, v = _inputs(3, 2, 2, t + 5, 2 * t + 3, 32, 32, torch.float32, triton_device, 31)
+    slopes = torch.tensor([[0.5, 0.25], [0.0, 1.0], [0.125, 0.0625]], device=triton_device)
+    _check(q, k, v, causal=False, device=triton_device, alibi_slopes=slopes)
+    out_b0 = flashcl.prefill(q[:1], k[:1], v[:1], backend="triton", alibi_slopes=slopes[0],
+                             params=_params(triton_device))
+    out = flashcl.prefill(q, k, v, backend="triton", alibi_slopes=slopes, params=_params(triton_device))
+    assert torch.equal(out[:1], out_b0)
+
+
+def test_sinks_lse_and_empty_rows(triton_device):
+    """lse includes the sink; a row that sees no key (N_q > N_kv, causal) returns 0 and lse = sink."""
+    t = _tile(triton_device)
+    q, k, v = _inputs(1, 3, 1, 2 * t, t - 3, 16, 16, torch.bfloat16, triton_device, 41)
+    sinks = torch.tensor([3.0, -1.5, 0.0], device=triton_device)
+    out, lse = _check(q, k, v, causal=True, device=triton_device, sinks=sinks)
+    empty = 2 * t - (t - 3)  # rows 0 .. empty - 1 see no key
+    assert not out[:, :, :empty].any()
+    assert torch.allclose(lse[:, :, :empty], sinks[None, :, None].expand(1, 3, empty))
+    big = torch.full((3,), 40.0, device=triton_device)  # a sink far above every score
+    _check(q, k, v, causal=True, device=triton_device, sinks=big, window=(2, 0))
+
+
+def test_huge_logits_with_softcap_and_alibi(triton_device):
+    """Raw scores near +-200 capped to +-30, ALiBi over long distances: the rescaling holds."""
+    t = _tile(triton_device)
+    std = math.sqrt(200.0 / 3.0)
+    q = _randn((1, 2, 2 * t + 1, 32), torch.float32, triton_device, 1, std)
+    k = _randn((1, 2, 3 * t, 32), torch.float32, triton_device, 2, std)
+    v = _randn((1, 2, 3 * t, 32), torch.float32, triton_device, 3)
+    _check(q, k, v, causal=True, device=triton_device, softcap=30.0,
+           alibi_slopes=torch.tensor([2.0, 0.01], device=triton_device))
+
+
+# --------------------------------------------------------------------------- plain path, op, errors
+
+def test_plain_path_unchanged(triton_device):
+    """variants=None compiles no variant code (every flag off, no variant tensor passed); a
+    window wider than the sequence gives the very bits of the plain call."""
+    off = tp._VariantArgs.of(None, torch.float16)
+    assert not any(off.flags.values()) and all(x is None for x in off.tensors)
+    t = _tile(triton_device)
+    q, k, v = _inputs(1, 2, 1, 2 * t + 3, 3 * t + 1, 32, 32, torch.float16, triton_device, 51)
+    for causal in (True, False):
+        plain = tp.prefill(q, k, v, causal=causal, params=_params(triton_device))
+        wide = tp.prefill(q, k, v, causal=causal, params=_params(triton_device),
+                          variants=Variants(window=(4 * t, 4 * t)))
+        assert torch.equal(plain, wide)
+
+
+def test_op_carries_variants(triton_device):
+    """flashcl::prefill takes the variants in its schema; the fake and real implementations agree
+    (opcheck) with every variant on."""
+    q, k, v = _inputs(1, 4, 2, 5, 7, 16, 16, torch.float16, triton_device, 3)
+    mask = (torch.rand(1, 4, 5, 7, generator=torch.Generator().manual_seed(1)) < 0.7).to(triton_device)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).to(triton_device)
+    slopes = torch.rand(1, 4, generator=torch.Generator().manual_seed(3)).to(triton_device)
+    for return_lse in (True, False):
+        torch.library.opcheck(
+            torch.ops.flashcl.prefill.default, (q, k, v, True, 0.25, return_lse),
+            {"window": [3, 0], "softcap": 5.0, "sinks": sinks, "alibi_slopes": slopes, "mask": mask},
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_torch_compile_with_variants(triton_device):
+    """fullgraph compile through flashcl::prefill with a mask and sinks: no graph break, same bits."""
+    import torch._dynamo
+
+    q, k, v = _inputs(1, 2, 1, 20, 20, 16, 16, torch.float32, triton_device, 4)
+    mask = (torch.rand(1, 1, 20, 20, generator=torch.Generator().manual_seed(1)) < 0.8).to(triton_device)
+    var = Variants(window=(7, 0), softcap=3.0, sinks=torch.tensor([0.5, -0.5], device=triton_device), mask=mask)
+
+    def f(q, k, v):
+        return tp.prefill(q, k, v, causal=True, variants=var, params=_params(triton_device)) * 2
+
+    eager = f(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mask=torch.ones(1, 1, 4, 5, dtype=torch.bool)), "variants.mask"),
+    (dict(mask=torch.ones(1, 1, 3, 6, dtype=torch.int32)), "variants.mask"),
+    (dict(sinks=torch.zeros(3)), "variants.sinks"),
+    (dict(alibi_slopes=torch.zeros(2)), "variants.alibi_slopes"),
+])
+def test_bad_variants_raise_before_launch(triton_device, bad, match):
+    """tp.prefill checks what it is handed (flashcl.prefill validates users' input first)."""
+    q, k, v = _inputs(1, 2, 2, 3, 6, 16, 16, torch.float32, triton_device, 1)
+    bad = {n: x.to(triton_device) for n, x in bad.items()}
+    with pytest.raises(ValueError, match=match):
+        tp.prefill(q, k, v, variants=Variants(**bad))
+
+
+def test_best_config_keys_on_flags(triton_device):
+    """The autotuner's cache is keyed by the variant flags: a windowed call tunes its own entry."""
+    if triton_device != "cuda":
+        pytest.skip("autotuning runs on CUDA only")
+    q, k, v = _inputs(1, 8, 8, 1024, 1024, 64, 64, torch.float16, triton_device, 61)
+    var = Variants(window=(255, 0))
+    out = tp.prefill(q, k, v, causal=True, variants=var)
+    assert tp.best_config(1024, 1024, 64, 64, True, torch.float16, 8, variants=var) is not None
+    ref = reference.attention(_np(q), _np(k), _np(v), causal=True, window=(255, 0))
+    assert reference.rel_err(out.double().cpu().numpy(), ref) <= reference.TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("n_q, n_kv, causal, window", [
+    (7, 7, True, None), (5, 9, True, (2, 0)), (9, 5, True, (1, 0)), (6, 6, False, (1, 2)), (4, 8, False, (-1, 1)),
+])
+def test_bench_counts_visible_pairs(n_q, n_kv, causal, window):
+    """The variant benchmark's FLOPs count the (row, key) pairs the oracle's rules make visible."""
+    from flashcl.tools import triton_bench_prefill as bench
+
+    _, visible = reference.logits(np.zeros((1, 1, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=causal, window=window)
+    assert bench.visible_pairs(n_q, n_kv, causal, window) == int(visible.sum())

@@ -6,6 +6,7 @@ left is the kernel's own. Native on CUDA, TRITON_INTERPRET=1 on CPU (small shape
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -94,11 +95,11 @@ def _check(out, lse, c, what):
 
 
 # (format, paged, block size, h_q, h_kv): every format paged and contiguous, block sizes 1 / 16 /
-# 64, GQA 4, MQA 8 and MHA spread over them
+# 64 / 256 (tiles inside a page), GQA 4, MQA 8 and MHA spread over them
 MATRIX = [
     ("q8_0", True, 16, 8, 2), ("q8_0", False, 16, 8, 1), ("q8_0", True, 1, 4, 4),
     ("q4_0", True, 64, 8, 1), ("q4_0", False, 16, 4, 4), ("q4_0", True, 16, 8, 2),
-    ("int8", True, 16, 4, 4), ("int8", False, 16, 8, 2), ("int8", True, 64, 8, 2),
+    ("int8", True, 16, 4, 4), ("int8", False, 16, 8, 2), ("int8", True, 64, 8, 2), ("int8", True, 256, 8, 2),
     ("fp8_e4m3", True, 16, 8, 2), ("fp8_e4m3", False, 16, 8, 1), ("fp8_e4m3", True, 1, 8, 1),
 ]
 
@@ -146,9 +147,44 @@ def test_quantized_with_variants(triton_device, poison):
         _check(out, lse, c, f"variants splits={ns}")
 
 
+@pytest.mark.parametrize("d,block_size,paged", [(128, 16, True), (256, 1, True), (128, 16, False), (64, 32, True),
+                                                 (64, 256, True)])
+def test_q4_0_words(triton_device, d, block_size, paged, poison):
+    """q4_0 read as 32-bit words (head dims 64 / 128 / 256): every column back in its place, in
+    out and in the split partials; whole pages, tiles inside a page (256-token blocks) and
+    contiguous rows; rows past the end; a window (row-masked loads)."""
+    c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=[0, 37, 2 * block_size + 70], d=d, paged=paged,
+              block_size=block_size, k_fmt="q4_0", v_fmt="q4_0", seed=d + block_size)
+    assert triton_decode._q4_0_words(c["k"].data, "q4_0", d) and triton_decode._q4_0_words(c["v"].data, "q4_0", d)
+    for ns in (1, 2, 5):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"q4_0 words d={d} paged={paged} splits={ns}")
+    w = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[90, 17], d=d, paged=paged, block_size=block_size,
+              k_fmt="q4_0", v_fmt="q4_0", seed=d + 1, window=(block_size + 3, 0))
+    out, lse = _run(w, 3)
+    _check(out, lse, w, f"q4_0 words d={d} window")
+
+
+def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
+    """A q4_0 cache whose rows are not on 4-byte boundaries (data at a 2-byte offset) is read by
+    the byte gather instead of as words, with the same result."""
+    c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[45, 20], d=64, k_fmt="q4_0", v_fmt="q4_0", seed=21)
+    shifted = []
+    for qt in (c["k"], c["v"]):
+        buf = torch.empty(qt.data.numel() + 2, dtype=torch.uint8, device=qt.data.device)
+        data = buf[2:].view(qt.data.shape)
+        data.copy_(qt.data)
+        shifted.append(dataclasses.replace(qt, data=data, scales=data[..., :2].view(torch.float16)[..., 0]))
+    assert not triton_decode._q4_0_words(shifted[0].data, "q4_0", 64)
+    c["k"], c["v"] = shifted
+    out, lse = _run(c, 2)
+    _check(out, lse, c, "q4_0 at a 2-byte offset")
+
+
 def test_plan_routes_quantized_to_the_dot_path():
-    """On a Hopper with Gluon, quantized K/V take the dot path's row-masked addressing (no Gluon,
-    no MHA loop, no whole pages); an unknown format is refused."""
+    """On a Hopper with Gluon, quantized K/V take the dot path (no Gluon, no MHA loop: their loads
+    dequantize) over whole pages, q8_0 (alone or with another format) over masked rows; int8's and
+    q4_0's short splits aim at two programs per SM; an unknown format is refused."""
     from dataclasses import replace
 
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
@@ -156,7 +192,16 @@ def test_plan_routes_quantized_to_the_dot_path():
     for base in bases:
         for fmt in FORMATS:
             p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            assert p.kernel == "dot" and not p.whole_pages and not p.page_tiles, (fmt, p.kernel)
+            assert p.kernel == "dot" and p.whole_pages == (fmt != "q8_0") and not p.page_tiles, (fmt, p.kernel)
+    mixed = dp.plan(replace(bases[0], kv_formats=("int8", "q8_0")), facts)
+    assert not mixed.whole_pages
+    long_q4 = replace(bases[0], n_ctx_bound=131072, kv_formats=("q4_0", "q4_0"))
+    short_q4 = replace(bases[0], kv_formats=("q4_0", "q4_0"))
+    assert 8 * dp.plan(short_q4, facts).num_splits >= 2 * facts.sms
+    assert 8 * dp.plan(replace(short_q4, kv_formats=("int8", "int8")), facts).num_splits >= 2 * facts.sms
+    assert 8 * dp.plan(replace(short_q4, kv_formats=("fp8_e4m3", "fp8_e4m3")), facts).num_splits <= facts.sms
+    assert dp.plan(long_q4, facts).num_splits == dp.plan(replace(long_q4, kv_formats=("", "")), facts,
+                                                         {"gluon_gqa": False}).num_splits
     with pytest.raises(ValueError, match="quantized"):
         dp.plan(replace(base, kv_formats=("q5_1", "")), facts)
 

@@ -39,10 +39,13 @@ Gluon kernels take no variant: the plan runs such launches on this kernel (decod
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
-dot path reads the data with row-masked addressing and dequantizes each tile after its load
-(_load_quant): ggml blocks with their fp16 d, int8 / fp8 values exactly in q's type with their
-scale applied per key to the scores (K) or to p (V). The plan keeps them off the Gluon kernels,
-the MHA loop and whole pages (decode_plan.QUANTIZED).
+dot path dequantizes each tile after its load (_load_quant): ggml blocks with their fp16 d, int8 /
+fp8 values exactly in q's type with their scale applied per key to the scores (K) or to p (V).
+q4_0 rows on 4-byte boundaries with head dims 64 / 128 / 256 are read as 32-bit words
+(_load_q4_0_words: pipelined loads, no byte gather), their columns unpacked out of order, so q is
+loaded and out / the partials stored in that order (_q4_0_columns); other ggml caches take the
+byte gather. The plan keeps quantized caches off the Gluon kernels and the MHA loop, and q8_0 off
+whole pages (decode_plan.QUANTIZED); docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
@@ -147,6 +150,8 @@ def _decode_kernel(
     ALIBI: tl.constexpr = False,
     # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
     K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
+    # q4_0 K / V read as aligned 32-bit words (_load_q4_0_words), q and out in their column order
+    K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
 ):
     tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -156,8 +161,7 @@ def _decode_kernel(
     tl.static_assert(not MHA_FMA or (PAGED and WHOLE_PAGES and GROUP == 1), "MHA_FMA: MHA over whole pages")
     tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
                      "PAGE_TILES: tiles inside one page")
-    tl.static_assert((K_FMT == "" and V_FMT == "") or not (WHOLE_PAGES or PAGE_TILES or MHA_FMA),
-                     "quantized K/V: the row-masked addressing of the dot path")
+    tl.static_assert((K_FMT == "" and V_FMT == "") or not MHA_FMA, "quantized K/V: the dot path")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
         tl_cuda.gdc_wait()
@@ -175,6 +179,13 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_g = offs_g < GROUP
     heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
+    # the head-dim column of each position of the K / V tiles: q4_0 words unpack out of order
+    col_k = offs_dk
+    if K_WORDS:
+        col_k = _q4_0_columns(BLOCK_DK)
+    col_v = offs_dv
+    if V_WORDS:
+        col_v = _q4_0_columns(BLOCK_DV)
     bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
 
     # this split's tokens [lo, hi): the context cut into num_splits chunks of whole tiles (empty
@@ -230,6 +241,8 @@ def _decode_kernel(
         # every tile starts on a page boundary: a row's offset inside its page is loop-invariant
         in_page_k = (offs_n % PAGE_SIZE) * stride_kpos
         in_page_v = (offs_n % PAGE_SIZE) * stride_vpos
+        in_page_ks = (offs_n % PAGE_SIZE) * stride_kspos  # int8's row scales (unused otherwise)
+        in_page_vs = (offs_n % PAGE_SIZE) * stride_vspos
     if MHA_FMA:
         # one query row: CUDA cores, K/V in registers one tile ahead (see _mha_fma_loop)
         q_row = Q + pid_b.to(tl.int64) * stride_qb + pid_h * stride_qh + offs_dk * stride_qd
@@ -243,7 +256,7 @@ def _decode_kernel(
             win_lo, n_ctx, softcap_log2, slope, WINDOW, SOFTCAP, ALIBI)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
-        q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
+        q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + col_k[None, :] * stride_qd
         if BLOCK_DK == DK:
             q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
         else:
@@ -267,6 +280,8 @@ def _decode_kernel(
                 page = _clamp_pages(page, last_block)
                 row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
                 row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
+                srow_k = _page_rows(page, valid, in_page_ks, stride_ksblk, OFFS32)
+                srow_v = _page_rows(page, valid, in_page_vs, stride_vsblk, OFFS32)
                 # the next tile's entries, its rows past the end at its first token; clamped to the
                 # bound, so the load after the last tile stays in the table too (its values go unused)
                 nxt = tok + BLOCK_N
@@ -279,6 +294,8 @@ def _decode_kernel(
                 page = _clamp_pages(page, last_block)
                 row_k = _page_rows(page, True, in_page * stride_kpos, stride_kblk, OFFS32)
                 row_v = _page_rows(page, True, in_page * stride_vpos, stride_vblk, OFFS32)
+                srow_k = _page_rows(page, True, in_page * stride_kspos, stride_ksblk, OFFS32)
+                srow_v = _page_rows(page, True, in_page * stride_vspos, stride_vsblk, OFFS32)
                 # the next tile's entry (one iteration ahead; past the end it goes unused)
                 page = _table_entries(bt_base, start_n + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
             elif PAGED:
@@ -304,13 +321,13 @@ def _decode_kernel(
                 k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, mask_rows, "")
             else:
                 k, k_scale = _load_quant(k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k, offs_dk,
-                                         valid, stride_kd, K_FMT, DK, BLOCK_DK)
+                                         valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS)
                 k = k.to(q.dtype)
             if V_FMT == "":
                 v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, mask_rows, "")
             else:
                 v, v_scale = _load_quant(v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v, offs_dv,
-                                         valid, stride_vd, V_FMT, DV, BLOCK_DV)
+                                         valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS)
                 v = v.to(q.dtype)
             if UPCAST_DOT:
                 k = k.to(tl.float32)
@@ -346,7 +363,7 @@ def _decode_kernel(
         tl.store(PartM + pm_off, m_i, mask=mask_g)
         tl.store(PartL + pm_off, l_i, mask=mask_g)
         pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
-                   + pid_s * stride_pas + offs_dv[None, :] * stride_pad)
+                   + pid_s * stride_pas + col_v[None, :] * stride_pad)
         tl.store(pa_ptrs, acc, mask=mask_g[:, None] & (offs_dv[None, :] < DV))
         if FUSED:
             # Fused reduce: the last split of (b, h_kv) to arrive merges all of them. Ordering (the
@@ -380,7 +397,7 @@ def _decode_kernel(
         seen = l_i != 0.0
         l_safe = tl.where(seen, l_i, 1.0)
         out = acc / l_safe[:, None]
-        o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+        o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col_v[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv[None, :] < DV))
         # back from log2 to natural log: lse = (m + log2 l) * ln 2
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -389,16 +406,25 @@ def _decode_kernel(
 
 @triton.jit
 def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexpr, D: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, WORDS: tl.constexpr):
     """A quantized K or V tile [BLOCK_N, BLOCK_D] (flashcl.quant's formats) as (values, row
     scales): rows ``row`` (element offsets of the data) of ``base``, rows past the end (``valid``
     false) and head-dim padding (>= D) zeros. q8_0 / q4_0: ggml blocks of 32 values, the fp16 d in
     the block's first two bytes, applied here (float32 values, row scale 1). int8 / fp8_e4m3: the
     stored values, exact in any 16-bit float, and their scale per row at ``scale_ptrs`` (fp8's one
     per tensor at every row), applied by the caller to the scores or to p: one multiply per key
-    instead of one per element."""
+    instead of one per element. Without MASK_ROWS every row address is a real row (whole pages,
+    tiles inside a page) and the loads take no row mask; the caller selects those scores away.
+    WORDS (q4_0, D a power of two >= 64, rows on 4-byte boundaries): _load_q4_0_words, the
+    columns in _q4_0_columns's order."""
+    if not MASK_ROWS:
+        valid = tl.full(valid.shape, 1, tl.int1)
     mask = valid[:, None] & (offs_d[None, :] < D)
-    if FMT == "q8_0" or FMT == "q4_0":
+    if WORDS:
+        tl.static_assert(FMT == "q4_0", "32-bit words: q4_0")
+        x = _load_q4_0_words(base, row, valid, D)
+        row_scale = 1.0
+    elif FMT == "q8_0" or FMT == "q4_0":
         # [rows, blocks, 32]: one d per block, its 32 values, then the row as [rows, BLOCK_D]
         BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
         NB: tl.constexpr = BLOCK_D // 32
@@ -425,6 +451,58 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
             x = x.to(tl.float8e4nv, bitcast=True)
         row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
     return x, row_scale
+
+
+# q4_0 as 32-bit words. Two 18-byte blocks are 9 words: the head word holds the first block's d
+# and its nibble bytes 0-1, then 8 main words hold the rest of the pair; main word MID ends with
+# the second block's d, and bytes 0-1 take its place. Every load is a 4-byte aligned word
+# (cp.async, pipelined) instead of a byte gather into a [rows, blocks, 32] tile:
+#
+#   pair bytes  | d0 b0 b1 | b2 ..          .. b14 b15 d1 | b'0 ..   .. b'15 |
+#   words       |  head    |  main 0 ..    main MID        | main 4 .. main 7 |
+_Q4_MAIN = tl.constexpr(8)  # main words per pair of blocks
+_Q4_MID = tl.constexpr(3)   # the main word that holds the second block's d
+
+
+@triton.jit
+def _q4_0_columns(D: tl.constexpr):
+    """The head-dim column of each position of a q4_0 row as _load_q4_0_words unpacks it:
+    position 8 w + 2 k + h is nibble h (high: value + 16) of byte k of main word w."""
+    pos = tl.arange(0, D)
+    w = pos // 8
+    byte = 4 * (w % _Q4_MAIN) + (pos % 8) // 2  # byte of the pair's main words
+    first = (w % _Q4_MAIN) <= _Q4_MID
+    b = tl.where(first, (byte + 2) % 16, byte - 16)  # bytes 0-1 sit where the second block's d was
+    block = 2 * (w // _Q4_MAIN) + tl.where(first, 0, 1)
+    return 32 * block + b + 16 * (pos % 2)
+
+
+@triton.jit
+def _load_q4_0_words(base, row, valid, D: tl.constexpr):
+    """A q4_0 tile [BLOCK_N, D] of float32 values, dequantized, in _q4_0_columns's order: rows
+    ``row`` (byte offsets, multiples of 4) of ``base``; rows where ``valid`` is false read as zeros."""
+    w = tl.arange(0, D // 8)
+    wi = w % _Q4_MAIN
+    pair = (w // _Q4_MAIN) * (_Q4_MAIN + 1)  # the pair's head word
+    words = base.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[:, None]
+    # per main word, the word that holds its block's d: the head word, or main word MID
+    side = words + (pair + tl.where(wi <= _Q4_MID, 0, _Q4_MID + 1))[None, :]
+    main = tl.load(words + (pair + 1 + wi)[None, :], mask=valid[:, None], other=0)
+    side = tl.load(side, mask=valid[:, None], other=0)
+    first = (wi <= _Q4_MID)[None, :]
+    main = tl.where((wi == _Q4_MID)[None, :], (main & 0xFFFF) | (side & -65536), main)
+    d = tl.where(first, side, side >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    # eight nibbles per word, value - 8; lane 2 k + h (the join order below) is nibble h of byte k
+    t0 = ((main & 15) - 8).to(tl.float32) * d
+    t1 = (((main >> 4) & 15) - 8).to(tl.float32) * d
+    t2 = (((main >> 8) & 15) - 8).to(tl.float32) * d
+    t3 = (((main >> 12) & 15) - 8).to(tl.float32) * d
+    t4 = (((main >> 16) & 15) - 8).to(tl.float32) * d
+    t5 = (((main >> 20) & 15) - 8).to(tl.float32) * d
+    t6 = (((main >> 24) & 15) - 8).to(tl.float32) * d
+    t7 = (((main >> 28) & 15) - 8).to(tl.float32) * d
+    x = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+    return tl.reshape(x, [row.shape[0], D])
 
 
 @triton.jit
@@ -867,7 +945,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
-    quant = {"K_FMT": k_format, "V_FMT": v_format}
+    quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _q4_0_words(k_cache, k_format, dk),
+             "V_WORDS": _q4_0_words(v_cache, v_format, dv)}
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens):
@@ -913,6 +992,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             USE_PDL=plan.pdl, SINKS=var_knobs["SINKS"], num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
         )
     return out, lse
+
+
+def _q4_0_words(data: torch.Tensor, fmt: str, d: int) -> bool:
+    """Whether the kernel reads this cache as 32-bit words (_load_q4_0_words): q4_0 of head dims
+    of whole block pairs that are their own padded size (64, 128, 256), every row on a 4-byte
+    boundary. q8_0 keeps the byte gather: its word path measured slower (docs/notes/quantized-decode.md)."""
+    if fmt != "q4_0" or d % 64 or d != _next_pow2(d):
+        return False
+    return data.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in data.stride()[:3])
 
 
 def _scale_operand(scales: Optional[torch.Tensor], fmt: str, paged: bool, stand_in: torch.Tensor):

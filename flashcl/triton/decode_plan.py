@@ -78,8 +78,10 @@ KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
 # and the merges take them all, decode_gluon's kernels none: a launch with any variant on is
 # planned as on a device without Gluon (documented kernel choice, never a dropped variant).
 VARIANTS = ("alibi", "sinks", "softcap", "window")
-# Quantized K/V (flashcl.quant) run on the dot path with row-masked addressing (no whole pages, no
-# MHA loop, no Gluon), each K/V tile dequantized after its load: the formats the kernel reads.
+# Quantized K/V (flashcl.quant) run on the dot path (no MHA loop, no Gluon), each K/V tile
+# dequantized after its load: the formats the kernel reads. They take whole pages, except q8_0,
+# whose byte gathers keep the row-masked addressing they were measured on ("What was tried for
+# ggml" in docs/notes/quantized-decode.md).
 QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
 MERGES = ("none", "fused", "reduce")
 
@@ -329,6 +331,19 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
             and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 
 
+# Quantized formats whose split launches aim at two programs per SM (_dequant_two_programs)
+_TWO_PROGRAM_FORMATS = ("int8", "q4_0")
+
+
+def _dequant_two_programs(problem: DecodeProblem, split_len: int) -> bool:
+    """An int8 or q4_0 split launch aims at two programs per SM where its splits are too short for
+    the long tile: one program dequantizing its tiles does not stream enough for its SM (H200,
+    (1, 32/8, 32k), 32 splits instead of 16: int8 60 us instead of 86, q4_0 141 instead of 182;
+    at 128k the long tile on 16 splits stays ahead). fp8 and q8_0 were not measured so ("What was
+    tried for ggml" in docs/notes/quantized-decode.md)."""
+    return bool(set(problem.kv_formats) & set(_TWO_PROGRAM_FORMATS)) and split_len < _LONG_SPLIT
+
+
 # The reduce kernel: HEADS adjacent query heads per program, CHUNK_S splits merged per step (one
 # round trip to memory each); four heads per program beat one or two ("The reduce kernel").
 _REDUCE_HEADS = 4            # query heads per reduce program (fewer for many splits: _reduce_shape)
@@ -427,8 +442,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     _LONG_SPLIT tokens and whose heads pad to 128 or more takes _LONG_TILE where shared memory holds
     it; the dot path's default tile takes more rows for heads below 128 (_small_head_rows) and runs
     on 2 warps where _two_warps_pay; MHA takes the Gluon kernel's tile where it runs. The automatic
-    split count aims at two programs per SM where _two_programs_per_sm, and at the GQA kernel's own
-    count (gqa_splits) where that kernel takes the launch."""
+    split count aims at two programs per SM where _two_programs_per_sm or _dequant_two_programs,
+    and at the GQA kernel's own count (gqa_splits) where that kernel takes the launch."""
     p = problem
     unknown = set(p.variants) - set(VARIANTS)
     if unknown:
@@ -447,13 +462,16 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     if p.quantized:
-        # quantized K/V: the dot path's masked rows, where the loads dequantize (QUANTIZED)
-        cfg.update(whole_pages=False, mha_fma=False)
+        # quantized K/V: the dot path, whose loads dequantize (QUANTIZED)
+        cfg.update(mha_fma=False)
+        if "q8_0" in p.kv_formats:
+            cfg.update(whole_pages=False)
     sms = facts.sms
     programs = p.b * p.h_kv  # per split
     min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
     auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
-    if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
+    if auto_splits > 1 and (_two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)
+                            or _dequant_two_programs(p, _cdiv(n_ctx, auto_splits))):
         auto_splits = choose_num_splits(2 * sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))

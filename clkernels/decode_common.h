@@ -175,23 +175,8 @@ static inline raw_t load_chunk(__global const raw_t *rows, const int j, __global
  * one per row, at the row's byte offset / D). The load packs them into a raw_t (quant bytes, scale
  * bits, nibble shift) that is converted when used, so that the prefetch of the next tile stays
  * in flight exactly as for plain rows. Include-site: QPIECE defined. */
-#ifndef K_QUANT
-#define K_QUANT 0         // K cache format: 0 store_t rows, 1 q8_0, 2 q4_0, 3 int8
-#endif
-#ifndef V_QUANT
-#define V_QUANT 0         // V cache format, as K_QUANT
-#endif
-#define QUANT_Q8_0 1
-#define QUANT_Q4_0 2
-#define QUANT_INT8 3
+#include "kv_formats.h"
 #define QUANT_SCALED (K_QUANT == QUANT_INT8 || V_QUANT == QUANT_INT8)
-
-#if (K_QUANT == QUANT_Q8_0 || K_QUANT == QUANT_Q4_0) && HEAD_DK % 32 != 0
-#error "q8_0/q4_0 K: DK must be a multiple of 32 (ggml blocks)"
-#endif
-#if (V_QUANT == QUANT_Q8_0 || V_QUANT == QUANT_Q4_0) && HEAD_DV % 32 != 0
-#error "q8_0/q4_0 V: DV must be a multiple of 32 (ggml blocks)"
-#endif
 
 /* int8 scales follow DECODE_PARAMS (and VARIANT_PARAMS) only in builds that read them */
 #if QUANT_SCALED

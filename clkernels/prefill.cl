@@ -17,6 +17,10 @@
  *   mask [Bm][Hm][N_q][N_kv] mask_t at mask + b*mask_sb + h*mask_sh + i*mask_sn + j (a stride
  *        of 0 broadcasts), tile_map [Bm][Hm][query blocks][key tiles] uchar at
  *        tile_map + b*map_sb + h*map_sh + m_block*(key tiles) + tile
+ *   A quantized k or v (K_QUANT / V_QUANT, kv_quant.h) holds packed rows (q8_0, q4_0 or int8
+ *   bytes), addressed as above in bytes; k_scales / v_scales [B][H_kv][N_kv] float32 hold an
+ *   int8 cache's row scales, laid out like its rows (any buffer otherwise: never read). The
+ *   rows are dequantized as a tile is staged, so local memory holds float32 as for plain caches.
  *
  * Grid: dim 0 = B x H_q x query blocks x DV slices work-groups of BLOCK_M work-items, in the
  * order of tile_of_group() (prefill_common.h: longest causal blocks first, heads in L2 sections).
@@ -146,7 +150,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
                    const int win_left, const int win_right, const float softcap_log2,
                    __global const float *sinks, __global const float *alibi,
                    __global const mask_t *mask, const ulong mask_sb, const ulong mask_sh, const ulong mask_sn,
-                   __global const uchar *tile_map, const ulong map_sb, const ulong map_sh)
+                   __global const uchar *tile_map, const ulong map_sb, const ulong map_sh,
+                   __global const float *k_scales, __global const float *v_scales)
 {
     __local float k_tile[BLOCK_N * HEAD_DK] LDS_ALIGNED;  /* offsets below are multiples of VEC */
     __local float v_tile[BLOCK_N * DV_TILE] LDS_ALIGNED;
@@ -160,8 +165,13 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     const int dv0 = dv_slice * DV_TILE;
 
     __global const store_t *q_row = q + q_off + batch * q_sb + head * q_sh + (ulong)min(row, n_q - 1) * q_sn;
-    __global const store_t *k_base = k + k_off + batch * k_sb + kv_head * k_sh;
-    __global const store_t *v_base = v + v_off + batch * v_sb + kv_head * v_sh + dv0;
+    /* K/V rows of (batch, KV head): store_t elements, or bytes of quantized rows (kv_quant.h) */
+    const ulong k_rows = k_off + batch * k_sb + kv_head * k_sh, v_rows = v_off + batch * v_sb + kv_head * v_sh;
+    __global const k_elem_t *k_base = (__global const k_elem_t *)k + k_rows;
+    __global const v_elem_t *v_base = (__global const v_elem_t *)v + v_rows + V_SLICE_ELEMS(dv0);
+    /* int8 rows' scales lie at scales[row byte offset / D] (read only when K/V are int8) */
+    __global const float *k_row_scales = k_scales + k_rows / HEAD_DK;
+    __global const float *v_row_scales = v_scales + v_rows / HEAD_DV;
 
 #if Q_IN_REGS
     /* q row, pre-scaled so that scores are already in the log2 domain */
@@ -215,12 +225,20 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         /* every work-item is done reading the previous tile before it is overwritten */
         barrier(CLK_LOCAL_MEM_FENCE);
         /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as vectors */
+#if K_QUANT
+        stage_quant_k(k_tile, k_base, k_sn, k_row_scales, n0, n_kv, lid, BLOCK_M);
+#else
         stage_transposed(k_tile, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, BLOCK_M);
+#endif
+#if V_QUANT
+        stage_quant_v(v_tile, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, BLOCK_M);
+#else
         for (int i = lid; i < BLOCK_N * DV4; i += BLOCK_M) {
             const int j = i / DV4, c = i % DV4;
             const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
             vstore4(x, i, v_tile);
         }
+#endif
         /* the whole tile is in local memory before anyone reads it */
         barrier(CLK_LOCAL_MEM_FENCE);
 

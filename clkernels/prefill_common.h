@@ -1,7 +1,7 @@
 /* What both prefill layouts (prefill.cl, prefill_tiles.cl) share: the host's switches, the grid
  * mapping of a work-group to its query block and DV slice, the causal and window bounds on its
- * keys, and the attention variants (flashcl/variants.py). Include after BLOCK_M, BLOCK_N and
- * DV_TILE are defined. */
+ * keys, the attention variants (flashcl/variants.py) and the reading of plain or quantized K/V
+ * rows into the tiles. Include after BLOCK_M, BLOCK_N and DV_TILE are defined. */
 #ifndef FLASHCL_PREFILL_COMMON_H
 #define FLASHCL_PREFILL_COMMON_H
 
@@ -128,6 +128,52 @@ static inline bool tile_crosses_edge(const int n0, const int first_pos, const in
 #endif
     return crosses;
 }
+
+/* ---- K/V caches: store_t rows, or quantized rows (kv_quant.h) dequantized while staged ---------
+ * A plain buffer is addressed in store_t elements, a quantized one in bytes; the tiles in local
+ * memory are float32 either way. */
+#include "storage.h"
+#include "kv_quant.h"
+
+#if K_QUANT
+typedef uchar k_elem_t;
+#else
+typedef store_t k_elem_t;
+#endif
+#if V_QUANT
+typedef uchar v_elem_t;
+/* a quantized V row is read from its start (its blocks cannot be offset to a DV slice by
+ * pointer): stage_quant_v starts at the slice's first column */
+#define V_SLICE_ELEMS(dv0) 0
+#else
+typedef store_t v_elem_t;
+#define V_SLICE_ELEMS(dv0) (dv0)
+#endif
+
+#if K_QUANT
+/* K rows [n0, n0 + BLOCK_N) of one (batch, KV head), k_rows, dequantized into local memory
+ * transposed (dst[d][j], as stage_transposed stages a plain K); keys past n_kv are zeros.
+ * k_scales: the int8 scales of k_rows. */
+static inline void stage_quant_k(__local float *dst, __global const uchar *k_rows, const ulong k_sn,
+                                 __global const float *k_scales, const int n0, const int n_kv,
+                                 const int lid, const int wg)
+{
+    stage_quant_transposed(K_QUANT, dst, k_rows, k_sn, k_scales, k_sn / HEAD_DK, n0, n_kv, BLOCK_N, HEAD_DK,
+                           lid, wg);
+}
+#endif
+
+#if V_QUANT
+/* The DV slice [dv0, dv0 + DV_TILE) of V rows [n0, n0 + BLOCK_N), dequantized into local memory
+ * (dst[j][col]); keys past n_kv are zeros. v_scales: the int8 scales of v_rows. */
+static inline void stage_quant_v(__local float *dst, __global const uchar *v_rows, const ulong v_sn,
+                                 __global const float *v_scales, const int n0, const int n_kv,
+                                 const int dv0, const int lid, const int wg)
+{
+    stage_quant_rows(V_QUANT, dst, v_rows, v_sn, v_scales, v_sn / HEAD_DV, n0, n_kv, BLOCK_N, dv0, DV_TILE,
+                     lid, wg);
+}
+#endif
 
 #if HAS_SINKS
 /* Fold a head's sink (logit sink_log2, value zero) into a row's final state (max m, sum l):

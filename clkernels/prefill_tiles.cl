@@ -4,9 +4,9 @@
  *   out[b, h, i, :] = softmax_j(scale * q[b, h, i, :] . k[b, h / G, j, :]) @ v[b, h / G, :, :]
  *
  * Same contract as prefill.cl (bottom-right causal, GQA, DK != DV, float32 or half storage,
- * online softmax in exp2, a row that sees no key gives zeros and lse = -inf, the variants of
- * prefill_common.h); same buffers, arguments and grid, except that a work-group is TM x TN
- * work-items.
+ * quantized K/V caches dequantized as staged, online softmax in exp2, a row that sees no key gives
+ * zeros and lse = -inf, the variants of prefill_common.h); same buffers, arguments and grid,
+ * except that a work-group is TM x TN work-items.
  *
  * Why a second kernel. In prefill.cl each work-item owns one query row: every K or V value it
  * reads from local memory feeds one FMA. Local memory returns 128 bytes per clock per SM on
@@ -152,7 +152,8 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                          const int win_left, const int win_right, const float softcap_log2,
                          __global const float *sinks, __global const float *alibi,
                          __global const mask_t *mask, const ulong mask_sb, const ulong mask_sh, const ulong mask_sn,
-                         __global const uchar *tile_map, const ulong map_sb, const ulong map_sh)
+                         __global const uchar *tile_map, const ulong map_sb, const ulong map_sh,
+                         __global const float *k_scales, __global const float *v_scales)
 {
     __local float q_t[HEAD_DK * BLOCK_M] LDS_ALIGNED;    /* Q^T, pre-scaled: q_t[d][row] */
     /* K^T of the tile (k_t[d][key]) until the scores are computed, then its V slice
@@ -174,8 +175,13 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     const int dv0 = dv_slice * DV_TILE;
 
     __global const store_t *q_base = q + q_off + batch * q_sb + head * q_sh;
-    __global const store_t *k_base = k + k_off + batch * k_sb + kv_head * k_sh;
-    __global const store_t *v_base = v + v_off + batch * v_sb + kv_head * v_sh + dv0;
+    /* K/V rows of (batch, KV head): store_t elements, or bytes of quantized rows (kv_quant.h) */
+    const ulong k_rows = k_off + batch * k_sb + kv_head * k_sh, v_rows = v_off + batch * v_sb + kv_head * v_sh;
+    __global const k_elem_t *k_base = (__global const k_elem_t *)k + k_rows;
+    __global const v_elem_t *v_base = (__global const v_elem_t *)v + v_rows + V_SLICE_ELEMS(dv0);
+    /* int8 rows' scales lie at scales[row byte offset / D] (read only when K/V are int8) */
+    __global const float *k_row_scales = k_scales + k_rows / HEAD_DK;
+    __global const float *v_row_scales = v_scales + v_rows / HEAD_DV;
 
     /* Q^T of the block, pre-scaled; rows past n_q are zero (their results are never stored) */
     stage_transposed(q_t, q_base, q_sn, row_base, n_q, BLOCK_M, HEAD_DK, scale_log2, lid, WG);
@@ -217,7 +223,11 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
 #endif
         /* everyone is done with the previous tile's V and P (and Q^T is complete) */
         barrier(CLK_LOCAL_MEM_FENCE);
+#if K_QUANT
+        stage_quant_k(k_t, k_base, k_sn, k_row_scales, n0, n_kv, lid, WG);
+#else
         stage_transposed(k_t, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, WG);
+#endif
         /* the K tile is in local memory before anyone reads it */
         barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -283,11 +293,15 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
         /* every partial max is written before the rows are reduced, and every work-item is done
          * with K^T before the V slice overwrites it */
         barrier(CLK_LOCAL_MEM_FENCE);
+#if V_QUANT
+        stage_quant_v(v_s, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, WG);
+#else
         for (int i = lid; i < BLOCK_N * DV4; i += WG) {
             const int j = i / DV4, c = i % DV4;
             const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
             *(__local float4 *)(v_s + 4 * i) = x;
         }
+#endif
 
         /* P = exp2(S - m_new); rescale O and l to the new max */
         float p_col[TILE_N][TILE_M];  /* P^T of this work-item's block */

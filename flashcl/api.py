@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -36,7 +37,8 @@ _LOG2E = 1.0 / math.log(2.0)
 # --------------------------------------------------------------------------- input kinds
 
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "is_cuda")
+    torch = sys.modules.get("torch")  # isinstance, not a module-name test: torch.compile traces it
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _is_cl_array(x) -> bool:
@@ -136,9 +138,9 @@ def _choose_backend(backend: str, kind: str) -> str:
 # --------------------------------------------------------------------------- quantized K/V
 
 # The QuantizedTensor formats (flashcl.quant) each backend's kernels take as K/V; an empty entry
-# takes none yet. Layouts and scales: docs/quantized-formats.md.
+# takes none. Layouts and scales: docs/quantized-formats.md.
 QUANTIZED_KV_FORMATS = {
-    ("opencl", "prefill"): (),
+    ("opencl", "prefill"): ("q8_0", "q4_0", "int8"),
     ("triton", "prefill"): (),
     ("opencl", "decode"): ("q8_0", "q4_0", "int8"),
     ("triton", "decode"): ("q8_0", "q4_0", "int8", "fp8_e4m3"),
@@ -207,15 +209,28 @@ def _check_softcap(softcap) -> Optional[float]:
     return float(softcap)
 
 
-def _per_head(x, name: str, shapes: tuple) -> np.ndarray:
-    """float32 numpy array of one of ``shapes`` (sinks, alibi_slopes)."""
+def _per_head(x, name: str, shapes: tuple):
+    """sinks / alibi_slopes as float32 of one of ``shapes``: a torch tensor stays torch on its
+    device (no host round trip under CUDA graphs or torch.compile), anything else becomes numpy."""
     kind = _dtype_name(x) if not isinstance(x, (list, tuple)) else "list"
-    arr = _host_array(x, name)
     if kind not in ("float32", "float64", "float16", "bfloat16", "list"):
         raise TypeError(f"{name}: expected float32 values, got {kind}")
+    arr = x if _is_torch(x) else _host_array(x, name)
     if tuple(arr.shape) not in shapes:
         raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(arr.shape)}")
+    if _is_torch(arr):
+        import torch
+
+        return arr.detach().to(torch.float32).contiguous()
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _slopes(x, b: int, h_q: int):
+    """alibi_slopes validated and broadcast to (B, H_q)."""
+    x = _per_head(x, "alibi_slopes", ((h_q,), (b, h_q)))
+    if _is_torch(x):
+        return x.expand(b, h_q).contiguous()
+    return np.ascontiguousarray(np.broadcast_to(x, (b, h_q)))
 
 
 def _check_mask(mask, b: int, h_q: int, n_q: int, n_kv: int) -> np.ndarray:
@@ -250,7 +265,7 @@ def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
     shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     if any(s not in (1, f) for s, f in zip(shape4, full)):
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
-    if kind != "bool" and bool(torch.isnan(mask).any()):
+    if kind != "bool" and not mask.is_cuda and bool(torch.isnan(mask).any()):  # no device sync
         raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
     out = mask.reshape(shape4).expand(shape4[0], shape4[1], n_q, n_kv)
     return out.to(torch.bool if kind == "bool" else torch.float32).contiguous()
@@ -263,11 +278,19 @@ def _variants(*, b: int, h_q: int, n_q: Optional[int], n_kv: Optional[int], wind
         window=_check_window(window),
         softcap=_check_softcap(softcap),
         sinks=None if sinks is None else _per_head(sinks, "sinks", ((h_q,),)),
-        alibi_slopes=None if alibi_slopes is None else np.ascontiguousarray(np.broadcast_to(
-            _per_head(alibi_slopes, "alibi_slopes", ((h_q,), (b, h_q))), (b, h_q))),
+        alibi_slopes=None if alibi_slopes is None else _slopes(alibi_slopes, b, h_q),
         mask=None if mask is None else _check_mask(mask, b, h_q, n_q, n_kv),
     )
     return var if var.active else None
+
+
+def _variants_on_host(var: Optional[Variants]) -> Optional[Variants]:
+    """The variants' arrays as numpy (the OpenCL backends' family); torch CPU tensors are viewed."""
+    if var is None:
+        return None
+    conv = (lambda x: x.detach().cpu().numpy() if _is_torch(x) else x)
+    return dataclasses.replace(var, sinks=conv(var.sinks), alibi_slopes=conv(var.alibi_slopes),
+                               mask=conv(var.mask))
 
 
 def _variants_on_torch(var: Optional[Variants], like) -> Optional[Variants]:
@@ -279,7 +302,7 @@ def _variants_on_torch(var: Optional[Variants], like) -> Optional[Variants]:
     def conv(x):
         if x is None or _is_torch(x):
             return None if x is None else x.to(like.device)
-        return torch.from_numpy(np.ascontiguousarray(x)).to(like.device)
+        return torch.from_numpy(np.array(x)).to(like.device)  # a writable copy
 
     return Variants(var.window, var.softcap, conv(var.sinks), conv(var.alibi_slopes), conv(var.mask))
 
@@ -317,7 +340,8 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
     """Exact attention of q over k/v (flash-attention prefill).
 
     q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV), or the same without B.
-    Quantized k/v (flashcl.QuantizedTensor) are refused for now (QUANTIZED_KV_FORMATS).
+    k and/or v may be a flashcl.QuantizedTensor in a format the backend takes
+    (QUANTIZED_KV_FORMATS), dequantized inside the kernel.
     ``causal=True`` is bottom-right aligned (query i sees keys j <= i + N_kv - N_q).
     Returns out (.., H_q, N_q, DV) in the input's type and dtype, and lse (.., H_q, N_q) float32
     when ``return_lse``. Variants (flashcl.variants, all off by default): ``window=(left, right)``,
@@ -349,8 +373,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
     _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"))
     from .opencl import prefill as cl_prefill
 
-    if variants is not None and variants.mask is not None and _is_torch(variants.mask):
-        variants = dataclasses.replace(variants, mask=variants.mask.cpu().numpy())
+    variants = _variants_on_host(variants)
     return cl_prefill.prefill(q, k, v, rank=rank, shapes=(qs, ks, vs), causal=bool(causal),
                               scale=scale, device=device, params=params, return_lse=return_lse,
                               variants=variants)
@@ -461,6 +484,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     _common_dtype(tensors, ("float32", "float16"))
     from .opencl import decode as cl_decode
 
+    variants = _variants_on_host(variants)
     return cl_decode.decode(q, k_cache, v_cache, geo=geo, block_table=block_table,
                             context_lens=context_lens, scale=scale, num_splits=num_splits,
                             device=device, params=params, return_lse=return_lse,

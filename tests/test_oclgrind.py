@@ -256,20 +256,27 @@ def _worker(spec_json: str) -> None:
     print("OCLGRIND-CASE-OK")
 
 
-def _run_case(spec: dict, tmp_path) -> None:
+def run_under_oclgrind(worker: str, arg: str, what: str, tmp_path, env: dict | None = None) -> None:
+    """Run ``worker`` ("tests.module:function", called with ``arg``) in a child process whose only
+    OpenCL platform is Oclgrind with its checks on; any Oclgrind report, or a worker that does not
+    print OCLGRIND-CASE-OK, fails the calling test."""
+    module, func = worker.split(":")
     log = tmp_path / "oclgrind.log"
-    env = {**os.environ, **OCLGRIND_ENV, **spec.get("env", {}), "OCLGRIND_LOG": str(log),
+    env = {**os.environ, **OCLGRIND_ENV, **(env or {}), "OCLGRIND_LOG": str(log),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    code = "import sys; from tests.test_oclgrind import _worker; _worker(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=REPO, env=env,
+    code = f"import sys; from {module} import {func}; {func}(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", code, arg], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
     report = log.read_text() if log.exists() else ""
-    stderr_reports = "oclgrind" in proc.stderr.lower()
-    what = f"{spec['kernel']} {spec}"
     assert not report.strip(), f"Oclgrind reported on {what}:\n{report[:6000]}"
-    assert not stderr_reports, f"Oclgrind reported on {what} (stderr):\n{proc.stderr[-6000:]}"
+    assert "oclgrind" not in proc.stderr.lower(), f"Oclgrind reported on {what} (stderr):\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0 and "OCLGRIND-CASE-OK" in proc.stdout, (
         f"{what} failed under Oclgrind (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _run_case(spec: dict, tmp_path) -> None:
+    run_under_oclgrind("tests.test_oclgrind:_worker", json.dumps(spec), f"{spec['kernel']} {spec}", tmp_path,
+                       spec.get("env", {}))
 
 
 @pytest.mark.slow

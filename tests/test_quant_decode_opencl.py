@@ -13,9 +13,6 @@ hold garbage / bad ids that must never be read.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -230,16 +227,6 @@ def test_under_oclgrind(spec, tmp_path):
     tests/test_oclgrind.py's settings); any report fails."""
     if not _oclgrind_present():
         pytest.skip("Oclgrind is not installed (pip install 'flashcl[oclgrind]')")
-    from tests.test_oclgrind import CASE_TIMEOUT_S, OCLGRIND_ENV
+    from tests.test_oclgrind import run_under_oclgrind
 
-    log = tmp_path / "oclgrind.log"
-    env = {**os.environ, **OCLGRIND_ENV, "OCLGRIND_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    code = "import sys; from tests.test_quant_decode_opencl import _oclgrind_worker; _oclgrind_worker(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-    report = log.read_text() if log.exists() else ""
-    assert not report.strip(), f"Oclgrind reported on {spec}:\n{report[:6000]}"
-    assert "oclgrind" not in proc.stderr.lower(), f"Oclgrind reported on {spec}:\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0 and "OCLGRIND-CASE-OK" in proc.stdout, (
-        f"{spec} failed under Oclgrind (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_under_oclgrind("tests.test_quant_decode_opencl:_oclgrind_worker", json.dumps(spec), str(spec), tmp_path)

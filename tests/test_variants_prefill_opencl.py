@@ -11,9 +11,6 @@ the same checks under its race, uninitialized-value and bounds checkers.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
 
 import numpy as np
@@ -429,20 +426,11 @@ def _oclgrind_worker(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", OCLGRIND_CASES)
 def test_variants_under_oclgrind(name, tmp_path):
-    oclgrind = pytest.importorskip("tests.test_oclgrind")
-    if not oclgrind._oclgrind_present():
+    from tests.test_oclgrind import _oclgrind_present, run_under_oclgrind
+
+    if not _oclgrind_present():
         pytest.skip("Oclgrind is not installed (pip install 'flashcl[oclgrind]')")
-    log = tmp_path / "oclgrind.log"
-    env = {**os.environ, **oclgrind.OCLGRIND_ENV, "OCLGRIND_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(oclgrind.REPO), os.environ.get("PYTHONPATH")]))}
-    code = "import sys; from tests.test_variants_prefill_opencl import _oclgrind_worker; _oclgrind_worker(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, name], cwd=oclgrind.REPO, env=env,
-                          capture_output=True, text=True, timeout=oclgrind.CASE_TIMEOUT_S)
-    report = log.read_text() if log.exists() else ""
-    assert not report.strip(), f"Oclgrind reported on {name}:\n{report[:6000]}"
-    assert "oclgrind" not in proc.stderr.lower(), f"Oclgrind reported on {name} (stderr):\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0 and "OCLGRIND-CASE-OK" in proc.stdout, (
-        f"{name} failed under Oclgrind (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_under_oclgrind("tests.test_variants_prefill_opencl:_oclgrind_worker", name, name, tmp_path)
 
 
 # --------------------------------------------------------------------------- benchmark

@@ -7,6 +7,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
+from ..quant import BLOCK_BYTES, QK
 from .runtime import DeviceHandle, get_device
 
 
@@ -100,3 +101,17 @@ def attach_events(arrays, events) -> None:
         if arr is not None:
             for e in events:
                 arr.add_event(e)
+
+
+# Quantized cache formats the kernels read (their K_QUANT / V_QUANT codes: decode.cl, decode_mma.cl and both prefill layouts); flashcl.quant has the bytes.
+QUANT_CODES = {"q8_0": 1, "q4_0": 2, "int8": 3}
+
+
+def row_bytes(fmt: str | None, d: int, dtype: str) -> int:
+    """Bytes of one stored K or V row of d values: plain (fmt None), ggml blocks of 32 values, or
+    int8 values and their float32 row scale."""
+    if fmt is None:
+        return d * np.dtype(dtype).itemsize
+    if fmt in BLOCK_BYTES:
+        return d // QK * BLOCK_BYTES[fmt]
+    return d + 4

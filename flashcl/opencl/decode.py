@@ -30,7 +30,7 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor
 from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
-                     nbytes, to_device_4d, wait_for_inputs)
+                     nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, launch_sequence, spill_report
 
 KERNEL = "decode"
@@ -139,20 +139,6 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
     cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
     return int(max(1, min(max(fill, work), cap)))
-
-
-# Quantized cache formats decode.cl reads (its K_QUANT / V_QUANT codes); flashcl.quant has the bytes.
-QUANT_CODES = {"q8_0": 1, "q4_0": 2, "int8": 3}
-
-
-def row_bytes(fmt: str | None, d: int, dtype: str) -> int:
-    """Bytes of one stored K or V row of d values: plain (fmt None), ggml blocks of 32 values, or
-    int8 values and their float32 row scale."""
-    if fmt is None:
-        return d * np.dtype(dtype).itemsize
-    if fmt in BLOCK_BYTES:
-        return d // QK * BLOCK_BYTES[fmt]
-    return d + 4
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
+from ..quant import BLOCK_BYTES, QuantizedTensor
 from ..variants import Variants, mask_block_map
-from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, nbytes,
-                     to_device_4d, wait_for_inputs)
+from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
+                     nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
@@ -30,6 +31,8 @@ class PrefillProblem:
     dv: int
     causal: bool
     dtype: str  # "float32" | "float16"
+    k_fmt: str | None = None  # quantized K cache format (QUANT_CODES), None: dtype rows
+    v_fmt: str | None = None
 
     @property
     def flops(self) -> float:
@@ -93,6 +96,7 @@ def program(prob: PrefillProblem, params: dict, *, write_lse: bool = True,
         "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
         "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
         "UNROLL_LOOPS": unroll_loops, **variant_defines(flags),
+        **{name: QUANT_CODES[fmt] for name, fmt in (("K_QUANT", prob.k_fmt), ("V_QUANT", prob.v_fmt)) if fmt},
     }
     if params.get("VARIANT", "rows") == "tiles":
         defines.update(TILE_M=params["TILE_M"], TILE_N=params["TILE_N"], UNROLL_K=params.get("UNROLL_K", 0))
@@ -114,7 +118,8 @@ def head_section(prob: PrefillProblem, cache_bytes: int) -> int:
     """(batch, head) pairs per launch-order section: whole GQA groups whose K/V together fit in
     ``cache_bytes`` of global-memory cache (at least one group). Any value >= 1 gives the same
     result; this one lets the work-groups in flight re-read K/V from the cache."""
-    kv_bytes = max(1, prob.n_kv * (prob.dk + prob.dv) * np.dtype(prob.dtype).itemsize)
+    kv_bytes = max(1, prob.n_kv * (row_bytes(prob.k_fmt, prob.dk, prob.dtype)
+                                   + row_bytes(prob.v_fmt, prob.dv, prob.dtype)))
     kv_heads = max(1, int(cache_bytes) // kv_bytes)
     return min(prob.b * prob.h_q, kv_heads * (prob.h_q // prob.h_kv))
 
@@ -124,8 +129,10 @@ def head_section(prob: PrefillProblem, cache_bytes: int) -> int:
 ARGS = (
     ("q", "__global const store_t *", "queries (B, H_q, N_q, DK): element (b, h, i, d) at "
                                       "q_off + b*q_sb + h*q_sh + i*q_sn + d"),
-    ("k", "__global const store_t *", "keys (B, H_kv, N_kv, DK), addressed with k_off, k_sb, k_sh, k_sn"),
-    ("v", "__global const store_t *", "values (B, H_kv, N_kv, DV), addressed with v_off, v_sb, v_sh, v_sn"),
+    ("k", "__global const store_t *", "keys (B, H_kv, N_kv, DK), addressed with k_off, k_sb, k_sh, k_sn; "
+                                      "with K_QUANT its packed rows (kv_quant.h), addressed in bytes"),
+    ("v", "__global const store_t *", "values (B, H_kv, N_kv, DV), addressed with v_off, v_sb, v_sh, v_sn; "
+                                      "with V_QUANT its packed rows, addressed in bytes"),
     ("out", "__global store_t *", "output (B, H_q, N_q, DV), written; addressed with o_off, o_sb, o_sh, o_sn"),
     ("lse", "__global float *", "log-sum-exp (B, H_q, N_q), float32, contiguous, natural log; written "
                                 "when WRITE_LSE is 1, else unused (pass any buffer); a row that sees no "
@@ -161,6 +168,10 @@ ARGS = (
                                            "1 some hidden, 2 none hidden"),
     *((f"map_{s}", "const ulong", f"MASK_KIND: tile_map {what} stride in elements (0 broadcasts)")
       for s, what in (("sb", "batch"), ("sh", "head"))),
+    # an int8 cache's row scales: always passed, read only where K_QUANT / V_QUANT is int8
+    *((f"{t}_scales", "__global const float *", f"{t.upper()}_QUANT int8: one float32 scale per row of "
+                                                 f"{t}, at [row's byte offset in {t} / D]")
+      for t in ("k", "v")),
 )
 
 
@@ -220,15 +231,19 @@ class PrefillKernel:
 
     def __call__(self, q, k, v, out, lse, scale: float, wait_for=None, variants: Variants | None = None) -> cl.Event:
         """Enqueue on pyopencl Arrays (4-D, head dim contiguous); returns the kernel's event.
-        ``variants`` (numpy arrays) must be those the kernel was built for (``flags``)."""
+        ``variants`` (numpy arrays) must be those the kernel was built for (``flags``). A K or V
+        the kernel was built quantized for (``prob.k_fmt`` / ``v_fmt``) is a QuantizedTensor of
+        that format whose data (and int8 scales) are 4-D pyopencl Arrays (as quantize makes them)."""
         p = self.prob
-        args = [q.base_data, k.base_data, v.base_data, out.base_data,
+        k_buf, k_addr, k_scales = _kv_operand("k", k, p.k_fmt, p.dk)
+        v_buf, v_addr, v_scales = _kv_operand("v", v, p.v_fmt, p.dv)
+        args = [q.base_data, k_buf, v_buf, out.base_data,
                 lse.base_data if lse is not None else out.base_data,
                 np.int32(p.n_q), np.int32(p.n_kv), np.int32(p.h_q), np.int32(p.h_q // p.h_kv),
                 np.int32(self.section), np.float32(scale * _LOG2E)]
-        for arr in (q, k, v, out):
-            args += [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
+        args += _addressing(q) + k_addr + v_addr + _addressing(out)
         args += self.variant_args(variants, dummy=out.base_data)
+        args += [out.base_data if sc is None else sc for sc in (k_scales, v_scales)]
         gsize, lsize = self.grid()
         return launch(self.handle, self.kernel, gsize, lsize, args, name=KERNEL, params=self.params)
 
@@ -262,26 +277,97 @@ class PrefillKernel:
                 + [np.uint64(s) for s in mask_strides] + [map_] + [np.uint64(s) for s in map_strides])
 
 
+def _addressing(arr: cla.Array) -> list:
+    """An array's offset and (batch, head, row) strides, in its elements (bytes for uint8/int8)."""
+    return [np.uint64(arr.offset // arr.dtype.itemsize)] + [np.uint64(s) for s in elem_strides(arr)[:3]]
+
+
+def _kv_operand(name: str, x, fmt: str | None, d: int) -> tuple:
+    """(buffer, addressing arguments, int8 scales buffer or None) of a K or V operand: a store_t
+    Array when ``fmt`` is None, else a QuantizedTensor of ``fmt`` with pyopencl data, addressed in
+    bytes. Refuses what the kernel would misread (kv_quant.h)."""
+    if fmt is None:
+        if isinstance(x, QuantizedTensor):
+            raise ValueError(f"{name}: a {x.fmt} QuantizedTensor, but this kernel was built for a plain {name}")
+        return x.base_data, _addressing(x), None
+    if not isinstance(x, QuantizedTensor) or x.fmt != fmt or not isinstance(x.data, cla.Array):
+        raise ValueError(f"{name}: this kernel was built for a {fmt} {name}: pass a QuantizedTensor of "
+                         "that format with pyopencl data")
+    data = x.data
+    if fmt in BLOCK_BYTES:
+        if data.ndim != 5 or data.strides[4] != 1 or (data.shape[3] > 1 and data.strides[3] != BLOCK_BYTES[fmt]):
+            raise ValueError(f"{name}: a {fmt} cache (B, H_kv, N, D/32, {BLOCK_BYTES[fmt]}) needs the blocks "
+                             f"of each row contiguous, got shape {data.shape} strides {data.strides}")
+        if data.offset % 2 or any(s % 2 for s in data.strides[:3]):
+            raise ValueError(f"{name}: a {fmt} cache needs even byte offset and strides (each block's fp16 d "
+                             f"is read as a half), got offset {data.offset} strides {data.strides}")
+        return data.base_data, _addressing(data), None
+    scales = x.scales
+    if data.ndim != 4 or (d > 1 and data.strides[3] != 1):
+        raise ValueError(f"{name}: an int8 cache (B, H_kv, N, D) needs contiguous rows, got strides {data.strides}")
+    # the kernel finds a row's scale at [its byte offset / D]: the scales must sit as the rows do
+    lays_out = (isinstance(scales, cla.Array) and scales.offset * d == data.offset * 4
+                and all(n < 2 or ss * d == ds * 4
+                        for n, ss, ds in zip(data.shape[:3], scales.strides, data.strides)))
+    if not lays_out:
+        raise ValueError(f"{name}: int8 scales must be laid out like the rows (a row's scale at its byte "
+                         "offset / D, as quantize makes them); pass contiguous data and scales")
+    return data.base_data, _addressing(data), scales.base_data
+
+
+def _quantized_to_device(qt: QuantizedTensor, queue, rank: int) -> QuantizedTensor:
+    """``qt`` with 4-D (B, H_kv, N, ...) data and int8 scales as pyopencl Arrays on ``queue``;
+    pyopencl ones stay where they are. ggml scales live inside the data: not carried."""
+    def dev(x):
+        if isinstance(x, cla.Array):
+            if rank == 3:
+                if not x.flags.c_contiguous:
+                    raise ValueError("a 3-D quantized pyopencl input must be C-contiguous (it is viewed as 4-D "
+                                     "with B=1)")
+                x = x.reshape(1, *x.shape)
+            return x
+        host = native_host(x)
+        return cla.to_device(queue, host[None] if rank == 3 else host)
+
+    shape = (1, *qt.shape) if rank == 3 else tuple(qt.shape)
+    return QuantizedTensor(dev(qt.data), dev(qt.scales) if qt.fmt == "int8" else None, qt.fmt, shape, qt.dtype)
+
+
+def _arrays_of(name: str, x) -> dict:
+    """The arrays an operand is held in: itself, or a QuantizedTensor's data and int8 scales."""
+    if not isinstance(x, QuantizedTensor):
+        return {name: x}
+    return {f"{name}.data": x.data, **({f"{name}.scales": x.scales} if x.fmt == "int8" else {})}
+
+
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
             return_lse: bool, variants=None):
-    """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api."""
+    """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api. k and/or v may be
+    QuantizedTensors in QUANT_CODES' formats (kind and dtype checked by the API)."""
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     is_cl = isinstance(q, cla.Array)
-    handle = handle_for_inputs({"q": q, "k": k, "v": v}, device)
+    inputs = {"q": q, **_arrays_of("k", k), **_arrays_of("v", v)}
+    handle = handle_for_inputs(inputs, device)
     dtype = dtype_name(q)
-    prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype)
-    check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": nbytes(shapes[1], dtype),
-                        "v": nbytes(shapes[2], dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
+    k_fmt, v_fmt = (x.fmt if isinstance(x, QuantizedTensor) else None for x in (k, v))
+    for name, fmt in (("k", k_fmt), ("v", v_fmt)):
+        if fmt is not None and fmt not in QUANT_CODES:
+            raise TypeError(f"{name}: the OpenCL prefill kernels read {', '.join(QUANT_CODES)} caches, got {fmt!r}")
+    prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
+    check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": b * h_kv * n_kv * row_bytes(k_fmt, dk, dtype),
+                        "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
     kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse,
                          flags=variants.flags() if variants is not None else None)
 
     queue = handle.queue
-    qd, kd, vd = (to_device_4d(t, queue, rank) for t in (q, k, v))
+    qd = to_device_4d(q, queue, rank)
+    kd, vd = (to_device_4d(t, queue, rank) if fmt is None else _quantized_to_device(t, queue, rank)
+              for t, fmt in ((k, k_fmt), (v, v_fmt)))
     out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
-    wait_for_inputs(queue, (q, k, v))
+    wait_for_inputs(queue, list(inputs.values()))
     event = kern(qd, kd, vd, out, lse, scale, variants=variants)
 
     if rank == 3:

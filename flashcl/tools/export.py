@@ -1035,6 +1035,8 @@ static int run_prefill(const env_t *e)
     arg_mem(&a, bl);        /* tile_map and its batch and head strides */
     arg_ulong(&a, 0);
     arg_ulong(&a, 0);
+    arg_mem(&a, bl);        /* k_scales, v_scales: int8 caches only, never read here */
+    arg_mem(&a, bl);
     args_done(&a);
     const size_t num_m = (NQ + EX_PREFILL_BLOCK_M - 1) / EX_PREFILL_BLOCK_M;
     const size_t local = EX_PREFILL_WG;

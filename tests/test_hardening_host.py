@@ -39,12 +39,35 @@ def _decode_case(rng, ctx, d, splits):
     return ("decode", (q, k, v), {"block_table": table, "context_lens": lens, "num_splits": splits}, ref)
 
 
+def _variant_cases(rng):
+    """Calls whose kernels carry per-call variant buffers (sinks, slopes, a mask and its tile map)
+    and quantized caches: their arguments are set and launched under the same per-device lock."""
+    q = rng.standard_normal((1, 4, 37, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 45, 32)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(4).astype(np.float32)
+    mask = rng.random((37, 45)) > 0.3
+    var = {"causal": True, "window": (9, 0), "softcap": 5.0, "sinks": sinks}
+    qd = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    kc, vc = (rng.standard_normal((2, 2, 40, 32)).astype(np.float32) for _ in range(2))
+    lens = np.array([40, 23], np.int32)
+    slopes = rng.uniform(0, 0.5, (2, 4)).astype(np.float32)
+    dvar = {"context_lens": lens, "window": (11, 0), "alibi_slopes": slopes, "sinks": sinks}
+    kq = flashcl.quantize(kc, "q8_0")
+    return [
+        ("prefill", (q, k, v), var, reference.attention(q, k, v, **var)),
+        ("prefill", (q, k, v), {"mask": mask}, reference.attention(q, k, v, mask=mask)),
+        ("decode", (qd, kc, vc), {**dvar, "num_splits": 3}, reference.decode_attention(qd, kc, vc, **dvar)),
+        ("decode", (qd, kq, vc), {"context_lens": lens}, reference.decode_attention(qd, kq, vc, context_lens=lens)),
+    ]
+
+
 def test_concurrent_calls_on_one_device_are_all_right(cpu_device):
-    """Four threads calling prefill and decode (mixed shapes, so mixed programs) on one device with a
-    tiny switch interval: every result matches the oracle."""
+    """Four threads calling prefill and decode (mixed shapes, variants and cache formats, so mixed
+    programs) on one device with a tiny switch interval: every result matches the oracle."""
     rng = np.random.default_rng(7)
     cases = [_prefill_case(rng, 33, 47, 32, True), _prefill_case(rng, 16, 16, 64, False),
-             _decode_case(rng, 29, 32, 1), _decode_case(rng, 31, 32, 3), _decode_case(rng, 17, 64, 2)]
+             _decode_case(rng, 29, 32, 1), _decode_case(rng, 31, 32, 3), _decode_case(rng, 17, 64, 2),
+             *_variant_cases(rng)]
     for kind, args, kw, _ in cases:  # build every program once, so the threads race on launches
         getattr(flashcl, kind)(*args, device=cpu_device, **kw)
     wrong, errors = [], []

@@ -204,8 +204,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 #endif
 #if MASK_KIND
     __global const mask_t *mask_row = mask + batch * mask_sb + head * mask_sh + (ulong)min(row, n_q - 1) * mask_sn;
-    __global const uchar *block_map = tile_map + batch * map_sb + head * map_sh
-                                      + (ulong)m_block * ((n_kv + BLOCK_N - 1) / BLOCK_N);
+    __global const uchar *block_map = TILE_MAP_ROW(batch, head, m_block);
 #endif
 
     float m_i = -INFINITY;  /* running max (log2 domain) */
@@ -225,20 +224,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         /* every work-item is done reading the previous tile before it is overwritten */
         barrier(CLK_LOCAL_MEM_FENCE);
         /* K is stored transposed (k_tile[d][j]) so scores come out BLOCK_N-wide as vectors */
-#if K_QUANT
-        stage_quant_k(k_tile, k_base, k_sn, k_row_scales, n0, n_kv, lid, BLOCK_M);
-#else
-        stage_transposed(k_tile, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, BLOCK_M);
-#endif
-#if V_QUANT
-        stage_quant_v(v_tile, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, BLOCK_M);
-#else
-        for (int i = lid; i < BLOCK_N * DV4; i += BLOCK_M) {
-            const int j = i / DV4, c = i % DV4;
-            const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
-            vstore4(x, i, v_tile);
-        }
-#endif
+        stage_k_tile(k_tile, k_base, k_sn, k_row_scales, n0, n_kv, lid, BLOCK_M);
+        stage_v_tile(v_tile, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, BLOCK_M);
         /* the whole tile is in local memory before anyone reads it */
         barrier(CLK_LOCAL_MEM_FENCE);
 

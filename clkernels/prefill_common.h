@@ -150,30 +150,44 @@ typedef store_t v_elem_t;
 #define V_SLICE_ELEMS(dv0) (dv0)
 #endif
 
-#if K_QUANT
-/* K rows [n0, n0 + BLOCK_N) of one (batch, KV head), k_rows, dequantized into local memory
- * transposed (dst[d][j], as stage_transposed stages a plain K); keys past n_kv are zeros.
- * k_scales: the int8 scales of k_rows. */
-static inline void stage_quant_k(__local float *dst, __global const uchar *k_rows, const ulong k_sn,
-                                 __global const float *k_scales, const int n0, const int n_kv,
-                                 const int lid, const int wg)
+/* K rows [n0, n0 + BLOCK_N) of one (batch, KV head), k_rows, into local memory transposed
+ * (dst[d][j]), dequantized when K is quantized; keys past n_kv are zeros. k_scales: the int8
+ * scales of k_rows (read only by int8 builds). wg work-items share the copy. */
+static inline void stage_k_tile(__local float *dst, __global const k_elem_t *k_rows, const ulong k_sn,
+                                __global const float *k_scales, const int n0, const int n_kv,
+                                const int lid, const int wg)
 {
+#if K_QUANT
     stage_quant_transposed(K_QUANT, dst, k_rows, k_sn, k_scales, k_sn / HEAD_DK, n0, n_kv, BLOCK_N, HEAD_DK,
                            lid, wg);
-}
+#else
+    stage_transposed(dst, k_rows, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, wg);
 #endif
+}
 
-#if V_QUANT
-/* The DV slice [dv0, dv0 + DV_TILE) of V rows [n0, n0 + BLOCK_N), dequantized into local memory
- * (dst[j][col]); keys past n_kv are zeros. v_scales: the int8 scales of v_rows. */
-static inline void stage_quant_v(__local float *dst, __global const uchar *v_rows, const ulong v_sn,
-                                 __global const float *v_scales, const int n0, const int n_kv,
-                                 const int dv0, const int lid, const int wg)
+/* The DV slice [dv0, dv0 + DV_TILE) of V rows [n0, n0 + BLOCK_N) into local memory (dst[j][col]),
+ * dequantized when V is quantized; keys past n_kv are zeros. A plain v_rows already points at the
+ * slice (V_SLICE_ELEMS); v_scales: the int8 scales of v_rows. */
+static inline void stage_v_tile(__local float *dst, __global const v_elem_t *v_rows, const ulong v_sn,
+                                __global const float *v_scales, const int n0, const int n_kv,
+                                const int dv0, const int lid, const int wg)
 {
+#if V_QUANT
     stage_quant_rows(V_QUANT, dst, v_rows, v_sn, v_scales, v_sn / HEAD_DV, n0, n_kv, BLOCK_N, dv0, DV_TILE,
                      lid, wg);
-}
+#else
+    for (int i = lid; i < BLOCK_N * (DV_TILE / 4); i += wg) {
+        const int j = i / (DV_TILE / 4), c = i % (DV_TILE / 4);
+        const float4 x = (n0 + j < n_kv) ? LOAD4(v_rows + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
+        vstore4(x, i, dst);
+    }
 #endif
+}
+
+/* The row of a mask's tile map that a work-group's query block m_block reads (one uchar per key
+ * tile: TILE_HIDDEN, TILE_PARTIAL, TILE_VISIBLE) */
+#define TILE_MAP_ROW(batch, head, m_block) \
+    (tile_map + (batch) * map_sb + (head) * map_sh + (ulong)(m_block) * ((n_kv + BLOCK_N - 1) / BLOCK_N))
 
 #if HAS_SINKS
 /* Fold a head's sink (logit sink_log2, value zero) into a row's final state (max m, sum l):

@@ -200,8 +200,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
 #endif
 #if MASK_KIND
     __global const mask_t *mask_base = mask + batch * mask_sb + head * mask_sh;
-    __global const uchar *block_map = tile_map + batch * map_sb + head * map_sh
-                                      + (ulong)m_block * ((n_kv + BLOCK_N - 1) / BLOCK_N);
+    __global const uchar *block_map = TILE_MAP_ROW(batch, head, m_block);
 #endif
 
     float m_i[TILE_M], l_i[TILE_M], acc[TILE_M][RD];
@@ -223,11 +222,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
 #endif
         /* everyone is done with the previous tile's V and P (and Q^T is complete) */
         barrier(CLK_LOCAL_MEM_FENCE);
-#if K_QUANT
-        stage_quant_k(k_t, k_base, k_sn, k_row_scales, n0, n_kv, lid, WG);
-#else
-        stage_transposed(k_t, k_base, k_sn, n0, n_kv, BLOCK_N, HEAD_DK, 1.0f, lid, WG);
-#endif
+        stage_k_tile(k_t, k_base, k_sn, k_row_scales, n0, n_kv, lid, WG);
         /* the K tile is in local memory before anyone reads it */
         barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -293,15 +288,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
         /* every partial max is written before the rows are reduced, and every work-item is done
          * with K^T before the V slice overwrites it */
         barrier(CLK_LOCAL_MEM_FENCE);
-#if V_QUANT
-        stage_quant_v(v_s, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, WG);
-#else
-        for (int i = lid; i < BLOCK_N * DV4; i += WG) {
-            const int j = i / DV4, c = i % DV4;
-            const float4 x = (n0 + j < n_kv) ? LOAD4(v_base + (ulong)(n0 + j) * v_sn, c) : (float4)(0.0f);
-            *(__local float4 *)(v_s + 4 * i) = x;
-        }
-#endif
+        stage_v_tile(v_s, v_base, v_sn, v_row_scales, n0, n_kv, dv0, lid, WG);
 
         /* P = exp2(S - m_new); rescale O and l to the new max */
         float p_col[TILE_N][TILE_M];  /* P^T of this work-item's block */

@@ -51,3 +51,19 @@ def assert_close(got, ref, dtype: str, what: str, *, naive=None):
         assert err <= 2 * naive_err, (
             f"{what}: error {err:.3e} is more than twice plain {dtype} attention's {naive_err:.3e}")
     return err
+
+
+def check_out_and_lse(out, lse, ref, ref_lse, dtype: str, what: str, lse_rtol: float) -> None:
+    """out within the dtype's TOLERANCE of ref, all finite; lse -inf exactly where ref_lse is, and
+    elsewhere within lse_rtol of the largest |ref_lse| (at least 1)."""
+    o, got = np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
+    bad = ~np.isfinite(o)
+    assert not bad.any(), f"{what}: {bad.sum()} non-finite outputs, first at {np.argwhere(bad)[:4].tolist()}"
+    err = rel_err(o, ref)
+    worst = np.unravel_index(np.argmax(np.abs(o - ref)), o.shape)
+    assert err <= TOL[dtype], f"{what}: rel err {err:.2e} > {TOL[dtype]:.0e}; worst {worst}: {o[worst]} vs {ref[worst]}"
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got) == ~seen).all(), f"{what}: lse -inf at {np.argwhere(np.isneginf(got) != ~seen)[:4]}"
+    lerr = np.abs(got[seen] - ref_lse[seen]).max(initial=0.0)
+    at = np.unravel_index(np.argmax(np.abs(np.where(seen, got - ref_lse, 0))), got.shape)
+    assert lerr <= lse_rtol * max(1.0, np.abs(ref_lse[seen]).max(initial=1.0)), f"{what}: lse err {lerr:.2e} at {at}"

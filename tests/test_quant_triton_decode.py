@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 import flashcl  # noqa: E402
 from flashcl import reference  # noqa: E402
+from tests._check import check_out_and_lse  # noqa: E402
 from flashcl.triton import decode as triton_decode  # noqa: E402
 from flashcl.triton import decode_plan as dp  # noqa: E402
 
@@ -80,18 +81,7 @@ def _run(c, num_splits):
 
 
 def _check(out, lse, c, what):
-    o, got = _np(out), _np(lse)
-    ref, ref_lse = c["ref"], c["ref_lse"]
-    bad = ~np.isfinite(o)
-    assert not bad.any(), f"{what}: {bad.sum()} non-finite outputs, first at {np.argwhere(bad)[:4].tolist()}"
-    err = reference.rel_err(o, ref)
-    worst = np.unravel_index(np.argmax(np.abs(o - ref)), o.shape)
-    assert err <= TOL[c["dtype"]], (f"{what}: rel err {err:.2e} > {TOL[c['dtype']]:.0e}; worst {worst}: "
-                                    f"{o[worst]} vs {ref[worst]}")
-    seen = np.isfinite(ref_lse)
-    assert (np.isneginf(got) == ~seen).all(), f"{what}: lse -inf pattern differs"
-    lerr = np.abs(got[seen] - ref_lse[seen]).max(initial=0.0)
-    assert lerr <= 1e-3 * max(1.0, np.abs(ref_lse[seen]).max(initial=1.0)), f"{what}: lse err {lerr:.2e}"
+    check_out_and_lse(_np(out), _np(lse), c["ref"], c["ref_lse"], c["dtype"], what, lse_rtol=1e-3)
 
 
 # (format, paged, block size, h_q, h_kv): every format paged and contiguous, block sizes 1 / 16 /

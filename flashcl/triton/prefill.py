@@ -113,6 +113,19 @@ def _load_tile(src, off_b, off_hkv, start_n, offs_n, offs_d, stride_n, N_KV,
 
 
 @triton.jit
+def _initial_state(Sinks, off_h, ROWS: tl.constexpr, SINKS: tl.constexpr):
+    """(m, l) of ROWS rows before any key: the empty state, or the sink's (a key of logit
+    sinks[h] and value 0: m = sink in log2 units, l = 1)."""
+    if SINKS:
+        m_i = tl.full([ROWS], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h) * LOG2E_K
+        l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def _scores(q, k, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
     """Q @ K^T in float32 (q is upcast already where UPCAST_DOTS)."""
     if UPCAST_DOTS:
@@ -390,13 +403,7 @@ def _prefill_kernel(
     if UPCAST_DOTS:
         q = q.to(tl.float32)
 
-    # the empty state, or the sink's: a key of logit sinks[h] and value 0 (m = sink, l = 1)
-    if SINKS:
-        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h) * LOG2E_K
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = _initial_state(Sinks, off_h, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # -- key range of this query block: [0, full_end) needs no mask, [full_end, hi) does
@@ -621,12 +628,7 @@ def _careful_block(Q, K, V, Out, Lse, Sinks, Alibi, Mask, MaskMap, off_b, off_h,
                     mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
         if UPCAST_DOTS:
             q = q.to(tl.float32)
-        if SINKS:
-            m_i = tl.full([SUB], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h) * LOG2E_K
-            l_i = tl.full([SUB], 1.0, dtype=tl.float32)
-        else:
-            m_i = tl.full([SUB], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([SUB], dtype=tl.float32)
+        m_i, l_i = _initial_state(Sinks, off_h, SUB, SINKS)
         acc = tl.zeros([SUB, BLOCK_DV], dtype=tl.float32)
         row_pos = offs_m + causal_shift
         sub_lo = 0

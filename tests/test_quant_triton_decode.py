@@ -139,20 +139,23 @@ def test_quantized_with_variants(triton_device, poison):
 
 @pytest.mark.parametrize("d,block_size,paged", [(128, 16, True), (256, 1, True), (128, 16, False), (64, 32, True),
                                                  (64, 256, True)])
-def test_q4_0_words(triton_device, d, block_size, paged, poison):
-    """q4_0 read as 32-bit words (head dims 64 / 128 / 256): every column back in its place, in
-    out and in the split partials; whole pages, tiles inside a page (256-token blocks) and
-    contiguous rows; rows past the end; a window (row-masked loads)."""
+@pytest.mark.parametrize("fmt", ("q4_0", "int8", "fp8_e4m3"))
+def test_words(triton_device, fmt, d, block_size, paged, poison):
+    """Caches read as 32-bit words (head dims 64 / 128 / 256; int8 and fp8 where q is fp16):
+    every column back in its place, in out and in the split partials; whole pages, tiles inside a
+    page (256-token blocks) and contiguous rows; rows past the end; a window (row-masked loads).
+    On a GPU the words become fp16 through byte permutes, under the interpreter through casts."""
     c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=[0, 37, 2 * block_size + 70], d=d, paged=paged,
-              block_size=block_size, k_fmt="q4_0", v_fmt="q4_0", seed=d + block_size)
-    assert triton_decode._q4_0_words(c["k"].data, "q4_0", d) and triton_decode._q4_0_words(c["v"].data, "q4_0", d)
+              block_size=block_size, k_fmt=fmt, v_fmt=fmt, seed=d + block_size)
+    cvt_asm = triton_decode._cvt_asm(c["q"], (fmt, fmt))
+    assert all(triton_decode._reads_words(c[x].data, fmt, d, cvt_asm) for x in ("k", "v"))
     for ns in (1, 2, 5):
         out, lse = _run(c, ns)
-        _check(out, lse, c, f"q4_0 words d={d} paged={paged} splits={ns}")
+        _check(out, lse, c, f"{fmt} words d={d} paged={paged} splits={ns}")
     w = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[90, 17], d=d, paged=paged, block_size=block_size,
-              k_fmt="q4_0", v_fmt="q4_0", seed=d + 1, window=(block_size + 3, 0))
+              k_fmt=fmt, v_fmt=fmt, seed=d + 1, window=(block_size + 3, 0))
     out, lse = _run(w, 3)
-    _check(out, lse, w, f"q4_0 words d={d} window")
+    _check(out, lse, w, f"{fmt} words d={d} window")
 
 
 def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
@@ -165,7 +168,7 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
         data = buf[2:].view(qt.data.shape)
         data.copy_(qt.data)
         shifted.append(dataclasses.replace(qt, data=data, scales=data[..., :2].view(torch.float16)[..., 0]))
-    assert not triton_decode._q4_0_words(shifted[0].data, "q4_0", 64)
+    assert not triton_decode._reads_words(shifted[0].data, "q4_0", 64, False)
     c["k"], c["v"] = shifted
     out, lse = _run(c, 2)
     _check(out, lse, c, "q4_0 at a 2-byte offset")
@@ -173,8 +176,8 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
 
 def test_plan_routes_quantized_to_the_dot_path():
     """On a Hopper with Gluon, quantized K/V take the dot path (no Gluon, no MHA loop: their loads
-    dequantize) over whole pages, q8_0 (alone or with another format) over masked rows; int8's and
-    q4_0's short splits aim at two programs per SM; an unknown format is refused."""
+    dequantize) over whole pages; int8 and fp8 alone take the word tile; int8, fp8 and q4_0 aim at
+    two programs per SM at any length; an unknown format is refused."""
     from dataclasses import replace
 
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
@@ -182,18 +185,19 @@ def test_plan_routes_quantized_to_the_dot_path():
     for base in bases:
         for fmt in FORMATS:
             p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            assert p.kernel == "dot" and p.whole_pages == (fmt != "q8_0") and not p.page_tiles, (fmt, p.kernel)
-    mixed = dp.plan(replace(bases[0], kv_formats=("int8", "q8_0")), facts)
-    assert not mixed.whole_pages
-    long_q4 = replace(bases[0], n_ctx_bound=131072, kv_formats=("q4_0", "q4_0"))
-    short_q4 = replace(bases[0], kv_formats=("q4_0", "q4_0"))
-    assert 8 * dp.plan(short_q4, facts).num_splits >= 2 * facts.sms
-    assert 8 * dp.plan(replace(short_q4, kv_formats=("int8", "int8")), facts).num_splits >= 2 * facts.sms
-    assert 8 * dp.plan(replace(short_q4, kv_formats=("fp8_e4m3", "fp8_e4m3")), facts).num_splits <= facts.sms
-    assert dp.plan(long_q4, facts).num_splits == dp.plan(replace(long_q4, kv_formats=("", "")), facts,
-                                                         {"gluon_gqa": False}).num_splits
+            assert p.kernel == "dot" and p.whole_pages and not p.page_tiles, (fmt, p.kernel)
+    for ctx in (32768, 131072):
+        base = replace(bases[0], n_ctx_bound=ctx)
+        for fmt in ("int8", "fp8_e4m3", "q4_0"):
+            p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
+            assert 8 * p.num_splits >= 2 * facts.sms, (fmt, ctx, p.num_splits)
+            assert (p.block_n, p.num_warps) == ((128, 4) if fmt != "q4_0" else (64, 2)), (fmt, ctx)
+        mixed = dp.plan(replace(base, kv_formats=("int8", "q8_0")), facts)
+        assert (mixed.block_n, mixed.num_warps) != (128, 4)
+        q8 = dp.plan(replace(base, kv_formats=("q8_0", "q8_0")), facts)
+        assert 8 * q8.num_splits <= facts.sms
     with pytest.raises(ValueError, match="quantized"):
-        dp.plan(replace(base, kv_formats=("q5_1", "")), facts)
+        dp.plan(replace(bases[0], kv_formats=("q5_1", "")), facts)
 
 
 def test_compiled_with_quantized_cache_and_variants(triton_device):

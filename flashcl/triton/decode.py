@@ -41,11 +41,12 @@ Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
 dot path dequantizes each tile after its load (_load_quant): ggml blocks with their fp16 d, int8 /
 fp8 values exactly in q's type with their scale applied per key to the scores (K) or to p (V).
-q4_0 rows on 4-byte boundaries with head dims 64 / 128 / 256 are read as 32-bit words
-(_load_q4_0_words: pipelined loads, no byte gather), their columns unpacked out of order, so q is
-loaded and out / the partials stored in that order (_q4_0_columns); other ggml caches take the
-byte gather. The plan keeps quantized caches off the Gluon kernels and the MHA loop, and q8_0 off
-whole pages (decode_plan.QUANTIZED); docs/notes/quantized-decode.md has the measurements.
+Rows on 4-byte boundaries with head dims that are their own padded size are read as 32-bit words
+(_load_words: pipelined loads, no byte gather): q4_0 always, its columns unpacked out of order, so
+q is loaded and out / the partials stored in that order (_q4_0_columns); int8 and fp8 where q is
+fp16, their words turned into fp16 by byte permutes (_words_to_f16) instead of per-element
+converts. q8_0 takes the byte gather. The plan keeps quantized caches off the Gluon kernels and the
+MHA loop (decode_plan.QUANTIZED); docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
@@ -150,8 +151,9 @@ def _decode_kernel(
     ALIBI: tl.constexpr = False,
     # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
     K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
-    # q4_0 K / V read as aligned 32-bit words (_load_q4_0_words), q and out in their column order
-    K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
+    # quantized K / V read as aligned 32-bit words (_load_words), q and out in their column order;
+    # CVT_ASM: the words become fp16 through PTX byte permutes (_words_to_f16), not per-element casts
+    K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
 ):
     tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -181,10 +183,10 @@ def _decode_kernel(
     heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
     # the head-dim column of each position of the K / V tiles: q4_0 words unpack out of order
     col_k = offs_dk
-    if K_WORDS:
+    if K_WORDS and K_FMT == "q4_0":
         col_k = _q4_0_columns(BLOCK_DK)
     col_v = offs_dv
-    if V_WORDS:
+    if V_WORDS and V_FMT == "q4_0":
         col_v = _q4_0_columns(BLOCK_DV)
     bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
 
@@ -321,13 +323,13 @@ def _decode_kernel(
                 k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, mask_rows, "")
             else:
                 k, k_scale = _load_quant(k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k, offs_dk,
-                                         valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS)
+                                         valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS, CVT_ASM)
                 k = k.to(q.dtype)
             if V_FMT == "":
                 v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, mask_rows, "")
             else:
                 v, v_scale = _load_quant(v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v, offs_dv,
-                                         valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS)
+                                         valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS, CVT_ASM)
                 v = v.to(q.dtype)
             if UPCAST_DOT:
                 k = k.to(tl.float32)
@@ -406,24 +408,25 @@ def _decode_kernel(
 
 @triton.jit
 def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexpr, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, WORDS: tl.constexpr):
+                BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, WORDS: tl.constexpr, CVT_ASM: tl.constexpr):
     """A quantized K or V tile [BLOCK_N, BLOCK_D] (flashcl.quant's formats) as (values, row
     scales): rows ``row`` (element offsets of the data) of ``base``, rows past the end (``valid``
     false) and head-dim padding (>= D) zeros. q8_0 / q4_0: ggml blocks of 32 values, the fp16 d in
-    the block's first two bytes, applied here (float32 values, row scale 1). int8 / fp8_e4m3: the
-    stored values, exact in any 16-bit float, and their scale per row at ``scale_ptrs`` (fp8's one
-    per tensor at every row), applied by the caller to the scores or to p: one multiply per key
-    instead of one per element. Without MASK_ROWS every row address is a real row (whole pages,
-    tiles inside a page) and the loads take no row mask; the caller selects those scores away.
-    WORDS (q4_0, D a power of two >= 64, rows on 4-byte boundaries): _load_q4_0_words, the
-    columns in _q4_0_columns's order."""
+    the block's first two bytes, applied here (row scale 1). int8 / fp8_e4m3: the stored values,
+    exact in any 16-bit float, and their scale per row at ``scale_ptrs`` (fp8's one per tensor at
+    every row), applied by the caller to the scores or to p: one multiply per key instead of one
+    per element. Without MASK_ROWS every row address is a real row (whole pages, tiles inside a
+    page) and the loads take no row mask; the caller selects those scores away. WORDS: the row as
+    aligned 32-bit words (_load_words; D == BLOCK_D, rows on 4-byte boundaries), q4_0's columns
+    in _q4_0_columns's order, the others in order; with CVT_ASM the values come back in fp16."""
     if not MASK_ROWS:
         valid = tl.full(valid.shape, 1, tl.int1)
     mask = valid[:, None] & (offs_d[None, :] < D)
+    row_scale = 1.0
     if WORDS:
-        tl.static_assert(FMT == "q4_0", "32-bit words: q4_0")
-        x = _load_q4_0_words(base, row, valid, D)
-        row_scale = 1.0
+        x = _load_words(base, row, valid, FMT, D, CVT_ASM)
+        if FMT == "int8" or FMT == "fp8_e4m3":
+            row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
     elif FMT == "q8_0" or FMT == "q4_0":
         # [rows, blocks, 32]: one d per block, its 32 values, then the row as [rows, BLOCK_D]
         BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
@@ -431,16 +434,25 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
         blocks = tl.arange(0, NB)
         blk = base + row[:, None] + (blocks * BLOCK_BYTES)[None, :]
         blk_mask = valid[:, None] & (blocks[None, :] * 32 < D)
-        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_mask, other=0.0).to(tl.float32)
-        j = tl.arange(0, 32)[None, None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_mask, other=0.0)
         if FMT == "q8_0":
-            qs = tl.load(blk[:, :, None] + 2 + j, mask=blk_mask[:, :, None], other=0)
-            qs = qs.to(tl.int8, bitcast=True).to(tl.float32)
+            # the 32 values as 16 byte pairs (2-byte aligned: half the loads of a byte gather)
+            pairs = tl.load((blk + 2).to(tl.pointer_type(tl.int16), bitcast=True)[:, :, None]
+                            + tl.arange(0, 16)[None, None, :], mask=blk_mask[:, :, None], other=0)
+            if CVT_ASM:
+                lo, hi = _pair_to_f16(pairs)
+                d = d[:, :, None]
+            else:  # each byte sign-extended by an arithmetic shift
+                lo = ((pairs.to(tl.int32) << 24) >> 24).to(tl.float32)
+                hi = (pairs >> 8).to(tl.float32)
+                d = d.to(tl.float32)[:, :, None]
+            qs = tl.reshape(tl.join(lo, hi), [row.shape[0], NB, 32]) * d
         else:  # byte 2 + j % 16 holds value j % 16 in its low nibble, j % 16 + 16 in its high one
+            j = tl.arange(0, 32)[None, None, :]
             byte = tl.load(blk[:, :, None] + 2 + j % 16, mask=blk_mask[:, :, None], other=0).to(tl.int32)
             qs = ((byte >> ((j // 16) * 4)) & 15).to(tl.float32) - 8.0
-        x = tl.reshape(qs * d[:, :, None], [row.shape[0], BLOCK_D])
-        row_scale = 1.0
+            qs = qs * d.to(tl.float32)[:, :, None]
+        x = tl.reshape(qs, [row.shape[0], BLOCK_D])
     else:
         tl.static_assert(FMT == "int8" or FMT == "fp8_e4m3", "quantized formats: q8_0, q4_0, int8, fp8_e4m3")
         ptrs = base + row[:, None] + offs_d[None, :] * stride_d
@@ -453,21 +465,27 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
     return x, row_scale
 
 
-# q4_0 as 32-bit words. Two 18-byte blocks are 9 words: the head word holds the first block's d
-# and its nibble bytes 0-1, then 8 main words hold the rest of the pair; main word MID ends with
-# the second block's d, and bytes 0-1 take its place. Every load is a 4-byte aligned word
-# (cp.async, pipelined) instead of a byte gather into a [rows, blocks, 32] tile:
+# Quantized rows as 32-bit words: every load a 4-byte aligned word (cp.async, pipelined; int8 and
+# fp8 rows 16 bytes at a time) and each word turned into its values in registers, in place of a
+# byte gather into a [rows, blocks, 32] tile and byte-wide shared-memory reads.
+#
+# q4_0: two 18-byte blocks are 9 words: the head word holds the first block's d and its nibble
+# bytes 0-1, then 8 main words hold the rest of the pair; main word MID ends with the second
+# block's d, and bytes 0-1 take its place.
 #
 #   pair bytes  | d0 b0 b1 | b2 ..          .. b14 b15 d1 | b'0 ..   .. b'15 |
 #   words       |  head    |  main 0 ..    main MID        | main 4 .. main 7 |
+#
+# q8_0 is not read as words: the first block of a pair sits 2 bytes off a word boundary, and its
+# realigned words measured slower than the byte gather (docs/notes/quantized-decode.md).
 _Q4_MAIN = tl.constexpr(8)  # main words per pair of blocks
 _Q4_MID = tl.constexpr(3)   # the main word that holds the second block's d
 
 
 @triton.jit
 def _q4_0_columns(D: tl.constexpr):
-    """The head-dim column of each position of a q4_0 row as _load_q4_0_words unpacks it:
-    position 8 w + 2 k + h is nibble h (high: value + 16) of byte k of main word w."""
+    """The head-dim column of each position of a q4_0 row as _load_words unpacks it: position
+    8 w + 2 k + h is nibble h (high: value + 16) of byte k of main word w."""
     pos = tl.arange(0, D)
     w = pos // 8
     byte = 4 * (w % _Q4_MAIN) + (pos % 8) // 2  # byte of the pair's main words
@@ -478,31 +496,135 @@ def _q4_0_columns(D: tl.constexpr):
 
 
 @triton.jit
-def _load_q4_0_words(base, row, valid, D: tl.constexpr):
-    """A q4_0 tile [BLOCK_N, D] of float32 values, dequantized, in _q4_0_columns's order: rows
-    ``row`` (byte offsets, multiples of 4) of ``base``; rows where ``valid`` is false read as zeros."""
-    w = tl.arange(0, D // 8)
-    wi = w % _Q4_MAIN
-    pair = (w // _Q4_MAIN) * (_Q4_MAIN + 1)  # the pair's head word
+def _load_words(base, row, valid, FMT: tl.constexpr, D: tl.constexpr, CVT_ASM: tl.constexpr):
+    """A quantized tile [BLOCK_N, D] read as 32-bit words: rows ``row`` (byte offsets, multiples of
+    4) of ``base``, rows where ``valid`` is false zeros. q4_0 in _q4_0_columns's order, dequantized;
+    int8 / fp8 their stored values, in order. CVT_ASM (fp16 q): fp16 values from _words_to_f16;
+    else float32 (q4_0, int8) or fp8 values from per-element casts."""
     words = base.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[:, None]
-    # per main word, the word that holds its block's d: the head word, or main word MID
-    side = words + (pair + tl.where(wi <= _Q4_MID, 0, _Q4_MID + 1))[None, :]
-    main = tl.load(words + (pair + 1 + wi)[None, :], mask=valid[:, None], other=0)
-    side = tl.load(side, mask=valid[:, None], other=0)
-    first = (wi <= _Q4_MID)[None, :]
-    main = tl.where((wi == _Q4_MID)[None, :], (main & 0xFFFF) | (side & -65536), main)
-    d = tl.where(first, side, side >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    # eight nibbles per word, value - 8; lane 2 k + h (the join order below) is nibble h of byte k
-    t0 = ((main & 15) - 8).to(tl.float32) * d
-    t1 = (((main >> 4) & 15) - 8).to(tl.float32) * d
-    t2 = (((main >> 8) & 15) - 8).to(tl.float32) * d
-    t3 = (((main >> 12) & 15) - 8).to(tl.float32) * d
-    t4 = (((main >> 16) & 15) - 8).to(tl.float32) * d
-    t5 = (((main >> 20) & 15) - 8).to(tl.float32) * d
-    t6 = (((main >> 24) & 15) - 8).to(tl.float32) * d
-    t7 = (((main >> 28) & 15) - 8).to(tl.float32) * d
-    x = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+    rows_ok = valid[:, None]
+    if FMT == "q4_0":
+        w = tl.arange(0, D // 8)
+        wi = w % _Q4_MAIN
+        pair = (w // _Q4_MAIN) * (_Q4_MAIN + 1)  # the pair's head word
+        # per main word, the word that holds its block's d: the head word, or main word MID
+        main = tl.load(words + (pair + 1 + wi)[None, :], mask=rows_ok, other=0)
+        side = tl.load(words + (pair + tl.where(wi <= _Q4_MID, 0, _Q4_MID + 1))[None, :], mask=rows_ok, other=0)
+        main = tl.where((wi == _Q4_MID)[None, :], (main & 0xFFFF) | (side & -65536), main)
+        d_bits = tl.where((wi <= _Q4_MID)[None, :], side, side >> 16)
+        if CVT_ASM:
+            t0, t1, t2, t3, t4, t5, t6, t7 = _words_to_f16(main, d_bits, FMT)
+        else:  # eight nibbles per word, value - 8; t[2 k + h] is nibble h of byte k
+            d = d_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            t0 = ((main & 15) - 8).to(tl.float32) * d
+            t1 = (((main >> 4) & 15) - 8).to(tl.float32) * d
+            t2 = (((main >> 8) & 15) - 8).to(tl.float32) * d
+            t3 = (((main >> 12) & 15) - 8).to(tl.float32) * d
+            t4 = (((main >> 16) & 15) - 8).to(tl.float32) * d
+            t5 = (((main >> 20) & 15) - 8).to(tl.float32) * d
+            t6 = (((main >> 24) & 15) - 8).to(tl.float32) * d
+            t7 = (((main >> 28) & 15) - 8).to(tl.float32) * d
+        x = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+    else:
+        # four values per word, word c holding values 4 c .. 4 c + 3
+        c = tl.arange(0, D // 4)
+        w = tl.load(words + c[None, :], mask=rows_ok, other=0)
+        if CVT_ASM:
+            t0, t1, t2, t3 = _words_to_f16(w, 0, FMT)
+        elif FMT == "int8":  # each byte sign-extended by an arithmetic shift
+            t0 = ((w << 24) >> 24).to(tl.float32)
+            t1 = ((w << 16) >> 24).to(tl.float32)
+            t2 = ((w << 8) >> 24).to(tl.float32)
+            t3 = (w >> 24).to(tl.float32)
+        else:
+            t0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        x = tl.join(tl.join(t0, t2), tl.join(t1, t3))  # join stacks on a new last dim: t0 t1 t2 t3
     return tl.reshape(x, [row.shape[0], D])
+
+
+@triton.jit
+def _pair_to_f16(pairs):
+    """The two int8 values of each 16-bit pair as fp16 (lower byte, upper byte), through a byte
+    permute as in _words_to_f16 (fp16 q on a GPU)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, bias;
+        cvt.u32.u16 u, $2;
+        xor.b32 u, u, 0x8080;
+        prmt.b32 u, u, 0x64646464, 0x4140;
+        mov.b32 bias, 0x64806480;
+        sub.rn.f16x2 u, u, bias;
+        mov.b32 {$0, $1}, u;
+        }""",
+        constraints="=h,=h,h", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_to_f16(w, d_bits, FMT: tl.constexpr):
+    """The fp16 values of 32-bit words of a quantized row, through byte permutes (fp16 q, sm_89+
+    for fp8): an 8-bit value u becomes the fp16 1024 + u by taking 0x64 as its upper byte, then an
+    exact subtract of the bias; q4_0's d is one correctly rounded multiply (as a float32 product
+    cast to fp16). int8 / fp8: ``w`` holds 4 values; q4_0: 8 nibbles, d in the lower half of
+    ``d_bits``. Returns the values in order (q4_0: nibble h of byte k at 2 k + h)."""
+    if FMT == "fp8_e4m3":
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 a, b;
+            .reg .b32 lo, hi;
+            mov.b32 {a, b}, $4;
+            cvt.rn.f16x2.e4m3x2 lo, a;
+            cvt.rn.f16x2.e4m3x2 hi, b;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    elif FMT == "int8":  # u = x + 128: the fp16 1024 + u, less 1152
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, bias, lo, hi;
+            mov.b32 bias, 0x64806480;
+            xor.b32 u, $4, 0x80808080;
+            prmt.b32 lo, u, 0x64646464, 0x4140;
+            prmt.b32 hi, u, 0x64646464, 0x4342;
+            sub.rn.f16x2 lo, lo, bias;
+            sub.rn.f16x2 hi, hi, bias;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        tl.static_assert(FMT == "q4_0")
+        # nibbles of the low halves of the bytes (0, 2, 4, 6), then of the high halves; bias 1032
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, d, bias, a, b, c, e;
+            prmt.b32 d, $9, 0, 0x1010;
+            mov.b32 bias, 0x64086408;
+            and.b32 lo, $8, 0x0F0F0F0F;
+            shr.u32 hi, $8, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 a, lo, 0x64646464, 0x4140;
+            prmt.b32 b, lo, 0x64646464, 0x4342;
+            prmt.b32 c, hi, 0x64646464, 0x4140;
+            prmt.b32 e, hi, 0x64646464, 0x4342;
+            sub.rn.f16x2 a, a, bias;
+            sub.rn.f16x2 b, b, bias;
+            sub.rn.f16x2 c, c, bias;
+            sub.rn.f16x2 e, e, bias;
+            mul.rn.f16x2 a, a, d;
+            mul.rn.f16x2 b, b, d;
+            mul.rn.f16x2 c, c, d;
+            mul.rn.f16x2 e, e, d;
+            mov.b32 {$0, $2}, a;
+            mov.b32 {$4, $6}, b;
+            mov.b32 {$1, $3}, c;
+            mov.b32 {$5, $7}, e;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, d_bits], dtype=(tl.float16,) * 8,
+            is_pure=True, pack=1)
 
 
 @triton.jit
@@ -945,8 +1067,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
-    quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _q4_0_words(k_cache, k_format, dk),
-             "V_WORDS": _q4_0_words(v_cache, v_format, dv)}
+    cvt_asm = _cvt_asm(q, (k_format, v_format))
+    quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _reads_words(k_cache, k_format, dk, cvt_asm),
+             "V_WORDS": _reads_words(v_cache, v_format, dv, cvt_asm), "CVT_ASM": cvt_asm}
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens):
@@ -994,13 +1117,30 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out, lse
 
 
-def _q4_0_words(data: torch.Tensor, fmt: str, d: int) -> bool:
-    """Whether the kernel reads this cache as 32-bit words (_load_q4_0_words): q4_0 of head dims
-    of whole block pairs that are their own padded size (64, 128, 256), every row on a 4-byte
-    boundary. q8_0 keeps the byte gather: its word path measured slower (docs/notes/quantized-decode.md)."""
-    if fmt != "q4_0" or d % 64 or d != _next_pow2(d):
+def _reads_words(data: torch.Tensor, fmt: str, d: int, cvt_asm: bool) -> bool:
+    """Whether the kernel reads this cache as 32-bit words (_load_words): head dims that are their
+    own padded size (q4_0: whole block pairs, 64, 128, 256; int8 / fp8: 16 or more), every row on
+    a 4-byte boundary. q4_0 always; int8 and fp8 where their words become fp16 through byte
+    permutes (``cvt_asm``; under the interpreter the same words take per-element casts). q8_0 keeps
+    the byte gather: its realigned words measured slower (docs/notes/quantized-decode.md)."""
+    if fmt not in ("q4_0", "int8", "fp8_e4m3") or d != _next_pow2(d):
+        return False
+    if fmt == "q4_0":
+        if d % 64:
+            return False
+    elif d < 16 or data.stride(-1) != 1:
+        return False
+    if fmt != "q4_0" and not (cvt_asm or interpreting()):
         return False
     return data.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in data.stride()[:3])
+
+
+def _cvt_asm(q: torch.Tensor, formats: tuple) -> bool:
+    """Whether quantized words become fp16 through PTX byte permutes (_words_to_f16): fp16 q on a
+    GPU (not the interpreter), sm_89+ where a cache is fp8 (its convert instruction)."""
+    if q.dtype != torch.float16 or interpreting() or not any(formats):
+        return False
+    return "fp8_e4m3" not in formats or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
 def _scale_operand(scales: Optional[torch.Tensor], fmt: str, paged: bool, stand_in: torch.Tensor):

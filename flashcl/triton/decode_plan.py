@@ -78,10 +78,8 @@ KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
 # and the merges take them all, decode_gluon's kernels none: a launch with any variant on is
 # planned as on a device without Gluon (documented kernel choice, never a dropped variant).
 VARIANTS = ("alibi", "sinks", "softcap", "window")
-# Quantized K/V (flashcl.quant) run on the dot path (no MHA loop, no Gluon), each K/V tile
-# dequantized after its load: the formats the kernel reads. They take whole pages, except q8_0,
-# whose byte gathers keep the row-masked addressing they were measured on ("What was tried for
-# ggml" in docs/notes/quantized-decode.md).
+# Quantized K/V (flashcl.quant) run on the dot path (no MHA loop, no Gluon) over whole pages, each
+# K/V tile dequantized after its load: the formats the kernel reads.
 QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
 MERGES = ("none", "fused", "reduce")
 
@@ -331,17 +329,27 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
             and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 
 
-# Quantized formats whose split launches aim at two programs per SM (_dequant_two_programs)
-_TWO_PROGRAM_FORMATS = ("int8", "q4_0")
+# Quantized formats whose split launches aim at two programs per SM (_dequant_two_programs), and
+# those that take the word tile (_word_tile)
+_TWO_PROGRAM_FORMATS = ("int8", "fp8_e4m3", "q4_0")
+_WORD_TILE_FORMATS = ("int8", "fp8_e4m3")
+_WORD_TILE = {"BLOCK_N": 128, "num_warps": 4}
 
 
-def _dequant_two_programs(problem: DecodeProblem, split_len: int) -> bool:
-    """An int8 or q4_0 split launch aims at two programs per SM where its splits are too short for
-    the long tile: one program dequantizing its tiles does not stream enough for its SM (H200,
-    (1, 32/8, 32k), 32 splits instead of 16: int8 60 us instead of 86, q4_0 141 instead of 182;
-    at 128k the long tile on 16 splits stays ahead). fp8 and q8_0 were not measured so ("What was
-    tried for ggml" in docs/notes/quantized-decode.md)."""
-    return bool(set(problem.kv_formats) & set(_TWO_PROGRAM_FORMATS)) and split_len < _LONG_SPLIT
+def _dequant_two_programs(problem: DecodeProblem) -> bool:
+    """An int8, fp8 or q4_0 split launch aims at two programs per SM: one program dequantizing its
+    tiles does not stream enough for its SM (H200, (1, 32/8, 32k): int8 and fp8 on the word tile
+    34.9 and 39.5 us on 33 and 16 splits; q4_0 on 32 splits at 128k 437 us, on 16 with the long
+    tile 526). q8_0's byte gather was measured on 16 ("Tiles" in docs/notes/quantized-decode.md)."""
+    return bool(set(problem.kv_formats) & set(_TWO_PROGRAM_FORMATS))
+
+
+def _word_tile(problem: DecodeProblem) -> bool:
+    """Whether a quantized launch takes _WORD_TILE: every quantized cache int8 or fp8 (read as words,
+    converted by byte permutes), 128 rows on 4 warps: at (1, 32/8), fp16, 0.93x and 1.12x fp16's time
+    at 32k and 128k for int8, against 1.25x and 1.44x on the default and long tiles (H200)."""
+    formats = {f for f in problem.kv_formats if f}
+    return bool(formats) and formats <= set(_WORD_TILE_FORMATS)
 
 
 # The reduce kernel: HEADS adjacent query heads per program, CHUNK_S splits merged per step (one
@@ -464,14 +472,12 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if p.quantized:
         # quantized K/V: the dot path, whose loads dequantize (QUANTIZED)
         cfg.update(mha_fma=False)
-        if "q8_0" in p.kv_formats:
-            cfg.update(whole_pages=False)
     sms = facts.sms
     programs = p.b * p.h_kv  # per split
     min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
     auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     if auto_splits > 1 and (_two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)
-                            or _dequant_two_programs(p, _cdiv(n_ctx, auto_splits))):
+                            or _dequant_two_programs(p)):
         auto_splits = choose_num_splits(2 * sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
@@ -488,7 +494,10 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
                 gluon_gqa, splits = True, g_splits
 
     alone = programs * splits <= sms  # at most one program per SM
-    long_tile = (not tile_forced and alone and max(block_dk, block_dv) >= 128
+    quant_tile = not tile_forced and _word_tile(p)
+    if quant_tile:
+        cfg.update(_WORD_TILE)
+    long_tile = (not tile_forced and not quant_tile and alone and max(block_dk, block_dv) >= 128
                  and _cdiv(n_ctx, splits) >= _LONG_SPLIT
                  and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))
     if long_tile:
@@ -513,7 +522,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     # the MHA loop reads tiles of whole pages (blocks larger than its tile take the dot path)
     mha_rows = g_tile[0] if g_tile else cfg["BLOCK_N"]
     cfg["mha_fma"] = bool(cfg["mha_fma"]) and group == 1 and paged and mha_rows % p.page_size == 0
-    default_tile = not (tile_forced or long_tile or cfg["mha_fma"])  # the dot path's, not set by the config
+    default_tile = not (tile_forced or long_tile or quant_tile or cfg["mha_fma"])  # the dot path's, not set by the config
     if default_tile and group <= _SMALL_HEAD_MAX_GROUP:
         cfg["BLOCK_N"] = _small_head_rows(cfg["BLOCK_N"], p.dk, p.dv, p.elt_bytes, block_dk, block_dv, alone,
                                           facts.smem_per_block)

@@ -759,6 +759,26 @@ def _export_shapes_option(ctx, param, value):
     return out
 
 
+# what `flashcl export` compiles in (flashcl.tools.export.VARIANTS and KV_FORMATS: not imported
+# here, so that the CLI starts without pyopencl)
+_EXPORT_VARIANTS = ("window", "softcap", "sinks", "alibi", "mask")
+_EXPORT_KV_FORMATS = ("q8_0", "q4_0", "int8")
+
+
+def _export_variants_option(ctx, param, value):
+    """--variants a,b,... (repeatable) -> one tuple of names per combination ("none": the plain
+    kernels); an unknown name is a usage error."""
+    combos = []
+    for text in value:
+        names = [x.strip().lower() for x in text.split(",") if x.strip() and x.strip().lower() != "none"]
+        unknown = [x for x in names if x not in _EXPORT_VARIANTS]
+        if unknown:
+            raise click.BadParameter(f"unknown {', '.join(map(repr, unknown))}; choose any of "
+                                     f"{', '.join(_EXPORT_VARIANTS)} (comma-separated), or none")
+        combos.append(tuple(names))
+    return combos
+
+
 @main.command("export")
 @click.option("--device", default=None,
               help="Device: substring, P:D, or a profile name (adreno, adreno-6xx, mali, apple, intel, nvidia, "
@@ -768,10 +788,16 @@ def _export_shapes_option(ctx, param, value):
 @click.option("--shape", "shapes", multiple=True, callback=_export_shapes_option,
               help=f"{_EXPORT_SHAPE} (repeatable); a kernel given none gets the reference shapes.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
+@click.option("--variants", multiple=True, callback=_export_variants_option, metavar="NAMES",
+              help=f"A combination of attention variants to export, comma-separated: any of "
+                   f"{', '.join(_EXPORT_VARIANTS)} (mask: prefill only, a bool mask), or none (the plain "
+                   f"kernels). Repeatable: each combination gets sources of its own. Default: none.")
+@click.option("--kv-format", type=click.Choice(_EXPORT_KV_FORMATS), default=None,
+              help="K and V caches quantized in this format (default: plain, the dtype's rows).")
 @click.option("--require-device", is_flag=True, help="Fail (exit 3) instead of model mode when the device "
                                                       "is not attached.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def export_kernels(device, out, shapes, dtype, require_device, as_json):
+def export_kernels(device, out, shapes, dtype, variants, kv_format, require_device, as_json):
     """Kernel sources with the tuned defines fixed, manifest.json and a C example, for C/C++ apps."""
     from .tools import export as ex
 
@@ -779,7 +805,7 @@ def export_kernels(device, out, shapes, dtype, require_device, as_json):
     try:
         res = ex.export(out, device=device, prefill_shapes=shapes["prefill"] or None,
                         decode_shapes=shapes["decode"] or None, dtype=dtype, command=command,
-                        require_device=require_device)
+                        require_device=require_device, variants=variants, kv_format=kv_format)
     except OSError as exc:
         _fail(f"cannot write the export ({exc}); choose another --out", EXIT_USAGE)
     t = res.target
@@ -796,8 +822,9 @@ def export_kernels(device, out, shapes, dtype, require_device, as_json):
     for r in rows:
         click.echo(f"  {r['file']:{width}}  " + " ".join(f"{k}={v}" for k, v in r["params"].items())
                    + f"  from: {r['source']}")
+    each = " per combination of variants" if len(variants) > 1 else ""
     click.echo(f"check: {res.out}/run_example.sh builds example.c with ${{CC:-cc}} against the OpenCL ICD "
-               f"loader, runs one prefill and one paged decode and compares them with a naive reference")
+               f"loader, runs one prefill and one paged decode{each} and compares them with a naive reference")
 
 
 @main.command()

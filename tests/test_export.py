@@ -25,6 +25,7 @@ from flashcl.opencl import prefill as pre
 from flashcl.opencl import runtime
 from flashcl.profiles import PROFILES
 from flashcl.reference import TOLERANCE
+from flashcl.tools import export as ex
 
 PREFILL = "prefill:1,8,2,256,64,1"   # causal GQA 4:1, d = 64
 PREFILL_NC = "prefill:2,4,4,100,64,0"
@@ -77,9 +78,11 @@ def assert_example_passes(folder: Path, toolchain: str, manifest: dict):
     proc, checks = run_example(folder, toolchain)
     assert proc.returncode == 0, f"run_example.sh failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     ex = manifest["example"]
-    # one prefill, then the paged decode with split-k + merge and with one split
-    assert [(k, f) for k, f, _ in checks] == [("prefill", ex["prefill"]["file"]), ("decode", ex["decode"]["file"]),
-                                            ("decode", ex["decode"]["file"])], proc.stdout
+    runs = ([c["example"] for c in manifest["variants"]["combinations"]] if "variants" in manifest
+            else [{"prefill": ex["prefill"]["file"], "decode": ex["decode"]["file"]}])
+    # per combination of variants: one prefill, then the paged decode with split-k + merge and with one split
+    assert [(k, f) for k, f, _ in checks] == [(k, r[k]) for r in runs for k in ("prefill", "decode", "decode")], \
+        proc.stdout
     for (kind, f, _), (out_err, lse_err, tol, verdict) in checks.items():
         tol = float(tol)
         dtype = next(s["problem"]["dtype"] for s in manifest["sources"] if s["file"] == f)
@@ -92,13 +95,18 @@ def assert_example_passes(folder: Path, toolchain: str, manifest: dict):
 
 # --------------------------------------------------------------------------- the manifest
 
-def _signature(text: str, name: str) -> list[tuple[str, str]]:
+def _signature(text: str, name: str, problem: dict) -> list[tuple[str, str]]:
     """(type without spaces, name) of each parameter of kernel ``name`` in an exported source, read
-    from the text (decode.cl's two decode kernels take the DECODE_PARAMS macro)."""
+    from the text (decode.cl's two decode kernels take the DECODE_PARAMS macro, then VARIANT_PARAMS
+    in builds with a variant on and QUANT_PARAMS in int8 builds)."""
     text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.DOTALL).replace("\\\n", " ")
     if name in ("flash_decode", "flash_decode_split"):
         assert re.search(rf"DECODE_KERNEL\({name},", text)
         body = re.search(r"#define DECODE_PARAMS([^\n]*)", text).group(1)
+        for macro, on in (("VARIANT_PARAMS", problem.get("variants")),
+                          ("QUANT_PARAMS", problem.get("kv_format") == "int8")):
+            if on:  # its first definition, the one with parameters (the #else one is empty)
+                body += "," + re.search(rf"#define {macro} ,([^\n]*)", text).group(1)
     else:
         body = re.search(rf"void\s+{name}\s*\((.*?)\)\s*{{", text, re.DOTALL).group(1)
     params = []
@@ -108,9 +116,11 @@ def _signature(text: str, name: str) -> list[tuple[str, str]]:
     return params
 
 
-def _spec_of(kernel: str):
-    return {"flash_prefill": pre.ARGS, "flash_prefill_tiles": pre.ARGS, "flash_decode": dec.ARGS,
-            "flash_decode_split": dec.ARGS, "flash_decode_merge": dec.MERGE_ARGS}[kernel]
+def _spec_of(kernel: str, problem: dict | None = None):
+    """The argument spec of ``kernel`` for an exported class (None: the plain one)."""
+    decode = ex.decode_arg_spec(problem or {})
+    return {"flash_prefill": pre.ARGS, "flash_prefill_tiles": pre.ARGS, "flash_decode": decode,
+            "flash_decode_split": decode, "flash_decode_merge": dec.MERGE_ARGS}[kernel]
 
 
 def check_manifest(out: Path, m: dict, *, dtype: str, mode: str):
@@ -130,10 +140,10 @@ def check_manifest(out: Path, m: dict, *, dtype: str, mode: str):
         for name, value in k["defines"].items():
             assert f"\n#define {name} {value}\n" in text
         # every argument in order, as the kernel declares it and as the Python host passes it
-        spec = _spec_of(k["name"])
+        spec = _spec_of(k["name"], k["problem"])
         assert [a["name"] for a in k["args"]] == [n for n, _, _ in spec]
         assert [a["index"] for a in k["args"]] == list(range(len(spec)))
-        declared = _signature(text, k["name"])
+        declared = _signature(text, k["name"], k["problem"])
         assert [n for _, n in declared] == [a["name"] for a in k["args"]]
         for (ctype, _), (_, spec_type, _), a in zip(declared, spec, k["args"]):
             assert ctype == spec_type.replace(" ", ""), (k["name"], a)
@@ -257,6 +267,138 @@ def test_the_example_catches_a_wrong_define_or_scale(cpu_device, tmp_path, toolc
     assert proc.returncode == 1 and [v[-1] for v in checks.values()] == ["FAILED"] * 3, proc.stdout
 
 
+# --------------------------------------------------------------------------- variants and quantized caches
+
+ALL = ",".join(ex.VARIANTS)
+
+
+def check_variant_export(out: Path, m: dict, combos: list, kv_format):
+    """Each combination has sources of its own (decode: without the mask) that fix it and say so
+    in their name, problem and defines; the manifest documents the values and the format's bytes;
+    the example config runs every combination."""
+    combos = [c.split(",") if c else [] for c in combos] or [[]]
+    for k in m["kernels"]:
+        on = k["problem"].get("variants", [])
+        prefill = k["name"].startswith("flash_prefill")
+        assert on in (combos if prefill else [[x for x in c if x != "mask"] for c in combos]), k["problem"]
+        assert k["problem"].get("kv_format") == kv_format, k["problem"]
+        assert k["file"].endswith("".join(f"-{x}" for x in on) + (f"-{kv_format}" if kv_format else "") + ".cl")
+        d = k["defines"]
+        if prefill:
+            want = {f"HAS_{x.upper()}": 1 for x in on if x != "mask"} | ({"MASK_KIND": 1} if "mask" in on else {})
+            assert {n: v for n, v in d.items() if n.startswith("HAS_") or n == "MASK_KIND"} == want
+        else:
+            assert {n: d.get(n, 0) for n in ("WINDOW", "SOFTCAP", "SINKS", "ALIBI")} == \
+                {x.upper(): int(x in on) for x in ("window", "softcap", "sinks", "alibi")}
+        code = {"q8_0": 1, "q4_0": 2, "int8": 3}.get(kv_format)
+        assert (d.get("K_QUANT"), d.get("V_QUANT")) == (code, code)
+    config = (out / "example_config.h").read_text()
+    if any(combos):
+        assert [c["on"] for c in m["variants"]["combinations"]] == combos
+        assert f"\n#define EX_NUM_COMBOS {len(combos)}\n" in config
+        assert "exp(sink - m)" in m["variants"]["semantics"]["sinks"]
+    else:
+        assert "variants" not in m and "EX_NUM_COMBOS" not in config
+    if kv_format:
+        assert m["kv_format"]["name"] == kv_format and m["kv_format"]["defines"] == {"K_QUANT": code, "V_QUANT": code}
+        assert f'#define EX_KV_FORMAT {code}\n' in config
+        layout = m["kv_format"]["row"] + m["kv_format"]["value"]
+        assert {"q8_0": "fp16 d", "q4_0": "low nibble", "int8": "float32 scale"}[kv_format] in layout
+    else:
+        assert "kv_format" not in m and "EX_KV_FORMAT" not in config
+
+
+@pytest.mark.parametrize("dtype, shape, combos, kv_format, model_mode", [
+    ("float16", PREFILL, [ALL], None, False),            # every variant on a causal GQA prefill
+    ("float32", PREFILL, [], "q8_0", False),
+    ("float16", PREFILL_NC, [ALL], "q4_0", True),        # non-causal: window (7, 3); adreno's tiles
+    ("float32", PREFILL, ["window,sinks"], "int8", False),
+    ("float16", PREFILL, ["none", "mask", "softcap,alibi"], None, False),  # several combinations
+], ids=["variants", "q8_0", "q4_0-variants-adreno", "int8-window-sinks", "combinations"])
+def test_export_variants_and_quantized_caches_run(dtype, shape, combos, kv_format, model_mode, tmp_path,
+                                                  tuning_dir, request):
+    """The exported combinations build as written and example.c runs each: the variants' values,
+    K/V quantized in C, checked against its reference in double within the dtype's tolerance."""
+    device = "adreno" if model_mode else request.getfixturevalue("cpu_device")
+    out = tmp_path / "export"
+    args = ["--device", device, "--dtype", dtype, "--shape", shape, "--shape", DECODE]
+    _, m = export(out, *args, *(a for c in combos for a in ("--variants", c)),
+                  *(["--kv-format", kv_format] if kv_format else []))
+    check_manifest(out, m, dtype=dtype, mode="modeled" if model_mode else "measured")
+    combos = ["" if c == "none" else c for c in combos]
+    check_variant_export(out, m, combos, kv_format)
+    decode_combos = {tuple(x for x in c.split(",") if x and x != "mask") for c in combos or [""]}
+    assert len(m["sources"]) == len(combos or [""]) + len(decode_combos)  # masks share the decode sources
+    proc = assert_example_passes(out, request.getfixturevalue("toolchain"), m)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("prefill", "decode"))]
+    for c, (prefill, *decodes) in zip(combos or [""], (lines[i:i + 3] for i in range(0, len(lines), 3))):
+        if "window" in c:
+            assert ("window (7,3)" if shape == PREFILL_NC else "window (7,0)") in prefill
+            assert all("window (20,0)" in ln for ln in decodes)
+        assert ("mask" in prefill) == ("mask" in c) and not any("mask" in ln for ln in decodes)
+    if kv_format:
+        assert all(f" {kv_format} K/V" in ln for ln in lines), proc.stdout
+
+
+def test_the_example_catches_a_variant_or_format_left_out(cpu_device, tmp_path, toolchain):
+    """Each variant and the format are checked for real: a source built with one of them off (its
+    define flipped), or K/V packed with the q4_0 nibbles swapped, fails; the others stay right."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", "float32", "--shape", PREFILL, "--shape", DECODE,
+                  "--variants", ALL, "--kv-format", "q4_0")
+    [run] = [c["example"] for c in m["variants"]["combinations"]]
+    prefill_src, decode_src = out / run["prefill"], out / run["decode"]
+    cases = [(prefill_src, f"#define {d} 1", f"#define {d} 0", ["FAILED", "ok", "ok"])
+             for d in ("HAS_WINDOW", "HAS_SOFTCAP", "HAS_SINKS", "HAS_ALIBI", "MASK_KIND")]
+    cases += [(decode_src, f"#define {d} 1", f"#define {d} 0", ["ok", "FAILED", "FAILED"])
+              for d in ("WINDOW", "SOFTCAP", "SINKS", "ALIBI")]
+    cases += [(prefill_src, "#define K_QUANT 2", "#define K_QUANT 1", ["FAILED", "ok", "ok"]),
+              (out / "example.c", "(uint8_t)(q0 | (q1 << 4))", "(uint8_t)(q1 | (q0 << 4))", ["FAILED"] * 3)]
+    for path, good, bad, verdicts in cases:
+        text = path.read_text()
+        assert text.count(f"\n{good}\n" if good.startswith("#") else good) == 1, good
+        path.write_text(text.replace(good, bad))
+        proc, checks = run_example(out, toolchain)
+        assert proc.returncode == 1 and [v[-1] for v in checks.values()] == verdicts, (bad, proc.stdout)
+        path.write_text(text)
+
+
+def test_a_plain_export_has_no_variant_trace(tmp_path):
+    """Without --variants and --kv-format the export is the plain one: no variant or format in a
+    file name, problem, define, the manifest or the example's config."""
+    _, m = export(tmp_path / "a", "--device", "adreno", "--shape", PREFILL, "--shape", DECODE)
+    _, m2 = export(tmp_path / "b", "--device", "adreno", "--shape", PREFILL, "--shape", DECODE, "--variants", "none")
+    assert [s["file"] for s in m["sources"]] == ["prefill-float16-dk64-dv64-causal.cl",
+                                                 "decode-float16-dk64-dv64-g4-paged.cl"]
+    check_variant_export(tmp_path / "a", m, [], None)
+    assert m["example"]["prefill"]["file"] == m["sources"][0]["file"]
+    flags = {"HAS_WINDOW", "HAS_SOFTCAP", "HAS_SINKS", "HAS_ALIBI", "MASK_KIND", "WINDOW", "SOFTCAP", "SINKS",
+             "ALIBI", "K_QUANT", "V_QUANT"}
+    assert all(not flags & k["defines"].keys() for k in m["kernels"])
+    assert [a["name"] for a in next(k for k in m["kernels"] if k["name"] == "flash_decode")["args"]] == \
+        [n for n, _, _ in dec.ARGS]
+    for s in m["sources"]:  # the same text but for the command in the header
+        a, b = ((tmp_path / x / s["file"]).read_text().split("\n") for x in "ab")
+        assert [ln for ln in a if "Exported by" not in ln] == [ln for ln in b if "Exported by" not in ln]
+    assert m2["kernels"] == m["kernels"]
+
+
+def test_export_refuses_unknown_variants_and_formats(tmp_path):
+    """An unknown variant or format is a usage error (exit 2) naming the choices; so is a format
+    the head dim cannot be stored in. Nothing is written."""
+    assert cli._EXPORT_VARIANTS == ex.VARIANTS and cli._EXPORT_KV_FORMATS == ex.KV_FORMATS
+    out = tmp_path / "x"
+    for args, named, choices in ((("--variants", "window,rope"), "'rope'", ex.VARIANTS),
+                                 (("--kv-format", "q5_1"), "'q5_1'", ex.KV_FORMATS),
+                                 (("--kv-format", "q8_0", "--shape", "prefill:1,8,2,64,48,1"), "d = 48", ("32",))):
+        r = run("export", "--device", "adreno", "--out", str(out), *args)
+        assert r.exit_code == 2 and r.stderr.startswith("error: ") and named in r.stderr, (args, r.stderr)
+        assert all(c in r.stderr for c in choices), (args, r.stderr)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="choose from window, softcap, sinks, alibi, mask"):
+        ex.export(out, device="adreno", variants=("window", "rope"))
+
+
 # --------------------------------------------------------------------------- the CLI and the host spec
 
 def test_export_refuses_a_folder_that_is_not_an_export(tmp_path):
@@ -291,11 +433,8 @@ def test_export_json_and_bad_shapes(tmp_path):
         assert r.exit_code == 2 and r.stderr.startswith("error: ") and "--shape" in r.stderr, (bad, r.stderr)
 
 
-def test_the_host_code_passes_the_arguments_the_spec_lists(cpu_device, monkeypatch):
-    """PrefillKernel and DecodeKernel set exactly the arguments ARGS / MERGE_ARGS list, with their
-    types: the manifest describes what the library itself launches."""
-    import pyopencl as cl
-
+def _spy_launches(monkeypatch) -> list:
+    """(kernel name, arguments) of every launch the library makes from here on."""
     seen = []
     real = runtime.launch_sequence
 
@@ -305,6 +444,31 @@ def test_the_host_code_passes_the_arguments_the_spec_lists(cpu_device, monkeypat
 
     monkeypatch.setattr(runtime, "launch_sequence", spy)
     monkeypatch.setattr(dec, "launch_sequence", spy)
+    return seen
+
+
+def _assert_args_follow_the_spec(seen: list, problem: dict):
+    """Each launch set exactly the arguments the manifest lists for ``problem``'s class, with their types."""
+    import pyopencl as cl
+
+    kinds = {np.int32: "int", np.float32: "float", np.uint64: "ulong"}
+    assert {name for name, _ in seen} == KERNELS
+    for name, args in seen:
+        spec = _spec_of(name, problem)
+        assert len(args) == len(spec), name
+        for a, (arg_name, ctype, _) in zip(args, spec):
+            if ctype.startswith("__local"):
+                assert isinstance(a, cl.LocalMemory), (name, arg_name)
+            elif "*" in ctype:
+                assert isinstance(a, cl.MemoryObjectHolder), (name, arg_name)
+            else:
+                assert kinds[type(a)] == ctype.split()[-1], (name, arg_name)
+
+
+def test_the_host_code_passes_the_arguments_the_spec_lists(cpu_device, monkeypatch):
+    """PrefillKernel and DecodeKernel set exactly the arguments ARGS / MERGE_ARGS list, with their
+    types: the manifest describes what the library itself launches."""
+    seen = _spy_launches(monkeypatch)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 4, 40, 64)).astype(np.float32) for _ in range(3))
     flashcl.prefill(q, k[:, :2], v[:, :2], causal=True, device=cpu_device)
@@ -314,16 +478,24 @@ def test_the_host_code_passes_the_arguments_the_spec_lists(cpu_device, monkeypat
     for splits in (1, 3):
         flashcl.decode(rng.standard_normal((2, 4, 64)).astype(np.float32), kc, kc, block_table=table,
                        context_lens=lens, num_splits=splits, device=cpu_device)
+    _assert_args_follow_the_spec(seen, {})
 
-    kinds = {np.int32: "int", np.float32: "float", np.uint64: "ulong"}
-    assert {name for name, _ in seen} == KERNELS
-    for name, args in seen:
-        spec = _spec_of(name)
-        assert len(args) == len(spec), name
-        for a, (arg_name, ctype, _) in zip(args, spec):
-            if ctype.startswith("__local"):
-                assert isinstance(a, cl.LocalMemory), (name, arg_name)
-            elif "*" in ctype:
-                assert isinstance(a, cl.MemoryObjectHolder), (name, arg_name)
-            else:
-                assert kinds[type(a)] == ctype.split()[-1], (name, arg_name)
+
+def test_the_host_code_passes_the_variant_and_int8_arguments_the_spec_lists(cpu_device, monkeypatch):
+    """With every variant on and int8 caches the library passes what the manifest of such an
+    export lists: the prefill's variant and scale arguments, decode's VARIANT_ARGS and QUANT_ARGS."""
+    seen = _spy_launches(monkeypatch)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 4, 40, 64)).astype(np.float32) for _ in range(3))
+    sinks, slopes = rng.standard_normal(4).astype(np.float32), np.full((1, 4), 0.1, np.float32)
+    kq, vq = (flashcl.quantize(x[:, :2], "int8") for x in (k, v))
+    flashcl.prefill(q, kq, vq, causal=True, window=(7, 0), softcap=30.0, sinks=sinks, alibi_slopes=slopes,
+                    mask=rng.random((1, 1, 40, 40)) < 0.8, device=cpu_device)
+    kc = flashcl.quantize(rng.standard_normal((6, 16, 2, 64)).astype(np.float32), "int8")
+    table = np.array([[3, 1, 5], [0, 4, 2]], dtype=np.int32)
+    lens = np.array([40, 20], dtype=np.int32)
+    for splits in (1, 3):
+        flashcl.decode(rng.standard_normal((2, 4, 64)).astype(np.float32), kc, kc, block_table=table,
+                       context_lens=lens, num_splits=splits, window=(20, 0), softcap=30.0, sinks=sinks,
+                       alibi_slopes=np.full((2, 4), 0.1, np.float32), device=cpu_device)
+    _assert_args_follow_the_spec(seen, {"variants": ["window", "softcap", "sinks", "alibi"], "kv_format": "int8"})

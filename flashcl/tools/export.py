@@ -22,6 +22,14 @@ attached) the parameters come from the tuning database's modeled entries or the 
 as ``flashcl show-config`` shows them, and the manifest says "modeled". The kernels are portable
 OpenCL 1.2, so the example runs on whatever device the machine has.
 
+Attention variants and quantized caches (``variants``, ``kv_format``) are compile-time defines of
+the same kernels (prefill: HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, MASK_KIND; decode.cl:
+WINDOW, SOFTCAP, SINKS, ALIBI; both: K_QUANT, V_QUANT): each combination of variants exported gets
+sources of its own with those defines fixed (decode, which takes no mask, those of the rest), the
+K/V format holds for all of them, the manifest lists the arguments those builds take, and
+example.c runs every combination: the variants' values, K/V quantized on the host in C, and a
+reference in double with the same semantics. With none of them the export is the plain one.
+
 What is not exported: decode_mma.cl (NVIDIA tensor cores, inline PTX) and the contiguous-cache
 decode; decode.cl serves paged caches on every device.
 """
@@ -40,6 +48,7 @@ from .._resources import kernel_dir
 from .._version import __version__
 from ..opencl import decode as dec
 from ..opencl import prefill as pre
+from ..opencl.arrays import QUANT_CODES
 from ..profiles import DeviceProfile, find_profile
 from ..reference import TOLERANCE
 from . import shapes as shape_sets
@@ -61,6 +70,35 @@ DEFAULT_DECODE = tuple((b, hq, hkv, ctx, shape_sets.DECODE_HEAD_DIM)
 # of them empty for the shorter sequence) and then 1.
 EXAMPLE_PREFILL = {"B": 2, "H_KV": 2, "GROUP": 3, "N_Q": 67, "N_KV": 131}
 EXAMPLE_DECODE = {"B": 2, "H_KV": 2, "BLOCK_SIZE": 16, "CTX": (45, 30), "SPARE_BLOCKS": 2, "SPLITS": 3}
+
+# The variants an export can fix (flashcl.variants) and the K/V formats (kv_formats.h codes). A
+# mask is prefill-only (decode has one query row) and exports as a bool mask (MASK_KIND 1).
+VARIANTS = ("window", "softcap", "sinks", "alibi", "mask")
+KV_FORMATS = tuple(QUANT_CODES)
+# The variants' values example.c runs: a window of 7 keys left (and 3 right on a non-causal
+# prefill) and 20 left on decode, so that the 3 decode splits divide the windowed keys; softcap 30
+# over queries scaled so that scores reach it; random sinks and per-batch ALiBi slopes; a bool mask
+# with a row that sees nothing and a key tile that batch 1 never sees.
+EXAMPLE_VARIANTS = {"WINDOW_LEFT": 7, "WINDOW_RIGHT_NONCAUSAL": 3, "DECODE_WINDOW_LEFT": 20,
+                    "SOFTCAP": 30.0, "Q_GAIN_SOFTCAP": 8.0, "EMPTY_ROW": 5}
+# Byte layout of each K/V format (kv_quant.h; ggml's block_q8_0 / block_q4_0)
+KV_LAYOUTS = {
+    "q8_0": {"row": "D/32 blocks of 34 bytes: fp16 d (little-endian), then 32 int8 q",
+             "value": "value j of a block = d * q[j]",
+             "quantize": "ggml's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (0 when d = 0)",
+             "reference": "ggml block_q8_0 (ggml/src/ggml-common.h, ggml-quants.c)"},
+    "q4_0": {"row": "D/32 blocks of 18 bytes: fp16 d (little-endian), then 16 bytes of nibbles: byte i holds "
+                    "value i in its low nibble and value i + 16 in its high nibble",
+             "value": "value j of a block = (nibble j - 8) * d",
+             "quantize": "ggml's quantize_row_q4_0_ref: max = the value of largest magnitude (with its sign, "
+                         "the first on ties), d = max / -8, nibble = min(15, (int8)(x / d + 8.5))",
+             "reference": "ggml block_q4_0 (ggml/src/ggml-common.h, ggml-quants.c)"},
+    "int8": {"row": "D int8 bytes, and one float32 scale per row in a separate buffer laid out like the rows "
+                    "(prefill: k_scales / v_scales; decode: the same, with ks_off / vs_off)",
+             "value": "value j = scale * q[j]",
+             "quantize": "scale = amax / 127, q = clamp(roundf(x / scale), -127, 127) (scale 0: q = 0)",
+             "reference": "flashcl.quant (int8 rows, as in vLLM's per-token int8 KV cache)"},
+}
 
 
 class ExportError(ValueError):
@@ -200,7 +238,9 @@ class Source:
         p = self.problem
         what = (f"{p['dtype']}, DK={p['dk']}, DV={p['dv']}, "
                 + (("causal" if p["causal"] else "non-causal") if self.kernel == "prefill"
-                   else f"GQA group {p['group']}, {'paged' if p['paged'] else 'contiguous'} cache"))
+                   else f"GQA group {p['group']}, {'paged' if p['paged'] else 'contiguous'} cache")
+                + "".join(f", {x}" for x in p.get("variants", ()))
+                + (f", {p['kv_format']} K/V cache" if p.get("kv_format") else ""))
         prov = (self.choice.entry or {}).get("provenance")
         lines = [f"flashcl {__version__}: clkernels/{self.origin} exported for {target.name}"
                  + (" (model mode: parameters not measured)" if target.mode == "modeled" else ""),
@@ -229,8 +269,17 @@ def _file_stem(src: Source) -> str:
     p = src.problem
     stem = f"{src.kernel}-{p['dtype']}-dk{p['dk']}-dv{p['dv']}"
     if src.kernel == "prefill":
-        return stem + ("-causal" if p["causal"] else "") + ("-tiles" if src.origin == "prefill_tiles.cl" else "")
-    return stem + f"-g{p['group']}" + ("-paged" if p["paged"] else "")
+        stem += ("-causal" if p["causal"] else "") + ("-tiles" if src.origin == "prefill_tiles.cl" else "")
+    else:
+        stem += f"-g{p['group']}" + ("-paged" if p["paged"] else "")
+    return stem + "".join(f"-{x}" for x in p.get("variants", ())) + (f"-{p['kv_format']}" if p.get("kv_format") else "")
+
+
+def decode_arg_spec(problem: dict) -> tuple:
+    """flash_decode's arguments for an exported decode class: DECODE_PARAMS, then VARIANT_PARAMS
+    in builds with a variant on, then QUANT_PARAMS in builds that read an int8 cache."""
+    return (dec.ARGS + (dec.VARIANT_ARGS if problem.get("variants") else ())
+            + (dec.QUANT_ARGS if problem.get("kv_format") == "int8" else ()))
 
 
 # --------------------------------------------------------------------------- the manifest's kernels
@@ -243,10 +292,20 @@ def _host_type(ctype: str) -> str:
     return {"int": "cl_int", "float": "cl_float", "ulong": "cl_ulong"}[ctype.split()[-1]]
 
 
+_KV_ADDRESSING = re.compile(r"^[kv]_(off|sb|sh|sn)$")
+
+
 def _args(spec, src: Source) -> list[dict]:
     raw_t = "uint4" if src.store_t == "half" else "float4"
+    quantized = bool(src.problem.get("kv_format"))
+
+    def meaning_of(name: str, meaning: str) -> str:  # a quantized cache is addressed in bytes
+        return meaning.replace("in elements", "in bytes (quantized cache)") if quantized and \
+            _KV_ADDRESSING.match(name) else meaning
+
     return [{"index": i, "name": name, "type": ctype.replace("store_t", src.store_t).replace("raw_t", raw_t),
-             "host": _host_type(ctype), "meaning": meaning} for i, (name, ctype, meaning) in enumerate(spec)]
+             "host": _host_type(ctype), "meaning": meaning_of(name, meaning)}
+            for i, (name, ctype, meaning) in enumerate(spec)]
 
 
 def _split_rule(params: dict) -> str:
@@ -281,7 +340,8 @@ def _kernel_entries(src: Source, target: Target) -> list[dict]:
                  "launches": [{"shape": s, **launch["prefill"]} for s, launch in src.shapes]}]
     mwg = src.params["MERGE_WG"]
     split_note = _split_rule(src.params)
-    decode_common = {**common, "args": _args(dec.ARGS, src), "work_dim": 3, "local_size": [wg, 1, 1],
+    decode_common = {**common, "args": _args(decode_arg_spec(src.problem), src), "work_dim": 3,
+                     "local_size": [wg, 1, 1],
                      "work_group_formula": "LANES * ROWS * (GROUP / HEAD_TILE), LANES = max(HEAD_DK, HEAD_DV) "
                                            "/ (16 / sizeof(store_t)): the lanes of a row read its 16-byte chunks",
                      "global_size": [f"{wg} * num_splits", "H_kv", "B"],
@@ -327,43 +387,53 @@ class Result:
 
 def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes=None,
            dtype: str = "float16", command: str = "flashcl export", require_device: bool = False,
-           check_build: bool = True) -> Result:
+           check_build: bool = True, variants=(), kv_format: str | None = None) -> Result:
     """Write the export of ``prefill_shapes`` (B, H_q, H_kv, N, d, causal) and ``decode_shapes``
     (B, H_q, H_kv, ctx, d) into the folder ``out``; None means the reference shapes. On an
-    attached device each source is also built as written (``check_build``)."""
+    attached device each source is also built as written (``check_build``). ``variants``: one
+    combination of VARIANTS' names, or a list of combinations (an empty one is the plain
+    kernels), each exported in sources of its own; ``kv_format`` (one of KV_FORMATS) stores K and
+    V in every source. None of them gives the plain export."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: the OpenCL kernels take float32 or float16, got {dtype!r}")
     prefill_shapes = DEFAULT_PREFILL if prefill_shapes is None else tuple(prefill_shapes)
     decode_shapes = DEFAULT_DECODE if decode_shapes is None else tuple(decode_shapes)
     if not prefill_shapes or not decode_shapes:
         raise ValueError("export needs at least one prefill and one decode shape (the example runs both)")
+    combos = check_combinations(variants)
+    check_kv_format(kv_format, dtype, [s[4] for s in prefill_shapes] + [s[4] for s in decode_shapes])
+    # decode takes no mask: combinations that differ only in it share the decode sources
+    decode_combos = list(dict.fromkeys(_decode_variants(c) for c in combos))
     out = Path(out)
     previous = _previous_export(out)
     target = resolve(device, require_device=require_device)
     sources: dict = {}
 
-    for b, hq, hkv, n, d, causal in prefill_shapes:
-        prob = pre.PrefillProblem(b, hq, hkv, n, n, d, d, bool(causal), dtype)
+    for combo, (b, hq, hkv, n, d, causal) in ((c, s) for c in combos for s in prefill_shapes):
+        prob = pre.PrefillProblem(b, hq, hkv, n, n, d, d, bool(causal), dtype, kv_format, kv_format)
         choice = choose(target, "prefill", prob, n)
-        origin, entry, defines = pre.program(prob, choice.params, write_lse=True, unroll_loops=not target.is_cpu)
+        origin, entry, defines = pre.program(prob, choice.params, write_lse=True, unroll_loops=not target.is_cpu,
+                                             flags=_prefill_flags(combo))
         src = _source(sources, "prefill", origin, (entry,),
-                      {"dtype": dtype, "dk": d, "dv": d, "causal": bool(causal)}, choice, defines,
-                      tuning.work_group_size("prefill", choice.params))
+                      {"dtype": dtype, "dk": d, "dv": d, "causal": bool(causal), **_class_extras(combo, kv_format)},
+                      choice, defines, tuning.work_group_size("prefill", choice.params))
         gsize, lsize = pre.launch_grid(prob, choice.params)
         section = pre.head_section(prob, target.cache_bytes) if target.cache_bytes else None
         src.shapes.append(({"B": b, "H_q": hq, "H_kv": hkv, "N_q": n, "N_kv": n},
                            {"prefill": {"global_size": list(gsize), "local_size": list(lsize),
                                         "head_section": section}}))
 
-    for b, hq, hkv, ctx, d in decode_shapes:
-        prob = dec.DecodeProblem(b, hq, hkv, d, d, True, dtype)
+    for combo, (b, hq, hkv, ctx, d) in ((c, s) for c in decode_combos for s in decode_shapes):
+        prob = dec.DecodeProblem(b, hq, hkv, d, d, True, dtype, kv_format, kv_format)
         choice = choose(target, "decode", prob, ctx)
         shuffle = (target.handle is not None  # NVIDIA inline PTX: only where the device is known
                    and dec.row_shuffle_ok(target.handle, choice.params, prob.group, d, d, dtype))
-        defines = dec.program_defines(prob, choice.params, row_shuffle=shuffle, unroll_merge=not target.is_cpu)
+        defines = dec.program_defines(prob, choice.params, row_shuffle=shuffle, unroll_merge=not target.is_cpu,
+                                      variant_flags={x.upper(): 1 for x in combo})
         wg = dec.work_group_size(choice.params, prob.group, d, d, dtype)
         src = _source(sources, "decode", "decode.cl", ("flash_decode", "flash_decode_split", "flash_decode_merge"),
-                      {"dtype": dtype, "dk": d, "dv": d, "group": prob.group, "paged": True}, choice, defines, wg)
+                      {"dtype": dtype, "dk": d, "dv": d, "group": prob.group, "paged": True,
+                       **_class_extras(combo, kv_format)}, choice, defines, wg)
         cus = target.compute_units
         splits = dec.choose_num_splits(cus, b * hkv, ctx, params=choice.params) if cus else None
         one = dec.launch_grid(prob, wg, 1)
@@ -392,15 +462,66 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
             (out / name).unlink()
     for name, text in texts.items():
         (out / name).write_text(text)
-    pick_p, pick_d = _example_choice(srcs)
-    manifest = _manifest(target, srcs, texts, command, date, pick_p, pick_d)
+    picks = _example_choice(srcs, combos)
+    manifest = _manifest(target, srcs, texts, command, date, *picks[0])
+    manifest.update(_variant_sections(combos, kv_format, picks))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (out / "example.c").write_text(EXAMPLE_C)
-    (out / "example_config.h").write_text(_example_config(srcs, pick_p, pick_d))
+    (out / "example_config.h").write_text(_example_config(srcs, picks, combos))
     sh = out / "run_example.sh"
     sh.write_text(RUN_EXAMPLE_SH)
     sh.chmod(0o755)
     return Result(out, target, srcs, manifest, list(texts) + [MANIFEST, *EXAMPLE_FILES])
+
+
+def check_variants(names) -> tuple:
+    """One combination: the variant names in VARIANTS' order, each once; an unknown name raises
+    ValueError."""
+    names = tuple(names or ())
+    unknown = [x for x in names if x not in VARIANTS]
+    if unknown:
+        raise ValueError(f"variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}")
+    return tuple(x for x in VARIANTS if x in names)
+
+
+def check_combinations(variants) -> list[tuple]:
+    """The combinations to export, each once in the order given: ``variants`` is one combination
+    (names) or a list of them; none at all is the plain kernels alone."""
+    variants = list(variants or ())
+    combos = [variants] if all(isinstance(x, str) for x in variants) else variants
+    return list(dict.fromkeys(check_variants(c) for c in combos))
+
+
+def _decode_variants(combo: tuple) -> tuple:
+    return tuple(x for x in combo if x != "mask")
+
+
+def _class_extras(combo: tuple, kv_format: str | None) -> dict:
+    """A problem class's entries for its variants and K/V format (none in a plain export)."""
+    return {**({"variants": list(combo)} if combo else {}), **({"kv_format": kv_format} if kv_format else {})}
+
+
+def _prefill_flags(variants: tuple) -> dict | None:
+    """The prefill kernels' flags of a combination (as Variants.flags() gives them; None: plain)."""
+    if not variants:
+        return None
+    return {**{x: x in variants for x in VARIANTS if x != "mask"}, "mask": "bool" if "mask" in variants else None}
+
+
+def check_kv_format(fmt: str | None, dtype: str, head_dims) -> None:
+    """A K/V format the kernels read, for head dims they can address in it (ValueError otherwise):
+    ggml blocks of 32 values; int8 rows whose decode pieces stay aligned (decode.cl reads 8 bytes
+    (float16 q) or 4 (float32 q) of a row at a time, at 16 or 8 byte aligned strides)."""
+    if fmt is None:
+        return
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"kv_format: unknown {fmt!r}; choose from {', '.join(KV_FORMATS)}")
+    step = 32 if fmt in ("q8_0", "q4_0") else 2 * dec.chunk_elems(dtype)
+    bad = sorted({d for d in head_dims if d % step})
+    if bad:
+        raise ValueError(f"kv_format {fmt}: head dims must be multiples of {step}"
+                         f"{' (ggml blocks)' if step == 32 else f' for {dtype} queries'}; got d = "
+                         f"{', '.join(map(str, bad))}")
 
 
 def _source(sources: dict, kernel: str, origin: str, entries: tuple, problem: dict, choice: tuning.Choice,
@@ -465,14 +586,22 @@ def _check_builds(target: Target, src: Source, text: str) -> None:
                                    f"error: {name} needs a work-group of {need}, the device allows {kwg}")
 
 
-def _example_choice(srcs: list) -> tuple[Source, Source]:
-    """The classes example.c runs: a causal prefill where one is exported, the smallest head dims;
-    a decode with a GQA group > 1 where one is exported, the smallest group and head dims."""
+def _example_choice(srcs: list, combos: list) -> list[tuple[Source, Source]]:
+    """The sources example.c runs, (prefill, decode) per combination: a causal prefill where one
+    is exported, the smallest head dims; a decode with a GQA group > 1 where one is exported, the
+    smallest group and head dims; the same class and parameters for every combination."""
     p = min((s for s in srcs if s.kernel == "prefill"),
             key=lambda s: (not s.problem["causal"], s.problem["dk"] + s.problem["dv"]))
     d = min((s for s in srcs if s.kernel == "decode"),
             key=lambda s: (s.problem["group"] == 1, s.problem["group"], s.problem["dk"] + s.problem["dv"]))
-    return p, d
+
+    def of(pick: Source, variants: tuple) -> Source:  # pick's class and parameters with these variants
+        cls = {k: v for k, v in pick.problem.items() if k != "variants"}
+        return next(s for s in srcs if s.kernel == pick.kernel and s.origin == pick.origin and s.params == pick.params
+                    and {k: v for k, v in s.problem.items() if k != "variants"} == cls
+                    and tuple(s.problem.get("variants", ())) == variants)
+
+    return [(of(p, c), of(d, _decode_variants(c))) for c in combos]
 
 
 def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, pick_p: Source,
@@ -516,8 +645,62 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
     }
 
 
-def _example_config(srcs: list, p: Source, d: Source) -> str:
+def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
+    """The manifest's "variants" and "kv_format" sections: what the sources fix and how an app
+    passes the values, and the combinations example.c runs (nothing in a plain export)."""
+    out = {}
+    if any(combos):
+        ex = EXAMPLE_VARIANTS
+        right = 0 if picks[0][0].problem["causal"] else ex["WINDOW_RIGHT_NONCAUSAL"]
+        out["variants"] = {
+            "combinations": [{"on": list(c), "prefill_defines": pre.variant_defines(_prefill_flags(c)),
+                              "decode_defines": {x.upper(): 1 for x in _decode_variants(c)},
+                              "example": {"prefill": p.file, "decode": d.file}}
+                             for c, (p, d) in zip(combos, picks)],
+            "decode_note": "decode takes no mask (one query row per sequence); its variant arguments "
+                           "(window_left, softcap_log2, sinks, alibi_slopes) follow o_sh only in builds "
+                           "with a variant on, and all four are passed then",
+            "prefill_note": "the prefill kernels take every variant argument in every build; those of a "
+                            "variant that is off are never read (pass any buffer / any value)",
+            "semantics": {
+                "position": "query row i sits at p = i + N_kv - N_q (decode: p = ctx - 1)",
+                "score": "s = scale * q.k; softcap: s = c * tanh(s / c); ALiBi: s -= slope[b, h] * |p - j|; "
+                         "in that order; the kernels take scale and softcap times log2(e)",
+                "visible": "key j is visible iff causal allows it (j <= p), the window does (p - win_left <= j "
+                           "<= p + win_right) and the mask does (bool: nonzero); a hidden key never "
+                           "influences the row, even if its K or V is NaN or inf",
+                "sinks": "sinks[h] (natural log) joins each row's normalizer as exp(sink - m), m including the "
+                         "sink; nothing is added to out; lse = log(sum over visible keys of exp(s) + exp(sink))",
+                "empty_row": "a row that sees no key returns zeros, lse = -inf, or = sinks[h] with sinks on",
+                "mask": "MASK_KIND 1: uchar (Bm, Hm, N_q, N_kv), Bm in {1, B}, Hm in {1, H_q}, a stride of 0 "
+                        "broadcasts; tile_map (Bm, Hm, ceil(N_q / BLOCK_M), ceil(N_kv / BLOCK_N)) uchar per "
+                        "(query block, key tile) of the mask alone: 0 every key hidden (the tile is skipped), "
+                        "1 some hidden, 2 none; an additive float mask (-inf hides) is MASK_KIND 2 with the "
+                        "same arguments (flashcl.opencl.prefill.mask_tile_map computes the map)",
+            },
+            "example_values": {"prefill_window": [ex["WINDOW_LEFT"], right],
+                               "decode_window_left": ex["DECODE_WINDOW_LEFT"], "softcap": ex["SOFTCAP"],
+                               "sinks": "q_gain * (1 + normal(0, 1)) per query head (q_gain: the factor "
+                                        "on q, 8 with a softcap so that scores reach it, else 1)",
+                               "alibi_slopes": "uniform in (0.05, 0.5) per (sequence, query head)",
+                               "mask": f"(B, 1, N_q, N_kv) bool, 80% visible; row {ex['EMPTY_ROW']} of batch 0 "
+                                       "sees nothing; batch 1 sees no key of the first key tile"},
+        }
+    if kv_format:
+        out["kv_format"] = {"name": kv_format, "defines": {"K_QUANT": QUANT_CODES[kv_format],
+                                                           "V_QUANT": QUANT_CODES[kv_format]},
+                            **KV_LAYOUTS[kv_format],
+                            "addressing": "k and v are read as bytes: their offsets and strides are in bytes "
+                                          "(prefill: k_off, k_sb, k_sh, k_sn; decode: k_off, k_s0, k_sh, k_s1), "
+                                          "rows contiguous, ggml rows 2-byte aligned",
+                            "example": "example.c quantizes its K/V on the host in C (quantize_row) and the "
+                                       "reference attends the dequantized values"}
+    return out
+
+
+def _example_config(srcs: list, picks: list, combos: list) -> str:
     files = [s.file for s in srcs]
+    p, d = picks[0]
     ep, ed = EXAMPLE_PREFILL, EXAMPLE_DECODE
     pd, dd = p.defines, d.defines
     used = sum(-(-c // ed["BLOCK_SIZE"]) for c in ed["CTX"])
@@ -562,6 +745,27 @@ def _example_config(srcs: list, p: Source, d: Source) -> str:
         f"#define EX_DECODE_NUM_BLOCKS {used + ed['SPARE_BLOCKS']}",
         f"#define EX_DECODE_SPLITS {ed['SPLITS']}",
     ]
+    on, fmt = {x for c in combos for x in c}, p.problem.get("kv_format")
+    if on:
+        ex = EXAMPLE_VARIANTS
+        lines += ["", "/* the combinations of variants exported: sources (EX_SOURCES indices) and the variants on */",
+                  f"#define EX_NUM_COMBOS {len(combos)}",
+                  "#define EX_COMBOS {" + ", ".join(
+                      "{" + ", ".join([str(files.index(cp.file)), str(files.index(cd.file))]
+                                      + [str(int(x in c)) for x in VARIANTS]) + "}"
+                      for c, (cp, cd) in zip(combos, picks)) + "}",
+                  "/* the variants' values example.c runs */"]
+        if "window" in on:
+            lines += [f"#define EX_WINDOW_LEFT {ex['WINDOW_LEFT']}",
+                      f"#define EX_WINDOW_RIGHT {0 if p.problem['causal'] else ex['WINDOW_RIGHT_NONCAUSAL']}",
+                      f"#define EX_DECODE_WINDOW_LEFT {ex['DECODE_WINDOW_LEFT']}"]
+        if "softcap" in on:
+            lines += [f"#define EX_SOFTCAP_VALUE {ex['SOFTCAP']!r}", f"#define EX_Q_GAIN {ex['Q_GAIN_SOFTCAP']!r}"]
+        if "mask" in on:
+            lines += [f"#define EX_PREFILL_BLOCK_N {p.defines['BLOCK_N']}", f"#define EX_EMPTY_ROW {ex['EMPTY_ROW']}"]
+    if fmt:
+        lines += ["", f"/* K and V caches in {fmt} (kv_formats.h code), quantized by example.c */",
+                  f"#define EX_KV_FORMAT {QUANT_CODES[fmt]}", f'#define EX_KV_FORMAT_NAME "{fmt}"']
     return "\n".join(lines) + "\n"
 
 
@@ -582,6 +786,9 @@ EXAMPLE_C = r"""/* example.c: flashcl's exported OpenCL kernels driven from C (w
  *   - one causal GQA prefill (bottom-right aligned, N_q < N_kv),
  *   - one paged decode: a permuted block table, contexts ending inside a block (the unwritten
  *     slots hold NaN, which must not reach the output), split-k with the merge, then one split,
+ * once per combination of attention variants exported (window, softcap, sinks, ALiBi, a bool
+ * mask: example_config.h's EX_COMBOS; keys no row sees hold NaN), with K/V quantized on the host
+ * where a format was exported (EX_KV_FORMAT: q8_0, q4_0 as ggml's reference quantizers, int8 rows),
  * checks each against a naive attention in double, prints the relative errors
  * ||out - ref|| / ||ref|| and exits 0 only if every one is within the dtype's tolerance.
  * C99 and the OpenCL 1.2 API; example_config.h says which exported classes run, on what shapes.
@@ -608,6 +815,40 @@ EXAMPLE_C = r"""/* example.c: flashcl's exported OpenCL kernels driven from C (w
 #include "example_config.h"
 
 #define LOG2E 1.4426950408889634
+
+/* The combinations of variants exported, each with its prefill and decode source: a plain
+ * export's example_config.h has one, with none on, and leaves out the variants' values */
+typedef struct {
+    int prefill_source, decode_source;
+    int window, softcap, sinks, alibi, mask;
+} combo_t;
+#ifndef EX_NUM_COMBOS
+#define EX_NUM_COMBOS 1
+#define EX_COMBOS {{EX_PREFILL_SOURCE, EX_DECODE_SOURCE, 0, 0, 0, 0, 0}}
+#endif
+#ifndef EX_WINDOW_LEFT
+#define EX_WINDOW_LEFT 0
+#define EX_WINDOW_RIGHT 0
+#define EX_DECODE_WINDOW_LEFT 0
+#endif
+#ifndef EX_SOFTCAP_VALUE
+#define EX_SOFTCAP_VALUE 0.0
+#define EX_Q_GAIN 1.0
+#endif
+#ifndef EX_PREFILL_BLOCK_N
+#define EX_PREFILL_BLOCK_N 1
+#define EX_EMPTY_ROW 0
+#endif
+#ifndef EX_KV_FORMAT
+#define EX_KV_FORMAT 0
+#define EX_KV_FORMAT_NAME "plain"
+#endif
+
+/* decode.cl takes its variant arguments only in builds with a variant on (it has no mask) */
+static int decode_variants(const combo_t *c) { return c->window || c->softcap || c->sinks || c->alibi; }
+
+/* the factor on q: with a softcap, scores large enough for it to matter */
+static double q_gain(const combo_t *c) { return c->softcap ? EX_Q_GAIN : 1.0; }
 
 /* ---- errors: a failed OpenCL call ends the program with exit code 2 ------------------------ */
 static void cl_fail(const char *call, cl_int err, int line)
@@ -675,27 +916,44 @@ static float float_from_half(uint16_t h)
     return (float)((h & 0x8000u) ? -v : v);
 }
 
-/* ---- a tensor as the device stores it (float32 or binary16) and its values in double --------- */
+/* ---- a tensor as the device stores it and its values in double ------------------------------
+ * fmt 0: float32 or binary16 elements; a K/V cache may be quantized instead (kv_formats.h codes):
+ * rows of `dim` values as q8_0 / q4_0 ggml blocks (fp16 d, then the quants) or int8 with one
+ * float32 scale per row (`scales`). val holds the values the device reads, exactly. */
+enum { PLAIN = 0, Q8_0 = 1, Q4_0 = 2, INT8 = 3 };
+
 typedef struct {
     size_t n;
-    int half;
-    double *val; /* the stored values, exactly */
-    void *raw;   /* the bytes copied to and from the device */
+    int half, fmt, dim;
+    double *val;   /* the stored values, exactly (dequantized for a quantized cache) */
+    void *raw;     /* the bytes copied to and from the device */
+    float *scales; /* int8: one per row */
 } tensor_t;
 
-static tensor_t tensor(size_t n, int half)
+static size_t row_bytes(int fmt, int dim, int half)
+{
+    return fmt == PLAIN ? (size_t)dim * (half ? 2 : 4) : fmt == INT8 ? (size_t)dim
+                                                                      : (size_t)dim / 32 * (fmt == Q8_0 ? 34 : 18);
+}
+
+static size_t bytes_of(const tensor_t *t) { return t->n / t->dim * row_bytes(t->fmt, t->dim, t->half); }
+
+static tensor_t kv_tensor(size_t n, int dim, int half, int fmt)
 {
     tensor_t t;
     t.n = n;
     t.half = half;
+    t.fmt = fmt;
+    t.dim = dim;
     t.val = xmalloc(n * sizeof(double));
-    t.raw = xmalloc(n * (half ? 2 : 4));
+    t.raw = xmalloc(n / dim * row_bytes(fmt, dim, half));
+    t.scales = fmt == INT8 ? xmalloc(n / dim * sizeof(float)) : NULL;
     return t;
 }
 
-static size_t bytes_of(const tensor_t *t) { return t->n * (t->half ? 2 : 4); }
+static tensor_t tensor(size_t n, int half) { return kv_tensor(n, 1, half, PLAIN); }
 
-static void tensor_set(tensor_t *t, size_t i, double x)
+static void tensor_set(tensor_t *t, size_t i, double x) /* fmt 0 */
 {
     if (t->half) {
         const uint16_t h = half_from_float((float)x);
@@ -708,19 +966,105 @@ static void tensor_set(tensor_t *t, size_t i, double x)
     }
 }
 
-static void tensor_random(tensor_t *t)
+/* One row of `dim` values x into `out` (and *scale for int8), as ggml's quantize_row_q8_0_ref /
+ * quantize_row_q4_0_ref do it in float32; x becomes the dequantized values the kernels read. */
+static void quantize_row(int fmt, int dim, double *x, uint8_t *out, float *scale)
 {
-    for (size_t i = 0; i < t->n; ++i)
-        tensor_set(t, i, normal());
+    if (fmt == INT8) { /* scale = amax / 127, q = round(x / scale) */
+        float amax = 0.0f;
+        for (int c = 0; c < dim; ++c)
+            amax = fmaxf(amax, fabsf((float)x[c]));
+        const float s = amax / 127.0f, safe = s == 0.0f ? 1.0f : s;
+        for (int c = 0; c < dim; ++c) {
+            const float r = roundf((float)x[c] / safe);
+            const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+            out[c] = (uint8_t)(int8_t)qi;
+            x[c] = (double)qi * s;
+        }
+        *scale = s;
+        return;
+    }
+    for (int b = 0; b < dim / 32; ++b) {
+        double *xb = x + 32 * b;
+        uint8_t *blk = out + (size_t)b * (fmt == Q8_0 ? 34 : 18);
+        float amax = 0.0f, max = 0.0f, d;
+        for (int j = 0; j < 32; ++j)
+            if (amax < fabsf((float)xb[j])) { /* q4_0 keeps the sign of the first largest */
+                amax = fabsf((float)xb[j]);
+                max = (float)xb[j];
+            }
+        d = fmt == Q8_0 ? amax / 127.0f : max / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t dh = half_from_float(d);
+        blk[0] = (uint8_t)(dh & 0xff); /* little-endian fp16 d */
+        blk[1] = (uint8_t)(dh >> 8);
+        const double dd = float_from_half(dh);
+        if (fmt == Q8_0) {
+            for (int j = 0; j < 32; ++j) {
+                const int8_t qi = (int8_t)roundf((float)xb[j] * id);
+                blk[2 + j] = (uint8_t)qi;
+                xb[j] = dd * qi;
+            }
+            continue;
+        }
+        for (int j = 0; j < 16; ++j) { /* byte j: value j in the low nibble, value j + 16 in the high */
+            const int lo = (int8_t)((float)xb[j] * id + 8.5f), hi = (int8_t)((float)xb[j + 16] * id + 8.5f);
+            const uint8_t q0 = (uint8_t)(lo < 15 ? lo : 15), q1 = (uint8_t)(hi < 15 ? hi : 15);
+            blk[2 + j] = (uint8_t)(q0 | (q1 << 4));
+            xb[j] = dd * (q0 - 8);
+            xb[j + 16] = dd * (q1 - 8);
+        }
+    }
 }
 
-static void tensor_fill(tensor_t *t, double x)
+/* val -> raw: each value rounded to the storage, or each row quantized; val then holds what the
+ * device reads */
+static void tensor_store(tensor_t *t)
+{
+    if (t->fmt == PLAIN) {
+        for (size_t i = 0; i < t->n; ++i)
+            tensor_set(t, i, t->val[i]);
+        return;
+    }
+    const size_t rb = row_bytes(t->fmt, t->dim, 0);
+    for (size_t r = 0; r < t->n / t->dim; ++r)
+        quantize_row(t->fmt, t->dim, t->val + r * t->dim, (uint8_t *)t->raw + r * rb,
+                     t->scales ? t->scales + r : NULL);
+}
+
+static void tensor_random(tensor_t *t, double gain)
+{
+    for (size_t i = 0; i < t->n; ++i)
+        t->val[i] = gain * normal();
+    tensor_store(t);
+}
+
+static void tensor_fill(tensor_t *t, double x) /* fmt 0 */
 {
     for (size_t i = 0; i < t->n; ++i)
         tensor_set(t, i, x);
 }
 
-static void tensor_unpack(tensor_t *t) /* after a read-back */
+/* Row r (dim values) becomes NaN as the device reads it: NaN elements, every ggml block's d, or
+ * the int8 row's scale. Only keys the checked rows must not see are poisoned. */
+static void poison_row(tensor_t *t, size_t r)
+{
+    for (int c = 0; c < t->dim; ++c)
+        t->val[r * t->dim + c] = NAN;
+    if (t->fmt == PLAIN) {
+        for (int c = 0; c < t->dim; ++c)
+            tensor_set(t, r * t->dim + c, NAN);
+    } else if (t->fmt == INT8) {
+        t->scales[r] = NAN;
+    } else {
+        const size_t bb = t->fmt == Q8_0 ? 34 : 18;
+        uint8_t *row = (uint8_t *)t->raw + r * row_bytes(t->fmt, t->dim, 0);
+        for (int b = 0; b < t->dim / 32; ++b)
+            row[b * bb] = 0x00, row[b * bb + 1] = 0x7e; /* fp16 NaN */
+    }
+}
+
+static void tensor_unpack(tensor_t *t) /* after a read-back (fmt 0) */
 {
     for (size_t i = 0; i < t->n; ++i)
         t->val[i] = t->half ? float_from_half(((uint16_t *)t->raw)[i]) : ((float *)t->raw)[i];
@@ -730,6 +1074,7 @@ static void tensor_free(tensor_t *t)
 {
     free(t->val);
     free(t->raw);
+    free(t->scales);
 }
 
 /* ---- the device: the first that builds every exported source ----------------------------------- */
@@ -891,6 +1236,12 @@ static cl_mem buffer(const env_t *e, size_t bytes, void *host) /* host NULL: uni
     return m;
 }
 
+static void release_own(cl_mem m, cl_mem stand_in) /* a buffer of its own, not the stand-in of an unused one */
+{
+    if (m != stand_in)
+        clReleaseMemObject(m);
+}
+
 static void read_back(const env_t *e, cl_mem m, size_t bytes, void *host)
 {
     CHECK(clEnqueueReadBuffer(e->queue, m, CL_TRUE, 0, bytes, host, 0, NULL, NULL));
@@ -942,23 +1293,38 @@ static int verdict(double out_err, double lse_error, double tol) /* 1 if a check
     return !ok;
 }
 
-/* one attention row in double: keys j < n_keys, key j's rows at k_row(j) and v_row(j) */
+/* One attention row in double (flashcl/variants.py's semantics) over the keys j < n_keys, key j's
+ * rows at krow[j] and vrow[j]: s = scale q.k, softcapped (softcap > 0: c tanh(s / c)), plus
+ * bias[j] (-ALiBi); bias[j] = -inf hides key j, which is never read (its rows may be NaN). The
+ * sink logit (-inf: none) joins the normalizer and adds nothing to o. Returns the lse; a row
+ * that sees no key gets zeros and lse = the sink (-inf without sinks). */
 static double attend(const double *q, int dk, int dv, int n_keys, const double *const *krow,
-                     const double *const *vrow, double scale, double *s, double *o)
+                     const double *const *vrow, const double *bias, double scale, double softcap, double sink,
+                     double *s, double *o)
 {
-    double m = -INFINITY, l = 0.0;
+    double m = sink, l = 0.0;
+    int seen = 0;
     for (int j = 0; j < n_keys; ++j) {
+        if (bias[j] == -INFINITY)
+            continue;
         double dot = 0.0;
         for (int c = 0; c < dk; ++c)
             dot += q[c] * krow[j][c];
         s[j] = dot * scale;
+        if (softcap > 0.0)
+            s[j] = softcap * tanh(s[j] / softcap);
+        s[j] += bias[j];
         m = s[j] > m ? s[j] : m;
+        ++seen;
     }
     for (int c = 0; c < dv; ++c)
         o[c] = 0.0;
-    if (n_keys == 0)
-        return -INFINITY; /* a row that sees no key: zeros, lse = -inf */
+    if (!seen)
+        return sink;
+    l = exp(sink - m);
     for (int j = 0; j < n_keys; ++j) {
+        if (bias[j] == -INFINITY)
+            continue;
         const double p = exp(s[j] - m);
         l += p;
         for (int c = 0; c < dv; ++c)
@@ -969,37 +1335,119 @@ static double attend(const double *q, int dk, int dv, int n_keys, const double *
     return m + log(l);
 }
 
+/* the variants' values: one sink logit per query head, about as large as the scores (scaled as
+ * q is) so that it weighs in the normalizer; ALiBi slopes per (sequence, query head) */
+static float *sink_logits(int hq, double gain)
+{
+    float *x = xmalloc((size_t)hq * sizeof(float));
+    for (int h = 0; h < hq; ++h)
+        x[h] = (float)(gain * (1.0 + normal()));
+    return x;
+}
+
+static float *alibi_slopes(int b, int hq)
+{
+    float *x = xmalloc((size_t)b * hq * sizeof(float));
+    for (int i = 0; i < b * hq; ++i)
+        x[i] = (float)(0.05 + 0.45 * uniform());
+    return x;
+}
+
 /* ---- prefill ----------------------------------------------------------------------------------- */
-static int run_prefill(const env_t *e)
+enum { P_NQ = EX_PREFILL_N_Q, P_NKV = EX_PREFILL_N_KV };
+
+/* whether query row i of sequence b sees key j (causal, window, the mask (B, 1, N_q, N_kv)) */
+static int prefill_sees(const combo_t *c, const uint8_t *mask, int b, int i, int j)
+{
+    const int p = i + P_NKV - P_NQ; /* bottom-right aligned */
+    if (EX_PREFILL_CAUSAL && j > p)
+        return 0;
+    if (c->window && (j < p - EX_WINDOW_LEFT || j > p + EX_WINDOW_RIGHT))
+        return 0;
+    return !mask || mask[((size_t)b * P_NQ + i) * P_NKV + j];
+}
+
+static int run_prefill(const env_t *e, const combo_t *c)
 {
     enum { B = EX_PREFILL_B, HQ = EX_PREFILL_H_Q, HKV = EX_PREFILL_H_KV, NQ = EX_PREFILL_N_Q,
            NKV = EX_PREFILL_N_KV, DK = EX_PREFILL_DK, DV = EX_PREFILL_DV, G = HQ / HKV };
-    const int half = EX_PREFILL_HALF;
+    const int half = EX_PREFILL_HALF, fmt = EX_KV_FORMAT;
     const double scale = 1.0 / sqrt((double)DK);
-    tensor_t q = tensor((size_t)B * HQ * NQ * DK, half), k = tensor((size_t)B * HKV * NKV * DK, half);
-    tensor_t v = tensor((size_t)B * HKV * NKV * DV, half), out = tensor((size_t)B * HQ * NQ * DV, half);
+    tensor_t q = tensor((size_t)B * HQ * NQ * DK, half), out = tensor((size_t)B * HQ * NQ * DV, half);
+    tensor_t k = kv_tensor((size_t)B * HKV * NKV * DK, DK, half, fmt);
+    tensor_t v = kv_tensor((size_t)B * HKV * NKV * DV, DV, half, fmt);
     const size_t n_rows = (size_t)B * HQ * NQ;
     float *lse = xmalloc(n_rows * sizeof(float));
-    tensor_random(&q);
-    tensor_random(&k);
-    tensor_random(&v);
+    tensor_random(&q, q_gain(c));
+    tensor_random(&k, 1.0);
+    tensor_random(&v, 1.0);
     tensor_fill(&out, NAN); /* poisoned: an element the kernel does not write fails the check */
     for (size_t i = 0; i < n_rows; ++i)
         lse[i] = NAN;
+
+    /* the variants' arrays: sinks (H_q,), slopes (B, H_q), a bool mask (B, 1, N_q, N_kv), 80% of
+     * it visible, with a row that sees nothing and a key tile that batch 1 never sees, and its
+     * tile map: per (sequence, query block, key tile) 0 all hidden, 1 some, 2 none */
+    float *sinks = c->sinks ? sink_logits(HQ, q_gain(c)) : NULL;
+    float *slopes = c->alibi ? alibi_slopes(B, HQ) : NULL;
+    uint8_t *mask = NULL, *tile_map = NULL;
+    const int num_m = (NQ + EX_PREFILL_BLOCK_M - 1) / EX_PREFILL_BLOCK_M;
+    const int num_n = (NKV + EX_PREFILL_BLOCK_N - 1) / EX_PREFILL_BLOCK_N;
+    if (c->mask) {
+        mask = xmalloc((size_t)B * NQ * NKV);
+        tile_map = xmalloc((size_t)B * num_m * num_n);
+        for (int b = 0; b < B; ++b)
+            for (int i = 0; i < NQ; ++i)
+                for (int j = 0; j < NKV; ++j)
+                    mask[((size_t)b * NQ + i) * NKV + j] = !(b == 0 && i == EX_EMPTY_ROW)
+                                                           && !(b == 1 && j < EX_PREFILL_BLOCK_N) && uniform() < 0.8;
+        for (int b = 0; b < B; ++b)
+            for (int mb = 0; mb < num_m; ++mb)
+                for (int nb = 0; nb < num_n; ++nb) {
+                    int visible = 0, hidden = 0;
+                    for (int i = mb * EX_PREFILL_BLOCK_M; i < NQ && i < (mb + 1) * EX_PREFILL_BLOCK_M; ++i)
+                        for (int j = nb * EX_PREFILL_BLOCK_N; j < NKV && j < (nb + 1) * EX_PREFILL_BLOCK_N; ++j)
+                            if (mask[((size_t)b * NQ + i) * NKV + j])
+                                ++visible;
+                            else
+                                ++hidden;
+                    tile_map[((size_t)b * num_m + mb) * num_n + nb] = !visible ? 0 : hidden ? 1 : 2;
+                }
+    }
+    /* keys no row of a sequence sees (left of every window, hidden by the mask) hold NaN: a
+     * kernel that reads them fails */
+    for (int b = 0; b < B; ++b)
+        for (int j = 0; j < NKV; ++j) {
+            int seen = 0;
+            for (int i = 0; i < NQ && !seen; ++i)
+                seen = prefill_sees(c, mask, b, i, j);
+            for (int h = 0; !seen && h < HKV; ++h) {
+                poison_row(&k, ((size_t)b * HKV + h) * NKV + j);
+                poison_row(&v, ((size_t)b * HKV + h) * NKV + j);
+            }
+        }
+
     cl_mem bq = buffer(e, bytes_of(&q), q.raw), bk = buffer(e, bytes_of(&k), k.raw);
     cl_mem bv = buffer(e, bytes_of(&v), v.raw), bo = buffer(e, bytes_of(&out), out.raw);
     cl_mem bl = buffer(e, n_rows * sizeof(float), lse);
+    /* the variants' buffers; one that is off gets any buffer (never read) */
+    cl_mem b_sinks = sinks ? buffer(e, HQ * sizeof(float), sinks) : bl;
+    cl_mem b_slopes = slopes ? buffer(e, (size_t)B * HQ * sizeof(float), slopes) : bl;
+    cl_mem b_mask = mask ? buffer(e, (size_t)B * NQ * NKV, mask) : bl;
+    cl_mem b_map = mask ? buffer(e, (size_t)B * num_m * num_n, tile_map) : bl;
+    cl_mem b_ks = fmt == INT8 ? buffer(e, (size_t)B * HKV * NKV * sizeof(float), k.scales) : bl;
+    cl_mem b_vs = fmt == INT8 ? buffer(e, (size_t)B * HKV * NKV * sizeof(float), v.scales) : bl;
 
     /* head_section: any value >= 1 gives the same result; flashcl sizes a section so that its K/V
      * stay in the device's global-memory cache (manifest.json) */
     cl_ulong cache = 0;
     clGetDeviceInfo(e->dev, CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof cache, &cache, NULL);
-    cl_ulong kv_heads = cache / ((cl_ulong)NKV * (DK + DV) * (half ? 2 : 4));
+    cl_ulong kv_heads = cache / ((cl_ulong)NKV * (row_bytes(fmt, DK, half) + row_bytes(fmt, DV, half)));
     cl_ulong section = (kv_heads < 1 ? 1 : kv_heads) * G;
     if (section > (cl_ulong)B * HQ)
         section = (cl_ulong)B * HQ;
 
-    cl_kernel kern = make_kernel(e, EX_PREFILL_SOURCE, EX_PREFILL_KERNEL, EX_PREFILL_WG);
+    cl_kernel kern = make_kernel(e, c->prefill_source, EX_PREFILL_KERNEL, EX_PREFILL_WG);
     args_t a = {kern, 0};
     arg_mem(&a, bq);
     arg_mem(&a, bk);
@@ -1012,33 +1460,34 @@ static int run_prefill(const env_t *e)
     arg_int(&a, G);
     arg_int(&a, (cl_int)section);
     arg_float(&a, (cl_float)(scale * LOG2E));
-    /* offset, batch, head and row strides in elements: q, k, v, out (contiguous here) */
+    /* offset, batch, head and row strides: q, k, v, out (contiguous here); in elements, and in
+     * bytes for a quantized K/V (a row of row_bytes) */
+    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, half) : DK, v_row = fmt ? row_bytes(fmt, DV, half) : DV;
     const cl_ulong strides[4][3] = {{(cl_ulong)HQ * NQ * DK, (cl_ulong)NQ * DK, DK},
-                                    {(cl_ulong)HKV * NKV * DK, (cl_ulong)NKV * DK, DK},
-                                    {(cl_ulong)HKV * NKV * DV, (cl_ulong)NKV * DV, DV},
+                                    {HKV * NKV * k_row, NKV * k_row, k_row},
+                                    {HKV * NKV * v_row, NKV * v_row, v_row},
                                     {(cl_ulong)HQ * NQ * DV, (cl_ulong)NQ * DV, DV}};
     for (int t = 0; t < 4; ++t) {
         arg_ulong(&a, 0);
         for (int s = 0; s < 3; ++s)
             arg_ulong(&a, strides[t][s]);
     }
-    /* the variants' values (manifest.json): all off in this build, so never read; any buffer
-     * stands for their arrays */
-    arg_int(&a, NQ + NKV);  /* win_left, win_right: unbounded */
-    arg_int(&a, NQ + NKV);
-    arg_float(&a, 1.0f);    /* softcap_log2 */
-    arg_mem(&a, bl);        /* sinks */
-    arg_mem(&a, bl);        /* alibi */
-    arg_mem(&a, bl);        /* mask and its batch, head and row strides */
-    for (int s = 0; s < 3; ++s)
-        arg_ulong(&a, 0);
-    arg_mem(&a, bl);        /* tile_map and its batch and head strides */
+    /* the variants' values (manifest.json), read only where the source's define is on */
+    arg_int(&a, c->window ? EX_WINDOW_LEFT : NQ + NKV);  /* win_left, win_right; N_q + N_kv: unbounded */
+    arg_int(&a, c->window ? EX_WINDOW_RIGHT : NQ + NKV);
+    arg_float(&a, (cl_float)(c->softcap ? EX_SOFTCAP_VALUE * LOG2E : 1.0)); /* softcap_log2 */
+    arg_mem(&a, b_sinks);
+    arg_mem(&a, b_slopes);
+    arg_mem(&a, b_mask);                 /* mask (B, 1, N_q, N_kv): batch, head (broadcast), row strides */
+    arg_ulong(&a, c->mask ? (cl_ulong)NQ * NKV : 0);
     arg_ulong(&a, 0);
+    arg_ulong(&a, c->mask ? NKV : 0);
+    arg_mem(&a, b_map);                  /* tile_map (B, 1, num_m, num_n): batch, head strides */
+    arg_ulong(&a, c->mask ? (cl_ulong)num_m * num_n : 0);
     arg_ulong(&a, 0);
-    arg_mem(&a, bl);        /* k_scales, v_scales: int8 caches only, never read here */
-    arg_mem(&a, bl);
+    arg_mem(&a, b_ks);                   /* k_scales, v_scales: int8 caches only, laid out like the rows */
+    arg_mem(&a, b_vs);
     args_done(&a);
-    const size_t num_m = (NQ + EX_PREFILL_BLOCK_M - 1) / EX_PREFILL_BLOCK_M;
     const size_t local = EX_PREFILL_WG;
     const size_t global = (size_t)B * HQ * num_m * (DV / EX_PREFILL_DV_TILE) * local;
     CHECK(clEnqueueNDRangeKernel(e->queue, kern, 1, NULL, &global, &local, 0, NULL, NULL));
@@ -1047,39 +1496,56 @@ static int run_prefill(const env_t *e)
     tensor_unpack(&out);
 
     double *ref = xmalloc(out.n * sizeof(double)), *ref_lse = xmalloc(n_rows * sizeof(double));
-    double *s = xmalloc(NKV * sizeof(double));
+    double *s = xmalloc(NKV * sizeof(double)), *bias = xmalloc(NKV * sizeof(double));
     const double **krow = xmalloc(NKV * sizeof(double *)), **vrow = xmalloc(NKV * sizeof(double *));
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < HQ; ++h)
             for (int i = 0; i < NQ; ++i) {
-                const int kvh = h / G;
-                int n_keys = EX_PREFILL_CAUSAL ? i + NKV - NQ + 1 : NKV; /* bottom-right aligned */
-                n_keys = n_keys < 0 ? 0 : n_keys > NKV ? NKV : n_keys;
-                for (int j = 0; j < n_keys; ++j) {
+                const int kvh = h / G, p = i + NKV - NQ;
+                for (int j = 0; j < NKV; ++j) {
                     krow[j] = k.val + (((size_t)b * HKV + kvh) * NKV + j) * DK;
                     vrow[j] = v.val + (((size_t)b * HKV + kvh) * NKV + j) * DV;
+                    bias[j] = !prefill_sees(c, mask, b, i, j) ? -INFINITY
+                              : slopes ? -(double)slopes[b * HQ + h] * fabs((double)(p - j)) : 0.0;
                 }
                 const size_t r = ((size_t)b * HQ + h) * NQ + i;
-                ref_lse[r] = attend(q.val + r * DK, DK, DV, n_keys, krow, vrow, scale, s, ref + r * DV);
+                ref_lse[r] = attend(q.val + r * DK, DK, DV, NKV, krow, vrow, bias, scale,
+                                    c->softcap ? EX_SOFTCAP_VALUE : 0.0, sinks ? sinks[h] : -INFINITY, s, ref + r * DV);
             }
-    printf("prefill %s: %s B=%d H_q=%d H_kv=%d N_q=%d N_kv=%d %s", EX_SOURCES[EX_PREFILL_SOURCE],
+    printf("prefill %s: %s B=%d H_q=%d H_kv=%d N_q=%d N_kv=%d %s", EX_SOURCES[c->prefill_source],
            half ? "float16" : "float32", B, HQ, HKV, NQ, NKV, EX_PREFILL_CAUSAL ? "causal" : "non-causal");
+    if (c->window)
+        printf(" window (%d,%d)", EX_WINDOW_LEFT, EX_WINDOW_RIGHT);
+    if (c->softcap)
+        printf(" softcap %g", (double)EX_SOFTCAP_VALUE);
+    printf("%s%s%s", c->sinks ? " sinks" : "", c->alibi ? " alibi" : "", c->mask ? " mask" : "");
+    if (fmt)
+        printf(" %s K/V", EX_KV_FORMAT_NAME);
     const int failed = verdict(rel_err(out.val, ref, out.n),
                                EX_PREFILL_WRITE_LSE ? lse_err(lse, ref_lse, n_rows) : 0.0, EX_PREFILL_TOLERANCE);
 
-    free(ref), free(ref_lse), free(s), free(krow), free(vrow), free(lse);
+    free(ref), free(ref_lse), free(s), free(bias), free(krow), free(vrow), free(lse);
+    free(sinks), free(slopes), free(mask), free(tile_map);
     tensor_free(&q), tensor_free(&k), tensor_free(&v), tensor_free(&out);
     clReleaseMemObject(bq), clReleaseMemObject(bk), clReleaseMemObject(bv), clReleaseMemObject(bo);
+    release_own(b_sinks, bl), release_own(b_slopes, bl), release_own(b_mask, bl), release_own(b_map, bl);
+    release_own(b_ks, bl), release_own(b_vs, bl);
     clReleaseMemObject(bl), clReleaseKernel(kern);
     return failed;
 }
 
 /* ---- paged decode ------------------------------------------------------------------------------ */
-static int run_decode(const env_t *e, int splits)
+/* whether the query of a sequence of n keys (at p = n - 1) sees key j */
+static int decode_sees(const combo_t *c, int n, int j)
+{
+    return j < n && (!c->window || j >= n - 1 - EX_DECODE_WINDOW_LEFT);
+}
+
+static int run_decode(const env_t *e, const combo_t *c, int splits)
 {
     enum { B = EX_DECODE_B, HKV = EX_DECODE_H_KV, G = EX_DECODE_GROUP, HQ = G * HKV, DK = EX_DECODE_DK,
            DV = EX_DECODE_DV, BS = EX_DECODE_BLOCK_SIZE, NB = EX_DECODE_NUM_BLOCKS };
-    const int half = EX_DECODE_HALF, vw = half ? 8 : 4; /* elements per 16-byte chunk */
+    const int half = EX_DECODE_HALF, fmt = EX_KV_FORMAT, vw = half ? 8 : 4; /* vw: elements per 16-byte chunk */
     const int ctx[B] = EX_DECODE_CTX;
     const double scale = 1.0 / sqrt((double)DK);
     int max_blocks = 0, shift = 0;
@@ -1102,29 +1568,38 @@ static int run_decode(const env_t *e, int splits)
             table[b * max_blocks + i] = i < (ctx[b] + BS - 1) / BS ? perm[used++] : -1;
 
     tensor_t q = tensor((size_t)B * HQ * DK, half), out = tensor((size_t)B * HQ * DV, half);
-    tensor_t kc = tensor((size_t)NB * BS * HKV * DK, half), vc = tensor((size_t)NB * BS * HKV * DV, half);
-    tensor_random(&q);
-    tensor_fill(&kc, NAN); /* slots no sequence uses hold NaN: they must never reach an output */
-    tensor_fill(&vc, NAN);
+    tensor_t kc = kv_tensor((size_t)NB * BS * HKV * DK, DK, half, fmt);
+    tensor_t vc = kv_tensor((size_t)NB * BS * HKV * DV, DV, half, fmt);
+    tensor_random(&q, q_gain(c));
+    tensor_random(&kc, 1.0);
+    tensor_random(&vc, 1.0);
+    /* slots no sequence uses, and keys left of a query's window, hold NaN: they must never reach
+     * an output */
+    uint8_t seen[NB * BS] = {0};
     for (int b = 0; b < B; ++b)
-        for (int j = 0; j < ctx[b]; ++j) {
-            const size_t row = (size_t)table[b * max_blocks + j / BS] * BS + j % BS;
-            for (int h = 0; h < HKV; ++h) {
-                for (int c = 0; c < DK; ++c)
-                    tensor_set(&kc, (row * HKV + h) * DK + c, normal());
-                for (int c = 0; c < DV; ++c)
-                    tensor_set(&vc, (row * HKV + h) * DV + c, normal());
-            }
+        for (int j = 0; j < ctx[b]; ++j)
+            if (decode_sees(c, ctx[b], j))
+                seen[table[b * max_blocks + j / BS] * BS + j % BS] = 1;
+    for (int slot = 0; slot < NB * BS; ++slot)
+        for (int h = 0; !seen[slot] && h < HKV; ++h) {
+            poison_row(&kc, (size_t)slot * HKV + h);
+            poison_row(&vc, (size_t)slot * HKV + h);
         }
     tensor_fill(&out, NAN);
     float *lse = xmalloc((size_t)B * HQ * sizeof(float));
     for (int i = 0; i < B * HQ; ++i)
         lse[i] = NAN;
+    float *sinks = c->sinks ? sink_logits(HQ, q_gain(c)) : NULL;
+    float *slopes = c->alibi ? alibi_slopes(B, HQ) : NULL;
 
     cl_mem bq = buffer(e, bytes_of(&q), q.raw), bk = buffer(e, bytes_of(&kc), kc.raw);
     cl_mem bv = buffer(e, bytes_of(&vc), vc.raw), bo = buffer(e, bytes_of(&out), out.raw);
     cl_mem bl = buffer(e, (size_t)B * HQ * sizeof(float), lse);
     cl_mem bt = buffer(e, (size_t)B * max_blocks * sizeof(int), table), bc = buffer(e, sizeof ctx, (void *)ctx);
+    cl_mem b_sinks = sinks ? buffer(e, HQ * sizeof(float), sinks) : bl;
+    cl_mem b_slopes = slopes ? buffer(e, (size_t)B * HQ * sizeof(float), slopes) : bl;
+    cl_mem b_ks = fmt == INT8 ? buffer(e, (size_t)NB * BS * HKV * sizeof(float), kc.scales) : bl;
+    cl_mem b_vs = fmt == INT8 ? buffer(e, (size_t)NB * BS * HKV * sizeof(float), vc.scales) : bl;
     /* split-k partial states (float32): m and l (B, H_q, splits), acc (B, H_q, splits, DV); one split
      * writes out and lse itself and does not use them (flashcl passes lse) */
     cl_mem pm = bl, pl = bl, pacc = bl;
@@ -1134,7 +1609,7 @@ static int run_decode(const env_t *e, int splits)
         pacc = buffer(e, (size_t)B * HQ * splits * DV * sizeof(float), NULL);
     }
 
-    cl_kernel kern = make_kernel(e, EX_DECODE_SOURCE, splits > 1 ? "flash_decode_split" : "flash_decode",
+    cl_kernel kern = make_kernel(e, c->decode_source, splits > 1 ? "flash_decode_split" : "flash_decode",
                                  EX_DECODE_WG);
     args_t a = {kern, 0};
     arg_mem(&a, bq);
@@ -1157,25 +1632,40 @@ static int run_decode(const env_t *e, int splits)
     arg_ulong(&a, 0);                       /* q: offset, batch and head strides in elements */
     arg_ulong(&a, (cl_ulong)HQ * DK);
     arg_ulong(&a, DK);
-    /* K, V caches (num_blocks, block_size, H_kv, D): offset, block, head and slot strides in chunks */
+    /* K, V caches (num_blocks, block_size, H_kv, D): offset, block, head and slot strides in
+     * 16-byte chunks, or in bytes for a quantized cache (rows of row_bytes) */
+    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, half) : (cl_ulong)DK / vw;
+    const cl_ulong v_row = fmt ? row_bytes(fmt, DV, half) : (cl_ulong)DV / vw;
     arg_ulong(&a, 0);
-    arg_ulong(&a, (cl_ulong)BS * HKV * DK / vw);
-    arg_ulong(&a, (cl_ulong)DK / vw);
-    arg_ulong(&a, (cl_ulong)HKV * DK / vw);
+    arg_ulong(&a, BS * HKV * k_row);
+    arg_ulong(&a, k_row);
+    arg_ulong(&a, HKV * k_row);
     arg_ulong(&a, 0);
-    arg_ulong(&a, (cl_ulong)BS * HKV * DV / vw);
-    arg_ulong(&a, (cl_ulong)DV / vw);
-    arg_ulong(&a, (cl_ulong)HKV * DV / vw);
+    arg_ulong(&a, BS * HKV * v_row);
+    arg_ulong(&a, v_row);
+    arg_ulong(&a, HKV * v_row);
     arg_ulong(&a, 0);                       /* out: offset, batch and head strides in elements */
     arg_ulong(&a, (cl_ulong)HQ * DV);
     arg_ulong(&a, DV);
+    if (decode_variants(c)) { /* window_left, softcap_log2, sinks, alibi_slopes */
+        arg_int(&a, c->window ? EX_DECODE_WINDOW_LEFT : 0x7fffffff);
+        arg_float(&a, (cl_float)(c->softcap ? EX_SOFTCAP_VALUE * LOG2E : 0.0));
+        arg_mem(&a, b_sinks);
+        arg_mem(&a, b_slopes);
+    }
+    if (fmt == INT8) { /* k_scales, v_scales (one per row, in the rows' order) and their offsets */
+        arg_mem(&a, b_ks);
+        arg_mem(&a, b_vs);
+        arg_ulong(&a, 0);
+        arg_ulong(&a, 0);
+    }
     args_done(&a);
     const size_t local[3] = {EX_DECODE_WG, 1, 1}, global[3] = {(size_t)EX_DECODE_WG * splits, HKV, B};
     CHECK(clEnqueueNDRangeKernel(e->queue, kern, 3, NULL, global, local, 0, NULL, NULL));
 
     cl_kernel merge = NULL;
     if (splits > 1) { /* the in-order queue runs it after the splits */
-        merge = make_kernel(e, EX_DECODE_SOURCE, "flash_decode_merge", EX_DECODE_MERGE_WG);
+        merge = make_kernel(e, c->decode_source, "flash_decode_merge", EX_DECODE_MERGE_WG);
         args_t m = {merge, 0};
         arg_mem(&m, pm);
         arg_mem(&m, pl);
@@ -1201,6 +1691,7 @@ static int run_decode(const env_t *e, int splits)
         max_ctx = ctx[b] > max_ctx ? ctx[b] : max_ctx;
     double *ref = xmalloc(out.n * sizeof(double)), ref_lse[B * HQ];
     double *s = xmalloc((size_t)(max_ctx + 1) * sizeof(double));
+    double *bias = xmalloc((size_t)(max_ctx + 1) * sizeof(double));
     const double **krow = xmalloc((size_t)(max_ctx + 1) * sizeof(double *));
     const double **vrow = xmalloc((size_t)(max_ctx + 1) * sizeof(double *));
     for (int b = 0; b < B; ++b)
@@ -1209,22 +1700,33 @@ static int run_decode(const env_t *e, int splits)
                 const size_t row = (size_t)table[b * max_blocks + j / BS] * BS + j % BS;
                 krow[j] = kc.val + (row * HKV + h / G) * DK;
                 vrow[j] = vc.val + (row * HKV + h / G) * DV;
+                bias[j] = !decode_sees(c, ctx[b], j) ? -INFINITY
+                          : slopes ? -(double)slopes[b * HQ + h] * (ctx[b] - 1 - j) : 0.0;
             }
             const size_t r = (size_t)b * HQ + h;
-            ref_lse[r] = attend(q.val + r * DK, DK, DV, ctx[b], krow, vrow, scale, s, ref + r * DV);
+            ref_lse[r] = attend(q.val + r * DK, DK, DV, ctx[b], krow, vrow, bias, scale,
+                                c->softcap ? EX_SOFTCAP_VALUE : 0.0, sinks ? sinks[h] : -INFINITY, s, ref + r * DV);
         }
-    printf("decode  %s: %s paged B=%d H_q=%d H_kv=%d ctx=", EX_SOURCES[EX_DECODE_SOURCE],
+    printf("decode  %s: %s paged B=%d H_q=%d H_kv=%d ctx=", EX_SOURCES[c->decode_source],
            half ? "float16" : "float32", B, HQ, HKV);
     for (int b = 0; b < B; ++b)
         printf(b ? ",%d" : "%d", ctx[b]);
+    if (c->window)
+        printf(" window (%d,0)", EX_DECODE_WINDOW_LEFT);
+    if (c->softcap)
+        printf(" softcap %g", (double)EX_SOFTCAP_VALUE);
+    printf("%s%s", c->sinks ? " sinks" : "", c->alibi ? " alibi" : "");
+    if (fmt)
+        printf(" %s K/V", EX_KV_FORMAT_NAME);
     printf(" block_size=%d, %d split%s", BS, splits, splits > 1 ? "s + merge" : "");
     const int failed = verdict(rel_err(out.val, ref, out.n), lse_err(lse, ref_lse, (size_t)B * HQ),
                                EX_DECODE_TOLERANCE);
 
-    free(ref), free(s), free(krow), free(vrow), free(lse), free(table);
+    free(ref), free(s), free(bias), free(krow), free(vrow), free(lse), free(table), free(sinks), free(slopes);
     tensor_free(&q), tensor_free(&kc), tensor_free(&vc), tensor_free(&out);
     if (splits > 1)
         clReleaseMemObject(pm), clReleaseMemObject(pl), clReleaseMemObject(pacc), clReleaseKernel(merge);
+    release_own(b_sinks, bl), release_own(b_slopes, bl), release_own(b_ks, bl), release_own(b_vs, bl);
     clReleaseMemObject(bq), clReleaseMemObject(bk), clReleaseMemObject(bv), clReleaseMemObject(bo);
     clReleaseMemObject(bl), clReleaseMemObject(bt), clReleaseMemObject(bc), clReleaseKernel(kern);
     return failed;
@@ -1247,9 +1749,13 @@ int main(int argc, char **argv)
     printf("device: %s (%s): built %d exported source%s\n", e.name, e.platform, EX_NUM_SOURCES,
            EX_NUM_SOURCES > 1 ? "s" : "");
 
-    int failed = run_prefill(&e);
-    failed |= run_decode(&e, EX_DECODE_SPLITS);
-    failed |= run_decode(&e, 1);
+    static const combo_t combos[EX_NUM_COMBOS] = EX_COMBOS;
+    int failed = 0;
+    for (int i = 0; i < EX_NUM_COMBOS; ++i) {
+        failed |= run_prefill(&e, &combos[i]);
+        failed |= run_decode(&e, &combos[i], EX_DECODE_SPLITS);
+        failed |= run_decode(&e, &combos[i], 1);
+    }
     printf("max relative error %.2e: %s\n", worst, failed ? "FAILED" : "every check within tolerance");
 
     for (int i = 0; i < EX_NUM_SOURCES; ++i)

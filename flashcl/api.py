@@ -141,7 +141,7 @@ def _choose_backend(backend: str, kind: str) -> str:
 # takes none. Layouts and scales: docs/quantized-formats.md.
 QUANTIZED_KV_FORMATS = {
     ("opencl", "prefill"): ("q8_0", "q4_0", "int8"),
-    ("triton", "prefill"): (),
+    ("triton", "prefill"): ("q8_0", "q4_0", "int8", "fp8_e4m3"),
     ("opencl", "decode"): ("q8_0", "q4_0", "int8"),
     ("triton", "decode"): ("q8_0", "q4_0", "int8", "fp8_e4m3"),
 }

@@ -63,7 +63,8 @@ def triton_boundary(monkeypatch, triton_device):
     return boundary
 
 
-# --- prefill: OpenCL takes q8_0/q4_0/int8 (tests/test_quant_prefill_opencl.py), Triton none yet ---
+# --- prefill: OpenCL takes q8_0/q4_0/int8 (tests/test_quant_prefill_opencl.py), Triton all four
+# (tests/test_quant_triton_prefill.py) ---
 
 def test_fp8_is_refused_by_opencl_prefill():
     q, k, v = (torch.from_numpy(x) for x in _decode_inputs())
@@ -73,18 +74,9 @@ def test_fp8_is_refused_by_opencl_prefill():
         flashcl.prefill(q, flashcl.quantize(k, "fp8_e4m3"), v, backend="opencl")
 
 
-def test_prefill_refuses_quantized_kv_on_triton(triton_device):
-    q, k, v = (torch.from_numpy(x) for x in _decode_inputs())
-    q = q[:, :, None].repeat(1, 1, 3, 1).contiguous()
-    with pytest.raises(TypeError, match=r"^prefill: quantized K/V caches are not supported yet on triton; "
-                                        r"dequantize them with flashcl\.dequantize\(\.\.\.\)$"):
-        flashcl.prefill(q.to(triton_device), flashcl.quantize(k.to(triton_device), "fp8_e4m3"),
-                        v.to(triton_device), backend="triton")
-
-
 def test_prefill_and_decode_read_the_one_format_table():
     assert QUANTIZED_KV_FORMATS[("opencl", "prefill")] == ("q8_0", "q4_0", "int8")
-    assert QUANTIZED_KV_FORMATS[("triton", "prefill")] == ()
+    assert set(QUANTIZED_KV_FORMATS[("triton", "prefill")]) == set(flashcl.quant.FORMATS)
     assert QUANTIZED_KV_FORMATS[("opencl", "decode")] == ("q8_0", "q4_0", "int8")
     assert set(QUANTIZED_KV_FORMATS[("triton", "decode")]) == set(flashcl.quant.FORMATS)
 

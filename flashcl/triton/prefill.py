@@ -35,6 +35,14 @@ change the scores of every tile (_variant_scores); SINKS start each row's state 
 query block (_list_mask_tiles: the block map, causal and the window) through the masked path,
 reading the mask tile with the scores.
 
+Quantized K/V (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
+plain, a contiguous QuantizedTensor of (B, H_kv, N_kv, D)): the op takes its data, format and
+scales; K_FMT / V_FMT specialize the kernel ("" is the plain kernel, instruction for instruction)
+and each tile is dequantized after its pointer load (_load_kv; no TMA): ggml blocks with their
+fp16 d in float32, int8 / fp8 values exactly in q's dtype with their scale applied per key to the
+scores (int8 K), to P (int8 V), or once per tensor (fp8: folded into the score scale, applied to
+the finished rows).
+
 Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
 
 Non-finite inputs: a key a row cannot see never reaches that row, whatever its K or V holds: the
@@ -72,6 +80,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import KernelLaunchError
+from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
 from . import interpreting
 
@@ -113,6 +122,105 @@ def _load_tile(src, off_b, off_hkv, start_n, offs_n, offs_d, stride_n, N_KV,
 
 
 @triton.jit
+def _kv_rows(base, offs_n, offs_d, stride_n, stride_d, FMT: tl.constexpr):
+    """What _load_kv reads a head's K or V through: the pointer tile of its keys 0 .. BLOCK_N - 1
+    (plain), or its first byte (quantized: _load_quant_tile addresses the rows itself)."""
+    if FMT == "":
+        src = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _load_quant_tile(base, start_n, offs_n, offs_d, stride_n, N_KV, DTYPE: tl.constexpr, FMT: tl.constexpr,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Rows start_n .. start_n + BLOCK_N of a quantized K or V (flashcl.quant) from ``base``, its
+    head's first byte, rows stride_n bytes apart, each row's bytes contiguous; rows past N_kv
+    (MASKED) and padded head dims 0.
+
+    Returned in DTYPE. q8_0 / q4_0: ggml blocks of 32 values behind their fp16 d, gathered as
+    16-bit words (the tile serves BLOCK_M query rows) and dequantized in float32 (values * d, as
+    flashcl.quant does). int8 / fp8_e4m3: the stored values, exact in DTYPE (their scales are
+    applied per key or per tensor by the caller)."""
+    rows = start_n + offs_n
+    row_ok = rows < N_KV
+    if not MASKED:
+        row_ok = tl.full(row_ok.shape, 1, tl.int1)
+    if FMT == "q8_0" or FMT == "q4_0":
+        # [rows, blocks]: one d per block; its 32 values; then the rows as [rows, BLOCK_D]
+        BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
+        NB: tl.constexpr = BLOCK_D // 32
+        blocks = tl.arange(0, NB)
+        blk = base + (rows * stride_n)[:, None] + (blocks * BLOCK_BYTES)[None, :]
+        blk_ok = row_ok[:, None] & (blocks[None, :] * 32 < D)
+        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_ok, other=0.0)
+        # the quant bytes as 16-bit words (each block's start 2 bytes in at an even address):
+        # half the loads of a byte gather, the bytes split in registers
+        WORDS: tl.constexpr = 16 if FMT == "q8_0" else 8
+        w = tl.load((blk[:, :, None] + 2).to(tl.pointer_type(tl.int16), bitcast=True)
+                    + tl.arange(0, WORDS)[None, None, :], mask=blk_ok[:, :, None], other=0)
+        if FMT == "q8_0":  # value 2i in the low byte of word i (sign-extended), 2i + 1 in the high one
+            qs = tl.join((w << 8) >> 8, w >> 8)
+        else:  # byte b: value b in its low nibble, b + 16 in its high one; join, then halves in order
+            half: tl.constexpr = [offs_n.shape[0], NB, 16]
+            low = tl.reshape(tl.join(w & 15, (w >> 8) & 15), half)
+            high = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), half)
+            qs = tl.permute(tl.join(low, high), (0, 1, 3, 2)) - 8
+        t = tl.reshape(qs.to(tl.float32) * d.to(tl.float32)[:, :, None, None], [offs_n.shape[0], BLOCK_D])
+    else:
+        tl.static_assert(FMT == "int8" or FMT == "fp8_e4m3", "quantized formats: q8_0, q4_0, int8, fp8_e4m3")
+        ptrs = base + (rows * stride_n)[:, None] + offs_d[None, :]
+        mask = row_ok[:, None] & (offs_d[None, :] < D)
+        if FMT == "int8":
+            t = tl.load(ptrs, mask=mask, other=0)
+        else:  # read as bytes: a masked element is the byte 0 (+0.0)
+            t = tl.load(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), mask=mask, other=0)
+            t = t.to(tl.float8e4nv, bitcast=True)
+    return t.to(DTYPE)
+
+
+@triton.jit
+def _load_kv(src, scales, off_b, off_hkv, start_n, offs_n, offs_d, stride_n, stride_sn, N_KV,
+             DTYPE: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """(tile, row scales) of keys start_n .. start_n + BLOCK_N of K or V (src: _kv_rows, or a
+    tensor descriptor). FMT "": _load_tile, row scales 1. Quantized: _load_quant_tile's values in
+    DTYPE (exact for int8 and fp8), and for int8 the keys' scales from ``scales`` (the pointers of
+    keys 0 .. BLOCK_N - 1, stride_sn apart; 0 past N_kv), else 1."""
+    row_scales = 1.0
+    if FMT == "":
+        t = _load_tile(src, off_b, off_hkv, start_n, offs_n, offs_d, stride_n, N_KV, D, BLOCK_D,
+                       BLOCK_N, MASKED, USE_TMA)
+    else:
+        t = _load_quant_tile(src, start_n, offs_n, offs_d, stride_n, N_KV, DTYPE, FMT, D, BLOCK_D, MASKED)
+        if FMT == "int8" and MASKED:
+            row_scales = tl.load(scales + start_n * stride_sn, mask=(start_n + offs_n) < N_KV, other=0.0)
+        elif FMT == "int8":
+            row_scales = tl.load(scales + start_n * stride_sn)
+    return t, row_scales
+
+
+@triton.jit
+def _row_scales(Scales, off_b, off_hkv, offs_n, stride_sb, stride_sh, stride_sn, FMT: tl.constexpr):
+    """int8: the pointers to the scales of keys 0 .. BLOCK_N - 1 of this head (_load_kv reads
+    them per tile); any other format: Scales as it is."""
+    ptrs = Scales
+    if FMT == "int8":
+        ptrs = (Scales + off_b.to(tl.int64) * stride_sb + off_hkv.to(tl.int64) * stride_sh
+                + offs_n * stride_sn)
+    return ptrs
+
+
+@triton.jit
+def _tensor_v_scale(acc, VScales, V_FMT: tl.constexpr):
+    """acc times fp8 V's scale, one per tensor: once per row block, after the last tile."""
+    if V_FMT == "fp8_e4m3":
+        acc = acc * tl.load(VScales)
+    return acc
+
+
+@triton.jit
 def _initial_state(Sinks, off_h, ROWS: tl.constexpr, SINKS: tl.constexpr):
     """(m, l) of ROWS rows before any key: the empty state, or the sink's (a key of logit
     sinks[h] and value 0: m = sink in log2 units, l = 1)."""
@@ -126,17 +234,26 @@ def _initial_state(Sinks, off_h, ROWS: tl.constexpr, SINKS: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
-    """Q @ K^T in float32 (q is upcast already where UPCAST_DOTS)."""
+def _scores(q, k, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, k_scales=1.0,
+            ROW_SCALES: tl.constexpr = False):
+    """Q @ K^T in float32 (q is upcast already where UPCAST_DOTS); ROW_SCALES (int8 K): times
+    each key's scale, one multiply per score rather than one per element of K."""
     if UPCAST_DOTS:
         k = k.to(tl.float32)
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if ROW_SCALES:
+        qk = qk * k_scales[None, :]
+    return qk
 
 
 @triton.jit
-def _add_pv(acc, p, v, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+def _add_pv(acc, p, v, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, v_scales=1.0,
+            ROW_SCALES: tl.constexpr = False):
     """acc + P @ V, P rounded to V's storage dtype for the tensor-core dot (the interpreter then
-    upcasts both: it multiplies bfloat16 as raw bits; bfloat16 products are exact in float32)."""
+    upcasts both: it multiplies bfloat16 as raw bits; bfloat16 products are exact in float32).
+    ROW_SCALES (int8 V): P times each key's scale first, one multiply per key and row."""
+    if ROW_SCALES:
+        p = p * v_scales[None, :]
     p = p.to(v.dtype)
     if UPCAST_DOTS:
         p, v = p.to(tl.float32), v.to(tl.float32)
@@ -156,14 +273,19 @@ def _full_tile_softmax(qk, m_i, qk_scale):
 
 
 @triton.jit
-def _hide_nonfinite_v(p, v, seen):
+def _hide_nonfinite_v(p, v, seen, v_scales=1.0, ROW_SCALES: tl.constexpr = False):
     """P and V of a tile of _careful_block: P is 0 at a key a row cannot see, but 0 * inf and
     0 * NaN are NaN in the dot, so non-finite V values become 0, and a row that sees such a key
-    gets P = NaN on it: NaN in its whole output row (lse stays exact)."""
+    gets P = NaN on it: NaN in its whole output row (lse stays exact). ROW_SCALES (int8 V): a
+    non-finite scale of a key counts as its values do and becomes 0; returns (P, V, scales)."""
     finite = tl.abs(v) < float("inf")  # false for NaN and +-inf
     key_bad = tl.max(tl.where(finite, 0, 1), 1)
+    if ROW_SCALES:
+        scale_ok = tl.abs(v_scales) < float("inf")
+        key_bad = tl.where(scale_ok, key_bad, 1)
+        v_scales = tl.where(scale_ok, v_scales, 0.0)
     p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
-    return p, tl.where(finite, v, 0.0)
+    return p, tl.where(finite, v, 0.0), v_scales
 
 
 @triton.jit
@@ -216,21 +338,25 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
                  row_first=None, row_pos=None, softcap_scale=None, softcap_log2=None,
                  alibi_log2=None, mask_rows=None, stride_mk=None,
                  WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-                 ALIBI: tl.constexpr = False, MASK: tl.constexpr = 0):
+                 ALIBI: tl.constexpr = False, MASK: tl.constexpr = 0,
+                 k_scales=None, v_scales=None, stride_ksn=None, stride_vsn=None,
+                 K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = ""):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
-    k_src/v_src: see _load_tile. MASKED: row i sees the keys j <= row_last[i] (row_last < N_kv
-    folds the causal limit, the window's right edge and the ragged end), and j >= row_first[i]
-    under WINDOW. CLEAN_V (masked tiles): _hide_nonfinite_v. EARLY_V: V is loaded with K, before
-    QK^T (with the software pipeline's stages both then wait on one barrier; see the notes next to
-    _TILE_SPACE). SOFTCAP, ALIBI: _variant_scores (row_pos = the rows' positions p). MASK (masked
-    tiles only): MASK_BOOL / MASK_ADD, read through mask_rows, (BLOCK_M, 1) row pointers."""
-    k = _load_tile(k_src, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn, N_KV,
-                   DK, BLOCK_DK, BLOCK_N, MASKED, USE_TMA)
+    k_src/v_src: see _kv_rows; K_FMT/V_FMT, k_scales/v_scales, stride_ksn/stride_vsn: see
+    _load_kv (int8 scales reach the scores in _scores and P in _add_pv). MASKED: row i sees the
+    keys j <= row_last[i] (row_last < N_kv folds the causal limit, the window's right edge and the
+    ragged end), and j >= row_first[i] under WINDOW. CLEAN_V (masked tiles): _hide_nonfinite_v.
+    EARLY_V: V is loaded with K, before QK^T (with the software pipeline's stages both then wait on
+    one barrier; see the notes next to _TILE_SPACE). SOFTCAP, ALIBI: _variant_scores (row_pos =
+    the rows' positions p). MASK (masked tiles only): MASK_BOOL / MASK_ADD, read through
+    mask_rows, (BLOCK_M, 1) row pointers."""
+    k, k_row_scales = _load_kv(k_src, k_scales, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn,
+                               stride_ksn, N_KV, q.dtype, K_FMT, DK, BLOCK_DK, BLOCK_N, MASKED, USE_TMA)
     if EARLY_V:
-        v = _load_tile(v_src, off_b, off_hkv, start_n, offs_n, offs_dv, stride_vn, N_KV,
-                       DV, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)
-    qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS)
+        v, v_row_scales = _load_kv(v_src, v_scales, off_b, off_hkv, start_n, offs_n, offs_dv, stride_vn,
+                                   stride_vsn, N_KV, q.dtype, V_FMT, DV, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)
+    qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS, k_row_scales, K_FMT == "int8")
 
     # -- new running max and probabilities (scale * log2(e) folded into one multiply-add)
     offs_kv = start_n + offs_n
@@ -270,12 +396,12 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
 
     # -- rescale acc to the new max, then add P @ V
     if not EARLY_V:
-        v = _load_tile(v_src, off_b, off_hkv, start_n, offs_n, offs_dv, stride_vn, N_KV,
-                       DV, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)
+        v, v_row_scales = _load_kv(v_src, v_scales, off_b, off_hkv, start_n, offs_n, offs_dv, stride_vn,
+                                   stride_vsn, N_KV, q.dtype, V_FMT, DV, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)
     if MASKED and CLEAN_V:
-        p, v = _hide_nonfinite_v(p, v, seen)
+        p, v, v_row_scales = _hide_nonfinite_v(p, v, seen, v_row_scales, V_FMT == "int8")
     acc = acc * alpha[:, None]
-    acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
+    acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS, v_row_scales, V_FMT == "int8")
     l_i = l_i * alpha + l_ij  # after the dot, as in Triton's tutorial: shorter live ranges
     return acc, l_i, m_ij
 
@@ -288,27 +414,30 @@ def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv
                                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                   UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr,
                                   row_pos=None, softcap_scale=None, softcap_log2=None, alibi_log2=None,
-                                  SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+                                  SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+                                  k_scales=None, v_scales=None, stride_ksn=None, stride_vsn=None,
+                                  K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = ""):
     """Loop 1 (the tiles [full_start, full_end) every row sees in full) with each tile's softmax
     running under a tensor-core dot (FlashAttention-3's intra-warpgroup overlap; measured next to
     _TILE_SPACE): trip j issues QK^T of tile j, then P @ V of tile j - 1, then the
     softmax of tile j while that P @ V runs. P waits one trip, in float32; the first trip
     multiplies P = 0 by tile 0 and the P @ V of the last tile follows the loop. SOFTCAP, ALIBI:
-    _variant_scores."""
+    _variant_scores; quantized K/V: as in _attend_tile."""
     p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     for start_n in range(full_start, full_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         # K of this tile and V of the previous one (the first tile again on the first trip, where P = 0)
-        k = _load_tile(k_src, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn, N_KV,
-                       DK, BLOCK_DK, BLOCK_N, False, USE_TMA)
-        v = _load_tile(v_src, off_b, off_hkv, tl.maximum(start_n - BLOCK_N, full_start), offs_n, offs_dv,
-                       stride_vn, N_KV, DV, BLOCK_DV, BLOCK_N, False, USE_TMA)
-        qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS)
+        k, k_row_scales = _load_kv(k_src, k_scales, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn,
+                                   stride_ksn, N_KV, q.dtype, K_FMT, DK, BLOCK_DK, BLOCK_N, False, USE_TMA)
+        v, v_row_scales = _load_kv(v_src, v_scales, off_b, off_hkv, tl.maximum(start_n - BLOCK_N, full_start),
+                                   offs_n, offs_dv, stride_vn, stride_vsn, N_KV, q.dtype, V_FMT, DV, BLOCK_DV,
+                                   BLOCK_N, False, USE_TMA)
+        qk = _scores(q, k, DOT_PRECISION, UPCAST_DOTS, k_row_scales, K_FMT == "int8")
         # Triton waits for QK^T right after it (its result is used in this trip); P @ V's
         # result is only carried to the next trip, so its wait moves past the softmax below
         acc = acc * alpha[:, None]
-        acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
+        acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS, v_row_scales, V_FMT == "int8")
         if SOFTCAP or ALIBI:
             s = _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos,
                                 start_n + offs_n, SOFTCAP, ALIBI)
@@ -317,10 +446,11 @@ def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv
             p, alpha, m_i = _full_tile_softmax(qk, m_i, qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
     if full_end > full_start:
-        v = _load_tile(v_src, off_b, off_hkv, full_end - BLOCK_N, offs_n, offs_dv, stride_vn, N_KV,
-                       DV, BLOCK_DV, BLOCK_N, False, USE_TMA)
+        v, v_row_scales = _load_kv(v_src, v_scales, off_b, off_hkv, full_end - BLOCK_N, offs_n, offs_dv,
+                                   stride_vn, stride_vsn, N_KV, q.dtype, V_FMT, DV, BLOCK_DV, BLOCK_N, False,
+                                   USE_TMA)
         acc = acc * alpha[:, None]
-        acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS)
+        acc = _add_pv(acc, p, v, DOT_PRECISION, UPCAST_DOTS, v_row_scales, V_FMT == "int8")
     return acc, l_i, m_i
 
 
@@ -332,6 +462,7 @@ def _prefill_kernel(
     DescQ, DescK, DescV, DescO,    # USE_TMA: host-built descriptors of q, k, v, out (else None)
     Sinks, Alibi, Mask,            # the variants' tensors, None where off (see _VariantArgs)
     MaskMap, MaskTiles,            # MASK: block map and per-block tile lists (_VariantArgs)
+    KScales, VScales,              # int8 / fp8_e4m3 K, V: their flashcl.quant scales, else None
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -341,6 +472,8 @@ def _prefill_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,  # Mask (Bm, Hm, N_q, N_kv); 0 on a broadcast dim
     stride_pb, stride_ph, stride_pq,             # MaskMap (Bm, Hm, rows, cols), unit last stride
     stride_tb, stride_th, stride_tq,             # MaskTiles (Bm, Hm, rows, 2 + cols), unit last
+    stride_ksb, stride_ksh, stride_ksn,          # KScales (B, H_kv, N_kv, 1) of int8 K, else None
+    stride_vsb, stride_vsh, stride_vsn,          # VScales of int8 V, else None
     qk_scale,                      # softmax scale * log2(e), >= 0
     window_left, window_right,     # WINDOW: keys p - left .. p + right (unbounded: 2^30)
     softcap_scale, softcap_log2,   # SOFTCAP: scale / softcap and softcap * log2(e)
@@ -356,6 +489,7 @@ def _prefill_kernel(
     WINDOW: tl.constexpr, SINKS: tl.constexpr, ALIBI: tl.constexpr,
     SOFTCAP: tl.constexpr,         # 0, SOFTCAP_EXACT or SOFTCAP_FAST
     MASK: tl.constexpr,            # 0, MASK_BOOL or MASK_ADD
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,  # "" (plain) or the flashcl.quant format of K, V
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,         # sm_90+: tiles moved by the copy engine (TMA) via DescQ..DescO
     SOFTMAX_OVERLAP: tl.constexpr,  # loop 1 runs each softmax under a tensor-core dot
@@ -364,6 +498,7 @@ def _prefill_kernel(
     tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_M <= MAP_PAD and BLOCK_N <= MAP_PAD, "the block map is padded to MAP_PAD")
+    tl.static_assert((K_FMT == "" and V_FMT == "") or not USE_TMA, "quantized K/V: pointer loads")
 
     # Program order: sections of HEAD_GROUP (batch, head) pairs (the last one may be shorter);
     # inside a section the query blocks go last to first, the section's heads interleaved. Causal
@@ -398,10 +533,15 @@ def _prefill_kernel(
         v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
                     mask=(offs_m[:, None] < N_Q) & (offs_dk[None, :] < DK), other=0.0)
-        k_src = k_base + offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
-        v_src = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        k_src = _kv_rows(k_base, offs_n, offs_dk, stride_kn, stride_kd, K_FMT)
+        v_src = _kv_rows(v_base, offs_n, offs_dv, stride_vn, stride_vd, V_FMT)
     if UPCAST_DOTS:
         q = q.to(tl.float32)
+    k_scales = _row_scales(KScales, off_b, off_hkv, offs_n, stride_ksb, stride_ksh, stride_ksn, K_FMT)
+    v_scales = _row_scales(VScales, off_b, off_hkv, offs_n, stride_vsb, stride_vsh, stride_vsn, V_FMT)
+    if K_FMT == "fp8_e4m3":  # one scale per tensor: folded into the scores' scales
+        qk_scale = qk_scale * tl.load(KScales)
+        softcap_scale = softcap_scale * tl.load(KScales)
 
     m_i, l_i = _initial_state(Sinks, off_h, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -452,7 +592,8 @@ def _prefill_kernel(
                 acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                 stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
                 False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False, row_first, row_pos,
-                softcap_scale, softcap_log2, alibi_log2, None, None, False, SOFTCAP, ALIBI, 0)
+                softcap_scale, softcap_log2, alibi_log2, None, None, False, SOFTCAP, ALIBI, 0,
+                k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         for i in range(n_full, n_full + tl.load(tiles + 1)):
             start_n = tl.multiple_of(tl.load(tiles + 2 + i) * BLOCK_N, BLOCK_N)
             acc, l_i, m_i = _attend_tile(
@@ -460,7 +601,7 @@ def _prefill_kernel(
                 stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
                 True, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, row_first, row_pos,
                 softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW, SOFTCAP, ALIBI,
-                MASK)
+                MASK, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
     else:
         # loop 0 (WINDOW): tiles crossed by the window's left edge
         if WINDOW:
@@ -469,14 +610,14 @@ def _prefill_kernel(
                 offs_dv, stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale,
                 softcap_scale, softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK,
                 BLOCK_DV, BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW,
-                SOFTCAP, ALIBI, 0)
+                SOFTCAP, ALIBI, 0, False, None, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         # loop 1: tiles every row sees in full
         if SOFTMAX_OVERLAP:
             acc, l_i, m_i = _attend_full_tiles_overlapped(
                 acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_start, full_end, offs_n, offs_dk,
                 offs_dv, stride_kn, stride_vn, N_KV, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
                 BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, row_pos, softcap_scale, softcap_log2,
-                alibi_log2, SOFTCAP, ALIBI)
+                alibi_log2, SOFTCAP, ALIBI, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         else:
             for start_n in range(full_start, full_end, BLOCK_N):
                 start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -485,14 +626,16 @@ def _prefill_kernel(
                                              row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
                                              False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False,
                                              row_first, row_pos, softcap_scale, softcap_log2,
-                                             alibi_log2, None, None, False, SOFTCAP, ALIBI, 0)
+                                             alibi_log2, None, None, False, SOFTCAP, ALIBI, 0, k_scales,
+                                             v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         # loop 2: tiles crossed by the causal diagonal or the window's right edge, and the ragged
         # last tile
         acc, l_i, m_i = _attend_masked_tiles(
             acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_end, hi, offs_n, offs_dk, offs_dv,
             stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale, softcap_scale,
             softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-            DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW, SOFTCAP, ALIBI, 0)
+            DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW, SOFTCAP, ALIBI, 0, False, None,
+            k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
     redo = False
     if IS_CAUSAL or WINDOW or MASK != 0:
         # a masked tile multiplies a hidden key's V by P = 0, and 0 * inf is NaN: rather than
@@ -507,8 +650,10 @@ def _prefill_kernel(
                        stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm, stride_ab,
                        stride_ah, stride_mb, stride_mh, stride_mq, stride_mk, stride_pb, stride_ph,
                        stride_pq, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, IS_CAUSAL, RETURN_LSE,
-                       DOT_PRECISION, UPCAST_DOTS, WINDOW, SOFTCAP, SINKS, ALIBI, MASK)
+                       DOT_PRECISION, UPCAST_DOTS, WINDOW, SOFTCAP, SINKS, ALIBI, MASK, KScales, VScales,
+                       stride_ksb, stride_ksh, stride_ksn, stride_vsb, stride_vsh, stride_vsn, K_FMT, V_FMT)
     else:
+        acc = _tensor_v_scale(acc, VScales, V_FMT)
         _finish_rows(acc, l_i, m_i, Out, Lse, DescO, off_b, off_h, start_m * BLOCK_M, offs_m, offs_dv, N_Q,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      DV, BLOCK_DV, BLOCK_M, RETURN_LSE, USE_TMA)
@@ -546,7 +691,9 @@ def _attend_masked_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start, 
                          UPCAST_DOTS: tl.constexpr, USE_TMA: tl.constexpr, EARLY_V: tl.constexpr,
                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                          MASK: tl.constexpr, CLEAN_V: tl.constexpr = False,
-                         NUM_STAGES: tl.constexpr = None):
+                         NUM_STAGES: tl.constexpr = None,
+                         k_scales=None, v_scales=None, stride_ksn=None, stride_vsn=None,
+                         K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = ""):
     """The masked tiles [start, end) (see _attend_tile); under a mask, the tiles whose block-map
     entries are all 0 are skipped, neither loaded nor computed. NUM_STAGES: the loop's software
     pipeline depth (None: the config's)."""
@@ -559,14 +706,14 @@ def _attend_masked_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start, 
                     stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV,
                     BLOCK_N, True, CLEAN_V, DOT_PRECISION, UPCAST_DOTS, USE_TMA, EARLY_V, row_first,
                     row_pos, softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW,
-                    SOFTCAP, ALIBI, MASK)
+                    SOFTCAP, ALIBI, MASK, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         else:
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                 stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV,
                 BLOCK_N, True, CLEAN_V, DOT_PRECISION, UPCAST_DOTS, USE_TMA, EARLY_V, row_first,
                 row_pos, softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW,
-                SOFTCAP, ALIBI, MASK)
+                SOFTCAP, ALIBI, MASK, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
     return acc, l_i, m_i
 
 
@@ -605,20 +752,24 @@ def _careful_block(Q, K, V, Out, Lse, Sinks, Alibi, Mask, MaskMap, off_b, off_h,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
                    RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-                   ALIBI: tl.constexpr, MASK: tl.constexpr):
+                   ALIBI: tl.constexpr, MASK: tl.constexpr, KScales, VScales, stride_ksb, stride_ksh,
+                   stride_ksn, stride_vsb, stride_vsh, stride_vsn, K_FMT: tl.constexpr,
+                   V_FMT: tl.constexpr):
     """A query block (causal, windowed or masked) redone and stored with V cleaned on every tile
     (_hide_nonfinite_v): 16 rows by 16 keys at a time with pointer loads, unpipelined, so that
     this rare path needs fewer registers and less shared memory than the fast one and leaves the
-    kernel's as they are."""
+    kernel's as they are. qk_scale and softcap_scale hold fp8 K's scale already."""
     SUB: tl.constexpr = 16
     offs_s = tl.arange(0, SUB)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_src = (K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-             + offs_s[:, None] * stride_kn + offs_dk[None, :] * stride_kd)
-    v_src = (V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
-             + offs_s[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    k_src = _kv_rows(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh, offs_s, offs_dk,
+                     stride_kn, stride_kd, K_FMT)
+    v_src = _kv_rows(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh, offs_s, offs_dv,
+                     stride_vn, stride_vd, V_FMT)
+    k_scales = _row_scales(KScales, off_b, off_hkv, offs_s, stride_ksb, stride_ksh, stride_ksn, K_FMT)
+    v_scales = _row_scales(VScales, off_b, off_hkv, offs_s, stride_vsb, stride_vsh, stride_vsn, V_FMT)
     alibi_log2 = 0.0
     if ALIBI:
         alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_K
@@ -654,7 +805,9 @@ def _careful_block(Q, K, V, Out, Lse, Sinks, Alibi, Mask, MaskMap, off_b, off_h,
             acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, sub_lo, sub_hi, offs_s, offs_dk, offs_dv,
             stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale, softcap_scale,
             softcap_log2, alibi_log2, mask_rows, stride_mk, map_rows, DK, DV, BLOCK_DK, BLOCK_DV,
-            SUB, DOT_PRECISION, UPCAST_DOTS, False, False, WINDOW, SOFTCAP, ALIBI, MASK, True, 1)
+            SUB, DOT_PRECISION, UPCAST_DOTS, False, False, WINDOW, SOFTCAP, ALIBI, MASK, True, 1,
+            k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
+        acc = _tensor_v_scale(acc, VScales, V_FMT)
         _finish_rows(acc, l_i, m_i, Out, Lse, None, off_b, off_h, row0, offs_m, offs_dv, N_Q,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      DV, BLOCK_DV, SUB, RETURN_LSE, False)
@@ -884,7 +1037,7 @@ _prefill_autotuned = triton.autotune(
     configs=_CONFIGS,
     # The tensors' dtypes are appended to the key by Triton itself.
     key=["Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "DK", "DV", "IS_CAUSAL", "TMA_OK",
-         "WINDOW", "SOFTCAP", "SINKS", "ALIBI", "MASK"],
+         "WINDOW", "SOFTCAP", "SINKS", "ALIBI", "MASK", "K_FMT", "V_FMT"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_prefill_kernel)
 
@@ -904,16 +1057,23 @@ def _padded_head_dim(d: int) -> int:
 
 
 def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, batch_heads: int,
-                tma_ok: bool = True, variants=None) -> dict | None:
+                tma_ok: bool = True, variants=None, kv_formats: tuple = ("", "")) -> dict | None:
     """The config the autotuner picked for this key (None if that key was not tuned yet);
-    ``batch_heads`` is B * H_q, ``variants`` the call's flashcl.variants.Variants."""
+    ``batch_heads`` is B * H_q, ``variants`` the call's flashcl.variants.Variants,
+    ``kv_formats`` the flashcl.quant formats of K and V ("" plain)."""
     flags = _VariantArgs.of(variants, dtype).flags
-    # Triton appends the dtype of every tensor argument: q, k, v, out, lse, then the variants'
+    k_fmt, v_fmt = kv_formats
+    tma_ok = tma_ok and not (k_fmt or v_fmt)
+    # Triton appends the dtype of every tensor argument: q, k, v, out, lse, then the variants',
+    # then the scales of int8 / fp8 K and V
     variant_dtypes = ((torch.float32,) * (flags["SINKS"] + flags["ALIBI"])
                       + {0: (), 1: (torch.uint8, torch.uint8, torch.int32),
                          2: (torch.float32, torch.uint8, torch.int32)}[flags["MASK"]])
+    scale_dtypes = tuple(torch.float32 for f in kv_formats if f in ("int8", "fp8_e4m3"))
+    k_dtype, v_dtype = (_DATA_DTYPES.get(f, dtype) for f in kv_formats)
     key = ((_seq_bucket(q_len), _seq_bucket(kv_len), _bh_bucket(batch_heads), dk, dv, causal, int(tma_ok),
-            *flags.values()) + (str(dtype),) * 4 + (str(torch.float32),) + tuple(map(str, variant_dtypes)))
+            *flags.values(), k_fmt, v_fmt) + tuple(map(str, (dtype, k_dtype, v_dtype, dtype, torch.float32)))
+           + tuple(map(str, variant_dtypes + scale_dtypes)))
     cfg = _prefill_autotuned.cache.get(key)
     if cfg is None:
         return None
@@ -1017,25 +1177,32 @@ def _mask_block_map(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None,
-            head_group_override: int | None = None, variants=None):
+            head_group_override: int | None = None, variants=None, k_format: str = "",
+            v_format: str = "", k_scales=None, v_scales=None):
     """Run the kernel; ``params`` forces a config, and
     ``head_group_override`` replaces head_group()'s launch order (benchmarks compare them).
-    ``variants``: a flashcl.variants.Variants of torch tensors on q's device, or None."""
+    ``variants``: a flashcl.variants.Variants of torch tensors on q's device, or None.
+    ``k_format``/``v_format``: "" or the flashcl.quant format of k/v, then a QuantizedTensor's
+    data, with its scales in ``k_scales``/``v_scales`` (int8, fp8_e4m3)."""
     b, h_q, n_q, dk = q.shape
-    h_kv, n_kv, dv = k.shape[1], k.shape[2], v.shape[3]
+    h_kv, n_kv, dv = k.shape[1], k.shape[2], _head_dim(v, v_format)
     if scale < 0:  # keep the kernel's scale >= 0 (see _attend_tile); negation is exact
         q, scale = -q, -scale
     var = _VariantArgs.of(variants, q.dtype, scale, block_map=True)
+    k_strides, k_scales, k_scale_strides = _kv_operand(k, k_format, k_scales)
+    v_strides, v_scales, v_scale_strides = _kv_operand(v, v_format, v_scales)
     out = torch.empty((b, h_q, n_q, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, n_q) if return_lse else (1, 1, 1), dtype=torch.float32, device=q.device)
-    tma_ok = _tma_ok(q, k, v, out)
+    # quantized tiles are dequantized from pointer loads: no tensor descriptors for them
+    tma_ok = not (k_format or v_format) and _tma_ok(q, k, v, out)
     bdk, bdv = _padded_head_dim(dk), _padded_head_dim(dv)
     descs = _descriptors(q, k, v, out, bdk, bdv) if tma_ok else (None,) * 4
     group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
                                               q.element_size())
     args = (
-        q, k, v, out, lse, *descs, *var.tensors,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *var.strides,
+        q, k, v, out, lse, *descs, *var.tensors, k_scales, v_scales,
+        *q.stride(), *k_strides, *v_strides, *out.stride(), *lse.stride(), *var.strides,
+        *k_scale_strides, *v_scale_strides,
         scale * LOG2E, *var.scalars, h_q, h_q // h_kv, n_q, n_kv, _seq_bucket(n_q), _seq_bucket(n_kv),
         _bh_bucket(b * h_q), int(tma_ok), max(1, min(int(group), b * h_q)),
     )
@@ -1044,6 +1211,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     upcast = interpreting() and q.dtype == torch.bfloat16
     meta = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast, **var.flags,
+                K_FMT=k_format, V_FMT=v_format,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
 
     def grid(META):  # 1-D: the kernel maps program ids to (query block, batch * head) itself
@@ -1054,8 +1222,9 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     if params is not None:  # the optional keys (see _tile_params) default to off
         params = {"USE_TMA": False, "maxnreg": None, "SOFTMAX_OVERLAP": False, **params}
     if params is not None and params.get("USE_TMA") and not tma_ok:
-        raise ValueError("params['USE_TMA']: tensor descriptors need an sm_90+ GPU and inputs with "
-                         "unit last strides and 16-byte aligned bases and strides")
+        raise ValueError("params['USE_TMA']: tensor descriptors need an sm_90+ GPU, plain (not "
+                         "quantized) K/V and inputs with unit last strides and 16-byte aligned bases "
+                         "and strides")
     try:
         if params is None:
             _prefill_autotuned[grid](*args, **meta)
@@ -1066,6 +1235,26 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
         raise KernelLaunchError("_prefill_kernel", {**meta, **(params or {"autotuned": True})},
                                 _device_name(q.device), str(e)) from e
     return out, lse
+
+
+# the dtype of a QuantizedTensor's data per format (flashcl.quant)
+_DATA_DTYPES = {"q8_0": torch.uint8, "q4_0": torch.uint8, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _head_dim(x: torch.Tensor, fmt: str) -> int:
+    """The head dim of K or V given as a tensor, or as a QuantizedTensor's data in ``fmt``."""
+    return x.shape[3] * QK if fmt in BLOCK_BYTES else x.shape[3]
+
+
+def _kv_operand(data: torch.Tensor, fmt: str, scales):
+    """How the kernel reads K or V (``data`` of format ``fmt``, "" plain): its (b, h, n, d)
+    strides in elements (ggml: bytes, d unused), the scales it reads (int8, fp8_e4m3; else None)
+    and int8's (b, h, n) scale strides (else None: the kernel compiles them out)."""
+    if fmt in BLOCK_BYTES:
+        return (*data.stride()[:3], 1), None, (None,) * 3
+    if fmt == "int8":
+        return tuple(data.stride()), scales, tuple(scales.stride()[:3])
+    return tuple(data.stride()), (scales if fmt == "fp8_e4m3" else None), (None,) * 3
 
 
 def _device_name(device) -> str:
@@ -1079,7 +1268,8 @@ def _device_name(device) -> str:
 _SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse, "
            "int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False, "
            "int maxnreg=0, bool softmax_overlap=False, int[]? window=None, float? softcap=None, "
-           "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None) -> (Tensor, Tensor)")
+           "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None, Tensor? k_scales=None, "
+           "Tensor? v_scales=None, str k_format=\"\", str v_format=\"\") -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("flashcl::prefill", mutates_args=(), schema=_SCHEMA)
@@ -1087,11 +1277,13 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 return_lse: bool, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
                 num_stages: int = 0, use_tma: bool = False, maxnreg: int = 0,
                 softmax_overlap: bool = False, window=None, softcap=None, sinks=None,
-                alibi_slopes=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+                alibi_slopes=None, mask=None, k_scales=None, v_scales=None, k_format: str = "",
+                v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """``flashcl::prefill(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse,
     int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False,
     int maxnreg=0, bool softmax_overlap=False, int[]? window=None, float? softcap=None,
-    Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None) -> (Tensor out, Tensor lse)``
+    Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? mask=None, Tensor? k_scales=None,
+    Tensor? v_scales=None, str k_format="", str v_format="") -> (Tensor out, Tensor lse)``
 
     Stable schema. q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV): 4-D, any
     strides, one dtype of float32/float16/bfloat16. ``scale`` is the softmax scale (no default
@@ -1104,8 +1296,11 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     The variants (flashcl.variants, normalized as flashcl.prefill hands them on): ``window``
     [left, right] (-1 unbounded), ``softcap``, ``sinks`` float32 (H_q,), ``alibi_slopes`` float32
     (B, H_q), ``mask`` (Bm, Hm, N_q, N_kv) contiguous, bool or float32 additive, Bm in {1, B},
-    Hm in {1, H_q}; all None: the plain kernel. The arguments after q .. return_lse have
-    defaults, so calls written before them keep working.
+    Hm in {1, H_q}; all None: the plain kernel. Quantized caches (flashcl.quant): k / v are a
+    contiguous QuantizedTensor's ``data``, ``k_format`` / ``v_format`` its format ("" plain),
+    ``k_scales`` / ``v_scales`` its ``scales`` (int8, fp8_e4m3; q8_0 and q4_0 read d from the
+    data). The arguments after q .. return_lse have defaults, so calls written before them keep
+    working.
     """
     tiles = (block_m, block_n, num_warps, num_stages)
     params = (dict(zip(_PARAM_KEYS, (*tiles, use_tma, maxnreg or None, softmax_overlap)))
@@ -1113,16 +1308,18 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     variants = None
     if any(x is not None for x in (window, softcap, sinks, alibi_slopes, mask)):
         variants = Variants(None if window is None else tuple(window), softcap, sinks, alibi_slopes, mask)
-    out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants)
+    out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
+                       v_format=v_format, k_scales=k_scales, v_scales=v_scales)
     return out, (lse if return_lse else lse.new_empty((0,)))
 
 
 @_prefill_op.register_fake
 def _prefill_fake(q, k, v, causal, scale, return_lse, block_m=0, block_n=0, num_warps=0,
                   num_stages=0, use_tma=False, maxnreg=0, softmax_overlap=False, window=None,
-                  softcap=None, sinks=None, alibi_slopes=None, mask=None):
+                  softcap=None, sinks=None, alibi_slopes=None, mask=None, k_scales=None,
+                  v_scales=None, k_format="", v_format=""):
     b, h_q, n_q, _ = q.shape
-    out = q.new_empty((b, h_q, n_q, v.shape[3]))
+    out = q.new_empty((b, h_q, n_q, _head_dim(v, v_format)))
     lse = q.new_empty((b, h_q, n_q) if return_lse else (0,), dtype=torch.float32)
     return out, lse
 
@@ -1179,6 +1376,40 @@ def _variant_op_args(variants, q, k) -> tuple:
     return window, variants.softcap, sinks, slopes, mask
 
 
+def _quant_op_args(x, name: str, q: torch.Tensor, rank: int) -> tuple:
+    """(tensor, format, scales) for flashcl::prefill of K or V ``x``: a plain tensor as it is
+    (format ""), a QuantizedTensor (flashcl.quant) as its data, format and scales (int8,
+    fp8_e4m3), each of rank ``rank`` (+1 for ggml data). What the kernel relies on is checked
+    here, a mismatch a ValueError/TypeError before launch."""
+    if not isinstance(x, QuantizedTensor):
+        return x, "", None
+    fmt, data, scales = x.fmt, x.data, x.scales
+    if fmt not in FORMATS:
+        raise ValueError(f"{name}: unknown quantized format {fmt!r}; the Triton prefill takes "
+                         f"{', '.join(FORMATS)}")
+    if not (isinstance(data, torch.Tensor) and data.dtype == _DATA_DTYPES[fmt] and data.device == q.device):
+        raise TypeError(f"{name}: {fmt} data must be a {_DATA_DTYPES[fmt]} tensor on {q.device}, "
+                        f"got {data!r:.80}")
+    ggml = fmt in BLOCK_BYTES
+    if data.dim() != rank + ggml:
+        raise ValueError(f"{name}: prefill takes a contiguous (B, H_kv, N_kv, D) or (H_kv, N_kv, D) "
+                         f"cache, got {fmt} data of shape {tuple(data.shape)}")
+    if data.stride(-1) != 1 or (ggml and data.stride(-2) != BLOCK_BYTES[fmt]):
+        raise ValueError(f"{name}: the kernel reads each row of the {fmt} data as contiguous bytes; "
+                         f"got strides {tuple(data.stride())}")
+    if fmt == "fp8_e4m3" and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"{name}: fp8_e4m3 caches need an sm_89+ GPU (its convert instruction); "
+                         "quantize to int8 or q8_0 instead")
+    if fmt not in ("int8", "fp8_e4m3"):
+        return data, fmt, None
+    want = tuple(data.shape[:-1]) + (1,) if fmt == "int8" else ()
+    if not (isinstance(scales, torch.Tensor) and tuple(scales.shape) == want
+            and scales.dtype == torch.float32 and scales.device == q.device):
+        raise ValueError(f"{name}: {fmt} data of shape {tuple(data.shape)} needs float32 scales of shape "
+                         f"{want} on {q.device}, got {scales!r:.80}")
+    return data, fmt, scales
+
+
 def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
             params: dict | None = None, variants=None):
     """Flash-attention prefill of torch tensors (called by ``flashcl.prefill``, which validates).
@@ -1188,15 +1419,28 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
     ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, optionally "USE_TMA", "maxnreg",
     "SOFTMAX_OVERLAP"); None autotunes. ``variants``: a flashcl.variants.Variants whose arrays are
     torch tensors on q's device (as flashcl.prefill normalizes them), or None for the plain kernel.
-    Traceable by torch.compile(fullgraph=True): the kernel runs inside the ``flashcl::prefill`` op.
+    k and/or v may be contiguous QuantizedTensors (flashcl.quant, any format), dequantized in the
+    kernel. Traceable by torch.compile(fullgraph=True): the kernel runs inside the
+    ``flashcl::prefill`` op.
     """
+    if variants is not None and variants.mask is not None and (
+            isinstance(k, QuantizedTensor) or isinstance(v, QuantizedTensor)):
+        # compiled for sm_90, the masked path's P @ V read past its shared-memory operand (an fp8
+        # V of head dim 32, compute-sanitizer); refused until that is understood
+        raise TypeError("prefill on triton: a mask with quantized K/V caches is not supported yet; "
+                        "use causal/window, or dequantize the caches with flashcl.dequantize(...)")
+    (k, k_format, k_scales), (v, v_format, v_scales) = (_quant_op_args(x, name, q, q.dim())
+                                                        for x, name in ((k, "k"), (v, "v")))
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        # int8's row scales gain the batch dim; fp8's one scale (0-d) stays as it is
+        k_scales, v_scales = (s.unsqueeze(0) if s is not None and s.dim() else s
+                              for s in (k_scales, v_scales))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _prefill_op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params),
-                           *_variant_op_args(variants, q, k))
+                           *_variant_op_args(variants, q, k), k_scales, v_scales, k_format, v_format)
     if squeeze:
         out = out.squeeze(0)
         lse = lse.squeeze(0) if return_lse else lse

@@ -121,6 +121,11 @@ typedef float store_t;
 #error "MERGE_WG must be a power of two (tree reduction)"
 #endif
 
+#ifndef SOFTCAP_SPREAD
+/* 1: with ROW_SHUFFLE, a row's softcaps are spread over its lanes (one head each) */
+#define SOFTCAP_SPREAD (SOFTCAP && ROW_SHUFFLE && HEAD_TILE > 1 && HEAD_TILE <= LANES)
+#endif
+
 #if ROW_SHUFFLE && (STAGED || (LANES & (LANES - 1)) != 0 || LANES > 32 || (WG % 32) != 0)
 #error "ROW_SHUFFLE needs one head tile, LANES a power of two <= 32 and whole warps"
 #endif
@@ -285,10 +290,25 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         for (int u = 0; u < UNROLL; ++u) {
             const floatW kf = K_TO_FLOAT(kc[u]);
             const int key = t0 + u * ROWS + row;
-            for (int i = 0; i < HEAD_TILE; ++i) {
-                const float s_ = row_sum(HSUM_W(qv[i] * kf));
-                sc[u][i] = (key < k1) ? SCORE_VARIANTS(s_, slope[i], n_used - 1 - key) : -INFINITY;
-            }
+            float s_[HEAD_TILE];
+            for (int i = 0; i < HEAD_TILE; ++i)
+                s_[i] = row_sum(HSUM_W(qv[i] * kf));
+#if SOFTCAP_SPREAD
+            /* every lane of the row holds every head's score: lane i of the row caps head i's
+             * (lanes past HEAD_TILE repeat) and the row's lanes read the capped ones from there */
+            float mine = s_[0];
+            for (int i = 1; i < HEAD_TILE; ++i)
+                mine = (lane % HEAD_TILE == i) ? s_[i] : mine;
+            mine = SOFTCAP_SCORE(mine);
+            for (int i = 0; i < HEAD_TILE; ++i)
+                s_[i] = warp_idx(mine, (tid % 32) - lane + i);
+#define CAPPED(s) (s)
+#else
+#define CAPPED(s) SOFTCAP_SCORE(s)
+#endif
+            for (int i = 0; i < HEAD_TILE; ++i)
+                sc[u][i] = (key < k1) ? ALIBI_SCORE(CAPPED(s_[i]), slope[i], n_used - 1 - key) : -INFINITY;
+#undef CAPPED
         }
 #define SCORE(u, i) sc[u][i]
 #else

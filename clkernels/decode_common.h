@@ -75,33 +75,59 @@
 #define SINK_LOG2(head, takes) (-INFINITY)
 #endif
 
-#if SOFTCAP || ALIBI
-/* A score s (log2 units) with the variants that change it, in the order of flashcl/variants.py:
- * softcap, then ALiBi of a key `dist` positions before the query. The softcap in log2 units is
- * c2 tanh(s / c2), c2 = c log2(e), with tanh(x) = 1 - 2 / (1 + 2^(2 log2(e) x)) from the hardware's
- * exp2 and reciprocal approximations: a precise division or libm tanh per score made an fp32
- * decode.cl 1.6x slower on an H200 (every lane of a row scores the key). `cap_rate` is
- * 2 log2(e) / c2, loop-invariant. */
-#if SOFTCAP
-#define SOFTCAP_ARGS softcap_log2, (2.0f * M_LOG2E_F) / softcap_log2
-#else
-#define SOFTCAP_ARGS 0.0f, 0.0f
-#endif
-static inline float score_variants(float s, const float cap_log2, const float cap_rate,
-                                   const float slope_log2, const int dist)
+#if DECODE_NV_PTX
+/* 2^x and 1/x as the bare MUFU instructions, the .ftz forms (NVIDIA's native_exp2 / native_recip
+ * are the non-.ftz ones, each with a subnormal range check around it). 1 + 2^x is never
+ * subnormal, and a subnormal 2^x flushed to 0 moves 1 + 2^x by less than half an ulp. */
+static inline float exp2_approx(const float x)
 {
-#if SOFTCAP
-    s = cap_log2 - 2.0f * cap_log2 * native_recip(1.0f + native_exp2(s * cap_rate));
-#endif
-#if ALIBI
-    s -= slope_log2 * (float)dist;
-#endif
-    return s;
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
-#define SCORE_VARIANTS(s, slope_log2, dist) score_variants((s), SOFTCAP_ARGS, (slope_log2), (dist))
+static inline float recip_approx(const float x)
+{
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 #else
-#define SCORE_VARIANTS(s, slope_log2, dist) (s)
+#define exp2_approx native_exp2
+#define recip_approx native_recip
 #endif
+
+#if SOFTCAP
+/* The softcap of a score s in log2 units: c2 tanh(s / c2), c2 = c log2(e), within ~2.5e-7 of
+ * tanh relative. |x| >= 0.55: tanh(x) = 1 - 2 / (1 + 2^(2 log2(e) x)) from the hardware's exp2 and
+ * reciprocal approximations (a precise division or libm tanh per score made an fp32 decode.cl
+ * 1.6x slower on an H200); below, where 1 - 2 / (...) cancels (an absolute error of c2 2^-23: 1e-3
+ * at a cap of 1e4), x (1 + x^2 P(x^2)), P a least-squares fit of (tanh(x) / x - 1) / x^2 on
+ * [0, 0.55]. `inv_cap` is 1 / c2, loop-invariant. */
+#define SOFTCAP_ARGS softcap_log2, 1.0f / softcap_log2
+static inline float softcap_score(const float s, const float cap_log2, const float inv_cap)
+{
+    const float x = s * inv_cap;
+    const float tanh_far = fma(-2.0f, recip_approx(1.0f + exp2_approx(x * (2.0f * M_LOG2E_F))), 1.0f);
+    const float x2 = x * x;
+    const float p = fma(fma(fma(0.017424671f, x2, -0.053210378f), x2, 0.133293122f), x2, -0.333333105f);
+    const float tanh_near = fma(x * x2, p, x);
+    return cap_log2 * (fabs(x) < 0.55f ? tanh_near : tanh_far);
+}
+#define SOFTCAP_SCORE(s) softcap_score((s), SOFTCAP_ARGS)
+#else
+#define SOFTCAP_SCORE(s) (s)
+#endif
+
+/* ALiBi of a key `dist` positions before the query (log2 units) */
+#if ALIBI
+#define ALIBI_SCORE(s, slope_log2, dist) ((s) - (slope_log2) * (float)(dist))
+#else
+#define ALIBI_SCORE(s, slope_log2, dist) (s)
+#endif
+
+/* A score s (log2 units) with the variants that change it, in the order of flashcl/variants.py:
+ * softcap, then ALiBi. */
+#define SCORE_VARIANTS(s, slope_log2, dist) ALIBI_SCORE(SOFTCAP_SCORE(s), (slope_log2), (dist))
 
 /* This split's keys [*k0, *k1) of the keys [first, n) a sequence's query sees: chunks of whole
  * tiles of `tile` keys, so that only the last tile is partial; a split past the end is empty
@@ -265,6 +291,14 @@ static inline float warp_xor(const float x, const int mask)
 {
     float y;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(mask));
+    return y;
+}
+
+/* x of the work-item in lane `src` of this one's 32-wide warp; the whole warp calls it together */
+static inline float warp_idx(const float x, const int src)
+{
+    float y;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(src));
     return y;
 }
 #endif

@@ -39,7 +39,8 @@
  * Quantized caches (K_QUANT / V_QUANT, decode_common.h): a work-item loads the same K quarter and
  * V eighth as pieces of 8 dims of the quantized row and turns each into the 4 words of f16 pairs
  * a plain row's chunk would be (value = fp16(q * scale), as flashcl.dequantize rounds), K when
- * its prefetch is consumed, V just before O += P V.
+ * its prefetch is consumed, V just before O += P V. int8 K goes in as its integers (exact in
+ * fp16), its row scale applied to the fp32 scores; int8 V is prefetched a tile ahead like K.
  *
  * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
  * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
@@ -56,6 +57,11 @@
 #endif
 #ifndef MMA_EMULATE
 #define MMA_EMULATE 0
+#endif
+#ifndef QUANT_V_AHEAD
+/* 1: a quantized V read a tile ahead, like K; on for int8 only (ggml V: slower, see
+ * docs/notes/opencl-decode-nvidia.md) */
+#define QUANT_V_AHEAD (V_QUANT == QUANT_INT8)
 #endif
 
 #if !STORE_HALF
@@ -146,6 +152,16 @@ static inline float warp_xor_emulated(const float x, const int mask, __local war
 }
 #define WARP_XOR(x, mask) warp_xor_emulated((x), (mask), ws)
 
+static inline float warp_idx_emulated(const float x, const int src, __local warp_scratch *ws)
+{
+    const int lane = get_local_id(0) % 32;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    ws->x[lane] = x;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return ws->x[src];
+}
+#define WARP_IDX(x, src) warp_idx_emulated((x), (src), ws)
+
 /* D = A B + C with the fragment layout of mma.sync.m16n8k16.row.col.f32.f16.f16.f32 */
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
                              const uint b0, const uint b1, __local warp_scratch *ws)
@@ -175,6 +191,7 @@ static inline void mma_16816(float d[4], const uint a0, const uint a1, const uin
 
 #else
 #define WARP_XOR(x, mask) warp_xor((x), (mask))
+#define WARP_IDX(x, src) warp_idx((x), (src))
 
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
                              const uint b0, const uint b1)
@@ -227,20 +244,20 @@ static inline void span_words(__global const uchar *s, const int len, uint *sw)
     const size_t a = (size_t)s;
     __global const uint4 *base = (__global const uint4 *)(a & ~(size_t)15);
     const int o = (int)(a & 15);
-    uint raw[16];
-    for (int k_ = 0; k_ < 4; ++k_) {
-        const uint4 x = (k_ < 3 && 16 * k_ < o + len) ? base[k_] : (uint4)(0u);
+    uint raw[12];
+    for (int k_ = 0; k_ < 3; ++k_) {
+        const uint4 x = (16 * k_ < o + len) ? base[k_] : (uint4)(0u);
         raw[4 * k_] = x.x; raw[4 * k_ + 1] = x.y; raw[4 * k_ + 2] = x.z; raw[4 * k_ + 3] = x.w;
     }
-    const int wi = o >> 2;
-    const bool half_off = (o & 2) != 0;
-    for (int i = 0; i < len / 4; ++i) {
-        uint lo = raw[i], hi = raw[i + 1];
-        lo = (wi == 1) ? raw[i + 1] : lo; hi = (wi == 1) ? raw[i + 2] : hi;
-        lo = (wi == 2) ? raw[i + 2] : lo; hi = (wi == 2) ? raw[i + 3] : hi;
-        lo = (wi == 3) ? raw[i + 3] : lo; hi = (wi == 3) ? raw[i + 4] : hi;
-        sw[i] = half_off ? ((lo >> 16) | (hi << 16)) : lo;
-    }
+    /* the words from word o / 4 on, one bit of it per select step (two selects a word where a
+     * four-way pick per word took six), then the 2-byte shift of an odd half-word offset */
+    uint u[11], w[9];
+    for (int j = 0; j < len / 4 + 3; ++j)
+        u[j] = (o & 4) ? raw[j + 1] : raw[j];
+    for (int j = 0; j < len / 4 + 1; ++j)
+        w[j] = (o & 8) ? u[j + 2] : u[j];
+    for (int i = 0; i < len / 4; ++i)
+        sw[i] = (uint)(((ulong)w[i + 1] << 32 | w[i]) >> (8 * (o & 2)));
 }
 
 /* The np pieces of 8 dims from dim e0 of key j's quantized row, as load_quant packs them (bytes,
@@ -296,34 +313,38 @@ static inline void load_pieces(const int fmt, const int dim, __global const ucha
 }
 
 /* A piece (load_pieces) as the 4 words of f16 pairs a plain row's 16-byte chunk would be, each
- * value fp16(q * scale) as flashcl.dequantize rounds it. ggml: the scale d is fp16, so q (exact in
- * fp16) times d in f16x2 arithmetic rounds the same; a byte becomes the half 1024 + byte with one
- * byte permute per pair (prmt), the bias goes with one sub.f16x2: ~1.5 instructions a value
- * against ~5 through cvt (a quarter-rate instruction) and fp32. int8 (a float32 scale): fp32,
- * a byte as the float 2^23 + byte less 2^23 (no cvt). */
-static inline void piece_words(const int fmt, const raw_t piece, uint *dst)
+ * value fp16(q * scale) as flashcl.dequantize rounds it; `scaled` false: q alone, exact in fp16
+ * (int8 K, whose row scale goes on the scores instead). ggml: the scale d is fp16, so q times d
+ * in f16x2 arithmetic rounds the same; a byte becomes the half 1024 + byte with one byte permute
+ * per pair (prmt), the bias goes with one sub.f16x2: ~1.5 instructions a value against ~5
+ * through cvt (a quarter-rate instruction) and fp32. int8 V (a float32 scale): fp32, a byte
+ * permuted into the float 2^23 + byte, less 2^23. */
+static inline void piece_words(const int fmt, const raw_t piece, const bool scaled, uint *dst)
 {
     const uint4 r = piece;
 #if !MMA_EMULATE
-    if (fmt != QUANT_INT8) {
+    if (fmt != QUANT_INT8 || !scaled) {
         uint d2, bias2;
-        asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b32 %0, {h, h}; }" : "=r"(d2) : "f"(as_float(r.z)));
         uint w[2] = {r.x, r.y};
-        if (fmt == QUANT_Q8_0) {          /* signed bytes: + 128 makes them unsigned */
-            w[0] ^= 0x80808080u;
-            w[1] ^= 0x80808080u;
-            bias2 = 0x64806480u;          /* 1152 = 1024 + 128 */
-        } else {                          /* nibbles, value n - 8 */
+        if (fmt == QUANT_Q4_0) {          /* nibbles, value n - 8 */
             w[0] = (w[0] >> r.w) & 0x0f0f0f0fu;
             w[1] = (w[1] >> r.w) & 0x0f0f0f0fu;
             bias2 = 0x64086408u;          /* 1032 = 1024 + 8 */
+        } else {                          /* signed bytes: + 128 makes them unsigned */
+            w[0] ^= 0x80808080u;
+            w[1] ^= 0x80808080u;
+            bias2 = 0x64806480u;          /* 1152 = 1024 + 128 */
         }
+        if (scaled)
+            asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b32 %0, {h, h}; }" : "=r"(d2) : "f"(as_float(r.z)));
         for (int i = 0; i < 4; ++i) {
             uint h;
             asm("prmt.b32 %0, %1, %2, %3;"   /* two bytes as the halves 1024 + byte */
                 : "=r"(h) : "r"(w[i >> 1]), "r"(0x64646464u), "r"((i & 1) ? 0x4342u : 0x4140u));
             asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(bias2));
-            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(dst[i]) : "r"(h), "r"(d2));
+            if (scaled)
+                asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(d2));
+            dst[i] = h;
         }
         return;
     }
@@ -331,8 +352,16 @@ static inline void piece_words(const int fmt, const raw_t piece, uint *dst)
     float f[8];
     if (fmt == QUANT_INT8) {
         const uint w[2] = {r.x ^ 0x80808080u, r.y ^ 0x80808080u};
-        for (int i = 0; i < 8; ++i)
-            f[i] = (as_float(0x4b000000u | ((w[i >> 2] >> (8 * (i & 3))) & 0xffu)) - 8388736.0f) * as_float(r.z);
+        const float sc = scaled ? as_float(r.z) : 1.0f;
+        for (int i = 0; i < 8; ++i) {
+#if MMA_EMULATE
+            const uint bits = 0x4b000000u | ((w[i >> 2] >> (8 * (i & 3))) & 0xffu);
+#else
+            uint bits;  /* bytes (w's byte i % 4, 0, 0, 0x4b) */
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(bits) : "r"(w[i >> 2]), "r"(0x4b000000u), "r"(0x7440u | (i & 3)));
+#endif
+            f[i] = (as_float(bits) - 8388736.0f) * sc;
+        }
     } else {
         const float8 x = dequant(fmt, piece);
         f[0] = x.s0; f[1] = x.s1; f[2] = x.s2; f[3] = x.s3; f[4] = x.s4; f[5] = x.s5; f[6] = x.s6; f[7] = x.s7;
@@ -451,30 +480,57 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         }                                                                                    \
     }
 #endif
-/* a dequantized piece as the 4 words of f16 pairs a plain row's 16-byte chunk would give */
-#define PIECE_WORDS(dst, fmt, piece) piece_words((fmt), (piece), (dst))
+/* an int8 V is read a tile ahead too (QUANT_V_AHEAD): rows of half a plain row's bytes
+ * otherwise leave too few bytes in flight per warp (docs/notes/opencl-decode-nvidia.md) */
+#define V_AHEAD (V_QUANT && QUANT_V_AHEAD)
 
     /* A tile's K words are loaded one iteration ahead (into kw, copied to kc): the next tile's K
      * is in flight while this one is computed. Its V is loaded at the top of its own iteration
-     * and arrives during S = Q K^T and the softmax. (H100: no prefetch 184 registers and 6% slower
-     * at 32k; V prefetched too, 255 registers with a spill, no faster: flashcl/opencl/decode.py.) */
+     * and arrives during S = Q K^T and the softmax (V_AHEAD: an iteration earlier). (H100: no
+     * prefetch 184 registers and 6% slower at 32k; a plain V prefetched too, 255 registers with a
+     * spill, no faster: docs/notes/opencl-decode-nvidia.md.) */
     LOAD_K(k0 + warp * TILE, load_kv_plain)
+#if V_AHEAD
+    LOAD_V(k0 + warp * TILE)
+#endif
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
         uint kc[2][KQ / 2];
 #if K_QUANT
         for (int t = 0; t < 2; ++t)
             for (int p_ = 0; p_ < KQ / 8; ++p_)
-                PIECE_WORDS(&kc[t][4 * p_], K_QUANT, kq[t][p_]);
+                piece_words(K_QUANT, kq[t][p_], K_QUANT != QUANT_INT8, &kc[t][4 * p_]);
+#if K_QUANT == QUANT_INT8
+        /* int8 K goes into S = Q K^T as its integers, and the row scale onto the scores: the
+         * scale of key t0 + 8t + 2c + i (S's column) came with row g = 2c + i of the loads */
+        float k_scale[2][2];
+        for (int t = 0; t < 2; ++t)
+            for (int i = 0; i < 2; ++i)
+                k_scale[t][i] = WARP_IDX(as_float(kq[t][0].z), 4 * (2 * c + i) + c);
+#define K_SCALE(t, i) k_scale[t][i]
 #else
+#define K_SCALE(t, i) 1.0f
+#endif
+#else
+#define K_SCALE(t, i) 1.0f
         for (int t = 0; t < 2; ++t)
             for (int i = 0; i < KQ / 2; ++i)
                 kc[t][i] = kw[t][i];
 #endif
+#if V_AHEAD
+        for (int r = 0; r < 4; ++r)
+            for (int p_ = 0; p_ < NTV / 8; ++p_)
+                piece_words(V_QUANT, vq[r][p_], true, &vw[r][4 * p_]);
+        if (it + 1 < rounds) {
+            LOAD_K(t0 + ROUND, load_kv_streamed)
+            LOAD_V(t0 + ROUND)
+        }
+#else
         if (it + 1 < rounds) {
             LOAD_K(t0 + ROUND, load_kv_streamed)
         }
         LOAD_V(t0)
+#endif
 
         /* S = Q K^T: sc[t][2h + i] = row g + 8h, key t0 + 8t + 2c + i */
         float sc[2][2 * NH];
@@ -494,7 +550,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
             float x[4];
             for (int i = 0; i < 4; ++i) {
                 const int key = t0 + 8 * (i >> 1) + 2 * c + (i & 1);
-                x[i] = (key < k1) ? SCORE_VARIANTS(sc[i >> 1][2 * h + (i & 1)] * scale_log2, slope[h],
+                x[i] = (key < k1) ? SCORE_VARIANTS(sc[i >> 1][2 * h + (i & 1)] * K_SCALE(i >> 1, i & 1) * scale_log2, slope[h],
                                                    n_used - 1 - key)
                                   : -INFINITY;
             }
@@ -517,10 +573,10 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
             pa[h][1] = PACK_HALF2(p[2], p[3]);
         }
 
-#if V_QUANT
+#if V_QUANT && !V_AHEAD
         for (int r = 0; r < 4; ++r)
             for (int p_ = 0; p_ < NTV / 8; ++p_)
-                PIECE_WORDS(&vw[r][4 * p_], V_QUANT, vq[r][p_]);
+                piece_words(V_QUANT, vq[r][p_], true, &vw[r][4 * p_]);
 #endif
         /* O += P V, one n-tile (8 output dims) at a time */
         for (int d = 0; d < NTV; ++d) {
@@ -532,7 +588,8 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     }
 #undef LOAD_K
 #undef LOAD_V
-#undef PIECE_WORDS
+#undef V_AHEAD
+#undef K_SCALE
 
     /* each row's sum over its 4 lanes; then the warps' states meet: shared max per row, the
      * accumulators rescaled to it and summed in local memory */

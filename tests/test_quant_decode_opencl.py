@@ -162,10 +162,12 @@ def test_public_api_and_bad_block_ids(cl_device):
                                                           ("int8", "q8_0", 32, 128, None),
                                                           ("q4_0", "int8", 64, 128, 1),
                                                           ("q4_0", "q8_0", 128, 128, 16),
-                                                          ("q8_0", "q4_0", 256, 128, None)])
+                                                          ("q8_0", "q4_0", 256, 128, None),
+                                                          ("int8", "int8", 128, 128, 16)])
 def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size):
     """decode_mma.cl's dequantized fragments (its mma.sync / shfl.sync emulated): K quarters of
-    two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; G = 5 (padding MMA rows)."""
+    two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; int8 K as integers with
+    the row scales on the scores, int8 V read a tile ahead; G = 5 (padding MMA rows)."""
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{dk}".encode()))
     q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [70, 9], block_size, "float16", k_fmt, v_fmt)
     for splits in (1, 3):

@@ -123,6 +123,20 @@ def test_each_variant_and_all(cl_device, names):
         check(got, q, k, v, table, lens, kw, f"{names} splits={splits}")
 
 
+@pytest.mark.parametrize("d,heads", [(128, (16, 4)), (64, (8, 1))])
+def test_softcap_range_fp32(cl_device, d, heads):
+    """The softcap's hardware exp2 / reciprocal keep fp32's tolerance from a cap far below the
+    logits (every score near +-cap) to one far above them (the cap inactive); on NVIDIA the fp32
+    build spreads a row's caps over its lanes (d = 128: a 32-lane row, 64: two rows a warp)."""
+    rng = np.random.default_rng(21)
+    h_q, h_kv = heads
+    q, k, v, table, lens = _paged(rng, 2, h_q, h_kv, d, d, [333, 70], 16, np.float32, logit_scale=4.0)
+    for cap in (0.05, 1.0, 30.0, 1e4):
+        for splits in (1, 4):
+            got = run_variants(cl_device, q, k, v, table, lens, splits, {"softcap": cap})
+            check(got, q, k, v, table, lens, {"softcap": cap}, f"softcap {cap} splits={splits}")
+
+
 def test_all_variants_fp16_d128(cl_device):
     """Every variant on the path the device picks for an fp16 cache at d = 128 (decode_mma.cl on
     NVIDIA tensor cores, decode.cl elsewhere), GQA 8:1, paged block 16, several split counts."""

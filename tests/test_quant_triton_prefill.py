@@ -24,6 +24,7 @@ import flashcl  # noqa: E402  (after the importorskip above)
 from flashcl import reference  # noqa: E402
 from flashcl.quant import QK, QuantizedTensor  # noqa: E402
 from flashcl.triton import prefill as tp  # noqa: E402
+from tests._triton_tiles import forced_params, forced_tile  # noqa: E402
 from flashcl.variants import Variants  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,16 +34,6 @@ FORMATS = ("q8_0", "q4_0", "int8", "fp8_e4m3")
 # scores differ by that rounding (float32: the plain kernel's bound)
 LSE_TOL = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 1e-2}
 PAD = 3  # cache rows past N_kv, poisoned: the kernel gets views of the first N_kv
-CUDA_PARAMS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-
-
-def _params(device: str, **extra) -> dict:
-    base = dict(tp._INTERPRETER_PARAMS) if device == "cpu" else dict(CUDA_PARAMS)
-    return {**base, **extra}
-
-
-def _tile(device: str) -> int:
-    return _params(device)["BLOCK_N"]
 
 
 def _gen(*key) -> torch.Generator:
@@ -104,7 +95,7 @@ def _check(q, k, v, *, causal, device, params=None, **variants):
     32-column block of V within TOLERANCE of q's dtype, lse within LSE_TOL. Returns (out, lse)."""
     dtype_name = str(q.dtype).split(".")[-1]
     out, lse = flashcl.prefill(q, k, v, causal=causal, backend="triton", return_lse=True,
-                               params=params or _params(device), **variants)
+                               params=params or forced_params(device), **variants)
     ref, ref_lse = reference.attention(_np(q), _np(k), _np(v), causal=causal, return_lse=True,
                                        **{n: _np(x) for n, x in variants.items()})
     got, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
@@ -170,13 +161,13 @@ def test_inputs_have_zero_blocks_and_scales_apart():
 def test_three_d_inputs_and_softmax_overlap(triton_device):
     """(H, N, D) inputs, and loop 1 with each softmax under the P @ V dot (its P waits one trip
     with the previous tile's int8 V scales)."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _case(triton_device, torch.float16, "q8_0", "int8", b=1, h_q=2, h_kv=2, n_q=3 * t + 1, n_kv=3 * t + 1,
                     dk=64, dv=64)
-    out = flashcl.prefill(q[0], _batch0(k), _batch0(v), causal=True, backend="triton", params=_params(triton_device))
+    out = flashcl.prefill(q[0], _batch0(k), _batch0(v), causal=True, backend="triton", params=forced_params(triton_device))
     ref = reference.attention(_np(q), _np(k), _np(v), causal=True)[0]
     assert reference.rel_err(out.double().cpu().numpy(), ref) <= reference.TOLERANCE["float16"]
-    _check(q, k, v, causal=False, device=triton_device, params=_params(triton_device, SOFTMAX_OVERLAP=True))
+    _check(q, k, v, causal=False, device=triton_device, params=forced_params(triton_device, SOFTMAX_OVERLAP=True))
 
 
 def _batch0(x):
@@ -192,7 +183,7 @@ def _batch0(x):
 def test_window_softcap_sinks_alibi(triton_device):
     """Every score variant on a q8_0 K / int8 V cache: a window narrower than a tile, softcap,
     sinks, ALiBi with per-batch slopes; then on an fp8 K / q4_0 V cache."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _case(triton_device, torch.float16, "q8_0", "int8", n_q=t + 5, n_kv=3 * t + 2, dk=64, dv=64)
     gen = _gen("variants")
     _check(q, k, v, causal=True, device=triton_device, window=(t - 3, 0), softcap=2.5,
@@ -208,12 +199,12 @@ def test_window_softcap_sinks_alibi(triton_device):
 def test_mask_with_quantized_cache_is_refused(triton_device):
     """A mask with a quantized cache raises before launch (on sm_90 the masked path's P @ V read
     past its shared-memory operand for an fp8 V of head dim 32, under compute-sanitizer)."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n_q, n_kv = t + 5, 2 * t + 3
     q, k, v = _case(triton_device, torch.float16, "q4_0", "fp8_e4m3", n_q=n_q, n_kv=n_kv, dk=64, dv=32)
     mask = (torch.rand(2, 1, n_q, n_kv, generator=_gen("mask")) < 0.6).to(triton_device)
     with pytest.raises(TypeError, match="a mask with quantized K/V caches is not supported yet"):
-        flashcl.prefill(q, k, v, mask=mask, backend="triton", params=_params(triton_device))
+        flashcl.prefill(q, k, v, mask=mask, backend="triton", params=forced_params(triton_device))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int8", "fp8_e4m3"])
@@ -221,14 +212,14 @@ def test_hidden_keys_never_leak(triton_device, fmt):
     """inf in K and NaN in V at keys no row sees (left of every row's window, in a tile that rows
     see in part): quantized, such rows hold non-finite scales or values, and still never reach
     the output. fp8's scale is one per tensor, so there only the values are poisoned."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n_q, n_kv = 5, 3 * t + 4
     q, k, v = _case(triton_device, torch.float16, fmt, fmt, b=1, h_q=2, h_kv=1, n_q=n_q, n_kv=n_kv, dk=64, dv=64)
     first_seen = n_kv - n_q - (t - 2)  # the window's left edge for the first row, inside a tile
     hidden = [first_seen - 1, first_seen - 3, 2]
     bad_k, bad_v = _poison(k, hidden, float("inf")), _poison(v, hidden, float("nan"))
     out, _ = flashcl.prefill(q, bad_k, bad_v, causal=True, window=(t - 2, 0), backend="triton", return_lse=True,
-                             params=_params(triton_device))
+                             params=forced_params(triton_device))
     ref = reference.attention(_np(q), k, v, causal=True, window=(t - 2, 0))
     got = out.double().cpu().numpy()
     assert np.isfinite(got).all(), f"a hidden key leaked: non-finite at {np.argwhere(~np.isfinite(got))[:4].tolist()}"
@@ -274,7 +265,7 @@ def test_backend_refusals(triton_device):
                                          r"shape \(1, 2, 6, 1\)"):
         tp.prefill(q, k, bad_scales)
     with pytest.raises(ValueError, match=r"^params\['USE_TMA'\]: tensor descriptors need .* plain \(not quantized\)"):
-        tp.prefill(q, k, v, params=_params(triton_device, USE_TMA=True))
+        tp.prefill(q, k, v, params=forced_params(triton_device, USE_TMA=True))
 
 
 def test_compiled_with_quantized_cache_and_variants(triton_device):
@@ -322,12 +313,12 @@ def test_plain_call_compiles_the_quant_args_out(triton_device, monkeypatch):
     capture = _Capture()
     monkeypatch.setattr(tp, "_prefill_kernel", capture)
     q, k, v = _case(triton_device, torch.float16, None, None, b=1, h_q=2, h_kv=2, n_q=4, n_kv=6, dk=64, dv=64)
-    tp.prefill(q, k, v, causal=True, params=_params(triton_device))
+    tp.prefill(q, k, v, causal=True, params=forced_params(triton_device))
     plain, = capture.calls
     assert (plain["K_FMT"], plain["V_FMT"]) == ("", "") and all(plain[n] is None for n in QUANT_ARGS)
     q, k, v = _case(triton_device, torch.float16, "int8", "fp8_e4m3", b=1, h_q=2, h_kv=2, n_q=4, n_kv=6,
                     dk=64, dv=64)
-    tp.prefill(q, k, v, causal=True, params=_params(triton_device))
+    tp.prefill(q, k, v, causal=True, params=forced_params(triton_device))
     quant = capture.calls[1]
     assert (quant["K_FMT"], quant["V_FMT"]) == ("int8", "fp8_e4m3")
     assert quant["KScales"] is k.scales and quant["VScales"] is v.scales
@@ -343,7 +334,7 @@ def test_best_config_builds_the_autotuners_key(triton_device, monkeypatch, k_fmt
     monkeypatch.setattr(tp, "_prefill_kernel", capture)
     q, k, v = _case(triton_device, torch.float16, k_fmt, v_fmt, b=1, h_q=2, h_kv=2, n_q=4, n_kv=6, dk=64, dv=64)
     sinks = torch.zeros(2, device=triton_device)
-    tp.prefill(q, k, v, causal=True, params=_params(triton_device), variants=Variants(sinks=sinks))
+    tp.prefill(q, k, v, causal=True, params=forced_params(triton_device), variants=Variants(sinks=sinks))
     args, = capture.calls
     in_order = [args[n] for n in capture.arg_names if n in args]
     key = (tuple(args[n] for n in tp._prefill_autotuned.keys)

@@ -21,22 +21,12 @@ pytest.importorskip("triton")
 
 import flashcl  # noqa: E402  (after the importorskip above)
 from flashcl.triton import prefill as tp  # noqa: E402
+from tests._triton_tiles import forced_params, forced_tile  # noqa: E402
 from flashcl.variants import Variants, mask_block_map  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LSE_TOL = 1e-4  # |lse - ref| <= LSE_TOL * (1 + |ref|): scores accumulate in float32 in every dtype
 NAIVE_FACTOR = 2.0
-CUDA_PARAMS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-
-
-def _params(device: str, **extra) -> dict:
-    """The forced tile config of these tests (one compile per flag set on CUDA)."""
-    base = dict(tp._INTERPRETER_PARAMS) if device == "cpu" else dict(CUDA_PARAMS)
-    return {**base, **extra}
-
-
-def _tile(device: str) -> int:
-    return _params(device)["BLOCK_N"]
 
 
 def _randn(shape, dtype, device, seed, std=1.0):
@@ -114,7 +104,7 @@ def _check(q, k, v, *, causal, device, params=None, scale=None, naive=True, rows
     if device == "cuda":  # NaN in the memory the output reuses: an unwritten element fails
         torch.full((q.numel() * v.shape[3] // q.shape[3],), float("nan"), dtype=q.dtype, device=device)
     out, lse = flashcl.prefill(q, k, v, causal=causal, scale=scale, backend="triton", return_lse=True,
-                               params=params if params is not None else _params(device), **kernel_variants)
+                               params=params if params is not None else forced_params(device), **kernel_variants)
     ref_out, ref_lse = _oracle(q, k, v, causal, scale, **variants)
     got, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
     if rows is not None:
@@ -167,7 +157,7 @@ COMBOS = [[v] for v in VARIANTS] + [["window", "softcap", "sinks", "alibi"],
 @pytest.mark.parametrize("combo", COMBOS, ids="+".join)
 def test_variants_match_reference(triton_device, combo, dtype_name):
     """Each variant alone and combined: batch 2, GQA 2:1, DK != DV, ragged tiles, causal, N_q < N_kv."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     b, h_q, h_kv, n_q, n_kv, dk, dv = 2, 2, 1, 2 * t + 3, 3 * t + 1, 32, 48
     seed = _seed(combo, dtype_name)
     q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, dk, dv, DTYPES[dtype_name], triton_device, seed)
@@ -190,7 +180,7 @@ def _windows(t: int, n_kv: int):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("index", range(14))
 def test_window_edges(triton_device, index, causal):
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n = 3 * t + 5
     window = _windows(t, n)[index]
     if causal and window[1] != 0 and index % 3:
@@ -210,7 +200,7 @@ CHUNKED = {
 
 @pytest.mark.parametrize("case", list(CHUNKED))
 def test_window_chunked_prefill(triton_device, case):
-    n_q, n_kv, window, causal = CHUNKED[case](_tile(triton_device))
+    n_q, n_kv, window, causal = CHUNKED[case](forced_tile(triton_device))
     q, k, v = _inputs(1, 4, 1, n_q, n_kv, 16, 24, torch.float16, triton_device, _seed(case))
     _check(q, k, v, causal=causal, device=triton_device, window=window,
            alibi_slopes=torch.tensor([0.3, 0.1, 0.05, 0.0], device=triton_device))
@@ -219,13 +209,13 @@ def test_window_chunked_prefill(triton_device, case):
 def test_window_with_softmax_overlap(triton_device):
     """The overlapped loop 1 starting at the window's first full tile (its first trip reloads that
     tile's V with P = 0), with a softcap applied in it."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     extra = {"SOFTMAX_OVERLAP": True}
     if triton_device == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
         extra["USE_TMA"] = True
     q, k, v = _inputs(1, 2, 2, 6 * t + 7, 6 * t + 7, 64, 64, torch.float16, triton_device, 3)
     for window in ((2 * t + 5, 0), (3 * t, t + 2)):
-        _check(q, k, v, causal=window[1] == 0, device=triton_device, params=_params(triton_device, **extra),
+        _check(q, k, v, causal=window[1] == 0, device=triton_device, params=forced_params(triton_device, **extra),
                window=window, softcap=4.0)
 
 
@@ -234,7 +224,7 @@ def test_window_with_softmax_overlap(triton_device):
 def test_mask_empties_rows_and_tiles(triton_device):
     """Whole rows and whole (query block, key tile) tiles hidden: rows that see nothing give 0
     and lse -inf, or lse = the sink with sinks."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n_q, n_kv = 2 * t + 5, 3 * t + 2
     q, k, v = _inputs(1, 2, 2, n_q, n_kv, 32, 32, torch.float32, triton_device, 21)
     mask = torch.rand(1, 2, n_q, n_kv, generator=torch.Generator().manual_seed(5)) < 0.7
@@ -255,7 +245,7 @@ def test_mask_empties_rows_and_tiles(triton_device):
 
 def test_mask_broadcast_and_strided_batch(triton_device):
     """A (N_q, N_kv) mask broadcast over batch and heads, and a (B, 1, ..) one per batch."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _inputs(2, 4, 2, t + 7, 2 * t + 1, 16, 16, torch.float16, triton_device, 8)
     g = torch.Generator().manual_seed(9)
     _check(q, k, v, causal=True, device=triton_device,
@@ -333,7 +323,7 @@ def test_mask_full_and_partial_tiles(triton_device, dtype_name):
     """Structured masks whose tiles are mostly full (causal as a bool mask, key padding, an
     additive mask of zeros and -inf with a bias on some keys), with causal and a window on top:
     the unmasked path on full tiles, the masked one on the rest."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n_q, n_kv = 3 * t + 3, 4 * t + 5
     q, k, v = _inputs(2, 2, 1, n_q, n_kv, 32, 32, DTYPES[dtype_name], triton_device, 71)
     pos = torch.arange(n_q)[:, None] + n_kv - n_q
@@ -366,7 +356,7 @@ HIDDEN = {
 def test_nonfinite_kv_at_hidden_keys(triton_device, where):
     """NaN and inf in K and V at keys no compared row sees (left of the window, right of it
     without causal, hidden by the mask inside a kept tile or in a skipped one) never reach it."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     n = 4 * t + 3
     bad, window, causal, rows = HIDDEN[where](t, n)
     q, k, v = _inputs(1, 2, 1, n, n, 32, 32, torch.float16, triton_device, _seed(where))
@@ -387,19 +377,19 @@ def test_nonfinite_kv_at_hidden_keys(triton_device, where):
 
 def test_alibi_per_batch_slopes(triton_device):
     """(B, H_q) slopes: each batch its own; distances in both directions without causal."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _inputs(3, 2, 2, t + 5, 2 * t + 3, 32, 32, torch.float32, triton_device, 31)
     slopes = torch.tensor([[0.5, 0.25], [0.0, 1.0], [0.125, 0.0625]], device=triton_device)
     _check(q, k, v, causal=False, device=triton_device, alibi_slopes=slopes)
     out_b0 = flashcl.prefill(q[:1], k[:1], v[:1], backend="triton", alibi_slopes=slopes[0],
-                             params=_params(triton_device))
-    out = flashcl.prefill(q, k, v, backend="triton", alibi_slopes=slopes, params=_params(triton_device))
+                             params=forced_params(triton_device))
+    out = flashcl.prefill(q, k, v, backend="triton", alibi_slopes=slopes, params=forced_params(triton_device))
     assert torch.equal(out[:1], out_b0)
 
 
 def test_sinks_lse_and_empty_rows(triton_device):
     """lse includes the sink; a row that sees no key (N_q > N_kv, causal) returns 0 and lse = sink."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _inputs(1, 3, 1, 2 * t, t - 3, 16, 16, torch.bfloat16, triton_device, 41)
     sinks = torch.tensor([3.0, -1.5, 0.0], device=triton_device)
     out, lse = _check(q, k, v, causal=True, device=triton_device, sinks=sinks)
@@ -412,7 +402,7 @@ def test_sinks_lse_and_empty_rows(triton_device):
 
 def test_huge_logits_with_softcap_and_alibi(triton_device):
     """Raw scores near +-200 capped to +-30, ALiBi over long distances: the rescaling holds."""
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     std = math.sqrt(200.0 / 3.0)
     q = _randn((1, 2, 2 * t + 1, 32), torch.float32, triton_device, 1, std)
     k = _randn((1, 2, 3 * t, 32), torch.float32, triton_device, 2, std)
@@ -428,11 +418,11 @@ def test_plain_path_unchanged(triton_device):
     window wider than the sequence gives the very bits of the plain call."""
     off = tp._VariantArgs.of(None, torch.float16)
     assert not any(off.flags.values()) and all(x is None for x in off.tensors)
-    t = _tile(triton_device)
+    t = forced_tile(triton_device)
     q, k, v = _inputs(1, 2, 1, 2 * t + 3, 3 * t + 1, 32, 32, torch.float16, triton_device, 51)
     for causal in (True, False):
-        plain = tp.prefill(q, k, v, causal=causal, params=_params(triton_device))
-        wide = tp.prefill(q, k, v, causal=causal, params=_params(triton_device),
+        plain = tp.prefill(q, k, v, causal=causal, params=forced_params(triton_device))
+        wide = tp.prefill(q, k, v, causal=causal, params=forced_params(triton_device),
                           variants=Variants(window=(4 * t, 4 * t)))
         assert torch.equal(plain, wide)
 
@@ -460,7 +450,7 @@ def test_torch_compile_with_variants(triton_device):
     var = Variants(window=(7, 0), softcap=3.0, sinks=torch.tensor([0.5, -0.5], device=triton_device), mask=mask)
 
     def f(q, k, v):
-        return tp.prefill(q, k, v, causal=True, variants=var, params=_params(triton_device)) * 2
+        return tp.prefill(q, k, v, causal=True, variants=var, params=forced_params(triton_device)) * 2
 
     eager = f(q, k, v)
     torch._dynamo.reset()

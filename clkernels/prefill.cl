@@ -85,23 +85,6 @@
 #include "storage.h"
 #include "vec.h"
 
-/* On GPUs every loop over a private array is fully unrolled so that the array lives in
- * registers: a loop left rolled indexes q_reg/sv/p/acc dynamically, which puts them in (off-chip)
- * private memory -- CL_KERNEL_PRIVATE_MEM_SIZE > 0 with no spill reported by the compiler. CPU
- * drivers keep private arrays in cache anyway, and unrolling there multiplies build time ~10x. */
-#if UNROLL_LOOPS
-#define UNROLL _Pragma("unroll")
-#define PER_ITEM(n) (n)
-#else
-#define UNROLL
-/* PoCL (CPUs) turns each innermost loop whose trip count it can prove uniform across the
- * work-group into a "horizontal" loop: one iteration for every work-item, then the next, with
- * each work-item's accumulators and loop counter in memory (~12 instructions per vector FMA,
- * measured with perf). A trip count that depends on the work-item keeps the loop inside each
- * work-item, where the accumulators stay in registers. `row > INT_MAX - 1` is never true. */
-#define PER_ITEM(n) ((n) + (row > 0x7ffffffe))
-#endif
-
 /* acc += p[j] * v_tile[j] over the keys j of the tile for which `sees` holds */
 #define PV_PRODUCT(sees)                                                                     \
     UNROLL                                                                                   \

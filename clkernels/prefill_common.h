@@ -16,6 +16,30 @@
 #ifndef UNROLL_LOOPS
 #define UNROLL_LOOPS 1    // 1: fully unroll the loops over private arrays (GPUs); 0 on CPUs
 #endif
+/* PoCL (POCL_DEVICE_ADDRESS_BITS is its predefine) builds the rolled loops whatever it is given:
+ * its work-group compiler (3.x) takes a per-key branch of the unrolled guarded P V loops for a
+ * uniform one (wrong rows with a mask), and a source exported for a GPU may be built there. */
+#if UNROLL_LOOPS && defined(POCL_DEVICE_ADDRESS_BITS)
+#undef UNROLL_LOOPS
+#define UNROLL_LOOPS 0
+#endif
+
+/* On GPUs every loop over a private array is fully unrolled so that the array lives in
+ * registers: a loop left rolled indexes the array dynamically, which puts it in (off-chip)
+ * private memory -- CL_KERNEL_PRIVATE_MEM_SIZE > 0 with no spill reported by the compiler. CPU
+ * drivers keep private arrays in cache anyway, and unrolling there multiplies build time ~10x. */
+#if UNROLL_LOOPS
+#define UNROLL _Pragma("unroll")
+#define PER_ITEM(n) (n)
+#else
+#define UNROLL
+/* PoCL (CPUs) turns each innermost loop whose trip count it can prove uniform across the
+ * work-group into a "horizontal" loop: one iteration for every work-item, then the next, with
+ * each work-item's accumulators and loop counter in memory (~12 instructions per vector FMA,
+ * measured with perf). A trip count that depends on the work-item keeps the loop inside each
+ * work-item, where the accumulators stay in registers. `lid > INT_MAX - 1` is never true. */
+#define PER_ITEM(n) ((n) + (lid > 0x7ffffffe))  // lid: the kernel's work-item index
+#endif
 
 /* Attention variants, each compiled in only when on (off, the kernels are the plain ones). Their
  * runtime values are kernel arguments that are passed always and read only when the flag is on. */

@@ -89,8 +89,9 @@ def program(prob: PrefillProblem, params: dict, *, write_lse: bool = True,
             unroll_loops: bool = True, flags: dict | None = None) -> tuple[str, str, dict]:
     """The source in clkernels/, the kernel's name and the ``-D`` defines of the prefill kernel for
     one problem class and parameter set: what PrefillKernel builds and `flashcl export` writes.
-    ``unroll_loops``: off on CPUs (prefill.cl: UNROLL_LOOPS). ``flags``: the variants compiled in
-    (``Variants.flags()``; None or all off: the plain kernel)."""
+    ``unroll_loops``: off on CPUs (prefill_common.h: UNROLL_LOOPS; PoCL builds the loops rolled
+    whatever it is). ``flags``: the variants compiled in (``Variants.flags()``; None or all off:
+    the plain kernel)."""
     defines = {
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
         "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,

@@ -446,13 +446,14 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         if shape_list is None and preset not in ("auto", "reference"):
             _fail(f"--preset {preset}: the Triton benchmark has only the reference shapes; use --shape", EXIT_USAGE)
         if sweep_tiles:
-            rows = tb.sweep_tiles(shapes=shape_list, dtype=dtype, block_size=block_size, head_dim=head_dim)
+            rows = tb.sweep_tiles(shapes=shape_list, dtype=dtype, block_size=block_size, head_dim=head_dim,
+                                  kv_format=extra.get("kv_format"), splits=_split_counts(splits) or None)
             if as_json:
                 _echo_report(_triton_conditions(command), rows)
             else:
                 for r in rows:
                     click.echo(f"{r['shape']:>22} BLOCK_N={r['BLOCK_N']:<3} warps={r['num_warps']} "
-                               f"stages={r['num_stages']} splits={r['splits']:<3} {r['median_ms']:.4f} ms "
+                               f"stages={r['num_stages']} splits={r['splits']:<3} {r['kv_format']} {r['median_ms']:.4f} ms "
                                f"{r['TB_s']:.2f} TB/s")
             return
         forced = _split_counts(splits)

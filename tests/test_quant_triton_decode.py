@@ -141,14 +141,17 @@ def test_quantized_with_variants(triton_device, poison):
                                                  (64, 256, True)])
 @pytest.mark.parametrize("fmt", ("q4_0", "int8", "fp8_e4m3"))
 def test_words(triton_device, fmt, d, block_size, paged, poison):
-    """Caches read as 32-bit words (head dims 64 / 128 / 256; int8 and fp8 where q is fp16):
-    every column back in its place, in out and in the split partials; whole pages, tiles inside a
-    page (256-token blocks) and contiguous rows; rows past the end; a window (row-masked loads).
-    On a GPU the words become fp16 through byte permutes, under the interpreter through casts."""
+    """Caches read as 32-bit words (head dims 64 / 128 / 256; int8 and fp8 where q is fp16, q4_0
+    in stored order): every column back in its place, in out and in the split partials; whole
+    pages, tiles inside a page (256-token blocks) and contiguous rows; rows past the end; a window
+    (row-masked loads). On a GPU the words become fp16 through byte permutes, under the
+    interpreter through casts."""
     c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=[0, 37, 2 * block_size + 70], d=d, paged=paged,
               block_size=block_size, k_fmt=fmt, v_fmt=fmt, seed=d + block_size)
     cvt_asm = triton_decode._cvt_asm(c["q"], (fmt, fmt))
-    assert all(triton_decode._reads_words(c[x].data, fmt, d, cvt_asm) for x in ("k", "v"))
+    words = triton_decode.ggml_stored.takes if fmt == "q4_0" else (
+        lambda data, fmt, d: triton_decode._reads_words(data, fmt, d, cvt_asm))
+    assert all(words(c[x].data, fmt, d) for x in ("k", "v"))
     for ns in (1, 2, 5):
         out, lse = _run(c, ns)
         _check(out, lse, c, f"{fmt} words d={d} paged={paged} splits={ns}")
@@ -156,6 +159,39 @@ def test_words(triton_device, fmt, d, block_size, paged, poison):
               k_fmt=fmt, v_fmt=fmt, seed=d + 1, window=(block_size + 3, 0))
     out, lse = _run(w, 3)
     _check(out, lse, w, f"{fmt} words d={d} window")
+
+
+def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:
+    """float64 rows whose 32-column blocks have magnitudes 10^lo .. 10^hi, one block in eight all zero."""
+    *lead, d = shape
+    nb = d // 32
+    x = torch.randn((*lead, nb, 32), generator=gen, dtype=torch.float64)
+    keep = torch.rand((*lead, nb, 1), generator=gen) > 0.125
+    return (x * 10.0 ** torch.linspace(lo, hi, nb, dtype=torch.float64)[:, None] * keep).reshape(shape)
+
+
+@pytest.mark.parametrize("h_q,h_kv,dk,dv", [(16, 2, 64, 128), (4, 4, 128, 64), (8, 2, 256, 256)])
+def test_q4_0_stored_order_scales(triton_device, h_q, h_kv, dk, dv, poison):
+    """q4_0 read in stored order (ggml_stored): K blocks whose magnitudes differ by 1e4 with q
+    scaled against them, V blocks of 1e-4 to 1e-3 (p * d below fp16's normal range: the stacked
+    p's exponent shift), all-zero blocks; GQA 8 and MHA (group rows padded per block), DK != DV."""
+    gen = torch.Generator().manual_seed(dk + dv + h_q)
+    lens = [150, 1, 97]
+    n = max(lens)
+    k = _blocks_apart(gen, (3, h_kv, n, dk), -2.0, 2.0)
+    v = _blocks_apart(gen, (3, h_kv, n, dv), -4.0, -3.0)
+    q = torch.randn((3, h_q, dk), generator=gen, dtype=torch.float64)
+    q = q * torch.repeat_interleave(10.0 ** -torch.linspace(-2.0, 2.0, dk // 32, dtype=torch.float64), 32)
+    kq, vq = (flashcl.quantize(x.to(torch.float16).to(triton_device), "q4_0") for x in (k, v))
+    assert triton_decode.ggml_stored.takes(kq.data, "q4_0", dk) and triton_decode.ggml_stored.takes(vq.data, "q4_0", dv)
+    qd = q.to(torch.float16)
+    ref_out, ref_lse = reference.decode_attention(_np(qd), kq, vq, context_lens=np.array(lens), scale=dk ** -0.5,
+                                                  return_lse=True)
+    c = {"ref": ref_out, "ref_lse": ref_lse, "dtype": "float16"}
+    for ns in (1, 3):
+        out, lse = flashcl.decode(qd.to(triton_device), kq, vq, context_lens=torch.tensor(lens, dtype=torch.int32,
+                                  device=triton_device), num_splits=ns, backend="triton", return_lse=True)
+        _check(out, lse, c, f"q4_0 stored h={h_q}/{h_kv} d={dk}/{dv} splits={ns}")
 
 
 def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
@@ -168,7 +204,7 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
         data = buf[2:].view(qt.data.shape)
         data.copy_(qt.data)
         shifted.append(dataclasses.replace(qt, data=data, scales=data[..., :2].view(torch.float16)[..., 0]))
-    assert not triton_decode._reads_words(shifted[0].data, "q4_0", 64, False)
+    assert not triton_decode.ggml_stored.takes(shifted[0].data, "q4_0", 64)
     c["k"], c["v"] = shifted
     out, lse = _run(c, 2)
     _check(out, lse, c, "q4_0 at a 2-byte offset")
@@ -176,8 +212,9 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
 
 def test_plan_routes_quantized_to_the_dot_path():
     """On a Hopper with Gluon, quantized K/V take the dot path (no Gluon, no MHA loop: their loads
-    dequantize) over whole pages; int8 and fp8 alone take the word tile; int8, fp8 and q4_0 aim at
-    two programs per SM at any length; an unknown format is refused."""
+    dequantize) over whole pages; int8 and fp8 alone take the word tile at two programs per SM,
+    q8_0 and q4_0 their own tiles at four, a mix with a ggml format the ggml tile; an unknown
+    format is refused."""
     from dataclasses import replace
 
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
@@ -188,14 +225,16 @@ def test_plan_routes_quantized_to_the_dot_path():
             assert p.kernel == "dot" and p.whole_pages and not p.page_tiles, (fmt, p.kernel)
     for ctx in (32768, 131072):
         base = replace(bases[0], n_ctx_bound=ctx)
-        for fmt in ("int8", "fp8_e4m3", "q4_0"):
+        tiles = {"int8": (128, 4), "fp8_e4m3": (128, 4), "q8_0": (64, 2), "q4_0": (32, 2)}
+        for fmt, tile in tiles.items():
             p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            assert 8 * p.num_splits >= 2 * facts.sms, (fmt, ctx, p.num_splits)
-            assert (p.block_n, p.num_warps) == ((128, 4) if fmt != "q4_0" else (64, 2)), (fmt, ctx)
-        mixed = dp.plan(replace(base, kv_formats=("int8", "q8_0")), facts)
-        assert (mixed.block_n, mixed.num_warps) != (128, 4)
-        q8 = dp.plan(replace(base, kv_formats=("q8_0", "q8_0")), facts)
-        assert 8 * q8.num_splits <= facts.sms
+            per_sm = 2 if tile == (128, 4) else 4
+            assert per_sm * facts.sms <= 8 * p.num_splits < (per_sm * facts.sms) + 8 * 2, (fmt, ctx, p.num_splits)
+            assert (p.block_n, p.num_warps) == tile, (fmt, ctx)
+        mixed = dp.plan(replace(base, kv_formats=("int8", "q4_0")), facts)
+        assert (mixed.block_n, mixed.num_warps) == tiles["q4_0"]
+        mixed = dp.plan(replace(base, kv_formats=("q8_0", "q4_0")), facts)
+        assert (mixed.block_n, mixed.num_warps) == tiles["q8_0"]
     with pytest.raises(ValueError, match="quantized"):
         dp.plan(replace(bases[0], kv_formats=("q5_1", "")), facts)
 

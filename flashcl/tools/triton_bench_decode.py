@@ -300,40 +300,57 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
 # tile configurations swept by --sweep-tiles (those over the shared-memory limit fail to launch
 # and are reported as such)
 SWEEP_CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
-                 for n, w, st in ((32, 4, 3), (32, 4, 5), (64, 4, 2), (64, 4, 3), (64, 4, 4),
-                                  (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3))]
+                 for n, w, st in ((32, 4, 3), (32, 4, 5), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4),
+                                  (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3))]
 SWEEP_SHAPES = [(8, 32, 32, 8192), (1, 32, 8, 131072), (16, 32, 1, 4096)]
 
 
 def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: int = 16,
-                seed: int = 0, head_dim: int = HEAD_DIM) -> list[dict]:
-    """TB/s of every tile configuration, each at the split count the heuristic gives its BLOCK_N."""
+                seed: int = 0, head_dim: int = HEAD_DIM, kv_format: str | None = None, splits=None) -> list[dict]:
+    """TB/s of every tile configuration, each at the split count the plan gives its tile, or at each
+    of ``splits``. ``kv_format``: K/V quantized to it (TB/s over the bytes as stored)."""
+    if kv_format is not None and kv_format not in _ROW_BYTES:
+        raise ValueError(f"kv_format: expected one of {sorted(_ROW_BYTES)}, got {kv_format!r}")
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cuda", torch.cuda.current_device())
     facts = decode_plan.facts_of(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     elt = torch.empty((), dtype=torch_dtype).element_size()
+    formats = (kv_format, kv_format) if kv_format else ("", "")
     rows = []
     for shape in shapes or SWEEP_SHAPES:
         b, h_q, h_kv, ctx = shape
         nbytes = _bytes_moved(b, h_q, h_kv, ctx, head_dim, head_dim, elt)
+        if kv_format:
+            nbytes = _stored_bytes(b, h_q, h_kv, ctx, head_dim, elt, kv_format)
         sets = [_make_inputs(shape, torch_dtype, block_size, gen, device, head_dim=head_dim)
                 for _ in range(cuda_timing.rotation_count(nbytes, device))]
+        for st in sets:
+            k, v = st["k_pages"], st["v_pages"]
+            st["k_scales"] = st["v_scales"] = None
+            if kv_format:
+                kq, vq = quantize(k, kv_format), quantize(v, kv_format)
+                k, v, st["k_scales"], st["v_scales"] = kq.data, vq.data, kq.scales, vq.scales
+            st["k_data"], st["v_data"] = k, v
         for cfg in configs or SWEEP_CONFIGS:
-            problem = decode_plan.DecodeProblem(b, h_q, h_kv, head_dim, head_dim, ctx, elt, block_size)
-            ns = decode_plan.plan(problem, facts, cfg).num_splits
-            fn = lambda s: triton_decode._launch(  # noqa: E731
-                s["q"], s["k_pages"], s["v_pages"], s["block_table"], s["context_lens"],
-                1.0 / math.sqrt(head_dim), ns, config=cfg)
-            try:
-                t = _time(fn, sets, nbytes / 2.5e12)["median_ms"]
-                tbs = nbytes / (t * 1e-3) / 1e12
-            except Exception as e:  # out of shared memory and the like: report, go on
-                t, tbs = float("nan"), float("nan")
-                print(f"sweep {shape} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
-                torch.cuda.synchronize()
-            rows.append({"shape": str(shape), **cfg, "splits": ns, "median_ms": t, "TB_s": tbs})
+            problem = decode_plan.DecodeProblem(b, h_q, h_kv, head_dim, head_dim, ctx, elt, block_size,
+                                                kv_formats=formats)
+            for ns in splits or [decode_plan.plan(problem, facts, cfg).num_splits]:
+                fn = lambda s, ns=ns, cfg=cfg: triton_decode._launch(  # noqa: E731
+                    s["q"], s["k_data"], s["v_data"], s["block_table"], s["context_lens"],
+                    1.0 / math.sqrt(head_dim), ns, config=cfg, k_scales=s["k_scales"], v_scales=s["v_scales"],
+                    k_format=formats[0], v_format=formats[1])
+                try:
+                    t = _time(fn, sets, nbytes / 2.5e12)["median_ms"]
+                    tbs = nbytes / (t * 1e-3) / 1e12
+                except Exception as e:  # out of shared memory and the like: report, go on
+                    t, tbs = float("nan"), float("nan")
+                    print(f"sweep {shape} {cfg} splits={ns}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                          file=sys.stderr)
+                    torch.cuda.synchronize()
+                rows.append({"shape": str(shape), **cfg, "splits": ns, "kv_format": kv_format or dtype,
+                             "median_ms": t, "TB_s": tbs})
         del sets
         torch.cuda.empty_cache()
     return rows

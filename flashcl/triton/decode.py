@@ -41,12 +41,12 @@ Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
 dot path dequantizes each tile after its load (_load_quant): ggml blocks with their fp16 d, int8 /
 fp8 values exactly in q's type with their scale applied per key to the scores (K) or to p (V).
-Rows on 4-byte boundaries with head dims that are their own padded size are read as 32-bit words
-(_load_words: pipelined loads, no byte gather): q4_0 always, its columns unpacked out of order, so
-q is loaded and out / the partials stored in that order (_q4_0_columns); int8 and fp8 where q is
-fp16, their words turned into fp16 by byte permutes (_words_to_f16) instead of per-element
-converts. q8_0 takes the byte gather. The plan keeps quantized caches off the Gluon kernels and the
-MHA loop (decode_plan.QUANTIZED); docs/notes/quantized-decode.md has the measurements.
+int8 and fp8 rows on 4-byte boundaries are read as 32-bit words (_load_words: pipelined loads, no
+byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4_0 K and V with
+such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
+(ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
+The plan keeps quantized caches off the Gluon kernels and the MHA loop (decode_plan.QUANTIZED);
+docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
@@ -112,7 +112,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ..quant import QuantizedTensor
-from . import decode_gluon, decode_plan, interpreting
+from . import decode_gluon, decode_plan, ggml_stored, interpreting, quant_words
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
@@ -152,10 +152,14 @@ def _decode_kernel(
     # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
     K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
     # quantized K / V read as aligned 32-bit words (_load_words), q and out in their column order;
-    # CVT_ASM: the words become fp16 through PTX byte permutes (_words_to_f16), not per-element casts
+    # CVT_ASM: the words become fp16 through PTX byte permutes (quant_words.words_to_f16), not per-element casts
     K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
+    # ggml K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
+    # the group's rows per block); TAIL_K / TAIL_V: the positions of a row past its head dim
+    STORED: tl.constexpr = False, TAIL_K: tl.constexpr = 16, TAIL_V: tl.constexpr = 16,
+    STORED_ALIGN: tl.constexpr = 1,
 ):
-    tl.static_assert(MHA_FMA or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
+    tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
     tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV)
     tl.static_assert(BLOCK_N >= 16)
@@ -181,13 +185,6 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_g = offs_g < GROUP
     heads = pid_h * GROUP + offs_g  # query heads of this KV head's group
-    # the head-dim column of each position of the K / V tiles: q4_0 words unpack out of order
-    col_k = offs_dk
-    if K_WORDS and K_FMT == "q4_0":
-        col_k = _q4_0_columns(BLOCK_DK)
-    col_v = offs_dv
-    if V_WORDS and V_FMT == "q4_0":
-        col_v = _q4_0_columns(BLOCK_DV)
     bt_base = BlockTable + pid_b.to(tl.int64) * stride_btb
 
     # this split's tokens [lo, hi): the context cut into num_splits chunks of whole tiles (empty
@@ -258,16 +255,24 @@ def _decode_kernel(
             win_lo, n_ctx, softcap_log2, slope, WINDOW, SOFTCAP, ALIBI)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
-        q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + col_k[None, :] * stride_qd
-        if BLOCK_DK == DK:
-            q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
+        if STORED:  # stacked per K block, in stored order; acc stacked per V block
+            q, q_tail = ggml_stored.load_q(Q + pid_b.to(tl.int64) * stride_qb + heads * stride_qh, mask_g,
+                                           stride_qd, DK, TAIL_K, BLOCK_G)
+            acc = tl.zeros([DV // 32 * BLOCK_G, DV], dtype=tl.float32)
+            acc_tail = tl.zeros([BLOCK_G, BLOCK_N, TAIL_V], dtype=tl.float32)
         else:
-            q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            q_ptrs = Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :] * stride_qd
+            if BLOCK_DK == DK:
+                q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
+            else:
+                q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
         if UPCAST_DOT:
             q = q.to(tl.float32)
+            if STORED:
+                q_tail = q_tail.to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
         if ALIBI:  # the group's slopes, in the log2 domain
             slopes = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + heads, mask=mask_g, other=0.0) * LOG2E
         for start_n in range(lo, hi, BLOCK_N):
@@ -319,24 +324,31 @@ def _decode_kernel(
             # with whole pages or tiles inside a page every row address is a real row: no row mask,
             # unless a window hides some of them (their K/V may hold anything)
             mask_rows: tl.constexpr = WINDOW or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
-            if K_FMT == "":
-                k = _load_rows(k_ptrs, valid, offs_dk, DK, BLOCK_DK, mask_rows, "")
+            if STORED:
+                rows_ok = valid
+                if not mask_rows:
+                    rows_ok = tl.full(valid.shape, 1, tl.int1)
+                # rows from the caches' starts (aligned), not from this head's (136 bytes at d = 128)
+                row_k = row_k + pid_h * stride_kh
+                row_v = row_v + pid_h * stride_vh
+                k, k_tail = ggml_stored.tile(K, row_k, rows_ok, DK, TAIL_K, CVT_ASM, STORED_ALIGN)
+                d_k = ggml_stored.scales(K, row_k, rows_ok, DK // 32)
+                v, v_tail = ggml_stored.tile(V, row_v, rows_ok, DV, TAIL_V, CVT_ASM, STORED_ALIGN)
+                d_v = ggml_stored.scales(V, row_v, rows_ok, DV // 32)
+                s = ggml_stored.scores(q, q_tail, k.to(q.dtype), k_tail.to(q.dtype), d_k, BLOCK_G) * qk_scale_log2
             else:
-                k, k_scale = _load_quant(k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k, offs_dk,
-                                         valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS, CVT_ASM)
-                k = k.to(q.dtype)
-            if V_FMT == "":
-                v = _load_rows(v_ptrs, valid, offs_dv, DV, BLOCK_DV, mask_rows, "")
-            else:
-                v, v_scale = _load_quant(v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v, offs_dv,
-                                         valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS, CVT_ASM)
-                v = v.to(q.dtype)
-            if UPCAST_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+                k, k_scale = _load_kv(k_ptrs, k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k,
+                                      offs_dk, valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS, CVT_ASM,
+                                      q.dtype)
+                v, v_scale = _load_kv(v_ptrs, v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v,
+                                      offs_dv, valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS, CVT_ASM,
+                                      q.dtype)
+                if UPCAST_DOT:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
 
             # scores in the log2 domain; tokens past the end are -inf
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
             if K_FMT == "int8" or K_FMT == "fp8_e4m3":
                 s = s * k_scale[None, :]
             if ALIBI:
@@ -349,7 +361,10 @@ def _decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if V_FMT == "int8" or V_FMT == "fp8_e4m3":
+            if STORED:  # d of rows past the end may be anything: 0 (their p is 0)
+                acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
+                                                       v.to(q.dtype), v_tail.to(q.dtype))
+            elif V_FMT == "int8" or V_FMT == "fp8_e4m3":
                 acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -364,9 +379,13 @@ def _decode_kernel(
         pm_off = pid_b.to(tl.int64) * stride_pmb + heads * stride_pmh + pid_s * stride_pms
         tl.store(PartM + pm_off, m_i, mask=mask_g)
         tl.store(PartL + pm_off, l_i, mask=mask_g)
-        pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
-                   + pid_s * stride_pas + col_v[None, :] * stride_pad)
-        tl.store(pa_ptrs, acc, mask=mask_g[:, None] & (offs_dv[None, :] < DV))
+        if STORED:
+            ggml_stored.store(PartAcc + pid_b.to(tl.int64) * stride_pab + heads * stride_pah + pid_s * stride_pas,
+                              mask_g, stride_pad, acc, tl.sum(acc_tail, 1), DV, TAIL_V)
+        else:
+            pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
+                       + pid_s * stride_pas + offs_dv[None, :] * stride_pad)
+            tl.store(pa_ptrs, acc, mask=mask_g[:, None] & (offs_dv[None, :] < DV))
         if FUSED:
             # Fused reduce: the last split of (b, h_kv) to arrive merges all of them. Ordering (the
             # CUTLASS semaphore pattern): a CTA barrier orders every thread's partial stores before
@@ -392,18 +411,42 @@ def _decode_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.exp2(sink - m_safe)
-            acc = acc * alpha[:, None]
+            if STORED:
+                acc = acc * ggml_stored.stack(alpha, DV // 32)[:, None]
+                acc_tail = acc_tail * alpha[:, None, None]
+            else:
+                acc = acc * alpha[:, None]
             m_i = m_new
         # context_len 0: out 0, lse -inf (no 0/0); a NaN l (NaN/inf in q or a seen K, a bad
         # table) is not 0: out and lse NaN
         seen = l_i != 0.0
         l_safe = tl.where(seen, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col_v[None, :] * stride_od
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv[None, :] < DV))
+        if STORED:
+            l_rows = ggml_stored.stack(l_safe, DV // 32)[:, None]
+            ggml_stored.store(Out + pid_b.to(tl.int64) * stride_ob + heads * stride_oh, mask_g, stride_od,
+                              acc / l_rows, tl.sum(acc_tail, 1) / l_safe[:, None], DV, TAIL_V)
+        else:
+            out = acc / l_safe[:, None]
+            o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv[None, :] < DV))
         # back from log2 to natural log: lse = (m + log2 l) * ln 2
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
+
+
+@triton.jit
+def _load_kv(ptrs, base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexpr, D: tl.constexpr,
+             BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, WORDS: tl.constexpr, CVT_ASM: tl.constexpr, DTYPE):
+    """A K or V tile and its row scales (1 unless int8 / fp8): plain rows at ``ptrs`` (_load_rows),
+    or a quantized tile (_load_quant) in ``DTYPE``, q's type."""
+    if FMT == "":
+        x = _load_rows(ptrs, valid, offs_d, D, BLOCK_D, MASK_ROWS, "")
+        row_scale = 1.0
+    else:
+        x, row_scale = _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT, D, BLOCK_D, MASK_ROWS, WORDS,
+                                   CVT_ASM)
+        x = x.to(DTYPE)
+    return x, row_scale
 
 
 @triton.jit
@@ -417,16 +460,15 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
     every row), applied by the caller to the scores or to p: one multiply per key instead of one
     per element. Without MASK_ROWS every row address is a real row (whole pages, tiles inside a
     page) and the loads take no row mask; the caller selects those scores away. WORDS: the row as
-    aligned 32-bit words (_load_words; D == BLOCK_D, rows on 4-byte boundaries), q4_0's columns
-    in _q4_0_columns's order, the others in order; with CVT_ASM the values come back in fp16."""
+    aligned 32-bit words (_load_words; int8 / fp8, D == BLOCK_D, rows on 4-byte boundaries); with
+    CVT_ASM the values come back in fp16."""
     if not MASK_ROWS:
         valid = tl.full(valid.shape, 1, tl.int1)
     mask = valid[:, None] & (offs_d[None, :] < D)
     row_scale = 1.0
     if WORDS:
         x = _load_words(base, row, valid, FMT, D, CVT_ASM)
-        if FMT == "int8" or FMT == "fp8_e4m3":
-            row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
+        row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
     elif FMT == "q8_0" or FMT == "q4_0":
         # [rows, blocks, 32]: one d per block, its 32 values, then the row as [rows, BLOCK_D]
         BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
@@ -440,7 +482,7 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
             pairs = tl.load((blk + 2).to(tl.pointer_type(tl.int16), bitcast=True)[:, :, None]
                             + tl.arange(0, 16)[None, None, :], mask=blk_mask[:, :, None], other=0)
             if CVT_ASM:
-                lo, hi = _pair_to_f16(pairs)
+                lo, hi = quant_words.pair_to_f16(pairs)
                 d = d[:, :, None]
             else:  # each byte sign-extended by an arithmetic shift
                 lo = ((pairs.to(tl.int32) << 24) >> 24).to(tl.float32)
@@ -465,166 +507,15 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
     return x, row_scale
 
 
-# Quantized rows as 32-bit words: every load a 4-byte aligned word (cp.async, pipelined; int8 and
-# fp8 rows 16 bytes at a time) and each word turned into its values in registers, in place of a
-# byte gather into a [rows, blocks, 32] tile and byte-wide shared-memory reads.
-#
-# q4_0: two 18-byte blocks are 9 words: the head word holds the first block's d and its nibble
-# bytes 0-1, then 8 main words hold the rest of the pair; main word MID ends with the second
-# block's d, and bytes 0-1 take its place.
-#
-#   pair bytes  | d0 b0 b1 | b2 ..          .. b14 b15 d1 | b'0 ..   .. b'15 |
-#   words       |  head    |  main 0 ..    main MID        | main 4 .. main 7 |
-#
-# q8_0 is not read as words: the first block of a pair sits 2 bytes off a word boundary, and its
-# realigned words measured slower than the byte gather (docs/notes/quantized-decode.md).
-_Q4_MAIN = tl.constexpr(8)  # main words per pair of blocks
-_Q4_MID = tl.constexpr(3)   # the main word that holds the second block's d
-
-
-@triton.jit
-def _q4_0_columns(D: tl.constexpr):
-    """The head-dim column of each position of a q4_0 row as _load_words unpacks it: position
-    8 w + 2 k + h is nibble h (high: value + 16) of byte k of main word w."""
-    pos = tl.arange(0, D)
-    w = pos // 8
-    byte = 4 * (w % _Q4_MAIN) + (pos % 8) // 2  # byte of the pair's main words
-    first = (w % _Q4_MAIN) <= _Q4_MID
-    b = tl.where(first, (byte + 2) % 16, byte - 16)  # bytes 0-1 sit where the second block's d was
-    block = 2 * (w // _Q4_MAIN) + tl.where(first, 0, 1)
-    return 32 * block + b + 16 * (pos % 2)
-
-
 @triton.jit
 def _load_words(base, row, valid, FMT: tl.constexpr, D: tl.constexpr, CVT_ASM: tl.constexpr):
-    """A quantized tile [BLOCK_N, D] read as 32-bit words: rows ``row`` (byte offsets, multiples of
-    4) of ``base``, rows where ``valid`` is false zeros. q4_0 in _q4_0_columns's order, dequantized;
-    int8 / fp8 their stored values, in order. CVT_ASM (fp16 q): fp16 values from _words_to_f16;
-    else float32 (q4_0, int8) or fp8 values from per-element casts."""
+    """An int8 or fp8 tile [BLOCK_N, D] read as 32-bit words (pipelined loads, rows 16 bytes at a
+    time, in place of byte-wide shared-memory reads): rows ``row`` (byte offsets, multiples of 4)
+    of ``base``, rows where ``valid`` is false zeros; the stored values, in order, fp16 through
+    byte permutes with CVT_ASM (quant_words.values), else float32 (int8) or fp8 from casts."""
     words = base.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[:, None]
-    rows_ok = valid[:, None]
-    if FMT == "q4_0":
-        w = tl.arange(0, D // 8)
-        wi = w % _Q4_MAIN
-        pair = (w // _Q4_MAIN) * (_Q4_MAIN + 1)  # the pair's head word
-        # per main word, the word that holds its block's d: the head word, or main word MID
-        main = tl.load(words + (pair + 1 + wi)[None, :], mask=rows_ok, other=0)
-        side = tl.load(words + (pair + tl.where(wi <= _Q4_MID, 0, _Q4_MID + 1))[None, :], mask=rows_ok, other=0)
-        main = tl.where((wi == _Q4_MID)[None, :], (main & 0xFFFF) | (side & -65536), main)
-        d_bits = tl.where((wi <= _Q4_MID)[None, :], side, side >> 16)
-        if CVT_ASM:
-            t0, t1, t2, t3, t4, t5, t6, t7 = _words_to_f16(main, d_bits, FMT)
-        else:  # eight nibbles per word, value - 8; t[2 k + h] is nibble h of byte k
-            d = d_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            t0 = ((main & 15) - 8).to(tl.float32) * d
-            t1 = (((main >> 4) & 15) - 8).to(tl.float32) * d
-            t2 = (((main >> 8) & 15) - 8).to(tl.float32) * d
-            t3 = (((main >> 12) & 15) - 8).to(tl.float32) * d
-            t4 = (((main >> 16) & 15) - 8).to(tl.float32) * d
-            t5 = (((main >> 20) & 15) - 8).to(tl.float32) * d
-            t6 = (((main >> 24) & 15) - 8).to(tl.float32) * d
-            t7 = (((main >> 28) & 15) - 8).to(tl.float32) * d
-        x = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
-    else:
-        # four values per word, word c holding values 4 c .. 4 c + 3
-        c = tl.arange(0, D // 4)
-        w = tl.load(words + c[None, :], mask=rows_ok, other=0)
-        if CVT_ASM:
-            t0, t1, t2, t3 = _words_to_f16(w, 0, FMT)
-        elif FMT == "int8":  # each byte sign-extended by an arithmetic shift
-            t0 = ((w << 24) >> 24).to(tl.float32)
-            t1 = ((w << 16) >> 24).to(tl.float32)
-            t2 = ((w << 8) >> 24).to(tl.float32)
-            t3 = (w >> 24).to(tl.float32)
-        else:
-            t0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            t1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            t2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            t3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        x = tl.join(tl.join(t0, t2), tl.join(t1, t3))  # join stacks on a new last dim: t0 t1 t2 t3
-    return tl.reshape(x, [row.shape[0], D])
-
-
-@triton.jit
-def _pair_to_f16(pairs):
-    """The two int8 values of each 16-bit pair as fp16 (lower byte, upper byte), through a byte
-    permute as in _words_to_f16 (fp16 q on a GPU)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, bias;
-        cvt.u32.u16 u, $2;
-        xor.b32 u, u, 0x8080;
-        prmt.b32 u, u, 0x64646464, 0x4140;
-        mov.b32 bias, 0x64806480;
-        sub.rn.f16x2 u, u, bias;
-        mov.b32 {$0, $1}, u;
-        }""",
-        constraints="=h,=h,h", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-
-
-@triton.jit
-def _words_to_f16(w, d_bits, FMT: tl.constexpr):
-    """The fp16 values of 32-bit words of a quantized row, through byte permutes (fp16 q, sm_89+
-    for fp8): an 8-bit value u becomes the fp16 1024 + u by taking 0x64 as its upper byte, then an
-    exact subtract of the bias; q4_0's d is one correctly rounded multiply (as a float32 product
-    cast to fp16). int8 / fp8: ``w`` holds 4 values; q4_0: 8 nibbles, d in the lower half of
-    ``d_bits``. Returns the values in order (q4_0: nibble h of byte k at 2 k + h)."""
-    if FMT == "fp8_e4m3":
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 a, b;
-            .reg .b32 lo, hi;
-            mov.b32 {a, b}, $4;
-            cvt.rn.f16x2.e4m3x2 lo, a;
-            cvt.rn.f16x2.e4m3x2 hi, b;
-            mov.b32 {$0, $1}, lo;
-            mov.b32 {$2, $3}, hi;
-            }""",
-            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-    elif FMT == "int8":  # u = x + 128: the fp16 1024 + u, less 1152
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, bias, lo, hi;
-            mov.b32 bias, 0x64806480;
-            xor.b32 u, $4, 0x80808080;
-            prmt.b32 lo, u, 0x64646464, 0x4140;
-            prmt.b32 hi, u, 0x64646464, 0x4342;
-            sub.rn.f16x2 lo, lo, bias;
-            sub.rn.f16x2 hi, hi, bias;
-            mov.b32 {$0, $1}, lo;
-            mov.b32 {$2, $3}, hi;
-            }""",
-            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-    else:
-        tl.static_assert(FMT == "q4_0")
-        # nibbles of the low halves of the bytes (0, 2, 4, 6), then of the high halves; bias 1032
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, d, bias, a, b, c, e;
-            prmt.b32 d, $9, 0, 0x1010;
-            mov.b32 bias, 0x64086408;
-            and.b32 lo, $8, 0x0F0F0F0F;
-            shr.u32 hi, $8, 4;
-            and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 a, lo, 0x64646464, 0x4140;
-            prmt.b32 b, lo, 0x64646464, 0x4342;
-            prmt.b32 c, hi, 0x64646464, 0x4140;
-            prmt.b32 e, hi, 0x64646464, 0x4342;
-            sub.rn.f16x2 a, a, bias;
-            sub.rn.f16x2 b, b, bias;
-            sub.rn.f16x2 c, c, bias;
-            sub.rn.f16x2 e, e, bias;
-            mul.rn.f16x2 a, a, d;
-            mul.rn.f16x2 b, b, d;
-            mul.rn.f16x2 c, c, d;
-            mul.rn.f16x2 e, e, d;
-            mov.b32 {$0, $2}, a;
-            mov.b32 {$4, $6}, b;
-            mov.b32 {$1, $3}, c;
-            mov.b32 {$5, $7}, e;
-            }""",
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, d_bits], dtype=(tl.float16,) * 8,
-            is_pure=True, pack=1)
+    w = tl.load(words + tl.arange(0, D // 4)[None, :], mask=valid[:, None], other=0)
+    return quant_words.values(w, FMT, CVT_ASM)
 
 
 @triton.jit
@@ -1068,8 +959,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
-    quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _reads_words(k_cache, k_format, dk, cvt_asm),
-             "V_WORDS": _reads_words(v_cache, v_format, dv, cvt_asm), "CVT_ASM": cvt_asm}
+    block_g = plan.block_g
+    if (plan.config["ggml_stored"] and ggml_stored.takes(k_cache, k_format, dk)
+            and ggml_stored.takes(v_cache, v_format, dv)):
+        block_g = ggml_stored.group_rows(group, dk, dv)
+        quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm, "STORED": True,
+                 "TAIL_K": ggml_stored.tail_positions(dk), "TAIL_V": ggml_stored.tail_positions(dv),
+                 "STORED_ALIGN": min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache))}
+    else:
+        quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _reads_words(k_cache, k_format, dk, cvt_asm),
+                 "V_WORDS": _reads_words(v_cache, v_format, dv, cvt_asm), "CVT_ASM": cvt_asm}
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens):
@@ -1096,7 +995,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
             *s_pm, *s_pa, stride_slb, *scale_args[0][1], *scale_args[1][1],
-            GROUP=group, BLOCK_G=plan.block_g,
+            GROUP=group, BLOCK_G=block_g,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
@@ -1118,25 +1017,20 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _reads_words(data: torch.Tensor, fmt: str, d: int, cvt_asm: bool) -> bool:
-    """Whether the kernel reads this cache as 32-bit words (_load_words): head dims that are their
-    own padded size (q4_0: whole block pairs, 64, 128, 256; int8 / fp8: 16 or more), every row on
-    a 4-byte boundary. q4_0 always; int8 and fp8 where their words become fp16 through byte
-    permutes (``cvt_asm``; under the interpreter the same words take per-element casts). q8_0 keeps
-    the byte gather: its realigned words measured slower (docs/notes/quantized-decode.md)."""
-    if fmt not in ("q4_0", "int8", "fp8_e4m3") or d != _next_pow2(d):
+    """Whether the kernel reads this int8 or fp8 cache as 32-bit words (_load_words): head dims 16
+    or more that are their own padded size, unit stride, every row on a 4-byte boundary, the words
+    turned into fp16 through byte permutes (``cvt_asm``; under the interpreter the same words
+    take per-element casts). q4_0 has its own word path (ggml_stored); q8_0 keeps the byte-pair
+    gather: its words measured slower both ways (docs/notes/quantized-decode.md)."""
+    if fmt not in ("int8", "fp8_e4m3") or d != _next_pow2(d) or d < 16 or data.stride(-1) != 1:
         return False
-    if fmt == "q4_0":
-        if d % 64:
-            return False
-    elif d < 16 or data.stride(-1) != 1:
-        return False
-    if fmt != "q4_0" and not (cvt_asm or interpreting()):
+    if not (cvt_asm or interpreting()):
         return False
     return data.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in data.stride()[:3])
 
 
 def _cvt_asm(q: torch.Tensor, formats: tuple) -> bool:
-    """Whether quantized words become fp16 through PTX byte permutes (_words_to_f16): fp16 q on a
+    """Whether quantized words become fp16 through PTX byte permutes (quant_words.words_to_f16): fp16 q on a
     GPU (not the interpreter), sm_89+ where a cache is fp8 (its convert instruction)."""
     if q.dtype != torch.float16 or interpreting() or not any(formats):
         return False

@@ -211,6 +211,8 @@ _KNOBS = {
     "gluon_gqa": None,
     # the Gluon kernels visit the pages of splits of 256 to 1024 pages in address order
     "sort_pages": True,
+    # ggml K and V (q8_0, q4_0) read in stored order where their rows allow (decode.ggml_stored)
+    "ggml_stored": True,
 }
 _TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
 
@@ -329,27 +331,34 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
             and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 
 
-# Quantized formats whose split launches aim at two programs per SM (_dequant_two_programs), and
-# those that take the word tile (_word_tile)
-_TWO_PROGRAM_FORMATS = ("int8", "fp8_e4m3", "q4_0")
-_WORD_TILE_FORMATS = ("int8", "fp8_e4m3")
+# Quantized caches: programs per SM their split launches aim at (_dequant_programs_per_sm), and
+# their tiles (_dequant_tile). int8 / fp8 read as words: 128 rows on 4 warps, two programs per SM.
+# q8_0 (byte pairs) and q4_0 (stored order) are latency bound: more, smaller programs hide it.
 _WORD_TILE = {"BLOCK_N": 128, "num_warps": 4}
+_GGML_TILES = {"q8_0": {"BLOCK_N": 64, "num_warps": 2}, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
 
-def _dequant_two_programs(problem: DecodeProblem) -> bool:
-    """An int8, fp8 or q4_0 split launch aims at two programs per SM: one program dequantizing its
-    tiles does not stream enough for its SM (H200, (1, 32/8, 32k): int8 and fp8 on the word tile
-    34.9 and 39.5 us on 33 and 16 splits; q4_0 on 32 splits at 128k 437 us, on 16 with the long
-    tile 526). q8_0's byte gather was measured on 16 ("Tiles" in docs/notes/quantized-decode.md)."""
-    return bool(set(problem.kv_formats) & set(_TWO_PROGRAM_FORMATS))
-
-
-def _word_tile(problem: DecodeProblem) -> bool:
-    """Whether a quantized launch takes _WORD_TILE: every quantized cache int8 or fp8 (read as words,
-    converted by byte permutes), 128 rows on 4 warps: at (1, 32/8), fp16, 0.93x and 1.12x fp16's time
-    at 32k and 128k for int8, against 1.25x and 1.44x on the default and long tiles (H200)."""
+def _dequant_programs_per_sm(problem: DecodeProblem) -> int:
+    """The programs per SM a quantized split launch aims at: 4 with a ggml cache, 2 with int8 or
+    fp8 only, 1 plain. One program dequantizing its tiles does not stream enough for its SM (H200,
+    (1, 32/8, 32k): int8 and fp8 on the word tile 34.9 and 39.5 us on 33 and 16 splits); the ggml
+    tiles keep gaining to four (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33
+    81 / 293; q4_0 79 / 272 against 126 / 458): "Stored order" in docs/notes/quantized-decode.md."""
     formats = {f for f in problem.kv_formats if f}
-    return bool(formats) and formats <= set(_WORD_TILE_FORMATS)
+    if formats & set(_GGML_TILES):
+        return 4
+    return 2 if formats else 1
+
+
+def _dequant_tile(problem: DecodeProblem) -> Optional[dict]:
+    """The tile of a quantized launch: a ggml cache's (q8_0's where both kinds are there), else
+    _WORD_TILE for int8 / fp8 (at (1, 32/8), fp16, 0.93x and 1.12x fp16's time at 32k and 128k
+    for int8, against 1.25x and 1.44x on the default and long tiles: H200); None plain."""
+    formats = {f for f in problem.kv_formats if f}
+    for fmt in _GGML_TILES:
+        if fmt in formats:
+            return _GGML_TILES[fmt]
+    return _WORD_TILE if formats else None
 
 
 # The reduce kernel: HEADS adjacent query heads per program, CHUNK_S splits merged per step (one
@@ -449,9 +458,10 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     Unless the config sets the tile: a grid of at most one program per SM whose splits are at least
     _LONG_SPLIT tokens and whose heads pad to 128 or more takes _LONG_TILE where shared memory holds
     it; the dot path's default tile takes more rows for heads below 128 (_small_head_rows) and runs
-    on 2 warps where _two_warps_pay; MHA takes the Gluon kernel's tile where it runs. The automatic
-    split count aims at two programs per SM where _two_programs_per_sm or _dequant_two_programs,
-    and at the GQA kernel's own count (gqa_splits) where that kernel takes the launch."""
+    on 2 warps where _two_warps_pay; MHA takes the Gluon kernel's tile where it runs; quantized
+    caches take _dequant_tile. The automatic split count aims at two programs per SM where
+    _two_programs_per_sm, at _dequant_programs_per_sm with quantized caches, and at the GQA
+    kernel's own count (gqa_splits) where that kernel takes the launch."""
     p = problem
     unknown = set(p.variants) - set(VARIANTS)
     if unknown:
@@ -476,9 +486,13 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     programs = p.b * p.h_kv  # per split
     min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
     auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
-    if auto_splits > 1 and (_two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)
-                            or _dequant_two_programs(p)):
-        auto_splits = choose_num_splits(2 * sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
+    dequant_tile = None if set(config or {}) & set(_TILE_KEYS) else _dequant_tile(p)
+    rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
+    per_sm = _dequant_programs_per_sm(p)
+    if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
+        per_sm = max(per_sm, 2)
+    if auto_splits > 1 and per_sm > 1:
+        auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
     splits = num_splits if num_splits > 0 else auto_splits
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
 
@@ -494,9 +508,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
                 gluon_gqa, splits = True, g_splits
 
     alone = programs * splits <= sms  # at most one program per SM
-    quant_tile = not tile_forced and _word_tile(p)
+    quant_tile = dequant_tile is not None
     if quant_tile:
-        cfg.update(_WORD_TILE)
+        cfg.update(dequant_tile)
     long_tile = (not tile_forced and not quant_tile and alone and max(block_dk, block_dv) >= 128
                  and _cdiv(n_ctx, splits) >= _LONG_SPLIT
                  and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))

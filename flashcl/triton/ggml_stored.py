@@ -1,0 +1,179 @@
+"""q4_0 K/V read in stored order: the Triton decode's path for q4_0 caches.
+
+A q4_0 row is blocks of 32 values, each 18 bytes: its fp16 scale d, then 16 bytes of nibbles
+(byte i holds value i in its low nibble, value i + 16 in its high one), so a block's values never
+sit on the 4-byte boundaries that pipelined loads need. Here the row is loaded as it is stored,
+32-bit words in order, and every nibble becomes one position of the tile, d's included. The
+tile is never rearranged; the block structure goes into rows instead, which the MMA has spare
+(a GQA group of 4 pads to 16 rows):
+
+    K:  q stacked per block: row (j, m) holds query m's values at block j's positions, zeros
+        elsewhere (d's nibbles too), so  S[(j, m), n] = q_m . block j of key n  in one dot, and
+        the score is  s[m, n] = sum_j d_j[n] * S[(j, m), n]  (fp32: exact integers times q).
+    V:  p stacked per block: row (j, m) holds p[m, n] * d_j[n], so  A = P @ values  holds at
+        row (j, m) and each position of block j query m's output for that value; the epilogue
+        stores each position of row (j, m) whose block is j at its head-dim column.
+
+A row is D positions (the head dim: whole words) and a tail of 4 nibbles per block past them,
+all of the last block, computed on CUDA cores (a dot of so few positions would take padding and
+registers). A row of V's stacked p takes d_j times 2^-e_j, e_j the exponent of block j's largest
+d in the tile, scaled back in fp32 after the dot: p * d in fp16 would leave the normal range for
+small d.
+
+Rows must lie on 4-byte boundaries and the head dim be 64, 128 or 256 (an even number of blocks:
+rows of whole words); other q4_0 caches take ``decode._load_quant``'s gather. q8_0 measured
+slower this way than by its byte-pair gather (docs/notes/quantized-decode.md, "Stored order").
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import quant_words
+
+_BLOCK_BYTES = tl.constexpr(18)  # a q4_0 block: d, then 16 bytes of nibbles
+
+
+def takes(data, fmt: str, d: int) -> bool:
+    """Whether a cache's data is read in stored order: q4_0, d 64 / 128 / 256, every row on a
+    4-byte boundary."""
+    return fmt == "q4_0" and d in (64, 128, 256) and row_words_aligned(data) >= 1
+
+
+def row_words_aligned(data) -> int:
+    """The 32-bit words (4, 2 or 1) that every row's start is a multiple of (0: not even one):
+    the loads' vector width (rows of 72 bytes at d = 128: 8-byte loads)."""
+    for words in (4, 2, 1):
+        if data.data_ptr() % (4 * words) == 0 and all(st % (4 * words) == 0 for st in data.stride()[:3]):
+            return words
+    return 0
+
+
+def tail_positions(d: int) -> int:
+    """Positions of a stored row past its head dim: 2 bytes a block, 4 nibbles."""
+    return (d // 32) * 4
+
+
+def group_rows(group: int, dk: int, dv: int) -> int:
+    """Rows of one stacked block: the group padded so that blocks x rows >= 16 (tl.dot's least)."""
+    rows = 1 << max(0, group - 1).bit_length()
+    return max(rows, 16 // (min(dk, dv) // 32))
+
+
+@triton.jit
+def columns(pos, D: tl.constexpr):
+    """(block, head-dim column) of stored-order positions ``pos`` of a row of head dim D: position
+    8 w + 2 k + h is nibble h (high: value + 16) of byte k of word w; column -1 for d's."""
+    byte = (pos // 8) * 4 + (pos % 8) // 2
+    blk = byte // _BLOCK_BYTES
+    off = byte % _BLOCK_BYTES
+    value = (off >= 2) & (byte < _BLOCK_BYTES * (D // 32))
+    return blk, tl.where(value, 32 * blk + off - 2 + 16 * (pos % 2), -1)
+
+
+@triton.jit
+def tile(base, row, rows_ok, D: tl.constexpr, TAIL: tl.constexpr, CVT_ASM: tl.constexpr, ALIGN: tl.constexpr):
+    """A K or V tile in stored order: (main [rows, D], tail [rows, TAIL]) nibbles less 8 of the
+    rows at ``row`` (byte offsets from ``base``, multiples of 4 ``ALIGN`` words: the loads'
+    width); rows where ``rows_ok`` is false are zeros. fp16 through byte permutes with CVT_ASM,
+    else float32 (exact integers either way)."""
+    words = base.to(tl.pointer_type(tl.int32), bitcast=True) + tl.multiple_of(row // 4, ALIGN)[:, None]
+    main = tl.load(words + tl.arange(0, D // 8)[None, :], mask=rows_ok[:, None], other=0)
+    tl.static_assert(D // 8 + TAIL // 8 == (D // 32) * _BLOCK_BYTES // 4)
+    tail = tl.load(words + (D // 8 + tl.arange(0, TAIL // 8))[None, :], mask=rows_ok[:, None], other=0)
+    return quant_words.values(main, "q4_0", CVT_ASM), quant_words.values(tail, "q4_0", CVT_ASM)
+
+
+@triton.jit
+def scales(base, row, rows_ok, NB: tl.constexpr):
+    """The blocks' d of rows ``row`` as float32 [NB, rows], each read in the 32-bit word that
+    holds it (pipelined like the values); rows where ``rows_ok`` is false 0."""
+    byte = tl.arange(0, NB) * _BLOCK_BYTES
+    words = base.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[None, :] + (byte // 4)[:, None]
+    w = tl.load(words, mask=rows_ok[None, :], other=0)
+    bits = tl.where((byte % 4 == 2)[:, None], w >> 16, w) & 0xFFFF
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def stack(x, NB: tl.constexpr):
+    """[G] -> [NB * G]: x repeated for each block's rows (row j * G + m holds x[m])."""
+    G: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.broadcast_to(x[None, :], [NB, G]), [NB * G])
+
+
+@triton.jit
+def per_block(x, G: tl.constexpr):
+    """[NB] -> [NB * G]: x[j] at every row of block j."""
+    NB: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.broadcast_to(x[:, None], [NB, G]), [NB * G])
+
+
+@triton.jit
+def last_block(d):
+    """d [NB, rows] -> the last block's [rows]."""
+    NB: tl.constexpr = d.shape[0]
+    return tl.sum(tl.where((tl.arange(0, NB) == NB - 1)[:, None], d, 0.0), 0)
+
+
+@triton.jit
+def load_q(q_rows, heads_ok, stride_d, D: tl.constexpr, TAIL: tl.constexpr, G: tl.constexpr):
+    """q at a K tile's positions: main stacked per block [NB * G, D] (row j * G + m holds query
+    m's values at block j's positions, zeros elsewhere), tail [G, TAIL] (the last block's).
+    ``q_rows[m]``: query m's row, ``heads_ok[m]``: whether it is one ([G] each)."""
+    NB: tl.constexpr = D // 32
+    r = tl.arange(0, NB * G)
+    blk, col = columns(tl.arange(0, D), D)
+    q_main = tl.load(stack(q_rows, NB)[:, None] + col[None, :] * stride_d,
+                     mask=stack(heads_ok, NB)[:, None] & (blk[None, :] == (r // G)[:, None]) & (col[None, :] >= 0),
+                     other=0.0)
+    _, col = columns(D + tl.arange(0, TAIL), D)
+    q_tail = tl.load(q_rows[:, None] + col[None, :] * stride_d, mask=heads_ok[:, None], other=0.0)
+    return q_main, q_tail
+
+
+@triton.jit
+def scores(q_main, q_tail, k_main, k_tail, d_k, G: tl.constexpr):
+    """s [G, rows] = sum over blocks j of d_k[j] * (q's block j . K's block j), fp32: the main
+    positions by one dot of the stacked q, the tail on CUDA cores."""
+    NB: tl.constexpr = d_k.shape[0]
+    s = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
+    s = tl.sum(tl.reshape(s, [NB, G, k_main.shape[0]]) * d_k[:, None, :], 0)
+    t = tl.sum(q_tail.to(tl.float32)[:, None, :] * k_tail.to(tl.float32)[None, :, :], 2)
+    return s + t * last_block(d_k)[None, :]
+
+
+@triton.jit
+def accumulate(acc_main, acc_tail, alpha, p, d_v, v_main, v_tail):
+    """acc * alpha + P @ V: main per stacked row, P's row (j, m) p[m] * d_v[j] (fp32 p [G, rows],
+    d_v [NB, rows], zeros at rows past the end) scaled by 2^-e_j into the dot's type; the tail
+    [G, rows, TAIL] per key on CUDA cores (summed over the keys once, at the end)."""
+    NB: tl.constexpr = d_v.shape[0]
+    G: tl.constexpr = p.shape[0]
+    # 2^-e_j and 2^e_j from the exponent of block j's largest |d| (bits of fp32; never 0 or 255)
+    e = tl.minimum(tl.maximum((tl.max(tl.abs(d_v), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 253)
+    down = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    up = per_block((e << 23).to(tl.float32, bitcast=True), G)[:, None]
+    pp = p[None, :, :] * (d_v * down[:, None])[:, None, :]
+    pp = tl.reshape(pp, [NB * G, p.shape[1]]).to(v_main.dtype)
+    acc_main = acc_main * stack(alpha, NB)[:, None] + tl.dot(pp, v_main, input_precision="ieee") * up
+    tail = (last_block(d_v)[:, None] * v_tail.to(tl.float32))[None, :, :]
+    acc_tail = acc_tail * alpha[:, None, None] + p[:, :, None] * tail
+    return acc_main, acc_tail
+
+
+@triton.jit
+def store(out_rows, heads_ok, stride_d, acc_main, out_tail, D: tl.constexpr, TAIL: tl.constexpr):
+    """Store the stacked rows ``acc_main``: position c of row (j, m) at column(c) of ``out_rows[m]``
+    where c is a value of block j (each column once); ``out_tail`` [G, TAIL] at the tail's
+    columns. ``out_rows``, ``heads_ok``: [G]."""
+    NB: tl.constexpr = D // 32
+    G: tl.constexpr = out_rows.shape[0]
+    r = tl.arange(0, NB * G)
+    blk, col = columns(tl.arange(0, D), D)
+    tl.store(stack(out_rows, NB)[:, None] + col[None, :] * stride_d, acc_main.to(out_rows.dtype.element_ty),
+             mask=stack(heads_ok, NB)[:, None] & (blk[None, :] == (r // G)[:, None]) & (col[None, :] >= 0))
+    _, col = columns(D + tl.arange(0, TAIL), D)
+    tl.store(out_rows[:, None] + col[None, :] * stride_d, out_tail.to(out_rows.dtype.element_ty),
+             mask=heads_ok[:, None])

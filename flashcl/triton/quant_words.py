@@ -1,0 +1,125 @@
+"""Quantized bytes to values in the Triton kernels: 32-bit words (or 16-bit byte pairs) of a
+quantized row turned into fp16 through PTX byte permutes where q is fp16 on a GPU, or into float32
+through shifts and casts elsewhere (the interpreter, other q types). Shared by the decode's word
+tiles (decode._load_words), its q8_0 byte pairs (decode._load_quant) and its q4_0 stored-order
+tiles (ggml_stored)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def values(w, FMT: tl.constexpr, CVT_ASM: tl.constexpr):
+    """Words w [rows, W] of a quantized row as [rows, W * values per word], in stored order:
+    "int8" (also q8_0's values) and "fp8_e4m3" 4 bytes per word, "q4_0" 8 nibbles less 8,
+    unscaled (nibble h of byte k of word c at 8 c + 2 k + h). fp16 with CVT_ASM (words_to_f16);
+    else float32 (int8, q4_0) or fp8 from shifts and casts."""
+    if FMT == "q4_0":
+        if CVT_ASM:
+            t0, t1, t2, t3, t4, t5, t6, t7 = words_to_f16(w, FMT)
+        else:
+            t0 = ((w & 15) - 8).to(tl.float32)
+            t1 = (((w >> 4) & 15) - 8).to(tl.float32)
+            t2 = (((w >> 8) & 15) - 8).to(tl.float32)
+            t3 = (((w >> 12) & 15) - 8).to(tl.float32)
+            t4 = (((w >> 16) & 15) - 8).to(tl.float32)
+            t5 = (((w >> 20) & 15) - 8).to(tl.float32)
+            t6 = (((w >> 24) & 15) - 8).to(tl.float32)
+            t7 = (((w >> 28) & 15) - 8).to(tl.float32)
+        # nested joins stack on new last dims: the order t0 .. t7
+        x = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+        x = tl.reshape(x, [w.shape[0], w.shape[1] * 8])
+    else:
+        if CVT_ASM:
+            t0, t1, t2, t3 = words_to_f16(w, FMT)
+        elif FMT == "int8":  # each byte sign-extended by an arithmetic shift
+            t0 = ((w << 24) >> 24).to(tl.float32)
+            t1 = ((w << 16) >> 24).to(tl.float32)
+            t2 = ((w << 8) >> 24).to(tl.float32)
+            t3 = (w >> 24).to(tl.float32)
+        else:
+            tl.static_assert(FMT == "fp8_e4m3")
+            t0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            t3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        x = tl.join(tl.join(t0, t2), tl.join(t1, t3))  # the order t0 t1 t2 t3
+        x = tl.reshape(x, [w.shape[0], w.shape[1] * 4])
+    return x
+
+
+@triton.jit
+def pair_to_f16(pairs):
+    """The two int8 values of each 16-bit pair as fp16 (lower byte, upper byte), through a byte
+    permute as in words_to_f16 (fp16 q on a GPU)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, bias;
+        cvt.u32.u16 u, $2;
+        xor.b32 u, u, 0x8080;
+        prmt.b32 u, u, 0x64646464, 0x4140;
+        mov.b32 bias, 0x64806480;
+        sub.rn.f16x2 u, u, bias;
+        mov.b32 {$0, $1}, u;
+        }""",
+        constraints="=h,=h,h", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def words_to_f16(w, FMT: tl.constexpr):
+    """The fp16 values of 32-bit words of a quantized row, through byte permutes (sm_89+ for
+    fp8): an 8-bit value u becomes the fp16 1024 + u by taking 0x64 as its upper byte, then an
+    exact subtract of the bias. int8 / fp8: ``w`` holds 4 values, returned in order; q4_0: 8
+    nibbles, returned less 8 (nibble h of byte k at 2 k + h)."""
+    if FMT == "fp8_e4m3":
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 a, b;
+            .reg .b32 lo, hi;
+            mov.b32 {a, b}, $4;
+            cvt.rn.f16x2.e4m3x2 lo, a;
+            cvt.rn.f16x2.e4m3x2 hi, b;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    elif FMT == "int8":  # u = x + 128: the fp16 1024 + u, less 1152
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, bias, lo, hi;
+            mov.b32 bias, 0x64806480;
+            xor.b32 u, $4, 0x80808080;
+            prmt.b32 lo, u, 0x64646464, 0x4140;
+            prmt.b32 hi, u, 0x64646464, 0x4342;
+            sub.rn.f16x2 lo, lo, bias;
+            sub.rn.f16x2 hi, hi, bias;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        tl.static_assert(FMT == "q4_0")
+        # nibbles of the low halves of the bytes (0, 2, 4, 6), then of the high halves; bias 1032
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, bias, a, b, c, e;
+            mov.b32 bias, 0x64086408;
+            and.b32 lo, $8, 0x0F0F0F0F;
+            shr.u32 hi, $8, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 a, lo, 0x64646464, 0x4140;
+            prmt.b32 b, lo, 0x64646464, 0x4342;
+            prmt.b32 c, hi, 0x64646464, 0x4140;
+            prmt.b32 e, hi, 0x64646464, 0x4342;
+            sub.rn.f16x2 a, a, bias;
+            sub.rn.f16x2 b, b, bias;
+            sub.rn.f16x2 c, c, bias;
+            sub.rn.f16x2 e, e, bias;
+            mov.b32 {$0, $2}, a;
+            mov.b32 {$4, $6}, b;
+            mov.b32 {$1, $3}, c;
+            mov.b32 {$5, $7}, e;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)

@@ -196,15 +196,18 @@ def test_window_softcap_sinks_alibi(triton_device):
            alibi_slopes=(torch.rand(2, 4, generator=gen) * 0.3).to(triton_device))
 
 
-def test_mask_with_quantized_cache_is_refused(triton_device):
-    """A mask with a quantized cache raises before launch (on sm_90 the masked path's P @ V read
-    past its shared-memory operand for an fp8 V of head dim 32, under compute-sanitizer)."""
+@pytest.mark.parametrize("k_fmt, v_fmt, dk, dv", [("q4_0", "fp8_e4m3", 64, 32), ("q8_0", "int8", 64, 64),
+                                                  ("int8", "q4_0", 32, 96)])
+def test_mask_with_quantized_cache(triton_device, k_fmt, v_fmt, dk, dv):
+    """A bool mask that hides whole rows and whole tiles, with quantized caches; V of head dim 32
+    (on sm_90 its 64-byte rows once made the masked P @ V read past its shared-memory operand)."""
     t = forced_tile(triton_device)
     n_q, n_kv = t + 5, 2 * t + 3
-    q, k, v = _case(triton_device, torch.float16, "q4_0", "fp8_e4m3", n_q=n_q, n_kv=n_kv, dk=64, dv=32)
-    mask = (torch.rand(2, 1, n_q, n_kv, generator=_gen("mask")) < 0.6).to(triton_device)
-    with pytest.raises(TypeError, match="a mask with quantized K/V caches is not supported yet"):
-        flashcl.prefill(q, k, v, mask=mask, backend="triton", params=forced_params(triton_device))
+    q, k, v = _case(triton_device, torch.float16, k_fmt, v_fmt, n_q=n_q, n_kv=n_kv, dk=dk, dv=dv)
+    mask = torch.rand(2, 1, n_q, n_kv, generator=_gen("mask", k_fmt, dv)) < 0.6
+    mask[:, :, 3] = False       # a row that sees nothing
+    mask[:, :, :, t:2 * t] = False  # a key tile no row sees
+    _check(q, k, v, causal=False, device=triton_device, mask=mask.to(triton_device))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int8", "fp8_e4m3"])

@@ -469,32 +469,11 @@ def _load_quant(base, row, scale_ptrs, offs_d, valid, stride_d, FMT: tl.constexp
     if WORDS:
         x = _load_words(base, row, valid, FMT, D, CVT_ASM)
         row_scale = tl.load(scale_ptrs, mask=valid, other=0.0)
-    elif FMT == "q8_0" or FMT == "q4_0":
-        # [rows, blocks, 32]: one d per block, its 32 values, then the row as [rows, BLOCK_D]
+    elif FMT == "q8_0" or FMT == "q4_0":  # [rows, blocks]: each block's first byte
         BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
-        NB: tl.constexpr = BLOCK_D // 32
-        blocks = tl.arange(0, NB)
-        blk = base + row[:, None] + (blocks * BLOCK_BYTES)[None, :]
-        blk_mask = valid[:, None] & (blocks[None, :] * 32 < D)
-        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_mask, other=0.0)
-        if FMT == "q8_0":
-            # the 32 values as 16 byte pairs (2-byte aligned: half the loads of a byte gather)
-            pairs = tl.load((blk + 2).to(tl.pointer_type(tl.int16), bitcast=True)[:, :, None]
-                            + tl.arange(0, 16)[None, None, :], mask=blk_mask[:, :, None], other=0)
-            if CVT_ASM:
-                lo, hi = quant_words.pair_to_f16(pairs)
-                d = d[:, :, None]
-            else:  # each byte sign-extended by an arithmetic shift
-                lo = ((pairs.to(tl.int32) << 24) >> 24).to(tl.float32)
-                hi = (pairs >> 8).to(tl.float32)
-                d = d.to(tl.float32)[:, :, None]
-            qs = tl.reshape(tl.join(lo, hi), [row.shape[0], NB, 32]) * d
-        else:  # byte 2 + j % 16 holds value j % 16 in its low nibble, j % 16 + 16 in its high one
-            j = tl.arange(0, 32)[None, None, :]
-            byte = tl.load(blk[:, :, None] + 2 + j % 16, mask=blk_mask[:, :, None], other=0).to(tl.int32)
-            qs = ((byte >> ((j // 16) * 4)) & 15).to(tl.float32) - 8.0
-            qs = qs * d.to(tl.float32)[:, :, None]
-        x = tl.reshape(qs, [row.shape[0], BLOCK_D])
+        blocks = tl.arange(0, BLOCK_D // 32)
+        x = quant_words.ggml_blocks(base + row[:, None] + (blocks * BLOCK_BYTES)[None, :],
+                                    valid[:, None] & (blocks[None, :] * 32 < D), FMT, CVT_ASM)
     else:
         tl.static_assert(FMT == "int8" or FMT == "fp8_e4m3", "quantized formats: q8_0, q4_0, int8, fp8_e4m3")
         ptrs = base + row[:, None] + offs_d[None, :] * stride_d

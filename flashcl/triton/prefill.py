@@ -82,7 +82,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
-from . import interpreting
+from . import interpreting, quant_words
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
 LOG2E_K = tl.constexpr(LOG2E)  # the same, for kernels (they read only constexpr globals)
@@ -139,35 +139,18 @@ def _load_quant_tile(base, start_n, offs_n, offs_d, stride_n, N_KV, DTYPE: tl.co
     head's first byte, rows stride_n bytes apart, each row's bytes contiguous; rows past N_kv
     (MASKED) and padded head dims 0.
 
-    Returned in DTYPE. q8_0 / q4_0: ggml blocks of 32 values behind their fp16 d, gathered as
-    16-bit words (the tile serves BLOCK_M query rows) and dequantized in float32 (values * d, as
-    flashcl.quant does). int8 / fp8_e4m3: the stored values, exact in DTYPE (their scales are
+    Returned in DTYPE. q8_0 / q4_0: ggml blocks of 32 values behind their fp16 d
+    (quant_words.ggml_blocks, in float32: the tile serves BLOCK_M query rows). int8 / fp8_e4m3: the stored values, exact in DTYPE (their scales are
     applied per key or per tensor by the caller)."""
     rows = start_n + offs_n
     row_ok = rows < N_KV
     if not MASKED:
         row_ok = tl.full(row_ok.shape, 1, tl.int1)
-    if FMT == "q8_0" or FMT == "q4_0":
-        # [rows, blocks]: one d per block; its 32 values; then the rows as [rows, BLOCK_D]
+    if FMT == "q8_0" or FMT == "q4_0":  # [rows, blocks]: each block's first byte
         BLOCK_BYTES: tl.constexpr = 34 if FMT == "q8_0" else 18
-        NB: tl.constexpr = BLOCK_D // 32
-        blocks = tl.arange(0, NB)
-        blk = base + (rows * stride_n)[:, None] + (blocks * BLOCK_BYTES)[None, :]
-        blk_ok = row_ok[:, None] & (blocks[None, :] * 32 < D)
-        d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_ok, other=0.0)
-        # the quant bytes as 16-bit words (each block's start 2 bytes in at an even address):
-        # half the loads of a byte gather, the bytes split in registers
-        WORDS: tl.constexpr = 16 if FMT == "q8_0" else 8
-        w = tl.load((blk[:, :, None] + 2).to(tl.pointer_type(tl.int16), bitcast=True)
-                    + tl.arange(0, WORDS)[None, None, :], mask=blk_ok[:, :, None], other=0)
-        if FMT == "q8_0":  # value 2i in the low byte of word i (sign-extended), 2i + 1 in the high one
-            qs = tl.join((w << 8) >> 8, w >> 8)
-        else:  # byte b: value b in its low nibble, b + 16 in its high one; join, then halves in order
-            half: tl.constexpr = [offs_n.shape[0], NB, 16]
-            low = tl.reshape(tl.join(w & 15, (w >> 8) & 15), half)
-            high = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), half)
-            qs = tl.permute(tl.join(low, high), (0, 1, 3, 2)) - 8
-        t = tl.reshape(qs.to(tl.float32) * d.to(tl.float32)[:, :, None, None], [offs_n.shape[0], BLOCK_D])
+        blocks = tl.arange(0, BLOCK_D // 32)
+        t = quant_words.ggml_blocks(base + (rows * stride_n)[:, None] + (blocks * BLOCK_BYTES)[None, :],
+                                    row_ok[:, None] & (blocks[None, :] * 32 < D), FMT, False)
     else:
         tl.static_assert(FMT == "int8" or FMT == "fp8_e4m3", "quantized formats: q8_0, q4_0, int8, fp8_e4m3")
         ptrs = base + (rows * stride_n)[:, None] + offs_d[None, :]
@@ -1196,6 +1179,10 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     # quantized tiles are dequantized from pointer loads: no tensor descriptors for them
     tma_ok = not (k_format or v_format) and _tma_ok(q, k, v, out)
     bdk, bdv = _padded_head_dim(dk), _padded_head_dim(dv)
+    if v_format:
+        # a dequantized V tile of 32-column (64-byte) rows: with a mask, Triton 3.6's sm_90 P @ V
+        # read past its shared-memory operand (compute-sanitizer); 64 columns read right
+        bdv = max(bdv, 64)
     descs = _descriptors(q, k, v, out, bdk, bdv) if tma_ok else (None,) * 4
     group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
                                               q.element_size())
@@ -1423,12 +1410,6 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
     kernel. Traceable by torch.compile(fullgraph=True): the kernel runs inside the
     ``flashcl::prefill`` op.
     """
-    if variants is not None and variants.mask is not None and (
-            isinstance(k, QuantizedTensor) or isinstance(v, QuantizedTensor)):
-        # compiled for sm_90, the masked path's P @ V read past its shared-memory operand (an fp8
-        # V of head dim 32, compute-sanitizer); refused until that is understood
-        raise TypeError("prefill on triton: a mask with quantized K/V caches is not supported yet; "
-                        "use causal/window, or dequantize the caches with flashcl.dequantize(...)")
     (k, k_format, k_scales), (v, v_format, v_scales) = (_quant_op_args(x, name, q, q.dim())
                                                         for x, name in ((k, "k"), (v, "v")))
     squeeze = q.dim() == 3

@@ -1,8 +1,8 @@
 """Quantized bytes to values in the Triton kernels: 32-bit words (or 16-bit byte pairs) of a
 quantized row turned into fp16 through PTX byte permutes where q is fp16 on a GPU, or into float32
 through shifts and casts elsewhere (the interpreter, other q types). Shared by the decode's word
-tiles (decode._load_words), its q8_0 byte pairs (decode._load_quant) and its q4_0 stored-order
-tiles (ggml_stored)."""
+tiles (decode._load_words), the ggml block gathers of the decode and the prefill (ggml_blocks)
+and the decode's q4_0 stored-order tiles (ggml_stored)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,39 @@ def values(w, FMT: tl.constexpr, CVT_ASM: tl.constexpr):
         x = tl.join(tl.join(t0, t2), tl.join(t1, t3))  # the order t0 t1 t2 t3
         x = tl.reshape(x, [w.shape[0], w.shape[1] * 4])
     return x
+
+
+@triton.jit
+def ggml_blocks(blk, blk_ok, FMT: tl.constexpr, CVT_ASM: tl.constexpr):
+    """Dequantized ggml blocks (q8_0 / q4_0) [rows, NB * 32] in column order: ``blk`` [rows, NB]
+    points at each block's first byte (its fp16 d, at an even address), blocks where ``blk_ok``
+    is false read as zeros. The values are gathered as 16-bit words (2-byte aligned: half the loads
+    of a byte gather) and multiplied by d as flashcl.quant does: fp16 products with CVT_ASM
+    (q8_0's pairs through pair_to_f16; correctly rounded, as the float32 product cast to fp16),
+    else float32."""
+    ROWS: tl.constexpr = blk.shape[0]
+    NB: tl.constexpr = blk.shape[1]
+    d = tl.load(blk.to(tl.pointer_type(tl.float16), bitcast=True), mask=blk_ok, other=0.0)
+    WORDS: tl.constexpr = 16 if FMT == "q8_0" else 8
+    w = tl.load((blk[:, :, None] + 2).to(tl.pointer_type(tl.int16), bitcast=True)
+                + tl.arange(0, WORDS)[None, None, :], mask=blk_ok[:, :, None], other=0)
+    if FMT == "q8_0":  # value 2i in the low byte of word i, 2i + 1 in the high one
+        if CVT_ASM:
+            lo, hi = pair_to_f16(w)
+        else:  # sign-extended by arithmetic shifts
+            lo = ((w << 8) >> 8).to(tl.float32)
+            hi = (w >> 8).to(tl.float32)
+            d = d.to(tl.float32)
+        qs = tl.join(lo, hi)
+    else:
+        tl.static_assert(FMT == "q4_0")
+        # byte b: value b in its low nibble, b + 16 in its high one; join, then the halves in order
+        half: tl.constexpr = [ROWS, NB, 16]
+        low = tl.reshape(tl.join(w & 15, (w >> 8) & 15), half)
+        high = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), half)
+        qs = (tl.permute(tl.join(low, high), (0, 1, 3, 2)) - 8).to(tl.float32)
+        d = d.to(tl.float32)
+    return tl.reshape(qs * d[:, :, None, None], [ROWS, NB * 32])
 
 
 @triton.jit

@@ -117,8 +117,8 @@ def test_mixed_formats_and_head_dims(triton_device, k_fmt, v_fmt, poison):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logical_dtypes(triton_device, dtype, poison):
-    """A cache quantized from float32 or bfloat16 (q's dtype), d = 128."""
-    for fmt in ("q8_0", "int8"):
+    """A cache quantized from float32 or bfloat16 (q's dtype), d = 128 (q4_0 in stored order)."""
+    for fmt in ("q8_0", "q4_0", "int8"):
         c = _case(triton_device, dtype, b=2, h_q=4, h_kv=2, lens=[50, 9], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
         out, lse = _run(c, 2)
         _check(out, lse, c, f"{dtype} {fmt}")

@@ -319,12 +319,31 @@ def _triton_conditions(command: str) -> dict:
 @click.option("--window", default=None, callback=_window_option,
               help="Sliding window LEFT,RIGHT (e.g. 1023,0), timed next to the same call without it.")
 @click.option("--softcap", default=None, type=float, help="Logit softcap, timed next to the call without it.")
+@click.option("--kv-format", "kv_format", default=None,
+              type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
+              help="Quantized K/V format, timed next to the plain call (bytes counted as stored).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, window, softcap,
-                  as_json):
+                  kv_format, as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
     extra = _variant_kwargs(window, softcap)
+    if kv_format not in (None, "float16"):
+        if extra:
+            _fail("--kv-format: time it without --window/--softcap (the quantized call is the plain one)",
+                  EXIT_USAGE)
+        extra["kv_format"] = kv_format
+        from .api import QUANTIZED_KV_FORMATS
+        from .quant import BLOCK_BYTES, QK
+
+        takes = QUANTIZED_KV_FORMATS[(backend, "prefill")]
+        if kv_format not in takes:
+            hint = " (a torch-only format: use --backend triton)" if kv_format == "fp8_e4m3" else ""
+            _fail(f"--kv-format {kv_format}: the {backend} prefill kernels take {', '.join(takes)}{hint}", EXIT_USAGE)
+        odd = sorted({s[4] for s in shapes if kv_format in BLOCK_BYTES and s[4] % QK})
+        if odd:
+            _fail(f"--kv-format {kv_format}: head dim {odd[0]} is not a multiple of {QK} (whole ggml blocks)",
+                  EXIT_USAGE)
     if backend == "triton":
         tb = _triton_bench("prefill")
         rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds, **extra)
@@ -355,10 +374,11 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
     else:
         click.echo(b.format_prefill(rows, cond))
     tol = 2e-3 if dtype == "float16" else 1e-5
-    bad = [r for r in rows if r.rel_err == r.rel_err and r.rel_err > tol]
+    bad = [(r.shape + (f" {r.kv_format}" if quantized else ""), err) for r in rows
+           for quantized, err in ((False, r.rel_err), (True, r.quant_rel_err)) if err == err and err > tol]
     if bad:
         _fail(f"{len(bad)} shape(s) exceed the {dtype} tolerance {tol:g}: " +
-              ", ".join(f"{r.shape} err {r.rel_err:.2e}" for r in bad), EXIT_CHECK_FAILED)
+              ", ".join(f"{shape} err {err:.2e}" for shape, err in bad), EXIT_CHECK_FAILED)
 
 
 # --------------------------------------------------------------------------- bench decode

@@ -13,6 +13,13 @@ With ``variants`` (e.g. ``{"window": (1023, 0), "softcap": 30.0}``) every shape 
 them and with them in the same run, on the same inputs, the two calls taking turns: the variant
 row gives both times and their ratio (> 1: the variant run is faster, as a window should be;
 < 1: its overhead).
+
+With ``kv_format`` ("q8_0", "q4_0", "int8": api.QUANTIZED_KV_FORMATS, the CLI's --kv-format) every
+shape is also timed with K and V quantized to it (flashcl.quantize of the same values), the two
+calls taking turns, each on the tiles its own problem resolves to (the same ``params`` override).
+The row gives the quantized time, its GFLOP/s (same FLOP count), its ratio to the plain time
+(quantized / plain: < 1 faster), the K/V bytes as stored of both, and the quantized call's error
+against the oracle on the dequantized K/V.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyopencl.array as cla
 
-from .. import reference
+from .. import quant, reference
+from ..api import QUANTIZED_KV_FORMATS
 from . import shapes
 from .._version import __version__
+from ..opencl.arrays import row_bytes
+from ..opencl.decode import quantized_to_device
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
 from ..variants import Variants
@@ -57,6 +67,16 @@ class PrefillRow:
     variants: str = ""                  # the variants of this row ("" = plain attention)
     plain_ms: float = float("nan")      # the same shape without them, same run
     vs_plain: float = float("nan")      # plain_ms / median_ms: > 1 faster, < 1 slower
+    kv_bytes: int = 0                   # K and V as stored
+    kv_format: str = ""                 # the quantized K/V timed next to this row ("" none)
+    quant_params: str = ""
+    quant_kv_bytes: int = 0             # as stored (data, and int8's row scales)
+    quant_ms: float = float("nan")      # median, same run, taking turns with the plain call
+    quant_min_ms: float = float("nan")
+    quant_max_ms: float = float("nan")
+    quant_gflops: float = float("nan")  # the plain call's FLOP count over quant_ms
+    quant_ratio: float = float("nan")   # quant_ms / median_ms: < 1 faster
+    quant_rel_err: float = float("nan")  # against the oracle on the dequantized K/V
 
 
 def visible_pairs(n_q: int, n_kv: int, causal: bool, window) -> int:
@@ -85,12 +105,18 @@ def _bench_variants(variants: dict | None) -> Variants | None:
                     softcap=float(softcap) if softcap is not None else None)
 
 
+def kv_bytes(b: int, h_kv: int, n: int, d: int, dtype: str, kv_format: str | None = None) -> int:
+    """K and V as stored: B·H_kv·N rows of d values each (opencl.arrays.row_bytes)."""
+    return 2 * b * h_kv * n * row_bytes(kv_format, d, dtype)
+
+
 def _describe(var: Variants) -> str:
     return " ".join(f"{k}={v}" for k, v in (("window", var.window), ("softcap", var.softcap)) if v is not None)
 
 
 def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
-    """Relative error of batch 0's first KV group, last CHECK_ROWS rows, against the oracle."""
+    """Relative error of batch 0's first KV group, last CHECK_ROWS rows, against the oracle
+    (k and v as the kernel attended them: dequantized for a quantized call)."""
     g = q.shape[1] // k.shape[1]
     rows = min(CHECK_ROWS, q.shape[2])
     kw = {} if var is None else {"window": var.window, "softcap": var.softcap}
@@ -144,8 +170,11 @@ def _interleaved_times(runs, repeats: int) -> list[list[float]]:
 
 def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repeats: int = 10,
                   params: dict | None = None, check: bool = True, peer: bool = True, progress=None,
-                  variants: dict | None = None):
+                  variants: dict | None = None, kv_format: str | None = None):
     var = _bench_variants(variants)
+    if kv_format is not None and kv_format not in QUANTIZED_KV_FORMATS[("opencl", "prefill")]:
+        raise ValueError(f"kv_format: the OpenCL prefill kernels take "
+                         f"{', '.join(QUANTIZED_KV_FORMATS[('opencl', 'prefill')])}; got {kv_format!r}")
     rng = np.random.default_rng(0)
     rows = []
     for (b, h_q, h_kv, n, d, causal) in shapes:
@@ -158,22 +187,44 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         scale = 1.0 / np.sqrt(d)
         qd, kd, vd = (cla.to_device(handle.queue, x) for x in (q, k, v))
         out = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
-        if var is None:
-            times = event_times(lambda i: kern(qd, kd, vd, out, None, scale), repeats)
-        else:
+        # the calls of this shape, timed taking turns: plain first, then each extra one
+        runs = {"plain": lambda i: kern(qd, kd, vd, out, None, scale)}
+        if var is not None:
             vkern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia,
                                   flags=var.flags())
             vout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
-            times, vtimes = _interleaved_times([lambda i: kern(qd, kd, vd, out, None, scale),
-                                                lambda i: vkern(qd, kd, vd, vout, None, scale, variants=var)],
-                                               repeats)
+            runs["variants"] = lambda i: vkern(qd, kd, vd, vout, None, scale, variants=var)
+        if kv_format is not None:
+            qprob = PrefillProblem(b, h_q, h_kv, n, n, d, d, causal, dtype, kv_format, kv_format)
+            qchoice = choose_params(handle, qprob, params)
+            qkern = PrefillKernel(handle, qprob, qchoice.params, write_lse=False, verbose=handle.is_nvidia)
+            qk, qv = quant.quantize(k, kv_format), quant.quantize(v, kv_format)
+            qkd, qvd = (quantized_to_device(x, handle.queue) for x in (qk, qv))
+            qout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+            runs["quant"] = lambda i: qkern(qd, qkd, qvd, qout, None, scale)
+        if len(runs) == 1:
+            timed = {"plain": event_times(runs["plain"], repeats)}
+        else:
+            timed = dict(zip(runs, _interleaved_times(list(runs.values()), repeats)))
+        times = timed["plain"]
         med = statistics.median(times)
         err = _check(q, k, v, out, causal, scale, None) if check else float("nan")
         row = PrefillRow(
             shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
             params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
             params_source=choice.source, median_ms=med, min_ms=min(times), max_ms=max(times),
-            gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills(), handle.is_cpu))
+            gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills(), handle.is_cpu),
+            kv_bytes=kv_bytes(b, h_kv, n, d, dtype))
+        if kv_format is not None:
+            qtimes = timed["quant"]
+            qmed = statistics.median(qtimes)
+            qerr = (_check(q, quant.dequantize(qk), quant.dequantize(qv), qout, causal, scale, None)
+                    if check else float("nan"))
+            row.kv_format, row.quant_kv_bytes = kv_format, kv_bytes(b, h_kv, n, d, dtype, kv_format)
+            row.quant_params = " ".join(f"{k_}={v_}" for k_, v_ in qchoice.params.items())
+            row.quant_ms, row.quant_min_ms, row.quant_max_ms = qmed, min(qtimes), max(qtimes)
+            row.quant_gflops = prob.flops / (qmed * 1e-3) / 1e9
+            row.quant_ratio, row.quant_rel_err = qmed / med, qerr
         if peer and handle.is_cpu:
             peer_ms = _torch_cpu_sdpa(q.astype(np.float32) if dtype == "float16" else q,
                                       k.astype(np.float32) if dtype == "float16" else k,
@@ -189,6 +240,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         if progress:
             progress(row)
         if var is not None:
+            vtimes = timed["variants"]
             vmed = statistics.median(vtimes)
             # FLOPs of the pairs the window leaves visible (softcap adds no pair)
             vflops = prob.flops * visible_pairs(n, n, causal, var.window) / visible_pairs(n, n, causal, None)
@@ -197,7 +249,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
                 median_ms=vmed, min_ms=min(vtimes), max_ms=max(vtimes), gflops=vflops / (vmed * 1e-3) / 1e9,
                 rel_err=_check(q, k, v, vout, causal, scale, var) if check else float("nan"),
                 spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(var), plain_ms=med,
-                vs_plain=med / vmed)
+                vs_plain=med / vmed, kv_bytes=row.kv_bytes)
             rows.append(vrow)
             if progress:
                 progress(vrow)
@@ -227,6 +279,7 @@ def format_prefill(rows, cond: dict) -> str:
             lines.append(f"{'':22}   ^ with {r.variants}: {r.median_ms:.3f} ms against {r.plain_ms:.3f} ms "
                          f"without, x{r.vs_plain:.2f} ({'faster' if r.vs_plain >= 1 else 'slower'}); "
                          f"GFLOP/s counts the visible pairs")
+    lines += format_quant_block(rows)
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources))
     peers = sorted({r.peer for r in rows if r.peer})
@@ -235,6 +288,22 @@ def format_prefill(rows, cond: dict) -> str:
     elif cond.get("is_cpu"):
         lines.append("# peer: none -- torch is not installed (pip install torch for CPU SDPA beside flashcl)")
     return "\n".join(lines)
+
+
+def format_quant_block(rows) -> list[str]:
+    """The quantized K/V lines of the rows that timed one (none when no row did)."""
+    q_rows = [r for r in rows if r.kv_format]
+    if not q_rows:
+        return []
+    lines = [f"# K/V quantized to {q_rows[0].kv_format} (same run, the calls taking turns; bytes as stored; "
+             "ratio = quantized ms / plain ms; GFLOP/s over the same FLOPs):"]
+    for r in q_rows:
+        lines.append(f"#   {r.shape:22} causal={str(r.causal):5} {r.quant_ms:.3f} ms [{r.quant_min_ms:.3f}-"
+                     f"{r.quant_max_ms:.3f}] vs {r.median_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
+                     f"{r.quant_gflops:.1f} vs {r.gflops:.1f} GFLOP/s, K/V {r.quant_kv_bytes / 1e6:.3g} MB vs "
+                     f"{r.kv_bytes / 1e6:.3g} MB, rel err {r.quant_rel_err:.1e}"
+                     + (f" [params {r.quant_params}]" if r.quant_params != r.params else ""))
+    return lines
 
 
 def rows_as_dicts(rows):

@@ -2,6 +2,7 @@
 
     flashcl bench prefill --backend triton [--dtype float16] [--rounds 3] [--json]
     flashcl bench prefill --backend triton --window 4095,0 [--softcap 50] --shape 1,32,32,16384,128,1
+    flashcl bench prefill --backend triton --kv-format q8_0 --shape 1,32,8,4096,128,1
 
 Throughput is TFLOP/s of exact attention (FLOPs below, next to the timing); each implementation
 is timed by CUDA-graph replay over input sets rotated past 3x L2 (flashcl.cuda_timing). The
@@ -18,22 +19,30 @@ three ways on the same inputs: flashcl with the variants, flashcl without them, 
 FlexAttention (compiled, a causal + sliding-window block mask, a softcap / ALiBi score_mod). Their
 TFLOP/s count only the (row, key) pairs each call sees (visible_pairs), so a window's skipped keys
 count for nothing; the speed-up over the plain call is a ratio of times.
+
+With ``kv_format`` (``run(kv_format="q8_0")``, the CLI's --kv-format: q8_0, q4_0, int8 or
+fp8_e4m3) K and V of every input set are also quantized to it (flashcl.quantize, outside the timed
+graph) and flashcl on them ("flashcl-quant") takes its turn in the same interleaved rounds as the
+plain call, autotuned for its own key. Reported per shape: both times, their ratio (quantized /
+plain: < 1 faster), TFLOP/s of both over the same FLOPs, K/V bytes as stored, and the quantized
+call's difference from flashcl on the dequantized K/V (the same values, unquantized kernel).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import json
 import sys
 
 import torch
 
+from ..api import QUANTIZED_KV_FORMATS
 from . import shapes
 
 # (B, H_q, H_kv, N, d, causal): the reference shapes, then long sequences
 REFERENCE_SHAPES = shapes.PREFILL_REFERENCE + shapes.PREFILL_LONG
 IMPLS = ("flashcl", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+QUANT_IMPL = "flashcl-quant"  # flashcl on the quantized K/V (run's kv_format)
 
 
 def prefill_flops(b: int, h_q: int, n_q: int, n_kv: int, dk: int, dv: int, causal: bool) -> float:
@@ -57,6 +66,15 @@ def visible_pairs(n_q: int, n_kv: int, causal: bool, window=None) -> int:
     hi = np.minimum(p + 1, n_kv) if causal else np.full_like(p, n_kv)
     hi = np.minimum(hi, np.maximum(p + right + 1, 0))
     return int(np.maximum(hi - lo, 0).sum())
+
+
+def kv_bytes(b: int, h_kv: int, n: int, d: int, elt: int, kv_format: str | None = None) -> int:
+    """K and V as stored: B·H_kv·N rows of d values each, plain (``elt`` bytes a value) or in
+    ``kv_format``'s row size (the decode benchmark's table of them)."""
+    from .triton_bench_decode import _ROW_BYTES
+
+    row = d * elt if kv_format is None else _ROW_BYTES[kv_format](d)
+    return 2 * b * h_kv * n * row
 
 
 def _sdpa_call(backend_name: str, q, k, v, causal: bool):
@@ -234,29 +252,39 @@ def _first(ms):
     return float(ms[0] if isinstance(ms, (list, tuple)) else ms)
 
 
-def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
+def _bench_shape(shape, dtype, meta, rounds: int = 3, kv_format: str | None = None) -> list[dict]:
     from . import cuda_timing
+    from ..quant import dequantize, quantize
     from ..triton import prefill as tp
 
     b, h_q, h_kv, n, d, causal = shape
     sets = _input_sets(shape, dtype)
     n_sets = len(sets)
     flops = prefill_flops(b, h_q, n, n, d, d, causal)
+    elt = torch.empty((), dtype=dtype).element_size()
+    makers = {"flashcl": lambda q, k, v, causal, *_: _flashcl_call(q, k, v, causal)}
+    if kv_format is not None:  # quantized outside the timed graph; same values as the plain sets
+        sets = [(q, k, v, quantize(k, kv_format), quantize(v, kv_format)) for q, k, v in sets]
+        makers[QUANT_IMPL] = lambda q, k, v, causal, qk, qv: _flashcl_call(q, qk, qv, causal)
 
     rows, outputs, runnable = [], {}, {}
-    for impl in IMPLS:
+    for impl in (*makers, *IMPLS[1:]):  # flashcl's calls first: rows[0] is the plain one
         row = {**meta, "impl": impl, "B": b, "H_q": h_q, "H_kv": h_kv, "N": n, "d": d,
-               "causal": causal, "rotated_sets": n_sets, "flops": flops, "rounds": rounds}
+               "causal": causal, "rotated_sets": n_sets, "flops": flops, "rounds": rounds,
+               "kv_bytes": kv_bytes(b, h_kv, n, d, elt, kv_format if impl == QUANT_IMPL else None)}
+        if impl == QUANT_IMPL:
+            row["kv_format"] = kv_format
         rows.append(row)
         try:
-            make = _flashcl_call if impl == "flashcl" else (lambda *a, _i=impl: _sdpa_call(_i, *a))
-            calls = [make(q, k, v, causal) for q, k, v in sets]
+            make = makers.get(impl) or (lambda q, k, v, causal, *_, _i=impl: _sdpa_call(_i, q, k, v, causal))
+            calls = [make(q, k, v, causal, *quantized) for q, k, v, *quantized in sets]
             outputs[impl] = calls[0]()  # flashcl: autotunes this key here, outside the graph
             torch.cuda.synchronize()
-            if impl == "flashcl":
+            if impl in makers:
                 timings = getattr(tp._prefill_autotuned, "configs_timings", None) or {}
                 row["autotune_ms"] = {_config_name(c): _first(ms) for c, ms in timings.items()}
-                row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q)
+                formats = (kv_format, kv_format) if impl == QUANT_IMPL else ("", "")
+                row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q, kv_formats=formats)
             runnable[impl] = calls
         except Exception as e:  # a backend that does not take this shape, dtype or GPU
             row.update(median_ms=None, tflops=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -282,22 +310,37 @@ def _bench_shape(shape, dtype, meta, rounds: int = 3) -> list[dict]:
     for r in rows:
         if r.get("tflops") and flash and flash.get("tflops"):
             r["vs_sdpa_flash"] = r["tflops"] / flash["tflops"]
+    if QUANT_IMPL in outputs:  # the same values through the unquantized kernel: the same answer
+        _, _, _, qk, qv = sets[0]
+        ref = _flashcl_call(sets[0][0], dequantize(qk), dequantize(qv), causal)().float()
+        qrow = next(r for r in rows if r["impl"] == QUANT_IMPL)
+        qrow["rel_diff_vs_dequantized"] = float((outputs[QUANT_IMPL].float() - ref).norm() / ref.norm())
+        if qrow.get("median_ms") and rows[0].get("median_ms"):
+            qrow["quant_ratio"] = qrow["median_ms"] / rows[0]["median_ms"]
     del sets, outputs
     torch.cuda.empty_cache()
     return rows
 
 
-def run(shapes=None, dtype: str = "float16", rounds: int = 3, variants: dict | None = None) -> list[dict]:
+def run(shapes=None, dtype: str = "float16", rounds: int = 3, variants: dict | None = None,
+        kv_format: str | None = None) -> list[dict]:
     """Time every implementation on every shape; one row per (shape, implementation).
 
     ``shapes``: (B, H_q, H_kv, N, d, causal) tuples, or (B, H, N, d, causal) for H_q = H_kv;
     default REFERENCE_SHAPES. ``rounds``: turns each implementation gets (module docstring).
     ``variants``: {"window": (left, right), "softcap": c, "sinks": (H_q,), "alibi_slopes": ...}:
     each shape timed with them, without them and by FlexAttention (VARIANT_IMPLS).
+    ``kv_format``: flashcl also timed on K/V quantized to it (QUANT_IMPL; not with ``variants``).
     """
     from .. import __version__
     from . import cuda_timing
 
+    shapes = [tuple(s) if len(s) == 6 else (s[0], s[1], *s[1:]) for s in (shapes or REFERENCE_SHAPES)]
+    takes = QUANTIZED_KV_FORMATS[("triton", "prefill")]
+    if kv_format is not None and kv_format not in takes:
+        raise ValueError(f"kv_format: the Triton prefill kernel takes {', '.join(takes)}; got {kv_format!r}")
+    if kv_format is not None and variants:
+        raise ValueError("kv_format: timed on the plain call only; drop the variants")
     if not torch.cuda.is_available():
         raise RuntimeError("bench_prefill needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
@@ -311,14 +354,11 @@ def run(shapes=None, dtype: str = "float16", rounds: int = 3, variants: dict | N
                     else " ".join(["flashcl bench prefill --backend triton", *sys.argv[1:]])),
     }
     rows = []
-    for shape in shapes or REFERENCE_SHAPES:
-        if len(shape) == 5:
-            b, h, n, d, causal = shape
-            shape = (b, h, h, n, d, causal)
+    for shape in shapes:
         if variants:
-            rows += _bench_variant_shape(tuple(shape), torch_dtype, meta, rounds, variants)
+            rows += _bench_variant_shape(shape, torch_dtype, meta, rounds, variants)
         else:
-            rows += _bench_shape(tuple(shape), torch_dtype, meta, rounds)
+            rows += _bench_shape(shape, torch_dtype, meta, rounds, kv_format)
     return rows
 
 
@@ -364,10 +404,32 @@ def format_table(rows: list[dict]) -> str:
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     errors = [f"  {r['impl']} {(r['B'], r['H_q'], r['H_kv'], r['N'], r['d'], r['causal'])}: {r['error']}"
               for r in rows if r.get("error")]
-    out = head + fmt(cols) + "\n" + "\n".join(fmt(l) for l in lines)
+    out = head + fmt(cols) + "\n" + "\n".join(fmt(l) for l in lines) + format_quant_block(rows)
     if errors:
         out += "\nn/a:\n" + "\n".join(errors)
     return out
+
+
+def format_quant_block(rows: list[dict]) -> str:
+    """The quantized K/V lines (QUANT_IMPL rows next to their shape's flashcl row), "" if none."""
+    keyf = lambda r: (r["B"], r["H_q"], r["H_kv"], r["N"], r["d"], r["causal"])  # noqa: E731
+    plain = {keyf(r): r for r in rows if r["impl"] == "flashcl"}
+    q_rows = [r for r in rows if r["impl"] == QUANT_IMPL]
+    if not q_rows:
+        return ""
+    out = [f"\nK/V quantized to {q_rows[0]['kv_format']} (same inputs, same interleaved rounds; bytes as stored; "
+           "ratio = quantized ms / plain ms; TFLOP/s over the same FLOPs; diff: against flashcl on the "
+           "dequantized K/V):"]
+    num = lambda r, k, fmt: fmt.format(r[k]) if r.get(k) is not None else "n/a"  # noqa: E731
+    for r in q_rows:
+        p = plain.get(keyf(r), {})
+        cfg = r.get("config")
+        out.append(f"  {keyf(r)}: {num(r, 'median_ms', '{:.3f}')} ms vs {num(p, 'median_ms', '{:.3f}')} ms "
+                   f"{r['dtype']}, ratio {num(r, 'quant_ratio', '{:.3f}')}, {num(r, 'tflops', '{:.1f}')} vs "
+                   f"{num(p, 'tflops', '{:.1f}')} TFLOP/s, K/V {r['kv_bytes'] / 1e6:.3g} MB vs "
+                   f"{p.get('kv_bytes', 0) / 1e6:.3g} MB, diff {num(r, 'rel_diff_vs_dequantized', '{:.1e}')}, "
+                   f"config {_tile_name(cfg) if cfg else '-'}")
+    return "\n".join(out)
 
 
 def _format_variant_table(rows: list[dict]) -> str:

@@ -151,11 +151,12 @@ def _decode_kernel(
     ALIBI: tl.constexpr = False,
     # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
     K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
-    # quantized K / V read as aligned 32-bit words (_load_words), q and out in their column order;
-    # CVT_ASM: the words become fp16 through PTX byte permutes (quant_words.words_to_f16), not per-element casts
+    # int8 / fp8 K / V read as aligned 32-bit words (_load_words); CVT_ASM: quantized bytes become
+    # fp16 through PTX byte permutes (quant_words), not per-element casts
     K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
-    # ggml K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
-    # the group's rows per block); TAIL_K / TAIL_V: the positions of a row past its head dim
+    # q4_0 K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
+    # the group's rows per block); TAIL_K / TAIL_V: the positions of a row past its head dim;
+    # STORED_ALIGN: the 32-bit words every row starts on (the loads' width)
     STORED: tl.constexpr = False, TAIL_K: tl.constexpr = 16, TAIL_V: tl.constexpr = 16,
     STORED_ALIGN: tl.constexpr = 1,
 ):

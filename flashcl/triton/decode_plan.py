@@ -211,7 +211,7 @@ _KNOBS = {
     "gluon_gqa": None,
     # the Gluon kernels visit the pages of splits of 256 to 1024 pages in address order
     "sort_pages": True,
-    # ggml K and V (q8_0, q4_0) read in stored order where their rows allow (decode.ggml_stored)
+    # q4_0 K and V read in stored order where their rows allow (ggml_stored); off: the byte gather
     "ggml_stored": True,
 }
 _TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages")

@@ -194,6 +194,17 @@ def test_q4_0_stored_order_scales(triton_device, h_q, h_kv, dk, dv, poison):
         _check(out, lse, c, f"q4_0 stored h={h_q}/{h_kv} d={dk}/{dv} splits={ns}")
 
 
+def test_q4_0_large_groups_take_the_byte_path(triton_device, poison):
+    """A GQA group too large to stack per block (16 query heads per KV head at d = 128: 64 stacked
+    rows) is read by the byte gather, with the same result; 8 at d = 64 (16 rows) is stacked."""
+    assert not triton_decode.ggml_stored.fits(16, 128, 128) and triton_decode.ggml_stored.fits(8, 64, 64)
+    c = _case(triton_device, "float16", b=2, h_q=16, h_kv=1, lens=[70, 9], d=128, k_fmt="q4_0", v_fmt="q4_0",
+              seed=31)
+    for ns in (1, 3):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"q4_0 group 16 splits={ns}")
+
+
 def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
     """A q4_0 cache whose rows are not on 4-byte boundaries (data at a 2-byte offset) is read by
     the byte gather instead of as words, with the same result."""

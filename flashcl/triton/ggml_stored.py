@@ -20,8 +20,9 @@ registers). A row of V's stacked p takes d_j times 2^-e_j, e_j the exponent of b
 d in the tile, scaled back in fp32 after the dot: p * d in fp16 would leave the normal range for
 small d.
 
-Rows must lie on 4-byte boundaries and the head dim be 64, 128 or 256 (an even number of blocks:
-rows of whole words); other q4_0 caches take ``decode._load_quant``'s gather. q8_0 measured
+Rows must lie on 4-byte boundaries, the head dim be 64, 128 or 256 (an even number of blocks:
+rows of whole words) and the stacked rows few enough (``fits``); other q4_0 caches take
+``decode._load_quant``'s gather. q8_0 measured
 slower this way than by its byte-pair gather (docs/notes/quantized-decode.md, "Stored order").
 """
 
@@ -59,6 +60,17 @@ def group_rows(group: int, dk: int, dv: int) -> int:
     """Rows of one stacked block: the group padded so that blocks x rows >= 16 (tl.dot's least)."""
     rows = 1 << max(0, group - 1).bit_length()
     return max(rows, 16 // (min(dk, dv) // 32))
+
+
+# Stacked rows (blocks x group rows) the path takes: at 16 (d = 128, groups to 4) the sm_90 compile
+# spills nothing; at 32 it spills 320-928 bytes (not timed); at 64 and more it spills kilobytes
+# and needs up to 120 KB of shared memory, past sm_89's 99 KB: those take the byte gather.
+MAX_STACKED_ROWS = 32
+
+
+def fits(group: int, dk: int, dv: int) -> bool:
+    """Whether a GQA group of this size with these head dims takes stored order (MAX_STACKED_ROWS)."""
+    return group_rows(group, dk, dv) * max(dk, dv) // 32 <= MAX_STACKED_ROWS
 
 
 @triton.jit

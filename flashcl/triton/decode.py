@@ -940,8 +940,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
-    if (plan.config["ggml_stored"] and ggml_stored.fits(group, dk, dv) and ggml_stored.takes(k_cache, k_format, dk)
-            and ggml_stored.takes(v_cache, v_format, dv)):
+    if (plan.config["ggml_stored"] and ggml_stored.takes(k_cache, k_format, dk)
+            and ggml_stored.takes(v_cache, v_format, dv) and ggml_stored.fits(group, dk, dv)):
         block_g = ggml_stored.group_rows(group, dk, dv)
         quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm, "STORED": True,
                  "TAIL_K": ggml_stored.tail_positions(dk), "TAIL_V": ggml_stored.tail_positions(dv),

@@ -22,8 +22,8 @@ small d.
 
 Rows must lie on 4-byte boundaries, the head dim be 64, 128 or 256 (an even number of blocks:
 rows of whole words) and the stacked rows few enough (``fits``); other q4_0 caches take
-``decode._load_quant``'s gather. q8_0 measured
-slower this way than by its byte-pair gather (docs/notes/quantized-decode.md, "Stored order").
+``decode._load_quant``'s gather. q8_0 measured slower this way than by its byte-pair gather
+(docs/notes/quantized-decode.md, "Stored order").
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _decode_kernel(
         # Q tile: the whole group; padding rows are zeros and are never stored
         if STORED:  # stacked per K block, in stored order; acc stacked per V block
             q, q_tail = ggml_stored.load_q(Q + pid_b.to(tl.int64) * stride_qb + heads * stride_qh, mask_g,
-                                           stride_qd, DK, TAIL_K, BLOCK_G)
+                                           stride_qd, DK, TAIL_K)
             acc = tl.zeros([DV // 32 * BLOCK_G, DV], dtype=tl.float32)
             acc_tail = tl.zeros([BLOCK_G, BLOCK_N, TAIL_V], dtype=tl.float32)
         else:
@@ -940,15 +940,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
+    quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm}
     if (plan.config["ggml_stored"] and ggml_stored.takes(k_cache, k_format, dk)
             and ggml_stored.takes(v_cache, v_format, dv) and ggml_stored.fits(group, dk, dv)):
         block_g = ggml_stored.group_rows(group, dk, dv)
-        quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm, "STORED": True,
-                 "TAIL_K": ggml_stored.tail_positions(dk), "TAIL_V": ggml_stored.tail_positions(dv),
-                 "STORED_ALIGN": min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache))}
+        quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk), TAIL_V=ggml_stored.tail_positions(dv),
+                     STORED_ALIGN=min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache)))
     else:
-        quant = {"K_FMT": k_format, "V_FMT": v_format, "K_WORDS": _reads_words(k_cache, k_format, dk, cvt_asm),
-                 "V_WORDS": _reads_words(v_cache, v_format, dv, cvt_asm), "CVT_ASM": cvt_asm}
+        quant.update(K_WORDS=_reads_words(k_cache, k_format, dk, cvt_asm),
+                     V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens):

@@ -486,7 +486,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     programs = p.b * p.h_kv  # per split
     min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
     auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
-    dequant_tile = None if set(config or {}) & set(_TILE_KEYS) else _dequant_tile(p)
+    tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
+    dequant_tile = None if tile_forced else _dequant_tile(p)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
     per_sm = _dequant_programs_per_sm(p)
     if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
@@ -494,7 +495,6 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if auto_splits > 1 and per_sm > 1:
         auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
     splits = num_splits if num_splits > 0 else auto_splits
-    tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch
     # at its own split count (two programs per SM) or at the one given

@@ -130,19 +130,27 @@ def last_block(d):
 
 
 @triton.jit
-def load_q(q_rows, heads_ok, stride_d, D: tl.constexpr, TAIL: tl.constexpr, G: tl.constexpr):
+def _stacked(rows, heads_ok, stride_d, D: tl.constexpr, TAIL: tl.constexpr):
+    """Addresses of a head-dim row in stored order, for rows ``rows[m]`` ([G] pointers; ``heads_ok``
+    whether each is a head): main (pointers [NB * G, D], mask: row j * G + m at block j's values)
+    and tail (pointers [G, TAIL], mask), each position at its head-dim column."""
+    NB: tl.constexpr = D // 32
+    G: tl.constexpr = rows.shape[0]
+    blk, col = columns(tl.arange(0, D), D)
+    main = stack(rows, NB)[:, None] + col[None, :] * stride_d
+    main_ok = (stack(heads_ok, NB)[:, None] & (blk[None, :] == (tl.arange(0, NB * G) // G)[:, None])
+               & (col[None, :] >= 0))
+    _, col = columns(D + tl.arange(0, TAIL), D)
+    return main, main_ok, rows[:, None] + col[None, :] * stride_d, heads_ok[:, None]
+
+
+@triton.jit
+def load_q(q_rows, heads_ok, stride_d, D: tl.constexpr, TAIL: tl.constexpr):
     """q at a K tile's positions: main stacked per block [NB * G, D] (row j * G + m holds query
     m's values at block j's positions, zeros elsewhere), tail [G, TAIL] (the last block's).
     ``q_rows[m]``: query m's row, ``heads_ok[m]``: whether it is one ([G] each)."""
-    NB: tl.constexpr = D // 32
-    r = tl.arange(0, NB * G)
-    blk, col = columns(tl.arange(0, D), D)
-    q_main = tl.load(stack(q_rows, NB)[:, None] + col[None, :] * stride_d,
-                     mask=stack(heads_ok, NB)[:, None] & (blk[None, :] == (r // G)[:, None]) & (col[None, :] >= 0),
-                     other=0.0)
-    _, col = columns(D + tl.arange(0, TAIL), D)
-    q_tail = tl.load(q_rows[:, None] + col[None, :] * stride_d, mask=heads_ok[:, None], other=0.0)
-    return q_main, q_tail
+    main, main_ok, tail, tail_ok = _stacked(q_rows, heads_ok, stride_d, D, TAIL)
+    return tl.load(main, mask=main_ok, other=0.0), tl.load(tail, mask=tail_ok, other=0.0)
 
 
 @triton.jit
@@ -180,12 +188,6 @@ def store(out_rows, heads_ok, stride_d, acc_main, out_tail, D: tl.constexpr, TAI
     """Store the stacked rows ``acc_main``: position c of row (j, m) at column(c) of ``out_rows[m]``
     where c is a value of block j (each column once); ``out_tail`` [G, TAIL] at the tail's
     columns. ``out_rows``, ``heads_ok``: [G]."""
-    NB: tl.constexpr = D // 32
-    G: tl.constexpr = out_rows.shape[0]
-    r = tl.arange(0, NB * G)
-    blk, col = columns(tl.arange(0, D), D)
-    tl.store(stack(out_rows, NB)[:, None] + col[None, :] * stride_d, acc_main.to(out_rows.dtype.element_ty),
-             mask=stack(heads_ok, NB)[:, None] & (blk[None, :] == (r // G)[:, None]) & (col[None, :] >= 0))
-    _, col = columns(D + tl.arange(0, TAIL), D)
-    tl.store(out_rows[:, None] + col[None, :] * stride_d, out_tail.to(out_rows.dtype.element_ty),
-             mask=heads_ok[:, None])
+    main, main_ok, tail, tail_ok = _stacked(out_rows, heads_ok, stride_d, D, TAIL)
+    tl.store(main, acc_main.to(out_rows.dtype.element_ty), mask=main_ok)
+    tl.store(tail, out_tail.to(out_rows.dtype.element_ty), mask=tail_ok)

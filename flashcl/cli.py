@@ -267,10 +267,10 @@ def _window_option(ctx, param, value):
     return (left, right)
 
 
-def _variant_kwargs(window, softcap) -> dict:
+def _variant_kwargs(window, softcap, mask=None) -> dict:
     """The benchmark tools' ``variants`` keyword: each row is timed with these variants on and,
     in the same run, without them (the plain kernel next to the variant)."""
-    variants = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+    variants = {k: v for k, v in (("window", window), ("softcap", softcap), ("mask", mask)) if v is not None}
     if softcap is not None and not softcap > 0:
         _fail(f"--softcap: expected a float > 0, got {softcap}", EXIT_USAGE)
     return {"variants": variants} if variants else {}
@@ -322,15 +322,23 @@ def _triton_conditions(command: str) -> dict:
 @click.option("--kv-format", "kv_format", default=None,
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
               help="Quantized K/V format, timed next to the plain call (bytes counted as stored).")
+@click.option("--mask", default=None, type=click.Choice(["causal", "padding"]),
+              help="Triton: a bool mask, timed next to the plain call: 'causal' (the causal rule as a "
+                   "mask, against causal=True; causal shapes only) or 'padding' (a left-padded batch).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, window, softcap,
-                  kv_format, as_json):
+                  kv_format, mask, as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
-    extra = _variant_kwargs(window, softcap)
+    if mask is not None and backend != "triton":
+        _fail("--mask: the mask benchmark runs with --backend triton", EXIT_USAGE)
+    if mask == "causal" and not all(s[5] for s in shapes):
+        _fail("--mask causal: it stands in for causal=True, so every --shape must be causal (last field 1)",
+              EXIT_USAGE)
+    extra = _variant_kwargs(window, softcap, mask)
     if kv_format not in (None, "float16"):
         if extra:
-            _fail("--kv-format: time it without --window/--softcap (the quantized call is the plain one)",
+            _fail("--kv-format: time it without --window/--softcap/--mask (the quantized call is the plain one)",
                   EXIT_USAGE)
         extra["kv_format"] = kv_format
         from .api import QUANTIZED_KV_FORMATS

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import flashcl  # noqa: E402  (after the importorskip above)
-from flashcl.triton import prefill as tp  # noqa: E402
+from flashcl.triton import mask_tiles, prefill as tp  # noqa: E402
 from tests._triton_tiles import forced_params, forced_tile  # noqa: E402
 from flashcl.variants import Variants, mask_block_map  # noqa: E402
 
@@ -258,63 +258,78 @@ def test_block_map_matches_numpy(triton_device):
     """The device block map: MAP_SEEN is flashcl.variants.mask_block_map at MAP_GRAIN, MAP_PLAIN
     marks blocks where every key is visible with nothing to add; padding is MAP_PLAIN alone."""
     g = torch.Generator().manual_seed(2)
-    grain = tp.MAP_GRAIN.value
+    grain, pad = mask_tiles.MAP_GRAIN.value, mask_tiles.MAP_PAD.value
+    seen_bit, plain_bit = mask_tiles.MAP_SEEN.value, mask_tiles.MAP_PLAIN.value
     bool_mask = torch.rand(2, 3, 37, 70, generator=g) < 0.05
     bool_mask[:, :, :16, :32] = True
     bias = torch.where(torch.rand(1, 1, 130, 17, generator=g) < 0.1, 0.5, float("-inf"))
     bias[..., 16:32, :16] = 0.0
     for mask in (bool_mask, bias):
-        got = tp._mask_block_map(mask.to(triton_device)).cpu().numpy()
+        got = mask_tiles.block_map(mask.to(triton_device)).cpu().numpy()
         want = mask_block_map(mask.numpy(), grain, grain)
         rows, cols = want.shape[2:]
-        assert got.shape[2] % (tp.MAP_PAD.value // grain) == 0 and got.shape[3] % (tp.MAP_PAD.value // grain) == 0
-        assert np.array_equal((got[:, :, :rows, :cols] & tp.MAP_SEEN) != 0, want != 0)
-        assert (got[:, :, rows:] == tp.MAP_PLAIN).all() and (got[:, :, :, cols:] == tp.MAP_PLAIN).all()
+        assert got.shape[2] % (pad // grain) == 0 and got.shape[3] % (pad // grain) == 0
+        assert np.array_equal((got[:, :, :rows, :cols] & seen_bit) != 0, want != 0)
+        assert (got[:, :, rows:] == plain_bit).all() and (got[:, :, :, cols:] == plain_bit).all()
         plain = mask.numpy() if mask.dtype == torch.bool else mask.numpy() == 0
         n_q, n_kv = plain.shape[2:]
         padded = np.ones((*plain.shape[:2], rows * grain, cols * grain), dtype=bool)
         padded[:, :, :n_q, :n_kv] = plain
         want_plain = padded.reshape(*plain.shape[:2], rows, grain, cols, grain).all(axis=(3, 5))
-        assert np.array_equal((got[:, :, :rows, :cols] & tp.MAP_PLAIN) != 0, want_plain)
+        assert np.array_equal((got[:, :, :rows, :cols] & plain_bit) != 0, want_plain)
         assert want_plain.any() and not want_plain.all()
+
+
+def _longest_run(flags) -> int:
+    best = run = 0
+    for f in flags:
+        run = run + 1 if f else 0
+        best = max(best, run)
+    return best
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (40, 0)), (False, (17, 9))])
 def test_mask_tile_lists(triton_device, causal, window):
-    """The per-config tile lists: full tiles (every row sees every key with nothing to add), then
-    partial ones, each in increasing order; together every tile where some row sees a key, none
-    the mask hides wholly or causal / the window puts out of reach."""
+    """The per-config tile lists: the longest run of full tiles (every row sees every key with
+    nothing to add), then the other tiles some row may see in increasing order; together every
+    tile where some row sees a key, none the mask hides wholly or causal / the window puts out of
+    reach."""
     g = torch.Generator().manual_seed(3)
     n_q, n_kv, bm, bn = 150, 230, 64, 32
-    mask = torch.rand(2, 1, n_q, n_kv, generator=g) < 0.02
+    mask = torch.rand(3, 1, n_q, n_kv, generator=g) < 0.02
     mask[0, :, :, :96] = True        # full tiles where causal and the window allow
     mask[1, :, :, 100:180] = False   # hidden tiles
+    mask[2, :, :, :32] = True        # two runs of full tiles: 1 and 3 long
+    mask[2, :, :, 64:160] = True
     var = tp._VariantArgs.of(Variants(window=window, mask=mask.to(triton_device)), torch.float32, block_map=True)
     nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=n_q,
                  N_KV=n_kv, IS_CAUSAL=causal, WINDOW=window is not None, window_left=var.scalars[0],
                  window_right=var.scalars[1])
     tp._list_mask_tiles(nargs)
     tiles = nargs["MaskTiles"].cpu().numpy()
-    _, visible = reference.logits(np.zeros((2, 1, n_q, 1)), np.zeros((2, 1, n_kv, 1)), causal=causal,
+    head = mask_tiles.LIST_HEADER.value
+    _, visible = reference.logits(np.zeros((3, 1, n_q, 1)), np.zeros((3, 1, n_kv, 1)), causal=causal,
                                   window=window, mask=mask.numpy())
     _, reach = reference.logits(np.zeros((1, 1, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=causal,
                                 window=window)
     n_full_total = 0
-    for b in range(2):
+    key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
+    for b in range(3):
         for qb in range(-(-n_q // bm)):
-            n_full, n_part = tiles[b, 0, qb, :2]
-            full, part = tiles[b, 0, qb, 2:2 + n_full], tiles[b, 0, qb, 2 + n_full:2 + n_full + n_part]
+            first, end, n_part = tiles[b, 0, qb, :head]
+            run, part = list(range(first, end)), list(tiles[b, 0, qb, head:head + n_part])
             rows = slice(qb * bm, (qb + 1) * bm)
-            key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
             needed = [t for t, keys in enumerate(key_tiles) if visible[b, 0, rows, keys].any()]
             hidden = [t for t, keys in enumerate(key_tiles)
                       if not mask[b, 0, :, keys].any() or not reach[0, 0, rows, keys].any()]
-            listed = set(full) | set(part)
-            assert list(full) == sorted(full) and list(part) == sorted(part) and not set(full) & set(part)
-            assert set(needed) <= listed and not listed & set(hidden), (b, qb, full, part, needed, hidden)
-            for t in full:  # a full tile: every (real) row sees every key of it, and it lies within N_kv
-                assert (t + 1) * bn <= n_kv and visible[b, 0, rows, key_tiles[t]].all(), (b, qb, t)
-            n_full_total += n_full
+            listed = set(run) | set(part)
+            assert part == sorted(part) and not set(run) & set(part)
+            assert set(needed) <= listed and not listed & set(hidden), (b, qb, run, part, needed, hidden)
+            full = [(t + 1) * bn <= n_kv and visible[b, 0, rows, keys].all() for t, keys in enumerate(key_tiles)]
+            assert all(full[t] for t in run), (b, qb, run)  # every real row sees all of every run tile
+            if (qb + 1) * bm <= n_q:  # a whole block: the run is the longest
+                assert len(run) == _longest_run(full), (b, qb, run, full)
+            n_full_total += len(run)
     assert n_full_total > 0 or window is not None  # windows narrower than a block have none
 
 
@@ -337,6 +352,30 @@ def test_mask_full_and_partial_tiles(triton_device, dtype_name):
     bias = torch.where(causal_mask.cpu(), 0.0, float("-inf"))
     bias[:, :, :, t:t + 5] += 0.75 * (bias[:, :, :, t:t + 5] == 0)
     _check(q, k, v, causal=False, device=triton_device, mask=bias.to(triton_device), softcap=5.0)
+
+
+@pytest.mark.parametrize("mask_batch", [1, 2])
+def test_mask_tiles_through_tma(triton_device, mask_batch):
+    """sm_90+: with the TMA tile the mask's partial tiles come in by the copy engine (MASK_TMA),
+    for a mask broadcast over batch and heads or one per batch; bool and additive, causal, a
+    window and softcap on top, rows and keys past the last whole tile (read as 0 there)."""
+    if triton_device != "cuda" or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need an sm_90+ GPU")
+    t = forced_tile(triton_device)
+    n_q, n_kv = 3 * t + 16, 5 * t + 32  # 16-byte aligned rows for the descriptor
+    q, k, v = _inputs(2, 4, 2, n_q, n_kv, 64, 64, torch.float16, triton_device, 83 + mask_batch)
+    g = torch.Generator().manual_seed(mask_batch)
+    mask = torch.rand(mask_batch, 1, n_q, n_kv, generator=g) < 0.9
+    mask[..., t:2 * t] = True  # whole visible tiles: the unmasked run
+    mask[..., 3 * t:4 * t] = False  # a whole hidden tile
+    params = forced_params(triton_device, USE_TMA=True)
+    assert tp._tma_ok(mask.view(torch.uint8).to(triton_device))
+    _check(q, k, v, causal=False, device=triton_device, params=params, mask=mask.to(triton_device))
+    _check(q, k, v, causal=True, device=triton_device, params=params, mask=mask.to(triton_device),
+           window=(2 * t + 5, 0))
+    bias = torch.where(mask, 0.25 * torch.randn(mask.shape, generator=g), torch.tensor(float("-inf")))
+    _check(q, k, v, causal=True, device=triton_device, params=params, mask=bias.to(triton_device),
+           softcap=20.0)
 
 
 # --------------------------------------------------------------------------- non-finite K/V at hidden keys

@@ -2,6 +2,7 @@
 
     flashcl bench prefill --backend triton [--dtype float16] [--rounds 3] [--json]
     flashcl bench prefill --backend triton --window 4095,0 [--softcap 50] --shape 1,32,32,16384,128,1
+    flashcl bench prefill --backend triton --mask causal --shape 1,32,32,4096,128,1
     flashcl bench prefill --backend triton --kv-format q8_0 --shape 1,32,8,4096,128,1
 
 Throughput is TFLOP/s of exact attention (FLOPs below, next to the timing); each implementation
@@ -18,7 +19,10 @@ With variants (``run(variants={"window": (left, right), "softcap": c, ...})``) e
 three ways on the same inputs: flashcl with the variants, flashcl without them, and torch's
 FlexAttention (compiled, a causal + sliding-window block mask, a softcap / ALiBi score_mod). Their
 TFLOP/s count only the (row, key) pairs each call sees (visible_pairs), so a window's skipped keys
-count for nothing; the speed-up over the plain call is a ratio of times.
+count for nothing; the speed-up over the plain call is a ratio of times. ``{"mask": kind}`` times a
+bool mask (mask_tensor): "causal", the causal rule as a mask, called with causal=False next to the
+plain causal call; "padding", a left-padded batch, with the shape's causal flag. FlexAttention
+gets the same mask in its mask_mod.
 
 With ``kv_format`` (``run(kv_format="q8_0")``, the CLI's --kv-format: q8_0, q4_0, int8 or
 fp8_e4m3) K and V of every input set are also quantized to it (flashcl.quantize, outside the timed
@@ -98,16 +102,40 @@ def _flashcl_call(q, k, v, causal: bool):
     return lambda: tp.prefill(q, k, v, causal=causal)
 
 
-def _torch_variants(variants: dict, b: int, h_q: int):
+MASK_KINDS = ("causal", "padding")
+
+
+def mask_tensor(kind: str, b: int, n: int, device="cuda") -> torch.Tensor:
+    """A bool mask for the benchmark: "causal" (1, 1, N, N), key j visible to row i where
+    j <= i; "padding" (B, 1, N, N), a left-padded batch: sequence s hides its first
+    s * N // (2 B) keys from every row."""
+    if kind == "causal":
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+    if kind == "padding":
+        pad = torch.arange(b, device=device) * n // (2 * b)
+        keys = torch.arange(n, device=device)
+        return (keys[None, :] >= pad[:, None])[:, None, None, :].expand(b, 1, n, n).contiguous()
+    raise ValueError(f"mask: expected one of {MASK_KINDS}, got {kind!r}")
+
+
+def mask_pairs(mask: torch.Tensor, causal: bool) -> float:
+    """The (row, key) pairs a (Bm, 1, N, N) mask leaves visible to one (batch, head), with causal
+    on top if set, averaged over the batch."""
+    n = mask.shape[-1]
+    rule = torch.ones(n, n, dtype=torch.bool, device=mask.device)
+    return float((mask & (rule.tril() if causal else rule)).sum()) / mask.shape[0]
+
+
+def _torch_variants(variants: dict, b: int, h_q: int, n: int):
     """A flashcl.variants.Variants of torch CUDA tensors from the benchmark's ``variants`` dict
-    (window, softcap, sinks (H_q,), alibi_slopes (H_q,) or (B, H_q)); made once, outside the
-    timed graph."""
+    (window, softcap, sinks (H_q,), alibi_slopes (H_q,) or (B, H_q), mask: a MASK_KINDS name);
+    made once, outside the timed graph."""
     from ..variants import Variants
 
-    unknown = set(variants) - {"window", "softcap", "sinks", "alibi_slopes"}
+    unknown = set(variants) - {"window", "softcap", "sinks", "alibi_slopes", "mask"}
     if unknown:
-        raise ValueError(f"variants: the prefill benchmark takes window, softcap, sinks and alibi_slopes; "
-                         f"got {sorted(unknown)}")
+        raise ValueError(f"variants: the prefill benchmark takes window, softcap, sinks, alibi_slopes and "
+                         f"mask; got {sorted(unknown)}")
     window = variants.get("window")
     window = None if window is None or tuple(window) == (-1, -1) else tuple(int(w) for w in window)
     softcap = variants.get("softcap")
@@ -116,8 +144,9 @@ def _torch_variants(variants: dict, b: int, h_q: int):
         x = variants.get(name)
         return None if x is None else torch.as_tensor(x, dtype=torch.float32).expand(shape).contiguous().cuda()
 
+    mask = None if variants.get("mask") is None else mask_tensor(variants["mask"], b, n)
     return Variants(window, None if softcap is None else float(softcap), tensor("sinks", (h_q,)),
-                    tensor("alibi_slopes", (b, h_q)))
+                    tensor("alibi_slopes", (b, h_q)), mask)
 
 
 def _flex_call(q, k, v, causal: bool, var):
@@ -133,12 +162,17 @@ def _flex_call(q, k, v, causal: bool, var):
     shift = n_kv - n_q
     left, right = window_bounds(var.window)
 
+    mask = var.mask
+
     def mask_mod(b, h, q_idx, kv_idx):
         pos = q_idx + shift
         seen = (kv_idx >= pos - left) & (kv_idx <= pos + right)
+        if mask is not None:
+            seen = seen & mask[b if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
         return seen & (kv_idx <= pos) if causal else seen
 
-    block_mask = create_block_mask(mask_mod, None, None, n_q, n_kv, device=q.device)
+    batch = None if mask is None or mask.shape[0] == 1 else mask.shape[0]
+    block_mask = create_block_mask(mask_mod, batch, None, n_q, n_kv, device=q.device)
     cap, slopes = var.softcap, var.alibi_slopes
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -171,12 +205,14 @@ def _bench_variant_shape(shape, dtype, meta, rounds: int, variants: dict) -> lis
     from ..triton import prefill as tp
 
     b, h_q, h_kv, n, d, causal = shape
-    var = _torch_variants(variants, b, h_q)
+    var = _torch_variants(variants, b, h_q, n)
+    # the causal mask replaces causal=True; any other mask comes on top of the shape's flag
+    masked_causal = causal and variants.get("mask") != "causal"
     sets = _input_sets(shape, dtype)
-    pairs = {"flashcl": visible_pairs(n, n, causal, var.window), "flex": visible_pairs(n, n, causal, var.window),
-             "flashcl-plain": visible_pairs(n, n, causal)}
+    seen = visible_pairs(n, n, causal, var.window) if var.mask is None else mask_pairs(var.mask, causal)
+    pairs = {"flashcl": seen, "flex": seen, "flashcl-plain": visible_pairs(n, n, causal)}
     makers = {
-        "flashcl": lambda q, k, v: (lambda: tp.prefill(q, k, v, causal=causal, variants=var)),
+        "flashcl": lambda q, k, v: (lambda: tp.prefill(q, k, v, causal=masked_causal, variants=var)),
         "flashcl-plain": lambda q, k, v: _flashcl_call(q, k, v, causal),
         "flex": lambda q, k, v: _flex_call(q, k, v, causal, var),
     }
@@ -193,7 +229,8 @@ def _bench_variant_shape(shape, dtype, meta, rounds: int, variants: dict) -> lis
             outputs[impl] = calls[0]()  # compiles / autotunes outside the graph
             torch.cuda.synchronize()
             if impl.startswith("flashcl"):
-                row["config"] = tp.best_config(n, n, d, d, causal, dtype, batch_heads=b * h_q,
+                row["config"] = tp.best_config(n, n, d, d, masked_causal if impl == "flashcl" else causal,
+                                               dtype, batch_heads=b * h_q,
                                                variants=var if impl == "flashcl" else None)
             else:  # a compiled peer must also replay inside a CUDA graph
                 cuda_timing.time_graph(calls[:1], warmup=1, reps=1)
@@ -341,6 +378,8 @@ def run(shapes=None, dtype: str = "float16", rounds: int = 3, variants: dict | N
         raise ValueError(f"kv_format: the Triton prefill kernel takes {', '.join(takes)}; got {kv_format!r}")
     if kv_format is not None and variants:
         raise ValueError("kv_format: timed on the plain call only; drop the variants")
+    if (variants or {}).get("mask") == "causal" and not all(s[5] for s in shapes):
+        raise ValueError("mask 'causal' stands in for causal=True: every shape must be causal")
     if not torch.cuda.is_available():
         raise RuntimeError("bench_prefill needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]

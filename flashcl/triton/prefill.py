@@ -31,9 +31,10 @@ instruction): WINDOW narrows the loop to the tiles the block's window reaches,
 
 (loop 0 masks the left edge, loop 2 the right edge or the causal diagonal); SOFTCAP and ALIBI
 change the scores of every tile (_variant_scores); SINKS start each row's state at the sink
-(m = sink, l = 1, so lse includes it); MASK (bool or additive) runs the tiles the host lists per
-query block (_list_mask_tiles: the block map, causal and the window) through the masked path,
-reading the mask tile with the scores.
+(m = sink, l = 1, so lse includes it); MASK (bool or additive) visits what the host lists per
+query block (flashcl.triton.mask_tiles, from the mask, causal and the window): a run of tiles every
+row sees in full as loop 1, then the other visible tiles through the masked path, reading the
+mask tile with the scores (by TMA where the mask's strides allow, MASK_TMA).
 
 Quantized K/V (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain, a contiguous QuantizedTensor of (B, H_kv, N_kv, D)): the op takes its data, format and
@@ -82,7 +83,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
-from . import interpreting, quant_words
+from . import interpreting, mask_tiles, quant_words
+from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
 LOG2E_K = tl.constexpr(LOG2E)  # the same, for kernels (they read only constexpr globals)
@@ -90,12 +92,6 @@ MASK_BOOL = tl.constexpr(1)  # values of the kernel's MASK flag (0: no mask)
 MASK_ADD = tl.constexpr(2)
 SOFTCAP_EXACT = tl.constexpr(1)  # values of the kernel's SOFTCAP flag (0: no softcap), see _tanh
 SOFTCAP_FAST = tl.constexpr(2)
-# The mask's block map has one entry per MAP_GRAIN x MAP_GRAIN (queries x keys), the smallest
-# tile of _TILE_SPACE, so one map serves every config; a tile ORs the entries it covers.
-MAP_GRAIN = tl.constexpr(16)
-MAP_SEEN_K = tl.constexpr(1)  # MAP_SEEN for kernels
-MAP_PAD = tl.constexpr(128)  # map rows and columns padded to the largest tile (no bounds checks)
-MAP_SEEN, MAP_PLAIN = 1, 2  # block-map bits (_mask_block_map)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -308,7 +304,7 @@ def _tile_in_map(map_rows, start_n, BLOCK_N: tl.constexpr):
     """Whether the block map holds a visible key in key tile start_n of these map rows
     (map_rows: (rows, 1) pointers to the MAP_GRAIN x MAP_GRAIN entries of the query block)."""
     cols = start_n // MAP_GRAIN + tl.arange(0, BLOCK_N // MAP_GRAIN)
-    return (tl.max(tl.load(map_rows + cols[None, :])) & MAP_SEEN_K) != 0
+    return (tl.max(tl.load(map_rows + cols[None, :])) & MAP_SEEN) != 0
 
 
 @triton.jit
@@ -323,7 +319,8 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
                  WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
                  ALIBI: tl.constexpr = False, MASK: tl.constexpr = 0,
                  k_scales=None, v_scales=None, stride_ksn=None, stride_vsn=None,
-                 K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = ""):
+                 K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "", MASK_TMA: tl.constexpr = False,
+                 mask_desc=None, mask_at=None):
     """Fold one BLOCK_N tile of keys into the running state (acc, l_i, m_i) of BLOCK_M rows.
 
     k_src/v_src: see _kv_rows; K_FMT/V_FMT, k_scales/v_scales, stride_ksn/stride_vsn: see
@@ -333,7 +330,10 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
     EARLY_V: V is loaded with K, before QK^T (with the software pipeline's stages both then wait on
     one barrier; see the notes next to _TILE_SPACE). SOFTCAP, ALIBI: _variant_scores (row_pos =
     the rows' positions p). MASK (masked tiles only): MASK_BOOL / MASK_ADD, read through
-    mask_rows, (BLOCK_M, 1) row pointers."""
+    mask_rows, (BLOCK_M, 1) row pointers, or with MASK_TMA by the copy engine through mask_desc
+    at (batch, head, first row) mask_at: it lands in shared memory, from where the tile is read
+    straight into the scores' layout (a pointer load's tile changes layout through shared
+    memory, and the scores with it: +15% at N = 4096, docs/notes/variants.md)."""
     k, k_row_scales = _load_kv(k_src, k_scales, off_b, off_hkv, start_n, offs_n, offs_dk, stride_kn,
                                stride_ksn, N_KV, q.dtype, K_FMT, DK, BLOCK_DK, BLOCK_N, MASKED, USE_TMA)
     if EARLY_V:
@@ -352,7 +352,11 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
         if MASK != 0:
             # keys past N_kv read the last key's entry (unmasked loads need fewer registers):
             # row_last hides them anyway; mask_rows clamps the rows past N_q the same way
-            mask_tile = tl.load(mask_rows + tl.minimum(offs_kv, N_KV - 1)[None, :] * stride_mk)
+            if MASK_TMA:  # keys past N_kv read 0: row_last hides them anyway
+                mask_tile = mask_desc.load([mask_at[0], mask_at[1], mask_at[2], start_n])
+                mask_tile = mask_tile.reshape(mask_tile.shape[2], BLOCK_N)
+            else:
+                mask_tile = tl.load(mask_rows + tl.minimum(offs_kv, N_KV - 1)[None, :] * stride_mk)
             if MASK == MASK_BOOL:
                 allowed = mask_tile != 0
             else:
@@ -443,6 +447,7 @@ def _attend_full_tiles_overlapped(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     DescQ, DescK, DescV, DescO,    # USE_TMA: host-built descriptors of q, k, v, out (else None)
+    DescMask,                      # MASK_TMA: the mask's descriptor (else None)
     Sinks, Alibi, Mask,            # the variants' tensors, None where off (see _VariantArgs)
     MaskMap, MaskTiles,            # MASK: block map and per-block tile lists (_VariantArgs)
     KScales, VScales,              # int8 / fp8_e4m3 K, V: their flashcl.quant scales, else None
@@ -476,6 +481,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,         # sm_90+: tiles moved by the copy engine (TMA) via DescQ..DescO
     SOFTMAX_OVERLAP: tl.constexpr,  # loop 1 runs each softmax under a tensor-core dot
+    MASK_TMA: tl.constexpr,        # USE_TMA and MASK: mask tiles read through DescMask
 ):
     tl.static_assert(BLOCK_DK >= DK and BLOCK_DV >= DV, "head dims must fit their padded blocks")
     tl.static_assert(BLOCK_DK >= 16 and BLOCK_DV >= 16, "tl.dot needs every dimension >= 16")
@@ -502,6 +508,11 @@ def _prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    if MASK != 0:
+        # the block's run of full tiles (see below), read before q so their loads overlap
+        tiles = MaskTiles + off_b * stride_tb + off_h * stride_th + start_m * stride_tq
+        run_start = tl.load(tiles) * BLOCK_N
+        run_end = tl.load(tiles + 1) * BLOCK_N
 
     if USE_TMA:
         # 4-D descriptors built on the host (blocks [1, 1, rows, padded head dim]): a descriptor
@@ -561,56 +572,55 @@ def _prefill_kernel(
         alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_K
 
     if MASK != 0:
-        # the tiles that the mask, causal and the window leave visible to this block, listed by
-        # the host for this config (_list_mask_tiles): full ones first (no mask read), then the
-        # partial ones. A hidden tile is never reached, and the loops have no branch to keep
-        # them from being software-pipelined
+        # what the mask, causal and the window leave to this block, listed by the host for this
+        # config (_list_mask_tiles): a run of tiles every row sees in full, attended as loop 1
+        # (no mask read), then the other tiles some row sees, with the mask. A hidden tile is
+        # never reached, and neither loop has a branch to keep it from being software-pipelined
+        full_start = run_start
+        full_end = run_end
+    elif WINDOW:
+        # loop 0: tiles crossed by the window's left edge
+        acc, l_i, m_i = _attend_masked_tiles(
+            acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, lo, full_start, offs_n, offs_dk,
+            offs_dv, stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale,
+            softcap_scale, softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK,
+            BLOCK_DV, BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW,
+            SOFTCAP, ALIBI, 0, False, None, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
+    # loop 1: tiles every row sees in full
+    if SOFTMAX_OVERLAP:
+        acc, l_i, m_i = _attend_full_tiles_overlapped(
+            acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_start, full_end, offs_n, offs_dk,
+            offs_dv, stride_kn, stride_vn, N_KV, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, row_pos, softcap_scale, softcap_log2,
+            alibi_log2, SOFTCAP, ALIBI, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
+    else:
+        for start_n in range(full_start, full_end, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n,
+                                         offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV,
+                                         row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                                         False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False,
+                                         row_first, row_pos, softcap_scale, softcap_log2,
+                                         alibi_log2, None, None, False, SOFTCAP, ALIBI, 0, k_scales,
+                                         v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
+    if MASK != 0:
+        # the listed tiles that need the mask (its row pointers made here: not live in loop 1).
+        # Two stages: the mask tile's layout change takes shared memory beside the K/V stages,
+        # and with three this loop needed more than loop 1 (one program per SM, not two)
         mask_rows = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
                      + tl.minimum(offs_m, N_Q - 1).to(tl.int64)[:, None] * stride_mq)
-        tiles = MaskTiles + off_b * stride_tb + off_h * stride_th + start_m * stride_tq
-        n_full = tl.load(tiles)
-        for i in range(0, n_full):
-            start_n = tl.multiple_of(tl.load(tiles + 2 + i) * BLOCK_N, BLOCK_N)
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
-                stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False, row_first, row_pos,
-                softcap_scale, softcap_log2, alibi_log2, None, None, False, SOFTCAP, ALIBI, 0,
-                k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
-        for i in range(n_full, n_full + tl.load(tiles + 1)):
-            start_n = tl.multiple_of(tl.load(tiles + 2 + i) * BLOCK_N, BLOCK_N)
+        # the descriptor's (batch, head, row) of this block: 0 on a broadcast dim
+        mask_at = (tl.where(stride_mb == 0, 0, off_b), tl.where(stride_mh == 0, 0, off_h), start_m * BLOCK_M)
+        for i in tl.range(0, tl.load(tiles + 2), num_stages=2):
+            start_n = tl.multiple_of(tl.load(tiles + LIST_HEADER + i) * BLOCK_N, BLOCK_N)
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n, offs_dk, offs_dv,
                 stride_kn, stride_vn, N_KV, row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
                 True, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, row_first, row_pos,
                 softcap_scale, softcap_log2, alibi_log2, mask_rows, stride_mk, WINDOW, SOFTCAP, ALIBI,
-                MASK, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
+                MASK, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT, MASK_TMA and USE_TMA,
+                DescMask, mask_at)
     else:
-        # loop 0 (WINDOW): tiles crossed by the window's left edge
-        if WINDOW:
-            acc, l_i, m_i = _attend_masked_tiles(
-                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, lo, full_start, offs_n, offs_dk,
-                offs_dv, stride_kn, stride_vn, N_KV, row_first, row_last, row_pos, qk_scale,
-                softcap_scale, softcap_log2, alibi_log2, None, None, None, DK, DV, BLOCK_DK,
-                BLOCK_DV, BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, SOFTMAX_OVERLAP, WINDOW,
-                SOFTCAP, ALIBI, 0, False, None, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
-        # loop 1: tiles every row sees in full
-        if SOFTMAX_OVERLAP:
-            acc, l_i, m_i = _attend_full_tiles_overlapped(
-                acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, full_start, full_end, offs_n, offs_dk,
-                offs_dv, stride_kn, stride_vn, N_KV, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                BLOCK_N, DOT_PRECISION, UPCAST_DOTS, USE_TMA, row_pos, softcap_scale, softcap_log2,
-                alibi_log2, SOFTCAP, ALIBI, k_scales, v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
-        else:
-            for start_n in range(full_start, full_end, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n,
-                                             offs_n, offs_dk, offs_dv, stride_kn, stride_vn, N_KV,
-                                             row_last, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                                             False, False, DOT_PRECISION, UPCAST_DOTS, USE_TMA, False,
-                                             row_first, row_pos, softcap_scale, softcap_log2,
-                                             alibi_log2, None, None, False, SOFTCAP, ALIBI, 0, k_scales,
-                                             v_scales, stride_ksn, stride_vsn, K_FMT, V_FMT)
         # loop 2: tiles crossed by the causal diagonal or the window's right edge, and the ragged
         # last tile
         acc, l_i, m_i = _attend_masked_tiles(
@@ -830,46 +840,19 @@ def _set_descriptor_blocks(nargs) -> None:
     nargs["DescK"].block_shape = [1, 1, bn, bdk]
     nargs["DescV"].block_shape = [1, 1, bn, bdv]
     nargs["DescO"].block_shape = [1, 1, bm, bdv]
+    if nargs["DescMask"] is not None:
+        nargs["DescMask"].block_shape = [1, 1, bm, bn]
 
 
 def _list_mask_tiles(nargs) -> None:
-    """Config pre-hook (MASK): per query block of this config's BLOCK_M, the key tiles of its
-    BLOCK_N in MaskTiles as [n_full, n_partial, full tiles.., partial tiles..], each group in
-    increasing order. Full: every row sees every key with nothing to add (block map MAP_PLAIN,
-    inside causal, the window and N_kv): the unmasked path, no mask read. Partial: some row sees
-    some key (MAP_SEEN, within reach). Other tiles are left out. No-op without a mask."""
-    tiles, block_map = nargs["MaskTiles"], nargs["MaskMap"]
-    if tiles is None:
+    """Config pre-hook (MASK): the tile lists of this config's BLOCK_M and BLOCK_N in MaskTiles
+    (flashcl.triton.mask_tiles). No-op without a mask."""
+    if nargs["MaskTiles"] is None:
         return
-    bm, bn, n_q, n_kv = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["N_Q"], nargs["N_KV"]
-    grain = MAP_GRAIN.value
-    fm, fn = bm // grain, bn // grain
-    b_, h_, rows, cols = block_map.shape
-    tq, tk = triton.cdiv(n_q, bm), triton.cdiv(n_kv, bn)
-    blocks = block_map.view(b_, h_, rows // fm, fm, cols // fn, fn)
-    seen = (blocks & MAP_SEEN).amax(dim=(3, 5))[:, :, :tq, :tk] != 0
-    plain = (blocks & MAP_PLAIN).amin(dim=(3, 5))[:, :, :tq, :tk] != 0
-    # per query block (rows at positions first .. last): the keys [lo, hi) any row may see, and
-    # [full_lo, full_hi) that every row sees, under causal and the window (as _window_tiles)
-    first = torch.arange(tq, device=tiles.device) * bm + (n_kv - n_q)
-    last = first + bm - 1
-    lo, hi = torch.zeros_like(first), torch.full_like(first, n_kv)
-    full_lo, full_hi = torch.zeros_like(first), torch.full_like(first, n_kv)
-    if nargs["IS_CAUSAL"]:
-        hi, full_hi = torch.minimum(hi, last + 1), torch.minimum(full_hi, first + 1)
-    if nargs["WINDOW"]:
-        left, right = nargs["window_left"], nargs["window_right"]
-        lo, full_lo = (first - left).clamp(min=0), (last - left).clamp(min=0)
-        hi = torch.minimum(hi, (last + right + 1).clamp(min=0))
-        full_hi = torch.minimum(full_hi, (first + right + 1).clamp(min=0))
-    start = torch.arange(tk, device=tiles.device)[None, :] * bn
-    seen &= (start < hi[:, None]) & (start + bn > lo[:, None])
-    full = seen & plain & (start >= full_lo[:, None]) & (start + bn <= full_hi[:, None])
-    group = 2 - full.to(torch.uint8) - seen.to(torch.uint8)  # 0 full, 1 partial, 2 left out
-    order = torch.sort(group, dim=-1, stable=True).indices
-    tiles[:, :, :tq, 0] = full.sum(-1, dtype=torch.int32)
-    tiles[:, :, :tq, 1] = (seen & ~full).sum(-1, dtype=torch.int32)
-    tiles[:, :, :tq, 2:tk + 2] = order.to(torch.int32)
+    mask_tiles.list_tiles(nargs["MaskMap"], nargs["MaskTiles"], block_m=nargs["BLOCK_M"],
+                          block_n=nargs["BLOCK_N"], n_q=nargs["N_Q"], n_kv=nargs["N_KV"],
+                          causal=nargs["IS_CAUSAL"], window=nargs["WINDOW"],
+                          window_left=nargs["window_left"], window_right=nargs["window_right"])
 
 
 def _config_pre_hook(nargs) -> None:
@@ -1116,10 +1099,8 @@ class _VariantArgs:
             data = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
             mask_strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
         if mask is not None and block_map:
-            mask_map = _mask_block_map(mask)
-            # per query block: two counts, then tile indices (_list_mask_tiles)
-            tiles = torch.zeros((*mask_map.shape[:3], 2 + mask_map.shape[3]), dtype=torch.int32,
-                                device=mask.device)
+            mask_map = mask_tiles.block_map(mask)
+            tiles = mask_tiles.tile_lists(mask_map)  # filled per config (_list_mask_tiles)
             map_strides, tile_strides = (tuple(0 if mask.shape[i] == 1 else t.stride(i) for i in range(3))
                                          for t in (mask_map, tiles))
         self.tensors = (sinks, alibi_slopes, data, mask_map, tiles)
@@ -1136,27 +1117,6 @@ class _VariantArgs:
         fast = dtype != torch.float32 and not interpreting()
         return cls(variants.window, variants.softcap, variants.sinks, variants.alibi_slopes,
                    variants.mask, scale, block_map, fast)
-
-
-def _mask_block_map(mask: torch.Tensor) -> torch.Tensor:
-    """uint8 (Bm, Hm, rows, cols) on the mask's device, one entry per MAP_GRAIN x MAP_GRAIN block
-    of (queries, keys): bit MAP_SEEN where the block holds a visible key (flashcl.variants.
-    mask_block_map at MAP_GRAIN), bit MAP_PLAIN where every key is visible with nothing to add
-    (bool True, additive 0). Rows and columns padded to MAP_PAD with entries of MAP_PLAIN alone:
-    padding neither shows a key nor spoils a plain tile (the kernel bounds rows and keys itself)."""
-    if mask.dtype == torch.bool:
-        code = mask.to(torch.uint8) * (MAP_SEEN | MAP_PLAIN)
-    else:
-        code = (mask != float("-inf")).to(torch.uint8) * MAP_SEEN + (mask == 0).to(torch.uint8) * MAP_PLAIN
-    bm, hm, n_q, n_kv = code.shape
-    pad = MAP_PAD.value
-    rows, cols = (-(-n // pad) * pad for n in (n_q, n_kv))
-    code = torch.nn.functional.pad(code, (0, cols - n_kv, 0, rows - n_q), value=MAP_PLAIN)
-    grain = MAP_GRAIN.value
-    blocks = code.view(bm, hm, rows // grain, grain, cols // grain, grain)
-    seen = (blocks & MAP_SEEN).amax(dim=(3, 5))
-    plain = (blocks & MAP_PLAIN).amin(dim=(3, 5))
-    return (seen | plain).contiguous()
 
 
 def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict | None,
@@ -1184,6 +1144,11 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
         # read past its shared-memory operand (compute-sanitizer); 64 columns read right
         bdv = max(bdv, 64)
     descs = _descriptors(q, k, v, out, bdk, bdv) if tma_ok else (None,) * 4
+    mask_data = var.tensors[2]
+    mask_tma = tma_ok and mask_data is not None and _tma_ok(mask_data)
+    # placeholder block, set per config (_set_descriptor_blocks)
+    descs += (TensorDescriptor(mask_data, list(mask_data.shape), list(mask_data.stride()), [1, 1, 64, 64])
+              if mask_tma else None,)
     group = head_group_override or head_group(q.device, b * h_q, h_q // h_kv, n_kv, dk, dv,
                                               q.element_size())
     args = (
@@ -1198,7 +1163,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     upcast = interpreting() and q.dtype == torch.bfloat16
     meta = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast, **var.flags,
-                K_FMT=k_format, V_FMT=v_format,
+                K_FMT=k_format, V_FMT=v_format, MASK_TMA=mask_tma,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
 
     def grid(META):  # 1-D: the kernel maps program ids to (query block, batch * head) itself

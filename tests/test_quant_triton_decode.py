@@ -223,9 +223,9 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
 
 def test_plan_routes_quantized_to_the_dot_path():
     """On a Hopper with Gluon, quantized K/V take the dot path (no Gluon, no MHA loop: their loads
-    dequantize) over whole pages; int8 and fp8 alone take the word tile at two programs per SM,
-    q8_0 and q4_0 their own tiles at four, a mix with a ggml format the ggml tile; an unknown
-    format is refused."""
+    dequantize) over whole pages at four programs per SM; int8 and fp8 alone take the word tile,
+    q8_0 and q4_0 their own tiles, a mix with a ggml format the ggml tile; an unknown format is
+    refused."""
     from dataclasses import replace
 
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
@@ -236,11 +236,10 @@ def test_plan_routes_quantized_to_the_dot_path():
             assert p.kernel == "dot" and p.whole_pages and not p.page_tiles, (fmt, p.kernel)
     for ctx in (32768, 131072):
         base = replace(bases[0], n_ctx_bound=ctx)
-        tiles = {"int8": (128, 4), "fp8_e4m3": (128, 4), "q8_0": (64, 2), "q4_0": (32, 2)}
+        tiles = {"int8": (64, 2), "fp8_e4m3": (64, 2), "q8_0": (64, 2), "q4_0": (32, 2)}
         for fmt, tile in tiles.items():
             p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            per_sm = 2 if tile == (128, 4) else 4
-            assert per_sm * facts.sms <= 8 * p.num_splits < (per_sm * facts.sms) + 8 * 2, (fmt, ctx, p.num_splits)
+            assert 4 * facts.sms <= 8 * p.num_splits < 4 * facts.sms + 8 * 2, (fmt, ctx, p.num_splits)
             assert (p.block_n, p.num_warps) == tile, (fmt, ctx)
         mixed = dp.plan(replace(base, kv_formats=("int8", "q4_0")), facts)
         assert (mixed.block_n, mixed.num_warps) == tiles["q4_0"]

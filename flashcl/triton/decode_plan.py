@@ -332,28 +332,24 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
 
 
 # Quantized caches: programs per SM their split launches aim at (_dequant_programs_per_sm), and
-# their tiles (_dequant_tile). int8 / fp8 read as words: 128 rows on 4 warps, two programs per SM.
-# q8_0 (byte pairs) and q4_0 (stored order) are latency bound: more, smaller programs hide it.
-_WORD_TILE = {"BLOCK_N": 128, "num_warps": 4}
+# their tiles (_dequant_tile). Dequantizing programs are latency bound, every format: more,
+# smaller programs hide it (int8 / fp8 read as words, q8_0 as byte pairs, q4_0 in stored order).
+_WORD_TILE = {"BLOCK_N": 64, "num_warps": 2}
 _GGML_TILES = {"q8_0": {"BLOCK_N": 64, "num_warps": 2}, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
 
 def _dequant_programs_per_sm(problem: DecodeProblem) -> int:
-    """The programs per SM a quantized split launch aims at: 4 with a ggml cache, 2 with int8 or
-    fp8 only, 1 plain. One program dequantizing its tiles does not stream enough for its SM (H200,
-    (1, 32/8, 32k): int8 and fp8 on the word tile 34.9 and 39.5 us on 33 and 16 splits); the ggml
-    tiles keep gaining to four (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33
-    81 / 293; q4_0 79 / 272 against 126 / 458): "Stored order" in docs/notes/quantized-decode.md."""
-    formats = {f for f in problem.kv_formats if f}
-    if formats & set(_GGML_TILES):
-        return 4
-    return 2 if formats else 1
+    """The programs per SM a quantized split launch aims at: 4 (1 plain). One program dequantizing
+    its tiles does not stream enough for its SM; four on the small tiles beat two on the larger
+    (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 / 293; q4_0 79 / 272
+    against 126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33 splits 34.4 / 109.1):
+    docs/notes/quantized-decode.md."""
+    return 4 if problem.quantized else 1
 
 
 def _dequant_tile(problem: DecodeProblem) -> Optional[dict]:
     """The tile of a quantized launch: a ggml cache's (q8_0's where both kinds are there), else
-    _WORD_TILE for int8 / fp8 (at (1, 32/8), fp16, 0.93x and 1.12x fp16's time at 32k and 128k
-    for int8, against 1.25x and 1.44x on the default and long tiles: H200); None plain."""
+    _WORD_TILE for int8 / fp8 (_dequant_programs_per_sm); None plain."""
     formats = {f for f in problem.kv_formats if f}
     for fmt in _GGML_TILES:
         if fmt in formats:

@@ -112,7 +112,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ..quant import QuantizedTensor
-from . import decode_gluon, decode_plan, ggml_stored, interpreting, quant_words
+from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
@@ -1050,9 +1050,10 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``v_format`` its format ("" plain), ``k_scales`` / ``v_scales`` its ``scales`` (int8,
     fp8_e4m3; q8_0 and q4_0 read d from the data). Inputs are not mutated.
     """
-    return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_left=window_left,
-                   softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
-                   k_format=k_format, v_format=v_format)
+    with on_device_of(q):
+        return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits,
+                       window_left=window_left, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                       k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format)
 
 
 @decode_op.register_fake

@@ -83,7 +83,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
-from . import interpreting, mask_tiles, quant_words
+from . import interpreting, mask_tiles, on_device_of, quant_words
 from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
@@ -1260,8 +1260,9 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     variants = None
     if any(x is not None for x in (window, softcap, sinks, alibi_slopes, mask)):
         variants = Variants(None if window is None else tuple(window), softcap, sinks, alibi_slopes, mask)
-    out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
-                       v_format=v_format, k_scales=k_scales, v_scales=v_scales)
+    with on_device_of(q):
+        out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
+                           v_format=v_format, k_scales=k_scales, v_scales=v_scales)
     return out, (lse if return_lse else lse.new_empty((0,)))
 
 

@@ -61,11 +61,11 @@ class Variants:
 
 
 def window_bounds(window: Optional[Tuple[int, int]]) -> Tuple[int, int]:
-    """(left, right) with -1 (unbounded) replaced by a bound larger than any sequence."""
+    """(left, right) with -1 (unbounded) and anything wider than 2^30 replaced by 2^30, a bound
+    larger than any sequence that kernels can add positions to in int32."""
     if window is None:
         return (1 << 30, 1 << 30)
-    left, right = window
-    return (1 << 30 if left < 0 else left, 1 << 30 if right < 0 else right)
+    return tuple(1 << 30 if w < 0 else min(w, 1 << 30) for w in window)
 
 
 def key_range(first_pos: int, last_pos: int, n_kv: int, *, causal: bool,

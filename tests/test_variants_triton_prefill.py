@@ -327,10 +327,50 @@ def test_mask_tile_lists(triton_device, causal, window):
             assert set(needed) <= listed and not listed & set(hidden), (b, qb, run, part, needed, hidden)
             full = [(t + 1) * bn <= n_kv and visible[b, 0, rows, keys].all() for t, keys in enumerate(key_tiles)]
             assert all(full[t] for t in run), (b, qb, run)  # every real row sees all of every run tile
-            if (qb + 1) * bm <= n_q:  # a whole block: the run is the longest
-                assert len(run) == _longest_run(full), (b, qb, run, full)
+            assert len(run) == _longest_run(full), (b, qb, run, full)  # the longest run
             n_full_total += len(run)
     assert n_full_total > 0 or window is not None  # windows narrower than a block have none
+
+
+@pytest.mark.parametrize("window", [None, (2**31 - 1, 0), (300, 2**31 - 1)])
+def test_mask_tile_lists_many_tiles(triton_device, window):
+    """More key tiles than one step of the list kernel (its longest run carried across steps),
+    N_q > N_kv, Hm > 1, and windows wider than int32 positions allow (taken as unbounded)."""
+    g = torch.Generator().manual_seed(5)
+    n_q, n_kv, bm, bn = 1200, 1100, 32, 16
+    mask = torch.rand(1, 2, n_q, n_kv, generator=g) < 0.02
+    mask[:, 0, :, 1000:1090] = True   # a run of 5 tiles after one of 3 that crosses tile 64
+    mask[:, 0, :, 1008:1009] = False
+    mask[:, 0, :, 992:1008] = True
+    mask[:, 1, :, 16:1040] = True     # one run of 64 tiles ending at tile 64
+    var = tp._VariantArgs.of(Variants(window=window, mask=mask.to(triton_device)), torch.float32, block_map=True)
+    nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=n_q,
+                 N_KV=n_kv, IS_CAUSAL=False, WINDOW=window is not None, window_left=var.scalars[0],
+                 window_right=var.scalars[1])
+    tp._list_mask_tiles(nargs)
+    tiles = nargs["MaskTiles"].cpu().numpy()
+    key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
+    _, m = reference.logits(np.zeros((1, 2, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=False, window=window,
+                            mask=mask.numpy())
+    for h in range(2):
+        for qb in range(0, -(-n_q // bm), 7):
+            first, end, n_part = tiles[0, h, qb, :3]
+            rows = slice(qb * bm, (qb + 1) * bm)
+            full = [(t + 1) * bn <= n_kv and m[0, h, rows, keys].all() for t, keys in enumerate(key_tiles)]
+            assert end - first == _longest_run(full) and all(full[first:end]), (h, qb, first, end)
+            listed = set(tiles[0, h, qb, 3:3 + n_part]) | set(range(first, end))
+            assert {t for t, keys in enumerate(key_tiles) if m[0, h, rows, keys].any()} <= listed
+
+
+def test_window_wider_than_int32_positions(triton_device):
+    """A window bound of 2^31 - 1 (any int the API takes) is unbounded, not an int32 overflow:
+    N_q > N_kv, with and without a mask."""
+    t = forced_tile(triton_device)
+    q, k, v = _inputs(1, 2, 1, 2 * t + 5, t + 3, 16, 16, torch.float32, triton_device, 61)
+    mask = (torch.rand(1, 1, 2 * t + 5, t + 3, generator=torch.Generator().manual_seed(6)) < 0.7)
+    for window in ((2**31 - 1, 0), (0, 2**31 - 1)):
+        _check(q, k, v, causal=False, device=triton_device, window=window)
+        _check(q, k, v, causal=True, device=triton_device, window=window, mask=mask.to(triton_device))
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])

@@ -335,7 +335,7 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
 # their tiles (_dequant_tile). Dequantizing programs are latency bound, every format: more,
 # smaller programs hide it (int8 / fp8 read as words, q8_0 as byte pairs, q4_0 in stored order).
 _WORD_TILE = {"BLOCK_N": 64, "num_warps": 2}
-_GGML_TILES = {"q8_0": {"BLOCK_N": 64, "num_warps": 2}, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
+_GGML_TILES = {"q8_0": _WORD_TILE, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
 
 def _dequant_programs_per_sm(problem: DecodeProblem) -> int:

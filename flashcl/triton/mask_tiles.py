@@ -1,5 +1,5 @@
 """What a prefill mask leaves for the Triton prefill to visit, built on the mask's device by two
-small kernels that read the mask once (torch ops took ten passes over it and ~40 launches).
+small kernels; the mask is read once.
 
 - The block map (``block_map``, once per call): one uint8 entry per MAP_GRAIN x MAP_GRAIN block of
   (queries, keys), bit MAP_SEEN where the block holds a visible key, MAP_PLAIN where every key is
@@ -108,7 +108,7 @@ def _tile_list_kernel(Map, Tiles, stride_pb, stride_ph, stride_pq, stride_tb, st
     # the keys [lo, hi) some row of the block may see and [full_lo, full_hi) every row sees,
     # under causal and the window (rows at positions first .. last, bottom-right aligned)
     first = qb * BLOCK_M + N_KV - N_Q
-    last = first + BLOCK_M - 1
+    last = tl.minimum(first + BLOCK_M - 1, N_KV - 1)  # the last real row sits at N_kv - 1
     lo = 0
     full_lo = 0
     hi = N_KV
@@ -155,7 +155,8 @@ def _tile_list_kernel(Map, Tiles, stride_pb, stride_ph, stride_pq, stride_tb, st
 
 def tile_lists(bmap: torch.Tensor) -> torch.Tensor:
     """An int32 (Bm, Hm, rows, LIST_HEADER + cols) tensor for ``list_tiles`` to fill."""
-    return torch.empty((*bmap.shape[:3], LIST_HEADER.value + bmap.shape[3]), dtype=torch.int32, device=bmap.device)
+    shape = (*bmap.shape[:3], LIST_HEADER.value + bmap.shape[3])
+    return torch.empty(shape, dtype=torch.int32, device=bmap.device)
 
 
 def list_tiles(bmap: torch.Tensor, tiles: torch.Tensor, *, block_m: int, block_n: int, n_q: int,

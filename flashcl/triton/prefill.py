@@ -350,9 +350,9 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
         s = _variant_scores(qk, qk_scale, softcap_scale, softcap_log2, alibi_log2, row_pos, offs_kv,
                             SOFTCAP, ALIBI)
         if MASK != 0:
-            # keys past N_kv read the last key's entry (unmasked loads need fewer registers):
-            # row_last hides them anyway; mask_rows clamps the rows past N_q the same way
-            if MASK_TMA:  # keys past N_kv read 0: row_last hides them anyway
+            # keys past N_kv read 0 (TMA) or the last key's entry (unmasked loads need fewer
+            # registers): row_last hides them anyway; rows past N_q are clamped the same way
+            if MASK_TMA:
                 mask_tile = mask_desc.load([mask_at[0], mask_at[1], mask_at[2], start_n])
                 mask_tile = mask_tile.reshape(mask_tile.shape[2], BLOCK_N)
             else:
@@ -459,7 +459,7 @@ def _prefill_kernel(
     stride_ab, stride_ah,          # Alibi (B, H_q)
     stride_mb, stride_mh, stride_mq, stride_mk,  # Mask (Bm, Hm, N_q, N_kv); 0 on a broadcast dim
     stride_pb, stride_ph, stride_pq,             # MaskMap (Bm, Hm, rows, cols), unit last stride
-    stride_tb, stride_th, stride_tq,             # MaskTiles (Bm, Hm, rows, 2 + cols), unit last
+    stride_tb, stride_th, stride_tq,             # MaskTiles (Bm, Hm, rows, 3 + cols), unit last
     stride_ksb, stride_ksh, stride_ksn,          # KScales (B, H_kv, N_kv, 1) of int8 K, else None
     stride_vsb, stride_vsh, stride_vsn,          # VScales of int8 V, else None
     qk_scale,                      # softmax scale * log2(e), >= 0
@@ -572,8 +572,8 @@ def _prefill_kernel(
         alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_K
 
     if MASK != 0:
-        # what the mask, causal and the window leave to this block, listed by the host for this
-        # config (_list_mask_tiles): a run of tiles every row sees in full, attended as loop 1
+        # what the mask, causal and the window leave to this block, listed for this config
+        # (_list_mask_tiles): a run of tiles every row sees in full, attended as loop 1
         # (no mask read), then the other tiles some row sees, with the mask. A hidden tile is
         # never reached, and neither loop has a branch to keep it from being software-pipelined
         full_start = run_start

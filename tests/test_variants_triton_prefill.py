@@ -280,6 +280,16 @@ def test_block_map_matches_numpy(triton_device):
         assert want_plain.any() and not want_plain.all()
 
 
+def _tile_lists(mask, window, causal: bool, bm: int, bn: int) -> np.ndarray:
+    """The tile lists of a (BLOCK_M, BLOCK_N) = (bm, bn) config, as the prefill's pre-hook builds them."""
+    var = tp._VariantArgs.of(Variants(window=window, mask=mask), torch.float32, block_map=True)
+    nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=mask.shape[2],
+                 N_KV=mask.shape[3], IS_CAUSAL=causal, WINDOW=window is not None, window_left=var.scalars[0],
+                 window_right=var.scalars[1])
+    tp._list_mask_tiles(nargs)
+    return nargs["MaskTiles"].cpu().numpy()
+
+
 def _longest_run(flags) -> int:
     best = run = 0
     for f in flags:
@@ -301,12 +311,7 @@ def test_mask_tile_lists(triton_device, causal, window):
     mask[1, :, :, 100:180] = False   # hidden tiles
     mask[2, :, :, :32] = True        # two runs of full tiles: 1 and 3 long
     mask[2, :, :, 64:160] = True
-    var = tp._VariantArgs.of(Variants(window=window, mask=mask.to(triton_device)), torch.float32, block_map=True)
-    nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=n_q,
-                 N_KV=n_kv, IS_CAUSAL=causal, WINDOW=window is not None, window_left=var.scalars[0],
-                 window_right=var.scalars[1])
-    tp._list_mask_tiles(nargs)
-    tiles = nargs["MaskTiles"].cpu().numpy()
+    tiles = _tile_lists(mask.to(triton_device), window, causal, bm, bn)
     head = mask_tiles.LIST_HEADER.value
     _, visible = reference.logits(np.zeros((3, 1, n_q, 1)), np.zeros((3, 1, n_kv, 1)), causal=causal,
                                   window=window, mask=mask.numpy())
@@ -339,16 +344,10 @@ def test_mask_tile_lists_many_tiles(triton_device, window):
     g = torch.Generator().manual_seed(5)
     n_q, n_kv, bm, bn = 1200, 1100, 32, 16
     mask = torch.rand(1, 2, n_q, n_kv, generator=g) < 0.02
-    mask[:, 0, :, 1000:1090] = True   # a run of 5 tiles after one of 3 that crosses tile 64
-    mask[:, 0, :, 1008:1009] = False
-    mask[:, 0, :, 992:1008] = True
-    mask[:, 1, :, 16:1040] = True     # one run of 64 tiles ending at tile 64
-    var = tp._VariantArgs.of(Variants(window=window, mask=mask.to(triton_device)), torch.float32, block_map=True)
-    nargs = dict(MaskMap=var.tensors[3], MaskTiles=var.tensors[4], BLOCK_M=bm, BLOCK_N=bn, N_Q=n_q,
-                 N_KV=n_kv, IS_CAUSAL=False, WINDOW=window is not None, window_left=var.scalars[0],
-                 window_right=var.scalars[1])
-    tp._list_mask_tiles(nargs)
-    tiles = nargs["MaskTiles"].cpu().numpy()
+    mask[:, 0, :, 992:1090] = True    # full tiles 62 and 64-67 (tile 63 hides a key): the longer
+    mask[:, 0, :, 1008:1009] = False  # run in the list kernel's second step
+    mask[:, 1, :, 16:1040] = True     # one run, tiles 1-64: across the first step's end
+    tiles = _tile_lists(mask.to(triton_device), window, False, bm, bn)
     key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
     _, m = reference.logits(np.zeros((1, 2, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=False, window=window,
                             mask=mask.numpy())

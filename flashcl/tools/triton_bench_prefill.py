@@ -120,10 +120,11 @@ def mask_tensor(kind: str, b: int, n: int, device="cuda") -> torch.Tensor:
 
 def mask_pairs(mask: torch.Tensor, causal: bool) -> float:
     """The (row, key) pairs a (Bm, 1, N, N) mask leaves visible to one (batch, head), with causal
-    on top if set, averaged over the batch."""
+    on top if set, averaged over the batch (one sequence at a time: N x N each)."""
     n = mask.shape[-1]
     rule = torch.ones(n, n, dtype=torch.bool, device=mask.device)
-    return float((mask & (rule.tril() if causal else rule)).sum()) / mask.shape[0]
+    rule = rule.tril() if causal else rule
+    return sum(float((m[0] & rule).sum()) for m in mask) / mask.shape[0]
 
 
 def _torch_variants(variants: dict, b: int, h_q: int, n: int):

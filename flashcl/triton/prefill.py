@@ -31,8 +31,8 @@ instruction): WINDOW narrows the loop to the tiles the block's window reaches,
 
 (loop 0 masks the left edge, loop 2 the right edge or the causal diagonal); SOFTCAP and ALIBI
 change the scores of every tile (_variant_scores); SINKS start each row's state at the sink
-(m = sink, l = 1, so lse includes it); MASK (bool or additive) visits what the host lists per
-query block (flashcl.triton.mask_tiles, from the mask, causal and the window): a run of tiles every
+(m = sink, l = 1, so lse includes it); MASK (bool or additive) visits what flashcl.triton.mask_tiles
+lists per query block (from the mask, causal and the window): a run of tiles every
 row sees in full as loop 1, then the other visible tiles through the masked path, reading the
 mask tile with the scores (by TMA where the mask's strides allow, MASK_TMA).
 
@@ -136,8 +136,9 @@ def _load_quant_tile(base, start_n, offs_n, offs_d, stride_n, N_KV, DTYPE: tl.co
     (MASKED) and padded head dims 0.
 
     Returned in DTYPE. q8_0 / q4_0: ggml blocks of 32 values behind their fp16 d
-    (quant_words.ggml_blocks, in float32: the tile serves BLOCK_M query rows). int8 / fp8_e4m3: the stored values, exact in DTYPE (their scales are
-    applied per key or per tensor by the caller)."""
+    (quant_words.ggml_blocks, in float32: the tile serves BLOCK_M query rows). int8 / fp8_e4m3:
+    the stored values, exact in DTYPE (their scales are applied per key or per tensor by the
+    caller)."""
     rows = start_n + offs_n
     row_ok = rows < N_KV
     if not MASKED:

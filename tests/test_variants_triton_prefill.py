@@ -562,6 +562,22 @@ def test_best_config_keys_on_flags(triton_device):
     assert reference.rel_err(out.double().cpu().numpy(), ref) <= reference.TOLERANCE["float16"]
 
 
+def test_best_config_keys_on_mask_reads(triton_device):
+    """A mask read by TMA (16-byte aligned rows) and one read by pointer loads (odd N_kv) tune
+    entries of their own: their tiles load differently, so one's best config is not the other's."""
+    if triton_device != "cuda" or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA mask reads need sm_90")
+    for n_kv, by_tma in ((1024, True), (1023, False)):
+        q, k, v = _inputs(1, 8, 8, 1024, n_kv, 64, 64, torch.float16, triton_device, 62)
+        mask = torch.rand(1, 1, 1024, n_kv, device=triton_device) < 0.9
+        var = Variants(mask=mask)
+        assert tp._tma_ok(mask.view(torch.uint8)) == by_tma
+        out = tp.prefill(q, k, v, causal=False, variants=var)
+        assert tp.best_config(1024, n_kv, 64, 64, False, torch.float16, 8, variants=var) is not None
+        ref = reference.attention(_np(q), _np(k), _np(v), causal=False, mask=_np(mask))
+        assert reference.rel_err(out.double().cpu().numpy(), ref) <= reference.TOLERANCE["float16"]
+
+
 @pytest.mark.parametrize("n_q, n_kv, causal, window", [
     (7, 7, True, None), (5, 9, True, (2, 0)), (9, 5, True, (1, 0)), (6, 6, False, (1, 2)), (4, 8, False, (-1, 1)),
 ])

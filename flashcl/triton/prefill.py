@@ -67,7 +67,7 @@ the launch (HEAD_GROUP = 1 is plain head-by-head order). On sm_90+ with 16-byte 
 autotuner also times a config that moves tiles with tensor descriptors (TMA), built once per call
 on the host over the 4-D tensors; everywhere else the kernel uses plain pointer loads (sm_80+).
 Autotune key: (N_q bucket, N_kv bucket, B * H_q bucket, DK, DV, causal, TMA possible, the variant
-flags, dtypes);
+flags, the K/V formats, whether the mask is read by TMA, dtypes);
 the candidate configs come from _TILE_SPACE through the named filter _prune_configs.
 """
 
@@ -1004,7 +1004,7 @@ _prefill_autotuned = triton.autotune(
     configs=_CONFIGS,
     # The tensors' dtypes are appended to the key by Triton itself.
     key=["Q_BUCKET", "KV_BUCKET", "BH_BUCKET", "DK", "DV", "IS_CAUSAL", "TMA_OK",
-         "WINDOW", "SOFTCAP", "SINKS", "ALIBI", "MASK", "K_FMT", "V_FMT"],
+         "WINDOW", "SOFTCAP", "SINKS", "ALIBI", "MASK", "K_FMT", "V_FMT", "MASK_TMA"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_prefill_kernel)
 
@@ -1028,9 +1028,13 @@ def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, 
     """The config the autotuner picked for this key (None if that key was not tuned yet);
     ``batch_heads`` is B * H_q, ``variants`` the call's flashcl.variants.Variants,
     ``kv_formats`` the flashcl.quant formats of K and V ("" plain)."""
-    flags = _VariantArgs.of(variants, dtype).flags
+    var = _VariantArgs.of(variants, dtype)
+    flags = var.flags
     k_fmt, v_fmt = kv_formats
     tma_ok = tma_ok and not (k_fmt or v_fmt)
+    mask_data = var.tensors[2]
+    # a mask read by TMA tunes its own entry: its tiles load and lay out differently (MASK_TMA)
+    mask_tma = tma_ok and mask_data is not None and _tma_ok(mask_data)
     # Triton appends the dtype of every tensor argument: q, k, v, out, lse, then the variants',
     # then the scales of int8 / fp8 K and V
     variant_dtypes = ((torch.float32,) * (flags["SINKS"] + flags["ALIBI"])
@@ -1039,7 +1043,7 @@ def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, 
     scale_dtypes = tuple(torch.float32 for f in kv_formats if f in ("int8", "fp8_e4m3"))
     k_dtype, v_dtype = (_DATA_DTYPES.get(f, dtype) for f in kv_formats)
     key = ((_seq_bucket(q_len), _seq_bucket(kv_len), _bh_bucket(batch_heads), dk, dv, causal, int(tma_ok),
-            *flags.values(), k_fmt, v_fmt) + tuple(map(str, (dtype, k_dtype, v_dtype, dtype, torch.float32)))
+            *flags.values(), k_fmt, v_fmt, mask_tma) + tuple(map(str, (dtype, k_dtype, v_dtype, dtype, torch.float32)))
            + tuple(map(str, variant_dtypes + scale_dtypes)))
     cfg = _prefill_autotuned.cache.get(key)
     if cfg is None:

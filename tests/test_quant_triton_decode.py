@@ -161,6 +161,60 @@ def test_words(triton_device, fmt, d, block_size, paged, poison):
     _check(out, lse, w, f"{fmt} words d={d} window")
 
 
+def _gluon_gqa_runs(device, formats) -> bool:
+    """The Gluon GQA kernel can read these formats here: CUDA with Gluon, sm_89+ for fp8."""
+    from flashcl.triton import decode_gluon
+
+    if device != "cuda" or not decode_gluon.available():
+        return False
+    return "fp8_e4m3" not in formats or torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.fixture
+def gqa_calls(monkeypatch):
+    """The formats of every launch of the Gluon GQA kernel."""
+    from flashcl.triton import decode_gluon
+
+    calls = []
+    launch = decode_gluon.launch_gqa
+    monkeypatch.setattr(decode_gluon, "launch_gqa", lambda *a, **kw: (
+        calls.append((kw.get("k_format", ""), kw.get("v_format", ""))), launch(*a, **kw))[1])
+    return calls
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("int8", None),
+                                         (None, "fp8_e4m3"), ("fp8_e4m3", "int8")])
+@pytest.mark.parametrize("h_q,h_kv,lens,splits", [(32, 8, [3000], 1), (16, 4, [0, 1, 700, 2049], 3),
+                                                  (64, 8, [3001, 17], 2)])
+def test_gluon_gqa_reads_int8_and_fp8(triton_device, k_fmt, v_fmt, h_q, h_kv, lens, splits, poison, gqa_calls):
+    """The Gluon GQA kernel (forced) on int8 / fp8 caches, each side quantized or plain: groups 4
+    and 8, contexts 0, 1, a page boundary and several tiles, one split and more (reduce kernel);
+    the words it reads become the same values the dot path's do."""
+    formats = (k_fmt or "", v_fmt or "")
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "float16", b=len(lens), h_q=h_q, h_kv=h_kv, lens=lens, d=128, k_fmt=k_fmt,
+              v_fmt=v_fmt, seed=sum(lens) + h_q)
+    k, v = c["k"], c["v"]
+    out, lse = triton_decode._launch(
+        c["q"], k.data if k_fmt else k, v.data if v_fmt else v, c["block_table"], c["lens"], 1.0 / math.sqrt(128),
+        splits, config={"gluon_gqa": True}, k_scales=k.scales if k_fmt else None,
+        v_scales=v.scales if v_fmt else None, k_format=formats[0], v_format=formats[1])
+    assert gqa_calls == [formats]
+    _check(out, lse, c, f"gluon gqa {formats} lens={lens} splits={splits}")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_default_plan_takes_gluon_for_int8_and_fp8(triton_device, fmt, poison, gqa_calls):
+    """At (1, 32/8, 32k) the default plan runs int8 and fp8 caches on the Gluon GQA kernel."""
+    if not _gluon_gqa_runs(triton_device, (fmt,)):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "float16", b=1, h_q=32, h_kv=8, lens=[32768], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
+    out, lse = _run(c, None)
+    assert gqa_calls == [(fmt, fmt)]
+    _check(out, lse, c, f"default plan {fmt}")
+
+
 def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:
     """float64 rows whose 32-column blocks have magnitudes 10^lo .. 10^hi, one block in eight all zero."""
     *lead, d = shape
@@ -221,32 +275,46 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
     _check(out, lse, c, "q4_0 at a 2-byte offset")
 
 
-def test_plan_routes_quantized_to_the_dot_path():
-    """On a Hopper with Gluon, quantized K/V take the dot path (no Gluon, no MHA loop: their loads
-    dequantize) over whole pages at four programs per SM; int8 and fp8 alone take the word tile,
-    q8_0 and q4_0 their own tiles, a mix with a ggml format the ggml tile; an unknown format is
-    refused."""
+def test_plan_routes_quantized_caches():
+    """On a Hopper with Gluon, int8 and fp8 K/V with fp16 q take the Gluon GQA kernel where its rule
+    takes the launch (at its own split count), and the dot path elsewhere: MHA, bf16 q, a ggml
+    format in the mix, fp8 before sm_89, the kernel turned off. The dot path reads whole pages at
+    four programs per SM; int8 and fp8 alone take the word tile, q8_0 and q4_0 their own tiles, a
+    mix with a ggml format the ggml tile; an unknown format is refused. No quantized cache takes
+    the MHA loop."""
     from dataclasses import replace
 
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
-    bases = (dp.DecodeProblem(1, 32, 8, 128, 128, 32768, 2, 16), dp.DecodeProblem(8, 32, 32, 128, 128, 8192, 2, 16))
-    for base in bases:
-        for fmt in FORMATS:
-            p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            assert p.kernel == "dot" and p.whole_pages and not p.page_tiles, (fmt, p.kernel)
+    gqa, mha = dp.DecodeProblem(1, 32, 8, 128, 128, 32768, 2, 16), dp.DecodeProblem(8, 32, 32, 128, 128, 8192, 2, 16)
+    for fmt in FORMATS:
+        p = dp.plan(replace(mha, kv_formats=(fmt, fmt)), facts)
+        assert p.kernel == "dot" and p.whole_pages and not p.page_tiles, (fmt, p.kernel)
+        p = dp.plan(replace(gqa, kv_formats=(fmt, fmt)), facts)
+        want = "gluon_gqa" if fmt in dp.GQA_QUANTIZED else "dot"
+        assert p.kernel == want, (fmt, p.kernel)
+        if want == "gluon_gqa":
+            assert p.num_splits == dp.gqa_splits(8, facts.sms) and p.merge == "reduce"
+    for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8")):
+        assert dp.plan(replace(gqa, kv_formats=formats), facts).kernel == "gluon_gqa", formats
+    for problem, f in ((replace(gqa, kv_formats=("int8", "int8"), q_dtype="bfloat16"), facts),
+                       (replace(gqa, kv_formats=("int8", "q4_0")), facts),
+                       (replace(gqa, kv_formats=("fp8_e4m3", "fp8_e4m3")), replace(facts, capability=(8, 0)))):
+        assert dp.plan(problem, f).kernel == "dot", problem
+    assert dp.plan(replace(gqa, kv_formats=("int8", "int8")), replace(facts, capability=(8, 0))).kernel == "gluon_gqa"
+    off = {"gluon_gqa": False}
     for ctx in (32768, 131072):
-        base = replace(bases[0], n_ctx_bound=ctx)
+        base = replace(gqa, n_ctx_bound=ctx)
         tiles = {"int8": (64, 2), "fp8_e4m3": (64, 2), "q8_0": (64, 2), "q4_0": (32, 2)}
         for fmt, tile in tiles.items():
-            p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts)
-            assert 4 * facts.sms <= 8 * p.num_splits < 4 * facts.sms + 8 * 2, (fmt, ctx, p.num_splits)
+            p = dp.plan(replace(base, kv_formats=(fmt, fmt)), facts, off)
+            assert p.kernel == "dot" and 4 * facts.sms <= 8 * p.num_splits < 4 * facts.sms + 8 * 2, (fmt, ctx)
             assert (p.block_n, p.num_warps) == tile, (fmt, ctx)
         mixed = dp.plan(replace(base, kv_formats=("int8", "q4_0")), facts)
         assert (mixed.block_n, mixed.num_warps) == tiles["q4_0"]
         mixed = dp.plan(replace(base, kv_formats=("q8_0", "q4_0")), facts)
         assert (mixed.block_n, mixed.num_warps) == tiles["q8_0"]
     with pytest.raises(ValueError, match="quantized"):
-        dp.plan(replace(bases[0], kv_formats=("q5_1", "")), facts)
+        dp.plan(replace(gqa, kv_formats=("q5_1", "")), facts)
 
 
 def test_compiled_with_quantized_cache_and_variants(triton_device):

@@ -45,8 +45,9 @@ int8 and fp8 rows on 4-byte boundaries are read as 32-bit words (_load_words: pi
 byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4_0 K and V with
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
 (ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
-The plan keeps quantized caches off the Gluon kernels and the MHA loop (decode_plan.QUANTIZED);
-docs/notes/quantized-decode.md has the measurements.
+The plan keeps quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the
+Gluon GQA kernel a launch, that kernel also reads int8 and fp8 caches with fp16 q
+(decode_plan.GQA_QUANTIZED). docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
@@ -863,7 +864,8 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              "alibi": alibi_slopes is not None}
     return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
                          page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
-                         tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats))
+                         tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats),
+                         str(q.dtype).removeprefix("torch."))
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -951,7 +953,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
-                                                                               context_lens):
+                                                                               context_lens, (k_format, v_format)):
         if plan.kernel == "gluon_mha":  # one split: out and lse
             decode_gluon.launch(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
                                 plan.block_n, plan.num_warps, evict_first=plan.evict_first,
@@ -960,7 +962,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         decode_gluon.launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, scale * _LOG2E,
                                 evict_first=plan.evict_first, num_splits=num_splits,
                                 partials=(part_m, part_l, part_acc) if split else None,
-                                sort_pages=plan.sort_pages)
+                                sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
+                                k_scales=k_scales, v_scales=v_scales)
     else:
         if fused:
             knobs.update(FUSED=True, MERGE_STAGES=plan.merge_stages, BLOCK_GM=plan.block_gm)

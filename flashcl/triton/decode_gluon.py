@@ -26,7 +26,9 @@ Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90.
 The GQA kernel (``launch_gqa``) replaces the dot path's cp.async ring and its per-tile cross-warp
 softmax by K and V loaded one tile ahead into registers in the mma operand layouts, each warp
 running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint
-("GQA in Gluon with the L1 hint").
+("GQA in Gluon with the L1 hint"). It also reads int8 and fp8 caches (fp16 q): their tiles in
+the same places as 32-bit words, turned into fp16 values in registers (docs/notes/
+quantized-decode.md, "int8 and fp8 in the Gluon GQA kernel").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from . import interpreting
 from .decode_plan import gluon_block_d as _block_d
+from .quant_words import FP8_F16_PTX, INT8_F16_PTX
 
 try:
     from triton.experimental import gluon
@@ -53,12 +56,16 @@ def available() -> bool:
     return gluon is not None and not interpreting()
 
 
-def operands_fit(q, k_cache, v_cache, block_table, context_lens) -> bool:
+def operands_fit(q, k_cache, v_cache, block_table, context_lens, kv_formats=("", "")) -> bool:
     """What both kernels need of the tensors, past what the plan decides from the shapes
     (decode_plan: gluon_takes, gqa_takes, 32-bit offsets): context lengths given, unit strides
-    along the head dim and along the block table's rows."""
-    return (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
-            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+    along the head dim and along the block table's rows; a quantized cache (``kv_formats``) read
+    as 32-bit words: its rows on 4-byte boundaries."""
+    if not (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
+        return False
+    return all(not fmt or (data.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in data.stride()[:3]))
+               for data, fmt in zip((k_cache, v_cache), kv_formats))
 
 
 def launch(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float, block_n: int,
@@ -102,6 +109,19 @@ def _gqa_layouts(warps: int, rows: int):
     # the merge: the W states of an element in one thread
     merge = gl.BlockedLayout([warps, 1, 4], [1, rows // warps, 32 * warps // rows], [1, warps, 1], [2, 1, 0])
     return mma, k_layout, v_layout, q_layout, merge
+
+
+@functools.lru_cache(maxsize=None)
+def _gqa_word_layouts(warps: int):
+    """The K and V tiles of 1-byte values as 32-bit words, [W, 16 keys, 32 words]: each lane holds
+    the words of the values it holds in the fp16 layouts (K: 8 words of each of its 2 keys, V: 4
+    of each of its 4), so that the values they turn into land there without data movement."""
+    k_words = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+    v_words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+        warp_bases=[[1 << i, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[warps, 16, 32])
+    return k_words, v_words
 
 
 # ---- the page sort (both kernels) ------------------------------------------------------------
@@ -211,12 +231,15 @@ def rows_merge_ptx(rows: int, top: int) -> str:
 
 
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
-               evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True) -> None:
+               evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True,
+               k_format: str = "", v_format: str = "", k_scales=None, v_scales=None) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
     its reduce kernel). ``sort_pages``: the pages of long splits visited in address order
-    (sort_size; decode's sort_pages knob)."""
+    (sort_size; decode's sort_pages knob). ``k_format`` / ``v_format``: "int8" or "fp8_e4m3" for
+    a quantized cache (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit), its ``scales`` as flashcl.quant
+    stores them (int8: one per row, fp8: one per tensor)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -228,14 +251,30 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
     keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
                               sort_pages, lse)
+    k_cache, k_sc, s_ks = _quantized_operand(k_cache, k_format, k_scales, lse)
+    v_cache, v_sc, s_vs = _quantized_operand(v_cache, v_format, v_scales, lse)
+    k_words, v_words = _gqa_word_layouts(warps)
     _gqa_decode[(h_kv, b, num_splits)](
-        q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order,
+        q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
         qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa, *s_ks, *s_vs,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
-        SORT_N=keys, MMA=mma, KL=k_layout, VL=v_layout, QL=q_layout, CL=merge, num_warps=warps)
+        SORT_N=keys, K_FMT=k_format, V_FMT=v_format,
+        MMA=mma, KL=k_words if k_format else k_layout, VL=v_words if v_format else v_layout,
+        KF=k_layout, VF=v_layout, QL=q_layout, CL=merge, num_warps=warps)
+
+
+def _quantized_operand(cache, fmt: str, scales, stand_in):
+    """(data, scales, (block, position, head) strides of the scales) as the kernel reads a cache:
+    a quantized one's values as 32-bit words (four to a word), int8's scale per row, strided as
+    the rows, fp8's one scale read once; a plain cache as it is, with the stand-in."""
+    if fmt == "int8":
+        return cache.view(torch.int32), scales, (scales.stride(0), scales.stride(1), scales.stride(2))
+    if fmt == "fp8_e4m3":
+        return cache.view(torch.uint8).view(torch.int32), scales, (0, 0, 0)
+    return cache, stand_in, (0, 0, 0)
 
 
 if gluon is not None:
@@ -297,6 +336,36 @@ if gluon is not None:
         with the last block once after the loop)."""
         page = page.to(gl.uint32)
         return gl.minimum(page, last_block).to(gl.int32), page
+
+    @gluon.jit
+    def _row_scales(Scales, pid_h, page, pos, valid, stride_blk, stride_pos, stride_h, ON: gl.constexpr):
+        """int8's row scales at in-page positions ``pos`` of ``page`` (0 where ``valid`` is false;
+        every one read where it is None); 1.0 where the cache is not int8 (``ON`` false)."""
+        if ON:
+            ptrs = Scales + pid_h * stride_h + page * stride_blk + pos * stride_pos
+            if valid is None:
+                x = gl.load(ptrs)
+            else:
+                x = gl.load(ptrs, mask=valid, other=0.0)
+        else:
+            x = 1.0
+        return x
+
+    @gluon.jit
+    def _words_to_f16(w, FMT: gl.constexpr, LF: gl.constexpr):
+        """Words [W, 16, n] of four 1-byte values each as the fp16 values [W, 16, 4 n] in layout LF
+        (which holds each word's values where the word's layout holds the word: no data
+        movement), exactly: int8 through byte permutes (quant_words.words_to_f16), fp8_e4m3 by
+        the sm_89+ convert."""
+        if FMT == "int8":
+            t0, t1, t2, t3 = gl.inline_asm_elementwise(INT8_F16_PTX, "=h,=h,=h,=h,r", [w],
+                                                       dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+        else:
+            t0, t1, t2, t3 = gl.inline_asm_elementwise(FP8_F16_PTX, "=h,=h,=h,=h,r", [w],
+                                                       dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+        x = gl.join(gl.join(t0, t2), gl.join(t1, t3))  # [.., n, 2, 2]: value 4 i + 2 a + b at [i, a, b]
+        x = gl.reshape(x, [w.shape[0], w.shape[1], 4 * w.shape[2]])
+        return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit(do_not_specialize=["num_blocks"])
     def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, Order, qk_scale_log2, max_blocks, num_blocks,
@@ -486,15 +555,17 @@ if gluon is not None:
         return order - lo // PAGE
 
     @gluon.jit(do_not_specialize=["num_splits", "num_blocks"])
-    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order,
+    def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order, KScales, VScales,
                     qk_scale_log2, max_blocks, num_splits, num_blocks,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
+                    stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
                     GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
-                    SORT_N: gl.constexpr,
-                    MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
+                    SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr,
+                    MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
+                    QL: gl.constexpr, CL: gl.constexpr):
         """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
         tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
         rows padded to 16): S_w = Q K_w^T, acc_w += P_w V_w, its own (m, l, acc) in registers, no
@@ -505,7 +576,14 @@ if gluon is not None:
         lane loads 64 contiguous bytes of a K row), and the output columns of P V may be permuted
         as long as the store undoes it (logical n = 8 j + i is column 16 i + j: 32 contiguous bytes
         of a V row). The reshapes and permutes that name those orders move no data
-        (assert_trivial)."""
+        (assert_trivial).
+
+        Quantized K/V (K_FMT / V_FMT, decode_plan.GQA_QUANTIZED): the same tiles of 1-byte
+        values, loaded as 32-bit words in layouts that hold each word where its values go (half
+        the registers), become fp16 after the load (_words_to_f16: exact). int8's row scales,
+        read a tile ahead in the scores' layout, multiply the fp32 scores (K) and p before its
+        fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
+        multiplies the score scale (K) and the state's acc at the end (V)."""
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
@@ -526,9 +604,11 @@ if gluon is not None:
 
         # a tile's token offsets in the K and V layouts: warp w holds keys 16 w .. 16 w + 15
         tok_k = lo + _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
-        col_k = _vec3(D, 2, KL)
+        K_COLS: gl.constexpr = D // 4 if K_FMT != "" else D  # a quantized row: D / 4 words
+        V_COLS: gl.constexpr = D // 4 if V_FMT != "" else D
+        col_k = _vec3(K_COLS, 2, KL)
         tok_v = lo + _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
-        col_v = _vec3(D, 2, VL)
+        col_v = _vec3(V_COLS, 2, VL)
         # the first tile's entries are loaded with the length (clamped to the table's width); its
         # rows past the end are masked (the split may be empty). With SORT_N, all entries from
         # this program's sorted copy of the split's (_sorted_table), sorted before these loads
@@ -555,13 +635,28 @@ if gluon is not None:
         page_k, top = _safe_pages(gl.where(tok_k < hi, page_k, 0), last_block)
         page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
         k_next = gl.load(k_base + page_k * stride_kblk + (tok_k % PAGE) * stride_kpos + col_k,
-                         mask=(tok_k < hi) & (col_k < D), other=0.0)
+                         mask=(tok_k < hi) & (col_k < K_COLS), other=0)
         v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
-                         mask=(tok_v < hi) & (col_v < D), other=0.0)
+                         mask=(tok_v < hi) & (col_v < V_COLS), other=0)
         page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)  # the second tile's
         page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
 
         key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 2, MMA)  # the key of each score column
+        ROW_SCALES: gl.constexpr = (K_FMT == "int8") or (V_FMT == "int8")
+        PV_T: gl.constexpr = Q.dtype.element_ty if V_FMT != "" else V.dtype.element_ty  # P V's operand type
+        if K_FMT == "fp8_e4m3":
+            qk_scale_log2 = qk_scale_log2 * gl.load(KScales)
+        if ROW_SCALES:
+            # int8's row scales of the first tile (masked past the end, as its rows), then the
+            # table entries of the second: the same one-tile-ahead chain as K's, in the scores' layout
+            tok_s = lo + key_s
+            page_s = gl.load(bt + gl.minimum(tok_s // PAGE, max_blocks - 1))
+            page_s = gl.minimum(gl.where(tok_s < hi, page_s, 0).to(gl.uint32), last_block).to(gl.int32)
+            ks_next = _row_scales(KScales, pid_h, page_s, tok_s % PAGE, tok_s < hi, stride_ksblk, stride_kspos,
+                                  stride_ksh, K_FMT == "int8")
+            vs_next = _row_scales(VScales, pid_h, page_s, tok_s % PAGE, tok_s < hi, stride_vsblk, stride_vspos,
+                                  stride_vsh, V_FMT == "int8")
+            page_s = gl.load(bt + gl.minimum(BLOCK_N + tok_s, last) // PAGE)
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
@@ -582,11 +677,27 @@ if gluon is not None:
                              eviction_policy=EVICT)
             page_k = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_k, last) // PAGE)
             page_v = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_v, last) // PAGE)
+            if ROW_SCALES:
+                ks = ks_next
+                vs = vs_next
+                t_s = gl.minimum(start - lo + BLOCK_N + tok_s, last)
+                page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
+                ks_next = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
+                                      K_FMT == "int8")
+                vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
+                                      V_FMT == "int8")
+                page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
+            if K_FMT != "":
+                k = _words_to_f16(k, K_FMT, KF)
+            if V_FMT != "":
+                v = _words_to_f16(v, V_FMT, VF)
 
             # K [W, 16, (c, s, h, e)] -> the B operand [W, (s, h, c, e), 16]
             kb = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
             kb = gl.convert_layout(gl.permute(gl.reshape(kb, [W, 16, D]), [0, 2, 1]), B_L, assert_trivial=True)
             s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
+            if K_FMT == "int8":
+                s = s * ks
             s = gl.where(start + key_s < hi, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
@@ -594,7 +705,9 @@ if gluon is not None:
             p = gl.exp2(s - gl.expand_dims(m_safe, 2))
             l_i = l_i * alpha + gl.sum(p, 2)
             m_i = m_new
-            pa = gl.convert_layout(p.to(V.dtype.element_ty), A_L)
+            if V_FMT == "int8":
+                p = p * vs
+            pa = gl.convert_layout(p.to(PV_T), A_L)
             # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
             vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
             vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
@@ -621,6 +734,8 @@ if gluon is not None:
         l = gl.sum(l_w * w, 0, keep_dims=True)
         l = gl.where(tables_ok, l, float("nan"))  # a bad table: NaN rows
         o = gl.sum(acc_s.load(CL) * w, 0, keep_dims=True)  # [1, R, D]
+        if V_FMT == "fp8_e4m3":
+            o = o * gl.load(VScales)
         row = _vec3(R, 1, CL)
         n = _vec3(D, 2, CL)
         col = 16 * (n % 8) + n // 8  # the output column of logical column n

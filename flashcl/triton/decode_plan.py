@@ -62,6 +62,7 @@ class DecodeProblem:
     variants: tuple = ()
     window_left: int = -1
     kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
+    q_dtype: str = "float16"  # q's torch dtype name: the byte permutes of quantized caches need fp16
 
     @property
     def quantized(self) -> bool:
@@ -78,9 +79,11 @@ KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
 # and the merges take them all, decode_gluon's kernels none: a launch with any variant on is
 # planned as on a device without Gluon (documented kernel choice, never a dropped variant).
 VARIANTS = ("alibi", "sinks", "softcap", "window")
-# Quantized K/V (flashcl.quant) run on the dot path (no MHA loop, no Gluon) over whole pages, each
-# K/V tile dequantized after its load: the formats the kernel reads.
+# Quantized K/V (flashcl.quant) run on the dot path (no MHA loop) over whole pages, each K/V tile
+# dequantized after its load: the formats the kernel reads. The Gluon GQA kernel also reads the
+# 1-byte formats GQA_QUANTIZED with fp16 q (gqa_reads), under its own rule (gqa_takes).
 QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
+GQA_QUANTIZED = ("int8", "fp8_e4m3")
 MERGES = ("none", "fused", "reduce")
 
 
@@ -431,6 +434,16 @@ def gqa_splits(batch_heads: int, sms: int) -> int:
     return splits
 
 
+def gqa_reads(kv_formats: tuple, q_dtype: str, facts: DeviceFacts) -> bool:
+    """Whether the GQA kernel reads caches of these formats: plain, or GQA_QUANTIZED with fp16 q
+    (its byte permutes), fp8_e4m3 on sm_89 or newer (its convert instruction)."""
+    formats = set(kv_formats) - {""}
+    if not formats:
+        return True
+    return (formats <= set(GQA_QUANTIZED) and q_dtype == "float16"
+            and ("fp8_e4m3" not in formats or tuple(facts.capability) >= (8, 9)))
+
+
 def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, programs: int,
               n_ctx_bound: int, facts: DeviceFacts, forced: bool = False) -> bool:
     """Whether the GQA kernel runs a launch of ``programs`` = B * H_kv programs per split: head dims
@@ -465,7 +478,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     bad = set(p.kv_formats) - set(QUANTIZED) - {""}
     if bad:
         raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
-    if p.variants or p.quantized:  # decode_gluon's kernels take no variant and no quantized cache
+    # decode_gluon's kernels take no variant; the GQA kernel reads GQA_QUANTIZED caches, the MHA one none
+    if p.variants or not gqa_reads(p.kv_formats, p.q_dtype, facts):
         facts = replace(facts, gluon=False)
     n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
     group = p.h_q // p.h_kv

@@ -10,6 +10,32 @@ import triton
 import triton.language as tl
 
 
+# The four 1-byte values of a 32-bit word ($4) as fp16 ($0 .. $3, in order), exactly (the asm of
+# inline_asm_elementwise with constraints "=h,=h,=h,=h,r"; decode_gluon's GQA kernel uses them
+# too). int8: u = x + 128 under the exponent of 1024 (the fp16 1024 + u), less 1152.
+INT8_F16_PTX = tl.constexpr("""{
+.reg .b32 u, bias, lo, hi;
+mov.b32 bias, 0x64806480;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 lo, u, 0x64646464, 0x4140;
+prmt.b32 hi, u, 0x64646464, 0x4342;
+sub.rn.f16x2 lo, lo, bias;
+sub.rn.f16x2 hi, hi, bias;
+mov.b32 {$0, $1}, lo;
+mov.b32 {$2, $3}, hi;
+}""")
+# fp8_e4m3: the convert instruction of sm_89+, a pair at a time
+FP8_F16_PTX = tl.constexpr("""{
+.reg .b16 a, b;
+.reg .b32 lo, hi;
+mov.b32 {a, b}, $4;
+cvt.rn.f16x2.e4m3x2 lo, a;
+cvt.rn.f16x2.e4m3x2 hi, b;
+mov.b32 {$0, $1}, lo;
+mov.b32 {$2, $3}, hi;
+}""")
+
+
 @triton.jit
 def values(w, FMT: tl.constexpr, CVT_ASM: tl.constexpr):
     """Words w [rows, W] of a quantized row as [rows, W * values per word], in stored order:
@@ -107,31 +133,11 @@ def words_to_f16(w, FMT: tl.constexpr):
     exact subtract of the bias. int8 / fp8: ``w`` holds 4 values, returned in order; q4_0: 8
     nibbles, returned less 8 (nibble h of byte k at 2 k + h)."""
     if FMT == "fp8_e4m3":
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 a, b;
-            .reg .b32 lo, hi;
-            mov.b32 {a, b}, $4;
-            cvt.rn.f16x2.e4m3x2 lo, a;
-            cvt.rn.f16x2.e4m3x2 hi, b;
-            mov.b32 {$0, $1}, lo;
-            mov.b32 {$2, $3}, hi;
-            }""",
-            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-    elif FMT == "int8":  # u = x + 128: the fp16 1024 + u, less 1152
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, bias, lo, hi;
-            mov.b32 bias, 0x64806480;
-            xor.b32 u, $4, 0x80808080;
-            prmt.b32 lo, u, 0x64646464, 0x4140;
-            prmt.b32 hi, u, 0x64646464, 0x4342;
-            sub.rn.f16x2 lo, lo, bias;
-            sub.rn.f16x2 hi, hi, bias;
-            mov.b32 {$0, $1}, lo;
-            mov.b32 {$2, $3}, hi;
-            }""",
-            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(asm=FP8_F16_PTX, constraints="=h,=h,=h,=h,r", args=[w],
+                                         dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    elif FMT == "int8":
+        return tl.inline_asm_elementwise(asm=INT8_F16_PTX, constraints="=h,=h,=h,=h,r", args=[w],
+                                         dtype=(tl.float16,) * 4, is_pure=True, pack=1)
     else:
         tl.static_assert(FMT == "q4_0")
         # nibbles of the low halves of the bytes (0, 2, 4, 6), then of the high halves; bias 1032

@@ -185,11 +185,12 @@ def gqa_calls(monkeypatch):
 @pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("int8", None),
                                          (None, "fp8_e4m3"), ("fp8_e4m3", "int8")])
 @pytest.mark.parametrize("h_q,h_kv,lens,splits", [(32, 8, [3000], 1), (16, 4, [0, 1, 700, 2049], 3),
-                                                  (64, 8, [3001, 17], 2)])
+                                                  (64, 8, [3001, 17], 2), (32, 8, [5000], 1)])
 def test_gluon_gqa_reads_int8_and_fp8(triton_device, k_fmt, v_fmt, h_q, h_kv, lens, splits, poison, gqa_calls):
     """The Gluon GQA kernel (forced) on int8 / fp8 caches, each side quantized or plain: groups 4
-    and 8, contexts 0, 1, a page boundary and several tiles, one split and more (reduce kernel);
-    the words it reads become the same values the dot path's do."""
+    and 8, contexts 0, 1, a page boundary and several tiles, one split and more (reduce kernel),
+    313 pages in a split (the page sort); the words it reads become the same values the dot
+    path's do."""
     formats = (k_fmt or "", v_fmt or "")
     if not _gluon_gqa_runs(triton_device, formats):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
@@ -202,6 +203,21 @@ def test_gluon_gqa_reads_int8_and_fp8(triton_device, k_fmt, v_fmt, h_q, h_kv, le
         v_scales=v.scales if v_fmt else None, k_format=formats[0], v_format=formats[1])
     assert gqa_calls == [formats]
     _check(out, lse, c, f"gluon gqa {formats} lens={lens} splits={splits}")
+
+
+def test_words_need_an_int32_view():
+    """A quantized cache whose rows are not on 4-byte boundaries, or that cannot be viewed as int32,
+    does not fit the Gluon kernel: the launch falls back to the dot path instead of raising."""
+    from flashcl.triton import decode_gluon
+
+    q = torch.zeros((1, 8, 128), dtype=torch.float16)
+    table, lens = torch.zeros((1, 4), dtype=torch.int32), torch.ones((1,), dtype=torch.int32)
+    data = torch.zeros((4 * 16 * 2 * 128 + 4,), dtype=torch.int8)
+    aligned = data[:-4].view(4, 16, 2, 128)
+    shifted = data[1:-3].view(4, 16, 2, 128)  # storage offset 1
+    assert decode_gluon.operands_fit(q, aligned, aligned, table, lens, ("int8", "int8"))
+    assert not decode_gluon.operands_fit(q, shifted, aligned, table, lens, ("int8", "int8"))
+    assert decode_gluon.operands_fit(q, shifted, aligned, table, lens, ("", "int8"))  # a plain K reads elements
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])

@@ -335,7 +335,7 @@ def sweep_tiles(shapes=None, configs=None, dtype: str = "float16", block_size: i
             st["k_data"], st["v_data"] = k, v
         for cfg in configs or SWEEP_CONFIGS:
             problem = decode_plan.DecodeProblem(b, h_q, h_kv, head_dim, head_dim, ctx, elt, block_size,
-                                                kv_formats=formats)
+                                                kv_formats=formats, q_dtype=dtype)
             for ns in splits or [decode_plan.plan(problem, facts, cfg).num_splits]:
                 fn = lambda s, ns=ns, cfg=cfg: triton_decode._launch(  # noqa: E731
                     s["q"], s["k_data"], s["v_data"], s["block_table"], s["context_lens"],

@@ -60,11 +60,13 @@ def operands_fit(q, k_cache, v_cache, block_table, context_lens, kv_formats=("",
     """What both kernels need of the tensors, past what the plan decides from the shapes
     (decode_plan: gluon_takes, gqa_takes, 32-bit offsets): context lengths given, unit strides
     along the head dim and along the block table's rows; a quantized cache (``kv_formats``) read
-    as 32-bit words: its rows on 4-byte boundaries."""
+    as 32-bit words: its rows on 4-byte boundaries, and a view as int32 possible (its storage
+    offset a multiple of 4 too: a storage of unaligned base would make the view raise)."""
     if not (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
         return False
-    return all(not fmt or (data.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in data.stride()[:3]))
+    return all(not fmt or (data.data_ptr() % 4 == 0 and data.storage_offset() % 4 == 0
+                           and all(st % 4 == 0 for st in data.stride()[:3]))
                for data, fmt in zip((k_cache, v_cache), kv_formats))
 
 

@@ -348,16 +348,17 @@ def test_mask_tile_lists_many_tiles(triton_device, window):
     mask[:, 0, :, 1008:1009] = False  # run in the list kernel's second step
     mask[:, 1, :, 16:1040] = True     # one run, tiles 1-64: across the first step's end
     tiles = _tile_lists(mask.to(triton_device), window, False, bm, bn)
+    head = mask_tiles.LIST_HEADER.value
     key_tiles = [slice(t * bn, (t + 1) * bn) for t in range(-(-n_kv // bn))]
     _, m = reference.logits(np.zeros((1, 2, n_q, 1)), np.zeros((1, 1, n_kv, 1)), causal=False, window=window,
                             mask=mask.numpy())
     for h in range(2):
         for qb in range(0, -(-n_q // bm), 7):
-            first, end, n_part = tiles[0, h, qb, :3]
+            first, end, n_part = tiles[0, h, qb, :head]
             rows = slice(qb * bm, (qb + 1) * bm)
             full = [(t + 1) * bn <= n_kv and m[0, h, rows, keys].all() for t, keys in enumerate(key_tiles)]
             assert end - first == _longest_run(full) and all(full[first:end]), (h, qb, first, end)
-            listed = set(tiles[0, h, qb, 3:3 + n_part]) | set(range(first, end))
+            listed = set(tiles[0, h, qb, head:head + n_part]) | set(range(first, end))
             assert {t for t, keys in enumerate(key_tiles) if m[0, h, rows, keys].any()} <= listed
 
 

@@ -963,7 +963,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 evict_first=plan.evict_first, num_splits=num_splits,
                                 partials=(part_m, part_l, part_acc) if split else None,
                                 sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
-                                k_scales=k_scales, v_scales=v_scales)
+                                k_scales=scale_args[0], v_scales=scale_args[1])
     else:
         if fused:
             knobs.update(FUSED=True, MERGE_STAGES=plan.merge_stages, BLOCK_GM=plan.block_gm)

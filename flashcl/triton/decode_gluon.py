@@ -240,8 +240,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
     its reduce kernel). ``sort_pages``: the pages of long splits visited in address order
     (sort_size; decode's sort_pages knob). ``k_format`` / ``v_format``: "int8" or "fp8_e4m3" for
-    a quantized cache (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit), its ``scales`` as flashcl.quant
-    stores them (int8: one per row, fp8: one per tensor)."""
+    a quantized cache (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit); ``k_scales`` /
+    ``v_scales``: its scales as decode reads them, (tensor, (block, position, head) strides)
+    (decode._scale_operand: int8's per row, fp8's one at every row)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -253,8 +254,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
     keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
                               sort_pages, lse)
-    k_cache, k_sc, s_ks = _quantized_operand(k_cache, k_format, k_scales, lse)
-    v_cache, v_sc, s_vs = _quantized_operand(v_cache, v_format, v_scales, lse)
+    k_cache, v_cache = _as_words(k_cache, k_format), _as_words(v_cache, v_format)
+    k_sc, s_ks = k_scales or (lse, (0, 0, 0))
+    v_sc, s_vs = v_scales or (lse, (0, 0, 0))
     k_words, v_words = _gqa_word_layouts(warps)
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
@@ -268,15 +270,12 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         KF=k_layout, VF=v_layout, QL=q_layout, CL=merge, num_warps=warps)
 
 
-def _quantized_operand(cache, fmt: str, scales, stand_in):
-    """(data, scales, (block, position, head) strides of the scales) as the kernel reads a cache:
-    a quantized one's values as 32-bit words (four to a word), int8's scale per row, strided as
-    the rows, fp8's one scale read once; a plain cache as it is, with the stand-in."""
-    if fmt == "int8":
-        return cache.view(torch.int32), scales, (scales.stride(0), scales.stride(1), scales.stride(2))
+def _as_words(cache, fmt: str):
+    """A cache as the kernel reads it: a quantized one's 1-byte values as 32-bit words, four to a
+    word (operands_fit checks the view is possible); a plain one as it is."""
     if fmt == "fp8_e4m3":
-        return cache.view(torch.uint8).view(torch.int32), scales, (0, 0, 0)
-    return cache, stand_in, (0, 0, 0)
+        cache = cache.view(torch.uint8)
+    return cache.view(torch.int32) if fmt else cache
 
 
 if gluon is not None:

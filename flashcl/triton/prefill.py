@@ -943,6 +943,13 @@ def _device_facts(device) -> dict:
     return dict(smem=_shared_mem_limit(index), wgmma=major == 9)
 
 
+def _mask_by_tma(tma_ok: bool, var: "_VariantArgs") -> bool:
+    """MASK_TMA: a call whose tiles may move by TMA (``tma_ok``) reads its mask's tiles so too,
+    where the mask's strides allow a descriptor."""
+    mask_data = var.tensors[2]
+    return tma_ok and mask_data is not None and _tma_ok(mask_data)
+
+
 def _tma_ok(*tensors) -> bool:
     """Tensor descriptors need sm_90+, non-empty tensors, unit last strides, 16-byte aligned
     bases and strides."""
@@ -1032,9 +1039,8 @@ def best_config(q_len: int, kv_len: int, dk: int, dv: int, causal: bool, dtype, 
     flags = var.flags
     k_fmt, v_fmt = kv_formats
     tma_ok = tma_ok and not (k_fmt or v_fmt)
-    mask_data = var.tensors[2]
     # a mask read by TMA tunes its own entry: its tiles load and lay out differently (MASK_TMA)
-    mask_tma = tma_ok and mask_data is not None and _tma_ok(mask_data)
+    mask_tma = _mask_by_tma(tma_ok, var)
     # Triton appends the dtype of every tensor argument: q, k, v, out, lse, then the variants',
     # then the scales of int8 / fp8 K and V
     variant_dtypes = ((torch.float32,) * (flags["SINKS"] + flags["ALIBI"])
@@ -1150,7 +1156,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
         bdv = max(bdv, 64)
     descs = _descriptors(q, k, v, out, bdk, bdv) if tma_ok else (None,) * 4
     mask_data = var.tensors[2]
-    mask_tma = tma_ok and mask_data is not None and _tma_ok(mask_data)
+    mask_tma = _mask_by_tma(tma_ok, var)
     # placeholder block, set per config (_set_descriptor_blocks)
     descs += (TensorDescriptor(mask_data, list(mask_data.shape), list(mask_data.stride()), [1, 1, 64, 64])
               if mask_tma else None,)

@@ -81,9 +81,9 @@ KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
 VARIANTS = ("alibi", "sinks", "softcap", "window")
 # Quantized K/V (flashcl.quant) run on the dot path (no MHA loop) over whole pages, each K/V tile
 # dequantized after its load: the formats the kernel reads. The Gluon GQA kernel also reads the
-# 1-byte formats GQA_QUANTIZED with fp16 q (gqa_reads), under its own rule (gqa_takes).
+# formats GQA_QUANTIZED with fp16 q (gqa_reads), under its own rule (gqa_takes).
 QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
-GQA_QUANTIZED = ("int8", "fp8_e4m3")
+GQA_QUANTIZED = ("int8", "fp8_e4m3", "q8_0")
 MERGES = ("none", "fused", "reduce")
 
 

@@ -184,14 +184,17 @@ def gqa_calls(monkeypatch):
 
 @pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("int8", None),
                                          (None, "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "q8_0"),
-                                         ("q8_0", None), (None, "q8_0"), ("q8_0", "int8"), ("fp8_e4m3", "q8_0")])
+                                         ("q8_0", None), (None, "q8_0"), ("q8_0", "int8"), ("fp8_e4m3", "q8_0"),
+                                         ("q4_0", "q4_0"), ("q4_0", None), (None, "q4_0"), ("q8_0", "q4_0"),
+                                         ("q4_0", "fp8_e4m3")])
 @pytest.mark.parametrize("h_q,h_kv,lens,splits", [(32, 8, [3000], 1), (16, 4, [0, 1, 700, 2049], 3),
                                                   (64, 8, [3001, 17], 2), (32, 8, [5000], 1)])
 def test_gluon_gqa_reads_quantized_caches(triton_device, k_fmt, v_fmt, h_q, h_kv, lens, splits, poison, gqa_calls):
-    """The Gluon GQA kernel (forced) on int8 / fp8 / q8_0 caches, each side quantized or plain,
-    formats mixed: groups 4 and 8, contexts 0, 1, a page boundary and several tiles, one split and
-    more (reduce kernel), 313 pages in a split (the page sort); the words it reads become the
-    same values the dot path's do (q8_0: every block's offset in its 8-byte units)."""
+    """The Gluon GQA kernel (forced) on int8 / fp8 / q8_0 / q4_0 caches, each side quantized or
+    plain, formats mixed: groups 4 and 8, contexts 0, 1, a page boundary and several tiles, one
+    split and more (reduce kernel), 313 pages in a split (the page sort); the words it reads
+    become the same values the dot path's do (ggml: every block's offset in its 8-byte units,
+    q4_0's V columns in nibble order)."""
     formats = (k_fmt or "", v_fmt or "")
     if not _gluon_gqa_runs(triton_device, formats):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
@@ -219,18 +222,20 @@ def test_words_need_an_int32_view():
     assert decode_gluon.operands_fit(q, aligned, aligned, table, lens, ("int8", "int8"))
     assert not decode_gluon.operands_fit(q, shifted, aligned, table, lens, ("int8", "int8"))
     assert decode_gluon.operands_fit(q, shifted, aligned, table, lens, ("", "int8"))  # a plain K reads elements
-    # q8_0 rows are read as 8-byte units: a 4-byte offset does not fit, nor blocks split apart
-    blocks = torch.zeros((4 * 16 * 2 * 136 + 8,), dtype=torch.uint8)
-    q8 = blocks[:-8].view(4, 16, 2, 4, 34)
-    assert decode_gluon.operands_fit(q, q8, q8, table, lens, ("q8_0", "q8_0"))
-    assert not decode_gluon.operands_fit(q, blocks[4:-4].view(4, 16, 2, 4, 34), q8, table, lens, ("q8_0", "q8_0"))
-    apart = torch.zeros((4, 16, 2, 4, 40), dtype=torch.uint8)[..., :34]
-    assert not decode_gluon.operands_fit(q, q8, apart, table, lens, ("q8_0", "q8_0"))
+    # q8_0 / q4_0 rows are read as 8-byte units: a 4-byte offset does not fit, nor blocks split apart
+    for fmt, size in (("q8_0", 34), ("q4_0", 18)):
+        blocks = torch.zeros((4 * 16 * 2 * 4 * size + 8,), dtype=torch.uint8)
+        rows = blocks[:-8].view(4, 16, 2, 4, size)
+        assert decode_gluon.operands_fit(q, rows, rows, table, lens, (fmt, fmt))
+        shifted = blocks[4:-4].view(4, 16, 2, 4, size)  # storage offset 4
+        assert not decode_gluon.operands_fit(q, shifted, rows, table, lens, (fmt, fmt))
+        apart = torch.zeros((4, 16, 2, 4, size + 6), dtype=torch.uint8)[..., :size]
+        assert not decode_gluon.operands_fit(q, rows, apart, table, lens, (fmt, fmt))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "q8_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_default_plan_takes_gluon_for_quantized_caches(triton_device, fmt, poison, gqa_calls):
-    """At (1, 32/8, 32k) the default plan runs int8, fp8 and q8_0 caches on the Gluon GQA kernel."""
+    """At (1, 32/8, 32k) the default plan runs every quantized format on the Gluon GQA kernel."""
     if not _gluon_gqa_runs(triton_device, (fmt,)):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
     c = _case(triton_device, "float16", b=1, h_q=32, h_kv=8, lens=[32768], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
@@ -300,9 +305,9 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
 
 
 def test_plan_routes_quantized_caches():
-    """On a Hopper with Gluon, int8, fp8 and q8_0 K/V with fp16 q take the Gluon GQA kernel where
-    its rule takes the launch (at its own split count), and the dot path elsewhere: MHA, bf16 q,
-    q4_0 in the mix, fp8 before sm_89, the kernel turned off. The dot path reads whole pages at
+    """On a Hopper with Gluon, quantized K/V of every format with fp16 q take the Gluon GQA kernel
+    where its rule takes the launch (at its own split count), and the dot path elsewhere: MHA,
+    bf16 q, fp8 before sm_89, the kernel turned off. The dot path reads whole pages at
     four programs per SM; int8 and fp8 alone take the word tile, q8_0 and q4_0 their own tiles, a
     mix with a ggml format the ggml tile; an unknown format is refused. No quantized cache takes
     the MHA loop."""
@@ -318,10 +323,10 @@ def test_plan_routes_quantized_caches():
         assert p.kernel == want, (fmt, p.kernel)
         if want == "gluon_gqa":
             assert p.num_splits == dp.gqa_splits(8, facts.sms) and p.merge == "reduce"
-    for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0")):
+    for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0"),
+                    ("int8", "q4_0")):
         assert dp.plan(replace(gqa, kv_formats=formats), facts).kernel == "gluon_gqa", formats
     for problem, f in ((replace(gqa, kv_formats=("int8", "int8"), q_dtype="bfloat16"), facts),
-                       (replace(gqa, kv_formats=("int8", "q4_0")), facts),
                        (replace(gqa, kv_formats=("fp8_e4m3", "fp8_e4m3")), replace(facts, capability=(8, 0)))):
         assert dp.plan(problem, f).kernel == "dot", problem
     assert dp.plan(replace(gqa, kv_formats=("int8", "int8")), replace(facts, capability=(8, 0))).kernel == "gluon_gqa"

@@ -46,7 +46,7 @@ byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
 (ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
 The plan keeps quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the
-Gluon GQA kernel a launch, that kernel also reads int8, fp8 and q8_0 caches with fp16 q
+Gluon GQA kernel a launch, that kernel also reads every format with fp16 q
 (decode_plan.GQA_QUANTIZED). docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes

@@ -26,10 +26,10 @@ Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90.
 The GQA kernel (``launch_gqa``) replaces the dot path's cp.async ring and its per-tile cross-warp
 softmax by K and V loaded one tile ahead into registers in the mma operand layouts, each warp
 running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint
-("GQA in Gluon with the L1 hint"). It also reads int8, fp8 and q8_0 caches (fp16 q): int8 and
-fp8 tiles in the same places as 32-bit words, q8_0 rows as 8-byte units around each lane's
-block, turned into fp16 values in registers (docs/notes/quantized-decode.md, "q8_0 in the Gluon
-GQA kernel", "int8 and fp8 in the Gluon GQA kernel").
+("GQA in Gluon with the L1 hint"). It also reads int8, fp8, q8_0 and q4_0 caches (fp16 q): int8
+and fp8 tiles in the same places as 32-bit words, q8_0 / q4_0 rows as 8-byte units around each
+lane's block, turned into fp16 values in registers (docs/notes/quantized-decode.md, "q8_0 and
+q4_0 in the Gluon GQA kernel", "int8 and fp8 in the Gluon GQA kernel").
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def operands_fit(q, k_cache, v_cache, block_table, context_lens, kv_formats=("",
 
 def _reads_as_words(data, fmt: str) -> bool:
     """Whether a cache's data can be read as the kernel's words: plain, yes; int8 / fp8 rows as
-    32-bit words, q8_0 rows (whole blocks, in one piece) as 8-byte units: the rows, the pointer
+    32-bit words, q8_0 / q4_0 rows (whole blocks, in one piece) as 8-byte units: the rows, the pointer
     and the storage offset on the word's boundary."""
     if not fmt:
         return True
-    size = 8 if fmt == "q8_0" else 4
-    if fmt == "q8_0" and not (data.stride(4) == 1 and data.stride(3) == data.shape[4]):
+    size = 8 if fmt in GGML_BLOCK_BYTES else 4
+    if fmt in GGML_BLOCK_BYTES and not (data.stride(4) == 1 and data.stride(3) == data.shape[4]):
         return False
     return (data.data_ptr() % size == 0 and data.storage_offset() % size == 0
             and all(st % size == 0 for st in data.stride()[:3]))
@@ -139,63 +139,98 @@ def _gqa_word_layouts(warps: int):
     return k_words, v_words
 
 
+# ggml blocks (q8_0, q4_0) in the GQA kernel: a row at d = 128 is 4 blocks (136 or 72 bytes, 17 or 9
+# 8-byte units). Each lane holds a window of units where its block (K) or half block (V) lies:
+# the units K_UNITS / V_UNITS along the last axis of _gqa_ggml_layouts, one more in its slice.
+GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+_K_UNITS = {"q8_0": 4, "q4_0": 2}
+_V_UNITS = {"q8_0": 2, "q4_0": 1}
+
+
 @functools.lru_cache(maxsize=None)
-def _gqa_q8_0_layouts(warps: int):
-    """The K and V tiles of q8_0 rows as 8-byte units (a row at d = 128: 4 blocks of 34 bytes, 17
-    units), 4-D [W, 16 keys, lane column group, unit]: K [W, 16, 4, 4]: lane 4 n + c holds units
-    4 c .. 4 c + 3 of keys n and 8 + n (block c and its d start in them); V [W, 16, 8, 2]: lane
-    4 n + c holds 2 units of keys 2c, 2c + 1, 8 + 2c, 9 + 2c where half n % 2 of block n // 2
-    starts. One more unit a lane (the third axis's SliceLayout) ends each window (_q8_0_values)."""
-    k_units = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
+def _gqa_ggml_layouts(warps: int, fmt: str):
+    """The K and V tiles of ggml rows as 8-byte units, 4-D [W, 16 keys, lane column group, unit]:
+    K [W, 16, 4, K_UNITS]: lane 4 n + c holds the units where block c (its d, then its values)
+    starts, of keys n and 8 + n; V [W, 16, 8, V_UNITS]: lane 4 n + c holds those where half n % 2
+    of block n // 2 starts, of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. One more unit a lane (the
+    third axis's SliceLayout) ends each window (_ggml_values)."""
+    k_units = gl.BlockedLayout([1, 1, 1, _K_UNITS[fmt]], [1, 8, 4, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
     v_units = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 8, 0, 0]],
+        reg_bases=[[0, 0, 0, 1]] * (_V_UNITS[fmt] == 2) + [[0, 1, 0, 0], [0, 8, 0, 0]],
         lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
         warp_bases=[[1 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[],
-        shape=[warps, 16, 8, 2])
+        shape=[warps, 16, 8, _V_UNITS[fmt]])
     return k_units, v_units
 
 
-def q8_0_ptx(pack: int, d_in_window: bool) -> str:
-    """PTX for inline_asm_elementwise(pack=``pack``) that turns a window of a q8_0 row into the
-    fp16 values q * d of 8 pack consecutive quants: ``pack`` 8-byte units and one more (the
-    window, 2 pack + 2 words w), per-lane byte permute selectors for the window's offset, and d
-    (in the window's first two words with ``d_in_window``, else an fp16 pair operand). The quants
-    start at byte o of the window: x_j = w_j, or w_(j+1) where o >= 6 (``shift``), then word k of
-    quants is the 4 bytes of (x_k, x_(k+1)) from o, less 4 where shifted (``sel``); each becomes
-    fp16 as int8 does (INT8_F16_PTX) and is multiplied by d (correctly rounded, as the float32
-    product cast to fp16). Outputs: 4 pack f16x2 registers, quants (2 i, 2 i + 1) in register i."""
-    n_out, words = 4 * pack, 2 * pack + 2
-    main, extra = n_out, n_out + pack
+def ggml_ptx(fmt: str, pack: int, d_in_window: bool) -> str:
+    """PTX for inline_asm_elementwise(pack=``pack``) that turns windows of a q8_0 or q4_0 row into
+    the fp16 values q * d of the 8 pack bytes of quants each lane holds: ``pack`` 8-byte units and
+    one more (a window: 2 pack + 2 words w), per-lane byte permute selectors for the window's
+    offset, and d (in the window's first two words with ``d_in_window``, else an fp16 operand).
+    The quants start at byte o of the window: x_j = w_j, or w_(j+1) where o >= 6 (``shift``), then
+    word k of quants is the 4 bytes of (x_k, x_(k+1)) from o, less 4 where shifted (``sel``).
+    q8_0: each word's 4 int8 become fp16 as int8 does (INT8_F16_PTX); q4_0: its 8 nibbles less 8
+    (bias 1024 + 8). Each value is then multiplied by d (correctly rounded, as the float32
+    product cast to fp16). Outputs, f16x2 registers (fp16 pairs with pack 1) in this order:
+    q8_0, quants (4 k, 4 k + 1), (4 k + 2, 4 k + 3) of word k; q4_0 with pack 2, the low nibbles
+    (4 k, 4 k + 1), (4 k + 2, 4 k + 3), then the high ones, of word k; with pack 1, the low
+    nibbles of both words, then the high ones."""
+    q8 = fmt == "q8_0"
+    words, out_regs = 2 * pack + 2, (4 if q8 else 8) * pack
+    main = out_regs if pack > 1 or q8 else 2 * out_regs  # pack 1 q4_0: 16-bit outputs
+    extra = main + pack
     if d_in_window:
         shift, sel, sel_d = extra + pack, extra + 2 * pack, extra + 3 * pack
     else:
         d_op = extra + pack
         shift, sel = d_op + 1, d_op + 1 + pack
-    L = ["{", f".reg .b32 w<{words}>, x<{words - 1}>, r, lo, hi, d, bias;"]
+    L = ["{", f".reg .b32 w<{words}>, x<{words - 1}>, r, lo, hi, d, bias, o<4>;"]
     L += [f"mov.b64 {{w{2 * u}, w{2 * u + 1}}}, ${main + u};" for u in range(pack)]
     L.append(f"mov.b64 {{w{words - 2}, w{words - 1}}}, ${extra};")
-    L.append(f"prmt.b32 d, w0, w1, ${sel_d};" if d_in_window else f"mov.b32 d, ${d_op};")
+    if d_in_window:
+        L.append(f"prmt.b32 d, w0, w1, ${sel_d};")
+    else:
+        L.append(f"mov.b32 d, ${d_op};" if pack > 1 else f"mov.b32 d, {{${d_op}, ${d_op}}};")
     L += [f"prmt.b32 x{j}, w{j}, w{j + 1}, ${shift};" for j in range(words - 1)]
-    L.append("mov.b32 bias, 0x64806480;")
+    L.append(f"mov.b32 bias, {'0x64806480' if q8 else '0x64086408'};")
     for k in range(words - 2):
-        L += [f"prmt.b32 r, x{k}, x{k + 1}, ${sel};", "xor.b32 r, r, 0x80808080;",
-              "prmt.b32 lo, r, 0x64646464, 0x4140;", "prmt.b32 hi, r, 0x64646464, 0x4342;",
-              "sub.rn.f16x2 lo, lo, bias;", "sub.rn.f16x2 hi, hi, bias;",
-              f"mul.rn.f16x2 ${2 * k}, lo, d;", f"mul.rn.f16x2 ${2 * k + 1}, hi, d;"]
+        L.append(f"prmt.b32 r, x{k}, x{k + 1}, ${sel};")
+        if q8:
+            L += ["xor.b32 r, r, 0x80808080;", "prmt.b32 o0, r, 0x64646464, 0x4140;",
+                  "prmt.b32 o1, r, 0x64646464, 0x4342;"]
+            regs = [(2 * k, "o0"), (2 * k + 1, "o1")]
+        else:
+            L += ["and.b32 lo, r, 0x0F0F0F0F;", "shr.u32 hi, r, 4;", "and.b32 hi, hi, 0x0F0F0F0F;"]
+            halves = [("lo", "0x4140"), ("lo", "0x4342"), ("hi", "0x4140"), ("hi", "0x4342")]
+            L += [f"prmt.b32 o{i}, {src}, 0x64646464, {s};" for i, (src, s) in enumerate(halves)]
+            if pack > 1:
+                regs = [(4 * k + i, f"o{i}") for i in range(4)]
+            else:  # fp16 outputs: low nibbles 0..7 of the two words first
+                regs = [(4 * k + 2 * i, f"o{i}") for i in range(2)] + [(8 + 4 * k + 2 * i, f"o{2 + i}") for i in range(2)]
+        for out, reg in regs:
+            L.append(f"sub.rn.f16x2 {reg}, {reg}, bias;")
+            if pack > 1 or q8:
+                L.append(f"mul.rn.f16x2 ${out}, {reg}, d;")
+            else:
+                L += [f"mul.rn.f16x2 {reg}, {reg}, d;", f"mov.b32 {{${out}, ${out + 1}}}, {reg};"]
     L.append("}")
     return "\n".join(L)
 
 
-def q8_0_constraints(pack: int, d_in_window: bool) -> str:
-    """The constraints of q8_0_ptx(pack, d_in_window)."""
-    selectors = 3 if d_in_window else 2
-    return ",".join(["=r"] * (4 * pack) + ["l"] * (2 * pack) + ([] if d_in_window else ["r"])
-                    + ["r"] * (selectors * pack))
+def ggml_constraints(fmt: str, pack: int, d_in_window: bool) -> str:
+    """The constraints of ggml_ptx(fmt, pack, d_in_window)."""
+    q8 = fmt == "q8_0"
+    outs = ["=r"] * ((4 if q8 else 8) * pack) if pack > 1 or q8 else ["=h"] * 16
+    d = [] if d_in_window else ["r" if pack > 1 else "h"]
+    return ",".join(outs + ["l"] * (2 * pack) + d + ["r"] * ((3 if d_in_window else 2) * pack))
 
 
-# the kernel's (gl.constexpr: read from jit code): K 4 units a lane, d in the window; V 2, d apart
-_Q8_0_K_PTX, _Q8_0_K_CONSTRAINTS = tl.constexpr(q8_0_ptx(4, True)), tl.constexpr(q8_0_constraints(4, True))
-_Q8_0_V_PTX, _Q8_0_V_CONSTRAINTS = tl.constexpr(q8_0_ptx(2, False)), tl.constexpr(q8_0_constraints(2, False))
+# the kernel's (constexpr: read from jit code): K windows hold their block's d, V's do not
+_Q8_0_K_ASM = tl.constexpr((ggml_ptx("q8_0", 4, True), ggml_constraints("q8_0", 4, True)))
+_Q8_0_V_ASM = tl.constexpr((ggml_ptx("q8_0", 2, False), ggml_constraints("q8_0", 2, False)))
+_Q4_0_K_ASM = tl.constexpr((ggml_ptx("q4_0", 2, True), ggml_constraints("q4_0", 2, True)))
+_Q4_0_V_ASM = tl.constexpr((ggml_ptx("q4_0", 1, False), ggml_constraints("q4_0", 1, False)))
 
 
 # ---- the page sort (both kernels) ------------------------------------------------------------
@@ -312,9 +347,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
     its reduce kernel). ``sort_pages``: the pages of long splits visited in address order
     (sort_size; decode's sort_pages knob). ``k_format`` / ``v_format``: "int8", "fp8_e4m3" or
-    "q8_0" for a quantized cache's data (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit);
+    "q8_0" / "q4_0" for a quantized cache's data (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit);
     ``k_scales`` / ``v_scales``: its scales as decode reads them, (tensor, (block, position, head)
-    strides) (decode._scale_operand: int8's per row, fp8's one at every row; q8_0's d lie in
+    strides) (decode._scale_operand: int8's per row, fp8's one at every row; ggml's d lie in
     its data)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
@@ -331,9 +366,10 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     k_sc, s_ks = k_scales or (lse, (0, 0, 0))
     v_sc, s_vs = v_scales or (lse, (0, 0, 0))
     k_words, v_words = _gqa_word_layouts(warps)
-    k_units, v_units = _gqa_q8_0_layouts(warps)
-    kl = gl.SliceLayout(3, k_units) if k_format == "q8_0" else k_words if k_format else k_layout
-    vl = gl.SliceLayout(3, v_units) if v_format == "q8_0" else v_words if v_format else v_layout
+    k_units = _gqa_ggml_layouts(warps, k_format)[0] if k_format in GGML_BLOCK_BYTES else k_layout
+    v_units = _gqa_ggml_layouts(warps, v_format)[1] if v_format in GGML_BLOCK_BYTES else v_layout
+    kl = gl.SliceLayout(3, k_units) if k_format in GGML_BLOCK_BYTES else k_words if k_format else k_layout
+    vl = gl.SliceLayout(3, v_units) if v_format in GGML_BLOCK_BYTES else v_words if v_format else v_layout
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
         qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0],
@@ -348,8 +384,8 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
 
 def _as_words(cache, fmt: str):
     """A cache as the kernel reads it (operands_fit checks the views are possible): int8 / fp8
-    values as 32-bit words, four to a word; q8_0 rows as 8-byte units; a plain one as it is."""
-    if fmt == "q8_0":
+    values as 32-bit words, four to a word; q8_0 / q4_0 rows as 8-byte units; a plain one as it is."""
+    if fmt in GGML_BLOCK_BYTES:
         return cache.flatten(3).view(torch.int64)
     if fmt == "fp8_e4m3":
         cache = cache.view(torch.uint8)
@@ -447,20 +483,23 @@ if gluon is not None:
         return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit
-    def _q8_0_load(base, row, col, mask, EVICT: gl.constexpr, L4: gl.constexpr, IS_K: gl.constexpr):
-        """A q8_0 tile's windows (_gqa_q8_0_layouts): the units of each lane ([W, 16, C, U] in L4)
-        and the one that ends its window ([W, 16, C] in SliceLayout(3, L4)); V also its block's d
-        (fp16, [W, 16, C]). ``row``: each key's first unit ([W, 16, 1]), ``col``: the lane's column
-        group ([1, 1, C]: K's block, V's half block); rows where ``mask`` is false (None: none)
-        read as zeros."""
-        U: gl.constexpr = 4 if IS_K else 2
+    def _ggml_load(base, row, col, mask, EVICT: gl.constexpr, L4: gl.constexpr, IS_K: gl.constexpr,
+                   FMT: gl.constexpr):
+        """A q8_0 / q4_0 tile's windows (_gqa_ggml_layouts): the units of each lane ([W, 16, C, U]
+        in L4) and the one that ends its window ([W, 16, C] in SliceLayout(3, L4)); V also its
+        block's d (fp16, [W, 16, C]). ``row``: each key's first unit ([W, 16, 1]), ``col``: the
+        lane's column group ([1, 1, C]: K's block, V's half block); rows where ``mask`` is false
+        (None: none) read as zeros."""
+        BLOCK: gl.constexpr = 34 if FMT == "q8_0" else 18
+        U: gl.constexpr = (4 if FMT == "q8_0" else 2) if IS_K else (2 if FMT == "q8_0" else 1)
         unit = _index(U, 3, L4, 4)
-        if IS_K:  # block c's d and quants start in unit 4 c (byte 34 c of 32 c .. 32 c + 7)
-            first = row + 4 * col
-            last = first + 4
-        else:  # half h of block b: quants from byte 34 b + 2 + 16 h; the last unit stays in the row
-            first = row + (34 * (col // 2) + 2 + 16 * (col % 2)) // 8
-            last = row + gl.minimum((34 * (col // 2) + 2 + 16 * (col % 2)) // 8 + 2, 16)
+        if IS_K:  # block c: d at byte 2 c of its window, quants from 2 c + 2
+            first = row + (BLOCK * col) // 8
+            last = first + U
+        else:  # half h of block b: quants from byte 2 + (BLOCK - 2) h / 2 of it; the window stays in the row
+            start = BLOCK * (col // 2) + 2 + (BLOCK - 2) // 2 * (col % 2)
+            first = row + start // 8
+            last = row + gl.minimum(start // 8 + U, (4 * BLOCK) // 8 - 1)
         main_ptrs = base + gl.expand_dims(first, 3) + unit
         if mask is None:
             main = gl.load(main_ptrs, eviction_policy=EVICT)
@@ -469,8 +508,8 @@ if gluon is not None:
             main = gl.load(main_ptrs, mask=gl.expand_dims(mask, 3), other=0)
             tail = gl.load(base + last, mask=mask, other=0)
         d = 0.0
-        if not IS_K:  # d: halfword 17 b of the row
-            d_ptrs = base.to(gl.pointer_type(gl.float16), bitcast=True) + 4 * row + 17 * (col // 2)
+        if not IS_K:  # d: the block's first halfword
+            d_ptrs = base.to(gl.pointer_type(gl.float16), bitcast=True) + 4 * row + (BLOCK // 2) * (col // 2)
             if mask is None:
                 d = gl.load(d_ptrs, eviction_policy=EVICT)
             else:
@@ -478,10 +517,11 @@ if gluon is not None:
         return main, tail, d
 
     @gluon.jit
-    def _q8_0_selectors(L4: gl.constexpr, IS_K: gl.constexpr):
-        """The byte permute selectors of each lane's window (q8_0_ptx), [1, 1, C, 1] in L4: the word
-        shift, the quant word's bytes, and (K) d's halfword. Its quants start at byte o of the
-        window: K's block c at 2 c + 2, V's half block of block b at (2 b + 2) % 8."""
+    def _ggml_selectors(L4: gl.constexpr, IS_K: gl.constexpr):
+        """The byte permute selectors of each lane's window (ggml_ptx), [1, 1, C, 1] in L4: the word
+        shift, the quant words' bytes, and (K) d's halfword. Its quants start at byte o of the
+        window, for q8_0 and q4_0 alike: K's block c at 2 c + 2, V's half block of block b at
+        (2 b + 2) % 8."""
         if IS_K:
             c = _index(4, 2, L4, 4)
             o = 2 * c + 2
@@ -494,28 +534,55 @@ if gluon is not None:
         return shift, sel, sel_d
 
     @gluon.jit
-    def _assemble8(r0, r1, r2, r3, r4, r5, r6, r7, LF: gl.constexpr):
-        """Eight [W, 16, C, E] results of q8_0_ptx (result m, element e: quant E m + e of the
-        lane's column group) as the tile [W, 16, 128] in LF, group g's quants at columns
-        g 128 / C onwards, in order (no data movement)."""
-        x = gl.join(gl.join(gl.join(r0, r1), gl.join(r2, r3)), gl.join(gl.join(r4, r5), gl.join(r6, r7)))
-        # [W, 16, C, e, m % 2, m / 2 % 2, m / 4] (a join's axis is the last) -> [W, 16, C, m, e]
-        x = gl.permute(x, [0, 1, 2, 6, 5, 4, 3])
+    def _join8(r):
+        """Results r[0] .. r[7] stacked on three new last axes: [.., m % 2, m / 2 % 2, m / 4]."""
+        return gl.join(gl.join(gl.join(r[0], r[1]), gl.join(r[2], r[3])), gl.join(gl.join(r[4], r[5]),
+                                                                              gl.join(r[6], r[7])))
+
+    @gluon.jit
+    def _ggml_values(main, tail, d, shift, sel, sel_d, LF: gl.constexpr, IS_K: gl.constexpr,
+                     FMT: gl.constexpr):
+        """A q8_0 / q4_0 tile's values q * d (fp16, [W, 16, 128] in LF) from its windows
+        (_ggml_load) and the lanes' selectors (_ggml_selectors), through ggml_ptx, each lane's
+        values where LF holds them (no data movement): K's block in order; V's half block h of
+        block b in order for q8_0, for q4_0 the values 8 h .. 8 h + 7 then 16 + 8 h .. (the
+        low and the high nibbles of its 8 bytes: _ggml_v_column)."""
+        tail = gl.expand_dims(tail, 3)
+        if FMT == "q8_0":
+            ASM: gl.constexpr = _Q8_0_K_ASM if IS_K else _Q8_0_V_ASM
+        else:
+            ASM: gl.constexpr = _Q4_0_K_ASM if IS_K else _Q4_0_V_ASM
+        N: gl.constexpr = 8 if FMT == "q8_0" else 16  # results: quants per call / units per call
+        if IS_K:
+            args = (main, tail, shift, sel, sel_d)
+        else:
+            args = (main, tail, gl.expand_dims(d, 3), shift, sel)
+        r = gl.inline_asm_elementwise(ASM[0], ASM[1], args, dtype=(gl.float16,) * N, is_pure=True,
+                                      pack=main.shape[3])
+        if FMT == "q8_0":
+            # [W, 16, C, e, m % 2, m / 2 % 2, m / 4] (a join's axis is the last): quant E m + e
+            x = gl.permute(_join8(r), [0, 1, 2, 6, 5, 4, 3])
+        else:
+            x = gl.join(_join8(r[:8]), _join8(r[8:]))  # [W, 16, C, E, t % 2, t / 2 % 2, t / 4 % 2, t / 8]
+            if IS_K:  # result t = 4 k + s, element e: value 16 (s / 2) + 4 k + 2 (s % 2) + e
+                x = gl.permute(x, [0, 1, 2, 5, 7, 6, 4, 3])
+            else:  # result t: value t of the lane's 16
+                x = gl.permute(x, [0, 1, 2, 7, 6, 5, 4, 3])
         x = gl.reshape(x, [x.shape[0], x.shape[1], 128])
         return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit
-    def _q8_0_values(main, tail, d, shift, sel, sel_d, LF: gl.constexpr, IS_K: gl.constexpr):
-        """A q8_0 tile's values q * d (fp16, [W, 16, 128] in LF) from its windows (_q8_0_load) and
-        the lanes' selectors (_q8_0_selectors), through q8_0_ptx."""
-        tail = gl.expand_dims(tail, 3)
-        if IS_K:
-            r = gl.inline_asm_elementwise(_Q8_0_K_PTX, _Q8_0_K_CONSTRAINTS, [main, tail, shift, sel, sel_d],
-                                          dtype=(gl.float16,) * 8, is_pure=True, pack=4)
+    def _ggml_v_column(n, FMT: gl.constexpr):
+        """The head-dim column of column n of P V (B operand order: logical n = 8 j + g is register
+        j of lane group g): 16 g + j, for q4_0 V 32 (g / 2) + 8 (g % 2) + j % 8 + 16 (j / 8)
+        (_ggml_values)."""
+        g = n % 8
+        j = n // 8
+        if FMT == "q4_0":
+            col = 32 * (g // 2) + 8 * (g % 2) + j % 8 + 16 * (j // 8)
         else:
-            r = gl.inline_asm_elementwise(_Q8_0_V_PTX, _Q8_0_V_CONSTRAINTS, [main, tail, gl.expand_dims(d, 3), shift, sel],
-                                          dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-        return _assemble8(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], LF)
+            col = 16 * g + j
+        return col
 
     @gluon.jit(do_not_specialize=["num_blocks"])
     def _mha_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, Order, qk_scale_log2, max_blocks, num_blocks,
@@ -730,9 +797,9 @@ if gluon is not None:
 
         Quantized K/V (K_FMT / V_FMT, decode_plan.GQA_QUANTIZED): the same tiles of 1-byte
         values, loaded as 32-bit words in layouts that hold each word where its values go (half
-        the registers), become fp16 after the load (_words_to_f16: exact); q8_0 rows, loaded as
+        the registers), become fp16 after the load (_words_to_f16: exact); q8_0 / q4_0 rows, loaded as
         8-byte units around the block (K) or half block (V) each lane holds (K4, V4; KL and VL
-        their lane slices), become q * d in the same places (_q8_0_values). int8's row scales,
+        their lane slices), become q * d in the same places (_ggml_values). int8's row scales,
         read a tile ahead in the scores' layout, multiply the fp32 scores (K) and p before its
         fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
         multiplies the score scale (K) and the state's acc at the end (V)."""
@@ -756,9 +823,11 @@ if gluon is not None:
 
         # a tile's token offsets in the K and V layouts: warp w holds keys 16 w .. 16 w + 15
         tok_k = lo + _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
-        # a row's columns in KL / VL: D values, D / 4 words of 1-byte values, or q8_0's lane groups
-        K_COLS: gl.constexpr = 4 if K_FMT == "q8_0" else D // 4 if K_FMT != "" else D
-        V_COLS: gl.constexpr = 8 if V_FMT == "q8_0" else D // 4 if V_FMT != "" else D
+        # a row's columns in KL / VL: D values, D / 4 words of 1-byte values, or ggml's lane groups
+        K_GGML: gl.constexpr = (K_FMT == "q8_0") or (K_FMT == "q4_0")
+        V_GGML: gl.constexpr = (V_FMT == "q8_0") or (V_FMT == "q4_0")
+        K_COLS: gl.constexpr = 4 if K_GGML else D // 4 if K_FMT != "" else D
+        V_COLS: gl.constexpr = 8 if V_GGML else D // 4 if V_FMT != "" else D
         col_k = _vec3(K_COLS, 2, KL)
         tok_v = lo + _vec3(W, 0, VL) * 16 + _vec3(16, 1, VL)
         col_v = _vec3(V_COLS, 2, VL)
@@ -787,17 +856,17 @@ if gluon is not None:
         # K and V read the same entries: top follows K's (the masked rows use none)
         page_k, top = _safe_pages(gl.where(tok_k < hi, page_k, 0), last_block)
         page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
-        if K_FMT == "q8_0":
-            k_next, kt_next, _ = _q8_0_load(k_base, page_k * stride_kblk + (tok_k % PAGE) * stride_kpos, col_k,
-                                            (tok_k < hi) & (col_k < K_COLS), EVICT, K4, True)
-            k_sel = _q8_0_selectors(K4, True)
+        if K_GGML:
+            k_next, kt_next, _ = _ggml_load(k_base, page_k * stride_kblk + (tok_k % PAGE) * stride_kpos, col_k,
+                                            (tok_k < hi) & (col_k < K_COLS), EVICT, K4, True, K_FMT)
+            k_sel = _ggml_selectors(K4, True)
         else:
             k_next = gl.load(k_base + page_k * stride_kblk + (tok_k % PAGE) * stride_kpos + col_k,
                              mask=(tok_k < hi) & (col_k < K_COLS), other=0)
-        if V_FMT == "q8_0":
-            v_next, vt_next, vd_next = _q8_0_load(v_base, page_v * stride_vblk + (tok_v % PAGE) * stride_vpos,
-                                                  col_v, (tok_v < hi) & (col_v < V_COLS), EVICT, V4, False)
-            v_sel = _q8_0_selectors(V4, False)
+        if V_GGML:
+            v_next, vt_next, vd_next = _ggml_load(v_base, page_v * stride_vblk + (tok_v % PAGE) * stride_vpos,
+                                                  col_v, (tok_v < hi) & (col_v < V_COLS), EVICT, V4, False, V_FMT)
+            v_sel = _ggml_selectors(V4, False)
         else:
             v_next = gl.load(v_base + page_v * stride_vblk + (tok_v % PAGE) * stride_vpos + col_v,
                              mask=(tok_v < hi) & (col_v < V_COLS), other=0)
@@ -826,9 +895,9 @@ if gluon is not None:
         for start in range(lo, hi, BLOCK_N):
             k = k_next
             v = v_next
-            if K_FMT == "q8_0":
+            if K_GGML:
                 k_tail = kt_next
-            if V_FMT == "q8_0":
+            if V_GGML:
                 v_tail = vt_next
                 v_d = vd_next
             # the next tile into registers while this one is computed (L1::evict_first: see
@@ -839,15 +908,15 @@ if gluon is not None:
             page_k, used = _safe_pages(page_k, last_block)
             top = gl.maximum(top, used)
             page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
-            if K_FMT == "q8_0":
-                k_next, kt_next, _ = _q8_0_load(k_base, page_k * stride_kblk + (t_k % PAGE) * stride_kpos, col_k,
-                                                None, EVICT, K4, True)
+            if K_GGML:
+                k_next, kt_next, _ = _ggml_load(k_base, page_k * stride_kblk + (t_k % PAGE) * stride_kpos, col_k,
+                                                None, EVICT, K4, True, K_FMT)
             else:
                 k_next = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k,
                                  eviction_policy=EVICT)
-            if V_FMT == "q8_0":
-                v_next, vt_next, vd_next = _q8_0_load(v_base, page_v * stride_vblk + (t_v % PAGE) * stride_vpos,
-                                                      col_v, None, EVICT, V4, False)
+            if V_GGML:
+                v_next, vt_next, vd_next = _ggml_load(v_base, page_v * stride_vblk + (t_v % PAGE) * stride_vpos,
+                                                      col_v, None, EVICT, V4, False, V_FMT)
             else:
                 v_next = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v,
                                  eviction_policy=EVICT)
@@ -863,12 +932,12 @@ if gluon is not None:
                 vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
                                       V_FMT == "int8")
                 page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
-            if K_FMT == "q8_0":
-                k = _q8_0_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True)
+            if K_GGML:
+                k = _ggml_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True, K_FMT)
             elif K_FMT != "":
                 k = _words_to_f16(k, K_FMT, KF)
-            if V_FMT == "q8_0":
-                v = _q8_0_values(v, v_tail, v_d, v_sel[0], v_sel[1], v_sel[2], VF, False)
+            if V_GGML:
+                v = _ggml_values(v, v_tail, v_d, v_sel[0], v_sel[1], v_sel[2], VF, False, V_FMT)
             elif V_FMT != "":
                 v = _words_to_f16(v, V_FMT, VF)
 
@@ -918,7 +987,7 @@ if gluon is not None:
             o = o * gl.load(VScales)
         row = _vec3(R, 1, CL)
         n = _vec3(D, 2, CL)
-        col = 16 * (n % 8) + n // 8  # the output column of logical column n
+        col = _ggml_v_column(n, V_FMT)  # the output column of logical column n
         if SPLIT:
             # the unnormalized state (an empty split stores (-inf, 0, 0)) for the reduce kernel
             heads = pid_b.to(gl.int64) * stride_pmb + (pid_h * GROUP + row) * stride_pmh + pid_s * stride_pms

@@ -83,7 +83,7 @@ VARIANTS = ("alibi", "sinks", "softcap", "window")
 # dequantized after its load: the formats the kernel reads. The Gluon GQA kernel also reads the
 # formats GQA_QUANTIZED with fp16 q (gqa_reads), under its own rule (gqa_takes).
 QUANTIZED = ("q8_0", "q4_0", "int8", "fp8_e4m3")
-GQA_QUANTIZED = ("int8", "fp8_e4m3", "q8_0")
+GQA_QUANTIZED = ("int8", "fp8_e4m3", "q8_0", "q4_0")
 MERGES = ("none", "fused", "reduce")
 
 

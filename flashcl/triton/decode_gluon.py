@@ -572,6 +572,18 @@ if gluon is not None:
         return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit
+    def _row_halves(x):
+        """[W, 16, D] in the mma layout -> its rows 0 .. 7 and 8 .. 15, [W, 8, D] each (each
+        thread holds row g in its first register half, g + 8 in the second: no data movement)."""
+        return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8, x.shape[2]]), [0, 2, 3, 1]))
+
+    @gluon.jit
+    def _join_row_halves(lo, hi):
+        """_row_halves undone: [W, 16, D] (in a layout equal to the mma layout)."""
+        x = gl.permute(gl.join(lo, hi), [0, 3, 1, 2])
+        return gl.reshape(x, [x.shape[0], 16, x.shape[3]])
+
+    @gluon.jit
     def _ggml_v_column(n, FMT: gl.constexpr):
         """The head-dim column of column n of P V (B operand order: logical n = 8 j + g is register
         j of lane group g): 16 g + j, for q4_0 V 32 (g / 2) + 8 (g % 2) + j % 8 + 16 (j / 8)
@@ -960,13 +972,19 @@ if gluon is not None:
             # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
             vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
             vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
-            acc = mma_v2(pa, vb, acc * gl.expand_dims(alpha, 2))
+            if GROUP <= 8:  # rows 8 .. 15 only pad the group: alpha is 1 there (0 while acc is 0)
+                acc_lo, acc_hi = _row_halves(acc)
+                alpha_lo = _row_halves(gl.broadcast(gl.expand_dims(alpha, 2), acc)[0])[0]
+                acc = gl.convert_layout(_join_row_halves(acc_lo * alpha_lo, acc_hi), MMA, assert_trivial=True)
+            else:
+                acc = acc * gl.expand_dims(alpha, 2)
+            acc = mma_v2(pa, vb, acc)
 
         tables_ok = (gl.max(gl.max(gl.max(top, 2), 1), 0) <= last_block) & lens_ok
         # the warps' states through shared memory behind one barrier; a group of at most 8 needs
         # only the rows g < 8 of the mma layout (its first register half), half the exchange
         if GROUP <= 8:
-            acc, acc_hi = gl.split(gl.permute(gl.reshape(acc, [W, 2, 8, D]), [0, 2, 3, 1]))
+            acc, acc_hi = _row_halves(acc)
             m_i, m_hi = gl.split(gl.permute(gl.reshape(m_i, [W, 2, 8]), [0, 2, 1]))
             l_i, l_hi = gl.split(gl.permute(gl.reshape(l_i, [W, 2, 8]), [0, 2, 1]))
         acc_s = gl.allocate_shared_memory(gl.float32, [W, R, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))

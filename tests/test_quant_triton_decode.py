@@ -209,6 +209,24 @@ def test_gluon_gqa_reads_quantized_caches(triton_device, k_fmt, v_fmt, h_q, h_kv
     _check(out, lse, c, f"gluon gqa {formats} lens={lens} splits={splits}")
 
 
+@pytest.mark.parametrize("block_size", [1, 64])
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", "q4_0"), ("int8", "fp8_e4m3")])
+def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size, poison, gqa_calls):
+    """The Gluon GQA kernel (forced) on quantized pages of 1 token (a split of 550 pages: the page
+    sort) and of 64 (a tile's 64 keys on one page), contexts of a partial last page."""
+    formats = (k_fmt, v_fmt)
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "float16", b=2, h_q=32, h_kv=8, lens=[1100, 37], d=128, block_size=block_size,
+              k_fmt=k_fmt, v_fmt=v_fmt, seed=block_size)
+    k, v = c["k"], c["v"]
+    out, lse = triton_decode._launch(
+        c["q"], k.data, v.data, c["block_table"], c["lens"], 1.0 / math.sqrt(128), 2, config={"gluon_gqa": True},
+        k_scales=k.scales, v_scales=v.scales, k_format=k_fmt, v_format=v_fmt)
+    assert gqa_calls == [formats]
+    _check(out, lse, c, f"gluon gqa {formats} block_size={block_size}")
+
+
 def test_words_need_an_int32_view():
     """A quantized cache whose rows are not on 4-byte boundaries, or that cannot be viewed as int32,
     does not fit the Gluon kernel: the launch falls back to the dot path instead of raising."""

@@ -249,6 +249,9 @@ def test_words_need_an_int32_view():
         assert not decode_gluon.operands_fit(q, shifted, rows, table, lens, (fmt, fmt))
         apart = torch.zeros((4, 16, 2, 4, size + 6), dtype=torch.uint8)[..., :size]
         assert not decode_gluon.operands_fit(q, rows, apart, table, lens, (fmt, fmt))
+        # 3 blocks a row (aligned rows, 102 / 54 bytes): not a whole number of units
+        odd = torch.zeros((4, 16, 2, 3 * size + 2), dtype=torch.uint8)[..., :3 * size].unflatten(-1, (3, size))
+        assert not decode_gluon.operands_fit(q, odd, odd, table, lens, (fmt, fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -61,23 +61,25 @@ def available() -> bool:
 def operands_fit(q, k_cache, v_cache, block_table, context_lens, kv_formats=("", "")) -> bool:
     """What both kernels need of the tensors, past what the plan decides from the shapes
     (decode_plan: gluon_takes, gqa_takes, 32-bit offsets): context lengths given, unit strides
-    along the head dim and along the block table's rows; a quantized cache (``kv_formats``) read
-    as 32-bit words: its rows on 4-byte boundaries, and a view as int32 possible (its storage
-    offset a multiple of 4 too: a storage of unaligned base would make the view raise)."""
+    along the head dim and along the block table's rows; a quantized cache (``kv_formats``) that
+    takes the view the GQA kernel reads (_takes_word_view)."""
     if not (context_lens is not None and block_table.shape[1] >= 1 and block_table.stride(1) == 1
             and q.stride(2) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
         return False
-    return all(_reads_as_words(data, fmt) for data, fmt in zip((k_cache, v_cache), kv_formats))
+    return all(_takes_word_view(data, fmt) for data, fmt in zip((k_cache, v_cache), kv_formats))
 
 
-def _reads_as_words(data, fmt: str) -> bool:
-    """Whether a cache's data can be read as the kernel's words: plain, yes; int8 / fp8 rows as
-    32-bit words, q8_0 / q4_0 rows (whole blocks, in one piece) as 8-byte units: the rows, the pointer
-    and the storage offset on the word's boundary."""
+def _takes_word_view(data, fmt: str) -> bool:
+    """Whether a quantized cache's data takes the view _as_words gives the kernel (a plain one needs
+    none): int8 / fp8 rows as 32-bit words, q8_0 / q4_0 rows (whole blocks in one piece, a whole
+    number of units) as 8-byte units; the rows, the pointer and the storage offset on the word's
+    boundary (a storage of unaligned base would make the view raise)."""
     if not fmt:
         return True
     size = 8 if fmt in GGML_BLOCK_BYTES else 4
-    if fmt in GGML_BLOCK_BYTES and not (data.stride(4) == 1 and data.stride(3) == data.shape[4]):
+    if fmt in GGML_BLOCK_BYTES and not (data.shape[4] == GGML_BLOCK_BYTES[fmt] and data.stride(4) == 1
+                                        and data.stride(3) == data.shape[4]
+                                        and data.shape[3] * data.shape[4] % size == 0):
         return False
     return (data.data_ptr() % size == 0 and data.storage_offset() % size == 0
             and all(st % size == 0 for st in data.stride()[:3]))
@@ -152,8 +154,8 @@ def _gqa_ggml_layouts(warps: int, fmt: str):
     """The K and V tiles of ggml rows as 8-byte units, 4-D [W, 16 keys, lane column group, unit]:
     K [W, 16, 4, K_UNITS]: lane 4 n + c holds the units where block c (its d, then its values)
     starts, of keys n and 8 + n; V [W, 16, 8, V_UNITS]: lane 4 n + c holds those where half n % 2
-    of block n // 2 starts, of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. One more unit a lane (the
-    third axis's SliceLayout) ends each window (_ggml_values)."""
+    of block n // 2 starts, of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. One more unit a lane (a tensor in
+    SliceLayout(3, ...): no unit axis) ends each window (_ggml_values)."""
     k_units = gl.BlockedLayout([1, 1, 1, _K_UNITS[fmt]], [1, 8, 4, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
     v_units = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1]] * (_V_UNITS[fmt] == 2) + [[0, 1, 0, 0], [0, 8, 0, 0]],
@@ -175,7 +177,9 @@ def ggml_ptx(fmt: str, pack: int, d_in_window: bool) -> str:
     product cast to fp16). Outputs, f16x2 registers (fp16 pairs with pack 1) in this order:
     q8_0, quants (4 k, 4 k + 1), (4 k + 2, 4 k + 3) of word k; q4_0 with pack 2, the low nibbles
     (4 k, 4 k + 1), (4 k + 2, 4 k + 3), then the high ones, of word k; with pack 1, the low
-    nibbles of both words, then the high ones."""
+    nibbles of both words, then the high ones. Built for the kernel's four (fmt, pack): q8_0 with
+    pack 4 (K) and 2 (V), q4_0 with 2 (K) and 1 (V)."""
+    assert (fmt, pack) in (("q8_0", 4), ("q8_0", 2), ("q4_0", 2), ("q4_0", 1)), (fmt, pack)
     q8 = fmt == "q8_0"
     words, out_regs = 2 * pack + 2, (4 if q8 else 8) * pack
     main = out_regs if pack > 1 or q8 else 2 * out_regs  # pack 1 q4_0: 16-bit outputs
@@ -366,10 +370,15 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     k_sc, s_ks = k_scales or (lse, (0, 0, 0))
     v_sc, s_vs = v_scales or (lse, (0, 0, 0))
     k_words, v_words = _gqa_word_layouts(warps)
+    # the layouts the tiles are loaded in: ggml rows' lane slices of their unit layouts (K4 / V4),
+    # int8 / fp8 words, or the fp16 values' own
     k_units = _gqa_ggml_layouts(warps, k_format)[0] if k_format in GGML_BLOCK_BYTES else k_layout
     v_units = _gqa_ggml_layouts(warps, v_format)[1] if v_format in GGML_BLOCK_BYTES else v_layout
-    kl = gl.SliceLayout(3, k_units) if k_format in GGML_BLOCK_BYTES else k_words if k_format else k_layout
-    vl = gl.SliceLayout(3, v_units) if v_format in GGML_BLOCK_BYTES else v_words if v_format else v_layout
+    kl, vl = k_layout, v_layout
+    if k_format:
+        kl = gl.SliceLayout(3, k_units) if k_format in GGML_BLOCK_BYTES else k_words
+    if v_format:
+        vl = gl.SliceLayout(3, v_units) if v_format in GGML_BLOCK_BYTES else v_words
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
         qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0],
@@ -552,7 +561,7 @@ if gluon is not None:
             ASM: gl.constexpr = _Q8_0_K_ASM if IS_K else _Q8_0_V_ASM
         else:
             ASM: gl.constexpr = _Q4_0_K_ASM if IS_K else _Q4_0_V_ASM
-        N: gl.constexpr = 8 if FMT == "q8_0" else 16  # results: quants per call / units per call
+        N: gl.constexpr = 8 if FMT == "q8_0" else 16  # the asm's fp16 results
         if IS_K:
             args = (main, tail, shift, sel, sel_d)
         else:
@@ -972,7 +981,9 @@ if gluon is not None:
             # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
             vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
             vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
-            if GROUP <= 8:  # rows 8 .. 15 only pad the group: alpha is 1 there (0 while acc is 0)
+            # rows 8 .. 15 only pad a group of up to 8 and are dropped after the loop: left unscaled
+            # (their alpha is 1, or 0 while their acc is still 0)
+            if GROUP <= 8:
                 acc_lo, acc_hi = _row_halves(acc)
                 alpha_lo = _row_halves(gl.broadcast(gl.expand_dims(alpha, 2), acc)[0])[0]
                 acc = gl.convert_layout(_join_row_halves(acc_lo * alpha_lo, acc_hi), MMA, assert_trivial=True)

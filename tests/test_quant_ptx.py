@@ -1,7 +1,8 @@
-"""The PTX that turns windows of q8_0 / q4_0 rows into fp16 values in the Gluon GQA decode kernel
-(decode_gluon.ggml_ptx), run on the CPU by a small interpreter of the instructions it emits: every
-window offset a lane can have, each value checked against q * d rounded to fp16. The kernel itself
-runs only on a GPU (tests/test_quant_triton_decode.py); this keeps the byte selection checked in CI."""
+"""The PTX that turns quantized bytes into fp16 in the Triton decode kernels, run on the CPU by a
+small interpreter of the instructions it emits: windows of q8_0 / q4_0 rows in the Gluon GQA kernel
+(decode_gluon.ggml_ptx) at every window offset a lane can have, each value checked against q * d
+rounded to fp16, and int8 words (quant_words.INT8_F16_PTX). The kernels run only on a GPU
+(tests/test_quant_triton_decode.py); this keeps their byte selection checked in CI."""
 
 import re
 
@@ -139,3 +140,15 @@ def test_ggml_ptx_reads_every_window_offset(fmt, pack, side):
                 want = want[order]
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16),
                                           err_msg=f"{fmt} {side} lane {lane} (o={o}) d={d}")
+
+
+def test_int8_words_ptx():
+    """quant_words.INT8_F16_PTX (int8 words in both decode paths, and q8_0's quants above): the
+    four bytes of a word as fp16, exactly, every byte value."""
+    from flashcl.triton import quant_words
+
+    ptx = quant_words.INT8_F16_PTX.value  # a tl.constexpr
+    for start in range(0, 256, 4):
+        word = bytes(range(start, start + 4))
+        got = [_f16x2(h)[0] for h in _run(ptx, "=h,=h,=h,=h,r", [int.from_bytes(word, "little")])]
+        np.testing.assert_array_equal(np.array(got, np.float16), np.frombuffer(word, np.int8).astype(np.float16))

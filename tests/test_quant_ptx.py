@@ -1,8 +1,9 @@
 """The PTX that turns quantized bytes into fp16 in the Triton decode kernels, run on the CPU by a
 small interpreter of the instructions it emits: windows of q8_0 / q4_0 rows in the Gluon GQA kernel
 (decode_gluon.ggml_ptx) at every window offset a lane can have, each value checked against q * d
-rounded to fp16, and int8 words (quant_words.INT8_F16_PTX). The kernels run only on a GPU
-(tests/test_quant_triton_decode.py); this keeps their byte selection checked in CI."""
+rounded to fp16, and int8 and q4_0 words (quant_words.INT8_F16_PTX, Q4_0_F16_PTX). The kernels
+run only on a GPU (tests/test_quant_triton_decode.py); this keeps their byte selection checked in
+CI."""
 
 import re
 
@@ -152,3 +153,16 @@ def test_int8_words_ptx():
         word = bytes(range(start, start + 4))
         got = [_f16x2(h)[0] for h in _run(ptx, "=h,=h,=h,=h,r", [int.from_bytes(word, "little")])]
         np.testing.assert_array_equal(np.array(got, np.float16), np.frombuffer(word, np.int8).astype(np.float16))
+
+
+def test_q4_0_words_ptx():
+    """quant_words.Q4_0_F16_PTX (q4_0 words in the Triton decode): nibble h of byte k less 8 as
+    fp16 at output 2 k + h, every nibble value in both halves of every byte."""
+    from flashcl.triton import quant_words
+
+    ptx = quant_words.Q4_0_F16_PTX.value
+    for start in range(0, 256, 4):
+        word = bytes((start + i) % 256 for i in range(4))
+        got = [_f16x2(h)[0] for h in _run(ptx, ",".join(["=h"] * 8 + ["r"]), [int.from_bytes(word, "little")])]
+        want = [(b >> (4 * h) & 15) - 8 for b in word for h in range(2)]
+        np.testing.assert_array_equal(np.array(got, np.float16), np.array(want, np.float16))

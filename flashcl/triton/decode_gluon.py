@@ -41,7 +41,7 @@ import triton.language as tl
 
 from . import interpreting
 from .decode_plan import gluon_block_d as _block_d
-from .quant_words import FP8_F16_PTX, INT8_F16_PTX
+from .quant_words import F16_BIAS, FP8_F16_PTX, INT8_F16_PTX, word_to_f16x2_ptx
 
 try:
     from triton.experimental import gluon
@@ -197,22 +197,17 @@ def ggml_ptx(fmt: str, pack: int, d_in_window: bool) -> str:
     else:
         L.append(f"mov.b32 d, ${d_op};" if pack > 1 else f"mov.b32 d, {{${d_op}, ${d_op}}};")
     L += [f"prmt.b32 x{j}, w{j}, w{j + 1}, ${shift};" for j in range(words - 1)]
-    L.append(f"mov.b32 bias, {'0x64806480' if q8 else '0x64086408'};")
+    L.append(f"mov.b32 bias, {F16_BIAS['int8' if q8 else 'q4_0']};")
     for k in range(words - 2):
         L.append(f"prmt.b32 r, x{k}, x{k + 1}, ${sel};")
-        if q8:
-            L += ["xor.b32 r, r, 0x80808080;", "prmt.b32 o0, r, 0x64646464, 0x4140;",
-                  "prmt.b32 o1, r, 0x64646464, 0x4342;"]
-            regs = [(2 * k, "o0"), (2 * k + 1, "o1")]
-        else:
-            L += ["and.b32 lo, r, 0x0F0F0F0F;", "shr.u32 hi, r, 4;", "and.b32 hi, hi, 0x0F0F0F0F;"]
-            halves = [("lo", "0x4140"), ("lo", "0x4342"), ("hi", "0x4140"), ("hi", "0x4342")]
-            L += [f"prmt.b32 o{i}, {src}, 0x64646464, {s};" for i, (src, s) in enumerate(halves)]
-            if pack > 1:
-                regs = [(4 * k + i, f"o{i}") for i in range(4)]
-            else:  # fp16 outputs: low nibbles 0..7 of the two words first
-                regs = [(4 * k + 2 * i, f"o{i}") for i in range(2)] + [(8 + 4 * k + 2 * i, f"o{2 + i}") for i in range(2)]
-        for out, reg in regs:
+        outs = [f"o{i}" for i in range(2 if q8 else 4)]
+        L += word_to_f16x2_ptx("int8" if q8 else "q4_0", "r", ["r"] if q8 else ["lo", "hi"], outs, subtract=False)
+        if q8 or pack > 1:
+            regs = [(len(outs) * k + i, o) for i, o in enumerate(outs)]
+        else:  # fp16 outputs: low nibbles 0..7 of the two words first
+            regs = [(4 * k + 2 * i, f"o{i}") for i in range(2)]
+            regs += [(8 + 4 * k + 2 * i, f"o{2 + i}") for i in range(2)]
+        for out, reg in regs:  # each pair less the bias, times d
             L.append(f"sub.rn.f16x2 {reg}, {reg}, bias;")
             if pack > 1 or q8:
                 L.append(f"mul.rn.f16x2 ${out}, {reg}, d;")
@@ -582,9 +577,14 @@ if gluon is not None:
 
     @gluon.jit
     def _row_halves(x):
-        """[W, 16, D] in the mma layout -> its rows 0 .. 7 and 8 .. 15, [W, 8, D] each (each
-        thread holds row g in its first register half, g + 8 in the second: no data movement)."""
-        return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8, x.shape[2]]), [0, 2, 3, 1]))
+        """[W, 16, D] in the mma layout (or [W, 16] in its row slice) -> its rows 0 .. 7 and 8 .. 15,
+        [W, 8, D] ([W, 8]) each (each thread holds row g in its first register half, g + 8 in the
+        second: no data movement)."""
+        if len(x.shape) == 3:
+            halves = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8, x.shape[2]]), [0, 2, 3, 1]))
+        else:
+            halves = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8]), [0, 2, 1]))
+        return halves
 
     @gluon.jit
     def _join_row_halves(lo, hi):
@@ -996,8 +996,8 @@ if gluon is not None:
         # only the rows g < 8 of the mma layout (its first register half), half the exchange
         if GROUP <= 8:
             acc, acc_hi = _row_halves(acc)
-            m_i, m_hi = gl.split(gl.permute(gl.reshape(m_i, [W, 2, 8]), [0, 2, 1]))
-            l_i, l_hi = gl.split(gl.permute(gl.reshape(l_i, [W, 2, 8]), [0, 2, 1]))
+            m_i, m_hi = _row_halves(m_i)
+            l_i, l_hi = _row_halves(l_i)
         acc_s = gl.allocate_shared_memory(gl.float32, [W, R, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         m_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         l_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))

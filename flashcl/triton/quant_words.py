@@ -1,8 +1,9 @@
 """Quantized bytes to values in the Triton kernels: 32-bit words (or 16-bit byte pairs) of a
 quantized row turned into fp16 through PTX byte permutes where q is fp16 on a GPU, or into float32
 through shifts and casts elsewhere (the interpreter, other q types). Shared by the decode's word
-tiles (decode._load_words), the ggml block gathers of the decode and the prefill (ggml_blocks)
-and the decode's q4_0 stored-order tiles (ggml_stored)."""
+tiles (decode._load_words), the ggml block gathers of the decode and the prefill (ggml_blocks),
+the decode's q4_0 stored-order tiles (ggml_stored) and the Gluon GQA kernel's words and ggml
+windows (decode_gluon: word_to_f16x2_ptx)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,41 @@ import triton
 import triton.language as tl
 
 
+# fp16 of a byte u: take 0x64 as its upper byte, the fp16 1024 + u, then subtract the bias exactly:
+# int8 values are u = x + 128 (bias 1024 + 128), q4_0's nibbles n (value n - 8: bias 1024 + 8).
+F16_BIAS = {"int8": "0x64806480", "q4_0": "0x64086408"}
+
+
+def word_to_f16x2_ptx(fmt: str, src: str, tmp: list, out: list, subtract: bool = True) -> list:
+    """PTX lines turning the 32-bit word in register ``src`` into fp16 pairs, exactly (less the
+    bias F16_BIAS[fmt], which register ``bias`` must hold; ``subtract`` false: the caller
+    subtracts it): "int8" (q8_0's quants too) into out[0] = values (0, 1), out[1] = (2, 3),
+    through tmp[0]; "q4_0" into out[0..3] = the low nibbles of bytes (0, 1), (2, 3), then the
+    high ones, through tmp[0..1]."""
+    if fmt == "int8":
+        lines = [f"xor.b32 {tmp[0]}, {src}, 0x80808080;"]
+        spread = [(tmp[0], "0x4140"), (tmp[0], "0x4342")]
+    else:
+        assert fmt == "q4_0", fmt
+        lines = [f"and.b32 {tmp[0]}, {src}, 0x0F0F0F0F;", f"shr.u32 {tmp[1]}, {src}, 4;",
+                 f"and.b32 {tmp[1]}, {tmp[1]}, 0x0F0F0F0F;"]
+        spread = [(tmp[0], "0x4140"), (tmp[0], "0x4342"), (tmp[1], "0x4140"), (tmp[1], "0x4342")]
+    lines += [f"prmt.b32 {o}, {t}, 0x64646464, {sel};" for o, (t, sel) in zip(out, spread)]
+    return lines + [f"sub.rn.f16x2 {o}, {o}, bias;" for o in out if subtract]
+
+
 # The four 1-byte values of a 32-bit word ($4) as fp16 ($0 .. $3, in order), exactly (the asm of
 # inline_asm_elementwise with constraints "=h,=h,=h,=h,r"; decode_gluon's GQA kernel uses them
-# too). int8: u = x + 128 under the exponent of 1024 (the fp16 1024 + u), less 1152.
-INT8_F16_PTX = tl.constexpr("""{
-.reg .b32 u, bias, lo, hi;
-mov.b32 bias, 0x64806480;
-xor.b32 u, $4, 0x80808080;
-prmt.b32 lo, u, 0x64646464, 0x4140;
-prmt.b32 hi, u, 0x64646464, 0x4342;
-sub.rn.f16x2 lo, lo, bias;
-sub.rn.f16x2 hi, hi, bias;
-mov.b32 {$0, $1}, lo;
-mov.b32 {$2, $3}, hi;
-}""")
+# too).
+INT8_F16_PTX = tl.constexpr("\n".join(
+    ["{", ".reg .b32 u, bias, lo, hi;", f"mov.b32 bias, {F16_BIAS['int8']};"]
+    + word_to_f16x2_ptx("int8", "$4", ["u"], ["lo", "hi"])
+    + ["mov.b32 {$0, $1}, lo;", "mov.b32 {$2, $3}, hi;", "}"]))
+# The eight nibbles of a 32-bit word ($8) less 8 as fp16: nibble h of byte k at $(2 k + h)
+Q4_0_F16_PTX = tl.constexpr("\n".join(
+    ["{", ".reg .b32 lo, hi, bias, a, b, c, e;", f"mov.b32 bias, {F16_BIAS['q4_0']};"]
+    + word_to_f16x2_ptx("q4_0", "$8", ["lo", "hi"], ["a", "b", "c", "e"])
+    + ["mov.b32 {$0, $2}, a;", "mov.b32 {$4, $6}, b;", "mov.b32 {$1, $3}, c;", "mov.b32 {$5, $7}, e;", "}"]))
 # fp8_e4m3: the convert instruction of sm_89+, a pair at a time
 FP8_F16_PTX = tl.constexpr("""{
 .reg .b16 a, b;
@@ -140,25 +162,6 @@ def words_to_f16(w, FMT: tl.constexpr):
                                          dtype=(tl.float16,) * 4, is_pure=True, pack=1)
     else:
         tl.static_assert(FMT == "q4_0")
-        # nibbles of the low halves of the bytes (0, 2, 4, 6), then of the high halves; bias 1032
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, bias, a, b, c, e;
-            mov.b32 bias, 0x64086408;
-            and.b32 lo, $8, 0x0F0F0F0F;
-            shr.u32 hi, $8, 4;
-            and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 a, lo, 0x64646464, 0x4140;
-            prmt.b32 b, lo, 0x64646464, 0x4342;
-            prmt.b32 c, hi, 0x64646464, 0x4140;
-            prmt.b32 e, hi, 0x64646464, 0x4342;
-            sub.rn.f16x2 a, a, bias;
-            sub.rn.f16x2 b, b, bias;
-            sub.rn.f16x2 c, c, bias;
-            sub.rn.f16x2 e, e, bias;
-            mov.b32 {$0, $2}, a;
-            mov.b32 {$4, $6}, b;
-            mov.b32 {$1, $3}, c;
-            mov.b32 {$5, $7}, e;
-            }""",
+            asm=Q4_0_F16_PTX,
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)

@@ -170,6 +170,16 @@ def _gluon_gqa_runs(device, formats) -> bool:
     return "fp8_e4m3" not in formats or torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _forced_gqa(c, formats, splits):
+    """(out, lse) of case ``c`` (d = 128) with the Gluon GQA kernel forced where it runs;
+    ``formats``: K's and V's ("" plain)."""
+    (k, k_fmt), (v, v_fmt) = zip((c["k"], c["v"]), formats)
+    return triton_decode._launch(
+        c["q"], k.data if k_fmt else k, v.data if v_fmt else v, c["block_table"], c["lens"], 1.0 / math.sqrt(128),
+        splits, config={"gluon_gqa": True}, k_scales=k.scales if k_fmt else None,
+        v_scales=v.scales if v_fmt else None, k_format=k_fmt, v_format=v_fmt)
+
+
 @pytest.fixture
 def gqa_calls(monkeypatch):
     """The formats of every launch of the Gluon GQA kernel."""
@@ -200,11 +210,7 @@ def test_gluon_gqa_reads_quantized_caches(triton_device, k_fmt, v_fmt, h_q, h_kv
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
     c = _case(triton_device, "float16", b=len(lens), h_q=h_q, h_kv=h_kv, lens=lens, d=128, k_fmt=k_fmt,
               v_fmt=v_fmt, seed=sum(lens) + h_q)
-    k, v = c["k"], c["v"]
-    out, lse = triton_decode._launch(
-        c["q"], k.data if k_fmt else k, v.data if v_fmt else v, c["block_table"], c["lens"], 1.0 / math.sqrt(128),
-        splits, config={"gluon_gqa": True}, k_scales=k.scales if k_fmt else None,
-        v_scales=v.scales if v_fmt else None, k_format=formats[0], v_format=formats[1])
+    out, lse = _forced_gqa(c, formats, splits)
     assert gqa_calls == [formats]
     _check(out, lse, c, f"gluon gqa {formats} lens={lens} splits={splits}")
 
@@ -219,10 +225,7 @@ def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
     c = _case(triton_device, "float16", b=2, h_q=32, h_kv=8, lens=[1100, 37], d=128, block_size=block_size,
               k_fmt=k_fmt, v_fmt=v_fmt, seed=block_size)
-    k, v = c["k"], c["v"]
-    out, lse = triton_decode._launch(
-        c["q"], k.data, v.data, c["block_table"], c["lens"], 1.0 / math.sqrt(128), 2, config={"gluon_gqa": True},
-        k_scales=k.scales, v_scales=v.scales, k_format=k_fmt, v_format=v_fmt)
+    out, lse = _forced_gqa(c, formats, 2)
     assert gqa_calls == [formats]
     _check(out, lse, c, f"gluon gqa {formats} block_size={block_size}")
 

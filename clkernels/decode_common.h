@@ -167,19 +167,31 @@ static inline bool context_ok(const int n, const int capacity)
 #define RAW_NAN ((raw_t)(NAN))
 #endif
 
-/* chunk offset (in raw_t units) of key j's row, relative to the (batch, KV head) base; *ok is
- * false where the row's block id is out of range (the row must not be read) */
-static inline ulong row_offset(const int j, __global const int *bt_row, const int block_shift,
-                               const int num_blocks, const ulong s0, const ulong s1, bool *ok)
+/* the block-table entry of key j (PAGED; a contiguous cache has none: 0) */
+static inline int table_entry(const int j, __global const int *bt_row, const int block_shift)
+{
+    return PAGED ? bt_row[j >> block_shift] : 0;
+}
+
+/* chunk offset (in raw_t units) of key j's row, whose table entry is `block`, relative to the
+ * (batch, KV head) base; *ok is false where the block id is out of range (the row must not be
+ * read) */
+static inline ulong block_row_offset(const int block, const int j, const int block_shift,
+                                     const int num_blocks, const ulong s0, const ulong s1, bool *ok)
 {
 #if PAGED
-    const int block = bt_row[j >> block_shift];
     *ok = (uint)block < (uint)num_blocks;  /* one compare: a negative id is a large uint */
     return (ulong)block * s0 + (ulong)(j & ((1 << block_shift) - 1)) * s1;
 #else
     *ok = true;
     return (ulong)j * s1;
 #endif
+}
+
+static inline ulong row_offset(const int j, __global const int *bt_row, const int block_shift,
+                               const int num_blocks, const ulong s0, const ulong s1, bool *ok)
+{
+    return block_row_offset(table_entry(j, bt_row, block_shift), j, block_shift, num_blocks, s0, s1, ok);
 }
 
 /* chunk `part` of key j's K or V row; NaN where the row's block id is out of range */

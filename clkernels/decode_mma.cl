@@ -37,10 +37,11 @@
  * Variants as in decode.cl (decode_common.h): the window narrows the split ranges, softcap and
  * ALiBi change the log2-domain scores before the softmax, a sink joins the warps' final merge.
  * Quantized caches (K_QUANT / V_QUANT, decode_common.h): a work-item loads the same K quarter and
- * V eighth as pieces of 8 dims of the quantized row and turns each into the 4 words of f16 pairs
- * a plain row's chunk would be (value = fp16(q * scale), as flashcl.dequantize rounds), K when
- * its prefetch is consumed, V just before O += P V. int8 K goes in as its integers (exact in
- * fp16), its row scale applied to the fp32 scores; int8 V is prefetched a tile ahead like K.
+ * V eighth of the quantized row (int8 as pieces of 8 dims, ggml as the 16-byte chunks holding its
+ * bytes), both a tile ahead, and turns them into the words of f16 pairs a plain row's chunks
+ * would be (value = fp16(q * scale), as flashcl.dequantize rounds) only when they are used, K
+ * before S = Q K^T, V before O += P V. int8 K goes in as its integers (exact in fp16), its row
+ * scale applied to the fp32 scores.
  *
  * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
  * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
@@ -59,9 +60,9 @@
 #define MMA_EMULATE 0
 #endif
 #ifndef QUANT_V_AHEAD
-/* 1: a quantized V read a tile ahead, like K; on for int8 only (ggml V: slower, see
- * docs/notes/opencl-decode-nvidia.md) */
-#define QUANT_V_AHEAD (V_QUANT == QUANT_INT8)
+/* 1: a quantized V read a tile ahead, like K (rows of half a plain row's bytes or less leave too
+ * few bytes in flight otherwise: docs/notes/opencl-decode-nvidia.md); 0 for comparisons */
+#define QUANT_V_AHEAD 1
 #endif
 
 #if !STORE_HALF
@@ -235,46 +236,69 @@ static inline uint pack_half2(const float lo, const float hi)
 /* ---- quantized rows: a work-item's pieces from whole 16-byte loads --------------------------- */
 
 #if K_QUANT || V_QUANT
-/* The len (8, 16 or 32) bytes at s (2-byte aligned) as len / 4 words, read as the 16-byte aligned
- * chunks that hold them (one to three loads instead of len / 2 two-byte ones, which left the
- * load units, not HBM, the limit) and shifted into place by s's offset in the first chunk. Only
- * chunks holding a byte of [s, s + len) are read. */
-static inline void span_words(__global const uchar *s, const int len, uint *sw)
+/* A lane's bytes of one ggml block as loaded: the 16-byte aligned chunks holding [s, s + len)
+ * (one to three loads instead of len / 2 two-byte ones, which left the load units, not HBM, the
+ * limit), s's offset o in the first chunk, the block's d as fp16 bits. Nothing touches the loaded
+ * words until the piece is used (span_pieces): a shift or select at the load made every K prefetch
+ * and V load wait there (docs/notes/opencl-decode-nvidia.md). */
+#define SPAN_CHUNKS(len) (((len) + 29) / 16)   /* chunks len bytes at a 2-byte aligned start touch */
+typedef struct { uint4 ch[3]; uint o, d; } ggml_span;
+#define SPANS(np) (((np) + 3) / 4)   /* blocks a lane's np pieces of a row touch */
+
+static inline ggml_span load_span(__global const uchar *blk, const int at, const int len)
 {
-    const size_t a = (size_t)s;
+    ggml_span sp;
+    const size_t a = (size_t)(blk + 2 + at);
     __global const uint4 *base = (__global const uint4 *)(a & ~(size_t)15);
-    const int o = (int)(a & 15);
-    uint raw[12];
-    for (int k_ = 0; k_ < 3; ++k_) {
-        const uint4 x = (16 * k_ < o + len) ? base[k_] : (uint4)(0u);
-        raw[4 * k_] = x.x; raw[4 * k_ + 1] = x.y; raw[4 * k_ + 2] = x.z; raw[4 * k_ + 3] = x.w;
-    }
-    /* the words from word o / 4 on, one bit of it per select step (two selects a word where a
-     * four-way pick per word took six), then the 2-byte shift of an odd half-word offset */
-    uint u[11], w[9];
-    for (int j = 0; j < len / 4 + 3; ++j)
-        u[j] = (o & 4) ? raw[j + 1] : raw[j];
-    for (int j = 0; j < len / 4 + 1; ++j)
-        w[j] = (o & 8) ? u[j + 2] : u[j];
-    for (int i = 0; i < len / 4; ++i)
-        sw[i] = (uint)(((ulong)w[i + 1] << 32 | w[i]) >> (8 * (o & 2)));
+    sp.o = (uint)(a & 15);
+    const int last = (int)((sp.o + len - 1) / 16);  /* a chunk past it repeats it: no branch */
+    for (int k_ = 0; k_ < SPAN_CHUNKS(len); ++k_)
+        sp.ch[k_] = base[min(k_, last)];
+    sp.d = *(__global const ushort *)blk;
+    return sp;
 }
 
-/* The np pieces of 8 dims from dim e0 of key j's quantized row, as load_quant packs them (bytes,
- * scale bits, q4_0 shift), with one row lookup: int8 as aligned 16-byte loads (the host checks
- * 16-byte aligned rows), ggml blocks through span_words and one fp16 d per block. The pieces of
- * one lane never straddle a block (e0 is a multiple of 8 np, np <= 4 or a multiple of 4). */
+/* the len / 4 words from byte o of the span's chunks: from word o / 4 on, one bit of it per
+ * select step (two selects a word where a four-way pick took six), then the 2-byte shift of an
+ * odd half-word offset */
+static inline void span_words(const ggml_span sp, const int len, uint *sw)
+{
+    uint raw[12], u[11], w[9];
+    for (int k_ = 0; k_ < SPAN_CHUNKS(len); ++k_) {
+        raw[4 * k_] = sp.ch[k_].x; raw[4 * k_ + 1] = sp.ch[k_].y;
+        raw[4 * k_ + 2] = sp.ch[k_].z; raw[4 * k_ + 3] = sp.ch[k_].w;
+    }
+    for (int j = 0; j < len / 4 + 3; ++j)
+        u[j] = (sp.o & 4) ? raw[j + 1] : raw[j];
+    for (int j = 0; j < len / 4 + 1; ++j)
+        w[j] = (sp.o & 8) ? u[j + 2] : u[j];
+    for (int i = 0; i < len / 4; ++i)
+        sw[i] = (uint)(((ulong)w[i + 1] << 32 | w[i]) >> (8 * (sp.o & 2)));
+}
+
+/* Where a lane's np pieces of 8 dims from dim e0 sit in a ggml row: one span per block (the
+ * pieces of one lane never straddle a block: e0 is a multiple of 8 np, np <= 4 or a multiple of
+ * 4), b0 the first piece of block b0 / 4. A whole q4_0 block is its 16 quant bytes (dims 16..31
+ * the high nibbles); a part of one, the bytes of its dims modulo 16. */
+#define SPAN_AT(fmt, e, npb) ((fmt) == QUANT_Q8_0 ? (e) % 32 : (npb) == 4 ? 0 : (e) % 16)
+#define SPAN_LEN(fmt, npb) ((fmt) == QUANT_Q4_0 && (npb) == 4 ? 16 : 8 * (npb))
+
+/* Key j's row, whose table entry is `block`: the lane's pieces as loaded, int8 as its pieces
+ * (aligned 16-byte loads: the host checks 16-byte aligned rows, and one scale load), ggml as
+ * spans. Rows of an out-of-range block read nothing and carry a NaN scale. */
 static inline void load_pieces(const int fmt, const int dim, __global const uchar *data, const ulong off,
                                const ulong rel, __global const float *scales, const ulong s_off,
-                               const int j, __global const int *bt_row, const int block_shift,
+                               const int j, const int block, const int block_shift,
                                const int num_blocks, const ulong s0, const ulong s1, const int e0,
-                               const int np, raw_t *out)
+                               const int np, raw_t *pieces, ggml_span *spans)
 {
     bool ok;
-    const ulong row = rel + row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
+    const ulong row = rel + block_row_offset(block, j, block_shift, num_blocks, s0, s1, &ok);
     if (!ok) {
         for (int p_ = 0; p_ < np; ++p_)
-            out[p_] = (uint4)(0u, 0u, as_uint(NAN), 0u);
+            pieces[p_] = (uint4)(0u, 0u, as_uint(NAN), 0u);
+        for (int b_ = 0; b_ < SPANS(np); ++b_)
+            spans[b_].d = 0x7e00u;   /* fp16 NaN (the chunks stay zero) */
         return;
     }
     __global const uchar *r = data + off + row;
@@ -282,38 +306,45 @@ static inline void load_pieces(const int fmt, const int dim, __global const ucha
         const uint sc = as_uint(scales[s_off + row / dim]);
         if (np == 1) {
             const uint2 x = *(__global const uint2 *)(r + e0);
-            out[0] = (uint4)(x.x, x.y, sc, 0u);
+            pieces[0] = (uint4)(x.x, x.y, sc, 0u);
         }
         for (int p_ = 0; p_ + 1 < np; p_ += 2) {
             const uint4 x = *(__global const uint4 *)(r + e0 + 8 * p_);
-            out[p_] = (uint4)(x.x, x.y, sc, 0u);
-            out[p_ + 1] = (uint4)(x.z, x.w, sc, 0u);
+            pieces[p_] = (uint4)(x.x, x.y, sc, 0u);
+            pieces[p_ + 1] = (uint4)(x.z, x.w, sc, 0u);
         }
         return;
     }
-    for (int b0 = 0; b0 < np; b0 += 4) {   /* the pieces of one block */
-        const int e = e0 + 8 * b0, at0 = e % 32, npb = min(np - b0, 4);
-        __global const uchar *blk = r + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18);
-        const uint d = as_uint(vload_half(0, (__global const half *)blk));
+    for (int b0 = 0; b0 < np; b0 += 4) {
+        const int e = e0 + 8 * b0, npb = min(np - b0, 4);
+        spans[b0 / 4] = load_span(r + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18), SPAN_AT(fmt, e, npb),
+                                  SPAN_LEN(fmt, npb));
+    }
+}
+
+/* The pieces load_pieces' ggml spans hold, as piece_words takes them (quant bytes, d's fp16
+ * bits, q4_0 nibble shift) */
+static inline void span_pieces(const int fmt, const ggml_span *spans, const int e0, const int np,
+                               raw_t *out)
+{
+    for (int b0 = 0; b0 < np; b0 += 4) {
+        const int e = e0 + 8 * b0, npb = min(np - b0, 4);
+        const ggml_span sp = spans[b0 / 4];
         uint sw[8];
-        if (fmt == QUANT_Q8_0) {
-            span_words(blk + 2 + at0, 8 * npb, sw);
-            for (int p_ = 0; p_ < npb; ++p_)
-                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], d, 0u);
-        } else if (npb == 4) {             /* a whole q4_0 block: dims 16..31 the high nibbles */
-            span_words(blk + 2, 16, sw);
-            for (int p_ = 0; p_ < 4; ++p_)
-                out[b0 + p_] = (uint4)(sw[2 * (p_ % 2)], sw[2 * (p_ % 2) + 1], d, (p_ >= 2) ? 4u : 0u);
-        } else {
-            span_words(blk + 2 + at0 % 16, 8 * npb, sw);
-            for (int p_ = 0; p_ < npb; ++p_)
-                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], d, (at0 >= 16) ? 4u : 0u);
+        span_words(sp, SPAN_LEN(fmt, npb), sw);
+        for (int p_ = 0; p_ < npb; ++p_) {
+            if (fmt == QUANT_Q8_0)
+                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], sp.d, 0u);
+            else if (npb == 4)
+                out[b0 + p_] = (uint4)(sw[2 * (p_ % 2)], sw[2 * (p_ % 2) + 1], sp.d, (p_ >= 2) ? 4u : 0u);
+            else
+                out[b0 + p_] = (uint4)(sw[2 * p_], sw[2 * p_ + 1], sp.d, (e % 32 >= 16) ? 4u : 0u);
         }
     }
 }
 
-/* A piece (load_pieces) as the 4 words of f16 pairs a plain row's 16-byte chunk would be, each
- * value fp16(q * scale) as flashcl.dequantize rounds it; `scaled` false: q alone, exact in fp16
+/* A piece (load_pieces, span_pieces) as the 4 words of f16 pairs a plain row's 16-byte chunk
+ * would be, each value fp16(q * scale) as flashcl.dequantize rounds it; `scaled` false: q alone, exact in fp16
  * (int8 K, whose row scale goes on the scores instead). ggml: the scale d is fp16, so q times d
  * in f16x2 arithmetic rounds the same; a byte becomes the half 1024 + byte with one byte permute
  * per pair (prmt), the bias goes with one sub.f16x2: ~1.5 instructions a value against ~5
@@ -336,7 +367,7 @@ static inline void piece_words(const int fmt, const raw_t piece, const bool scal
             bias2 = 0x64806480u;          /* 1152 = 1024 + 128 */
         }
         if (scaled)
-            asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b32 %0, {h, h}; }" : "=r"(d2) : "f"(as_float(r.z)));
+            d2 = r.z | (r.z << 16);       /* d's fp16 bits in both halves */
         for (int i = 0; i < 4; ++i) {
             uint h;
             asm("prmt.b32 %0, %1, %2, %3;"   /* two bytes as the halves 1024 + byte */
@@ -362,12 +393,43 @@ static inline void piece_words(const int fmt, const raw_t piece, const bool scal
 #endif
             f[i] = (as_float(bits) - 8388736.0f) * sc;
         }
-    } else {
-        const float8 x = dequant(fmt, piece);
+    }
+#if MMA_EMULATE   /* ggml (the PTX path returned above); dequant takes the scale as float bits */
+    else {
+        const float8 x = dequant(fmt, (uint4)(r.x, r.y, as_uint(half_to_float(r.z)), r.w));
         f[0] = x.s0; f[1] = x.s1; f[2] = x.s2; f[3] = x.s3; f[4] = x.s4; f[5] = x.s5; f[6] = x.s6; f[7] = x.s7;
     }
+#endif
     for (int i = 0; i < 4; ++i)
         dst[i] = PACK_HALF2(f[2 * i], f[2 * i + 1]);
+}
+
+/* a lane's part of a row that reads as zeros (keys past the split's end) */
+static inline void no_pieces(const int np, raw_t *pieces, ggml_span *spans)
+{
+    for (int p_ = 0; p_ < np; ++p_)
+        pieces[p_] = (raw_t)(0u);
+    for (int b_ = 0; b_ < SPANS(np); ++b_) {
+        for (int k_ = 0; k_ < 3; ++k_)
+            spans[b_].ch[k_] = (uint4)(0u);
+        spans[b_].o = spans[b_].d = 0u;
+    }
+}
+
+/* a lane's part of a row as load_pieces left it (np pieces from dim e0), as 4 np words of f16
+ * pairs */
+static inline void part_words(const int fmt, const raw_t *pieces, const ggml_span *spans, const int e0,
+                              const int np, const bool scaled, uint *dst)
+{
+    raw_t p[8];
+    if (fmt == QUANT_INT8) {
+        for (int p_ = 0; p_ < np; ++p_)
+            p[p_] = pieces[p_];
+    } else {
+        span_pieces(fmt, spans, e0, np, p);
+    }
+    for (int p_ = 0; p_ < np; ++p_)
+        piece_words(fmt, p[p_], scaled, dst + 4 * p_);
 }
 #endif
 
@@ -431,17 +493,32 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
      * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros, rows
      * of an out-of-range block as NaN (not read). */
     uint kw[2][KQ / 2], vw[4][NTV / 2];
+    /* the table entries of the next K and V rows to load, read an iteration before those rows:
+     * a row load that waits on its entry (a DRAM round trip of its own once per 32 pages) left
+     * the quantized formats, whose rows are fewer bytes per wait, no faster than fp16 */
+    int kb[2], vb[4];
+#define TABLE_K(t0)                                                                          \
+    for (int t = 0; t < 2; ++t) {                                                            \
+        const int j = (t0) + 8 * t + g;                                                      \
+        kb[t] = (j < k1) ? table_entry(j, bt_row, block_shift) : 0;                          \
+    }
+#define TABLE_V(t0)                                                                          \
+    for (int r = 0; r < 4; ++r) {                                                            \
+        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
+        vb[r] = (j < k1) ? table_entry(j, bt_row, block_shift) : 0;                          \
+    }
 #if K_QUANT
-    /* quantized K: the pieces of 8 dims as loaded (load_quant), turned into f16 pairs when used */
+    /* quantized K: the pieces of 8 dims (int8) or the ggml spans as loaded (load_pieces), turned
+     * into f16 pairs when used */
     raw_t kq[2][KQ / 8];
+    ggml_span ks[2][SPANS(KQ / 8)];
 #define LOAD_K(t0, LOAD)                                                                     \
     for (int t = 0; t < 2; ++t) {                                                            \
         const int j = (t0) + 8 * t + g;                                                      \
-        for (int p_ = 0; p_ < KQ / 8; ++p_)                                                  \
-            kq[t][p_] = (raw_t)(0u);                                                         \
+        no_pieces(KQ / 8, kq[t], ks[t]);                                                     \
         if (j < k1)                                                                          \
             load_pieces(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, j, \
-                        bt_row, block_shift, num_blocks, k_s0, k_s1, c * KQ, KQ / 8, kq[t]); \
+                        kb[t], block_shift, num_blocks, k_s0, k_s1, c * KQ, KQ / 8, kq[t], ks[t]); \
     }
 #else
 #define LOAD_K(t0, LOAD)                                                                     \
@@ -449,7 +526,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         const int j = (t0) + 8 * t + g;                                                      \
         bool ok = false;  /* j < k1 and its block id in range */                             \
         const ulong off = (j < k1)                                                           \
-            ? row_offset(j, bt_row, block_shift, num_blocks, k_s0, k_s1, &ok) + c * KCH : 0; \
+            ? block_row_offset(kb[t], j, block_shift, num_blocks, k_s0, k_s1, &ok) + c * KCH : 0; \
         for (int i = 0; i < KCH; ++i) {                                                      \
             const uint4 x = ok ? LOAD(k_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u);  \
             kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
@@ -458,14 +535,14 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 #endif
 #if V_QUANT
     raw_t vq[4][NTV / 8];
+    ggml_span vs[4][SPANS(NTV / 8)];
 #define LOAD_V(t0)                                                                           \
     for (int r = 0; r < 4; ++r) {                                                            \
         const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
-        for (int p_ = 0; p_ < NTV / 8; ++p_)                                                 \
-            vq[r][p_] = (raw_t)(0u);                                                         \
+        no_pieces(NTV / 8, vq[r], vs[r]);                                                    \
         if (j < k1)                                                                          \
             load_pieces(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, j, \
-                        bt_row, block_shift, num_blocks, v_s0, v_s1, g * NTV, NTV / 8, vq[r]); \
+                        vb[r], block_shift, num_blocks, v_s0, v_s1, g * NTV, NTV / 8, vq[r], vs[r]); \
     }
 #else
 #define LOAD_V(t0)                                                                           \
@@ -473,15 +550,13 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
         bool ok = false;  /* j < k1 and its block id in range */                             \
         const ulong off = (j < k1)                                                           \
-            ? row_offset(j, bt_row, block_shift, num_blocks, v_s0, v_s1, &ok) + g * VCH : 0; \
+            ? block_row_offset(vb[r], j, block_shift, num_blocks, v_s0, v_s1, &ok) + g * VCH : 0; \
         for (int i = 0; i < VCH; ++i) {                                                      \
             const uint4 x = ok ? load_kv_streamed(v_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u); \
             vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
         }                                                                                    \
     }
 #endif
-/* an int8 V is read a tile ahead too (QUANT_V_AHEAD): rows of half a plain row's bytes
- * otherwise leave too few bytes in flight per warp (docs/notes/opencl-decode-nvidia.md) */
 #define V_AHEAD (V_QUANT && QUANT_V_AHEAD)
 
     /* A tile's K words are loaded one iteration ahead (into kw, copied to kc): the next tile's K
@@ -489,17 +564,20 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
      * and arrives during S = Q K^T and the softmax (V_AHEAD: an iteration earlier). (H100: no
      * prefetch 184 registers and 6% slower at 32k; a plain V prefetched too, 255 registers with a
      * spill, no faster: docs/notes/opencl-decode-nvidia.md.) */
+    TABLE_K(k0 + warp * TILE)
+    TABLE_V(k0 + warp * TILE)
     LOAD_K(k0 + warp * TILE, load_kv_plain)
+    TABLE_K(k0 + warp * TILE + ROUND)
 #if V_AHEAD
     LOAD_V(k0 + warp * TILE)
+    TABLE_V(k0 + warp * TILE + ROUND)
 #endif
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
         uint kc[2][KQ / 2];
 #if K_QUANT
         for (int t = 0; t < 2; ++t)
-            for (int p_ = 0; p_ < KQ / 8; ++p_)
-                piece_words(K_QUANT, kq[t][p_], K_QUANT != QUANT_INT8, &kc[t][4 * p_]);
+            part_words(K_QUANT, kq[t], ks[t], c * KQ, KQ / 8, K_QUANT != QUANT_INT8, kc[t]);
 #if K_QUANT == QUANT_INT8
         /* int8 K goes into S = Q K^T as its integers, and the row scale onto the scores: the
          * scale of key t0 + 8t + 2c + i (S's column) came with row g = 2c + i of the loads */
@@ -519,17 +597,20 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 #endif
 #if V_AHEAD
         for (int r = 0; r < 4; ++r)
-            for (int p_ = 0; p_ < NTV / 8; ++p_)
-                piece_words(V_QUANT, vq[r][p_], true, &vw[r][4 * p_]);
+            part_words(V_QUANT, vq[r], vs[r], g * NTV, NTV / 8, true, vw[r]);
         if (it + 1 < rounds) {
             LOAD_K(t0 + ROUND, load_kv_streamed)
             LOAD_V(t0 + ROUND)
+            TABLE_K(t0 + 2 * ROUND)
+            TABLE_V(t0 + 2 * ROUND)
         }
 #else
         if (it + 1 < rounds) {
             LOAD_K(t0 + ROUND, load_kv_streamed)
+            TABLE_K(t0 + 2 * ROUND)
         }
         LOAD_V(t0)
+        TABLE_V(t0 + ROUND)
 #endif
 
         /* S = Q K^T: sc[t][2h + i] = row g + 8h, key t0 + 8t + 2c + i */
@@ -575,8 +656,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 
 #if V_QUANT && !V_AHEAD
         for (int r = 0; r < 4; ++r)
-            for (int p_ = 0; p_ < NTV / 8; ++p_)
-                piece_words(V_QUANT, vq[r][p_], true, &vw[r][4 * p_]);
+            part_words(V_QUANT, vq[r], vs[r], g * NTV, NTV / 8, true, vw[r]);
 #endif
         /* O += P V, one n-tile (8 output dims) at a time */
         for (int d = 0; d < NTV; ++d) {
@@ -588,6 +668,8 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     }
 #undef LOAD_K
 #undef LOAD_V
+#undef TABLE_K
+#undef TABLE_V
 #undef V_AHEAD
 #undef K_SCALE
 

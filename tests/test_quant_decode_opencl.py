@@ -167,12 +167,25 @@ def test_public_api_and_bad_block_ids(cl_device):
 def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size):
     """decode_mma.cl's dequantized fragments (its mma.sync / shfl.sync emulated): K quarters of
     two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; int8 K as integers with
-    the row scales on the scores, int8 V read a tile ahead; G = 5 (padding MMA rows)."""
+    the row scales on the scores, V read a tile ahead; G = 5 (padding MMA rows)."""
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{dk}".encode()))
     q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [70, 9], block_size, "float16", k_fmt, v_fmt)
     for splits in (1, 3):
         got = run_quantized(cl_device, q, k, v, table, lens, splits, tensor_cores="emulate")
         check(got, q, k, v, table, lens, f"decode_mma.cl emulated K {k_fmt} V {v_fmt} splits {splits}")
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", "q4_0"), ("int8", "int8")])
+def test_tensor_core_kernel_emulated_bad_block_id(cl_device, k_fmt, v_fmt):
+    """decode_mma.cl (emulated): a used block id out of range gives that sequence NaN and reads
+    nothing; the table entries read a tile ahead of their rows leave the other sequence exact."""
+    rng = np.random.default_rng(14)
+    q, k, v, table, lens = _inputs(rng, 2, 10, 2, 128, 128, [70, 90], 16, "float16", k_fmt, v_fmt)
+    bad = table.copy()
+    bad[1, 2] = -3
+    out, lse = run_quantized(cl_device, q, k, v, bad, lens, 2, tensor_cores="emulate")
+    assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1])), (out[1], lse[1])
+    check((out[:1], lse[:1]), q[:1], k, v, table[:1], lens[:1], "the other sequence")
 
 
 def test_errors(cl_device):
@@ -204,11 +217,13 @@ def _oclgrind_worker(spec_json: str) -> None:
     pyopencl.characterize.nv_compute_capability = lambda dev: None  # see tests/test_oclgrind.py
     spec = json.loads(spec_json)
     rng = np.random.default_rng(zlib.crc32(spec_json.encode()))
-    q, k, v, table, lens = _inputs(rng, 2, 4, 2, 32, 32, [5, 19], spec["block_size"], spec["dtype"],
+    dv = spec.get("dv", 32)
+    q, k, v, table, lens = _inputs(rng, 2, 4, 2, 32, dv, [5, 19], spec["block_size"], spec["dtype"],
                                    spec["fmt"], spec["fmt"])
     for splits in (1, 3):
         got = run_quantized("oclgrind", q, k, v, table, lens, splits,
-                            params={"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16})
+                            params={"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16},
+                            tensor_cores=spec.get("tensor_cores"))
         check(got, q, k, v, table, lens, f"oclgrind {spec}")
     print("OCLGRIND-CASE-OK")
 
@@ -222,8 +237,13 @@ def _oclgrind_present() -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [{"fmt": "q8_0", "block_size": 4, "dtype": "float16"},
                                   {"fmt": "q4_0", "block_size": None, "dtype": "float32"},
-                                  {"fmt": "int8", "block_size": 8, "dtype": "float16"}],
-                         ids=lambda s: s["fmt"])
+                                  {"fmt": "int8", "block_size": 8, "dtype": "float16"},
+                                  # decode_mma.cl's loads (its warp instructions emulated)
+                                  {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dv": 64,
+                                   "tensor_cores": "emulate"},
+                                  {"fmt": "q4_0", "block_size": None, "dtype": "float16", "dv": 64,
+                                   "tensor_cores": "emulate"}],
+                         ids=lambda s: s["fmt"] + ("-mma-emulated" if s.get("tensor_cores") else ""))
 def test_under_oclgrind(spec, tmp_path):
     """Races, out-of-bounds and uninitialized reads in the quantized loads (Oclgrind's checks,
     tests/test_oclgrind.py's settings); any report fails."""

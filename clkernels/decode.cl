@@ -164,6 +164,18 @@ static inline floatW to_float(raw_t r)
 #define V_TO_FLOAT(r) to_float(r)
 #endif
 
+/* a K/V chunk as fetched: a build with a quantized side keeps its pieces as loaded (qpiece_t)
+ * and packs them (qpacked) where the tile is consumed */
+#if K_QUANT || V_QUANT
+typedef qpiece_t chunk_t;
+#define CHUNK_OF(x) qpiece_of(x)
+#define PACKED(fmt, x) qpacked((fmt), (x))
+#else
+typedef raw_t chunk_t;
+#define CHUNK_OF(x) (x)
+#define PACKED(fmt, x) (x)
+#endif
+
 #if ROW_SHUFFLE
 /* Sum of x over the LANES work-items of one K row: they are consecutive and LANES-aligned in a
  * 32-wide NVIDIA warp (lane fastest, LANES a power of two), so an xor butterfly inside the warp
@@ -206,13 +218,13 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
 #define LOAD_K(j, part) load_quant(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, \
                                    (j), bt_row, block_shift, num_blocks, k_s0, k_s1, VW * (part))
 #else
-#define LOAD_K(j, part) load_chunk(k_base, (j), bt_row, block_shift, num_blocks, k_s0, k_s1, (part))
+#define LOAD_K(j, part) CHUNK_OF(load_chunk(k_base, (j), bt_row, block_shift, num_blocks, k_s0, k_s1, (part)))
 #endif
 #if V_QUANT
 #define LOAD_V(j, part) load_quant(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, \
                                    (j), bt_row, block_shift, num_blocks, v_s0, v_s1, VW * (part))
 #else
-#define LOAD_V(j, part) load_chunk(v_base, (j), bt_row, block_shift, num_blocks, v_s0, v_s1, (part))
+#define LOAD_V(j, part) CHUNK_OF(load_chunk(v_base, (j), bt_row, block_shift, num_blocks, v_s0, v_s1, (part)))
 #endif
 
     /* q chunks, pre-scaled so that scores are in the log2 domain; lanes past DK hold zeros.
@@ -231,22 +243,22 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
     /* keys past k1 are never loaded: their chunks stay zero (p * garbage could be NaN); the rows
      * of an out-of-range block read as NaN (load_chunk) */
 #if STAGED
-    raw_t pre[LOADS];
+    chunk_t pre[LOADS];
 #define FETCH_TILE(t0)                                                                      \
     for (int c_ = 0; c_ < LOADS; ++c_) {                                                    \
         const int c = tid + c_ * WG;                                                        \
         const int key = c / (CK + CV), part = c % (CK + CV), j = (t0) + key;                \
-        pre[c_] = (raw_t)(0);                                                               \
+        pre[c_] = CHUNK_OF((raw_t)(0));                                                     \
         if (c < TILE_CHUNKS && j < k1)                                                      \
             pre[c_] = (part < CK) ? LOAD_K(j, part) : LOAD_V(j, part - CK);                 \
     }
 #else
-    raw_t kn[UNROLL], vn[UNROLL];
+    chunk_t kn[UNROLL], vn[UNROLL];
 #define FETCH_TILE(t0)                                                                      \
     for (int u = 0; u < UNROLL; ++u) {                                                      \
         const int j = (t0) + u * ROWS + row;                                                \
-        kn[u] = (raw_t)(0);                                                                 \
-        vn[u] = (raw_t)(0);                                                                 \
+        kn[u] = CHUNK_OF((raw_t)(0));                                                       \
+        vn[u] = CHUNK_OF((raw_t)(0));                                                       \
         if (j < k1) {                                                                       \
             if (lane < CK)                                                                  \
                 kn[u] = LOAD_K(j, lane);                                                    \
@@ -262,7 +274,8 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
 #if STAGED
         for (int c_ = 0; c_ < LOADS; ++c_)
             if (tid + c_ * WG < TILE_CHUNKS)
-                tile[tid + c_ * WG] = pre[c_];
+                tile[tid + c_ * WG] = ((tid + c_ * WG) % (CK + CV) < CK) ? PACKED(K_QUANT, pre[c_])
+                                                                        : PACKED(V_QUANT, pre[c_]);
         if (t0 + BLOCK_N < k1) {
             FETCH_TILE(t0 + BLOCK_N)  /* next tile in flight while this one is computed */
         }
@@ -275,8 +288,8 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         }
 #else
         for (int u = 0; u < UNROLL; ++u) {
-            kc[u] = kn[u];
-            vc[u] = vn[u];
+            kc[u] = PACKED(K_QUANT, kn[u]);
+            vc[u] = PACKED(V_QUANT, vn[u]);
         }
         if (t0 + BLOCK_N < k1) {
             FETCH_TILE(t0 + BLOCK_N)  /* next tile in flight while this one is computed */

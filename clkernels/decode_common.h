@@ -210,9 +210,8 @@ static inline raw_t load_chunk(__global const raw_t *rows, const int j, __global
  * would read of a plain row) from the row's own bytes: q8_0 and q4_0 take their 2-byte aligned
  * piece of a ggml block (34 / 18 bytes: fp16 d, then int8 values / nibble pairs j, j + 16) and the
  * block's d, int8 its QPIECE-byte aligned values and the row's float32 scale (k_scales / v_scales,
- * one per row, at the row's byte offset / D). The load packs them into a raw_t (quant bytes, scale
- * bits, nibble shift) that is converted when used, so that the prefetch of the next tile stays
- * in flight exactly as for plain rows. Include-site: QPIECE defined. */
+ * one per row, at the row's byte offset / D), kept as loaded (qpiece_t) until they are used.
+ * Include-site: QPIECE defined. */
 #include "kv_formats.h"
 #define QUANT_SCALED (K_QUANT == QUANT_INT8 || V_QUANT == QUANT_INT8)
 
@@ -238,17 +237,27 @@ static inline raw_t load_chunk(__global const raw_t *rows, const int j, __global
 #define BITS_OF_RAW(x) as_uint4(x)
 #endif
 
-/* The piece of key j's quantized row at dims [e, e + QPIECE) as a raw_t: .x (.y) its quant bytes,
- * .z the scale's bits, .w the q4_0 nibble shift; the scale is NaN where the row's block id is out
- * of range (not read). `rel` is the (batch, KV head) base, in bytes. */
-static inline raw_t load_quant(const int fmt, const int dim, __global const uchar *data, const ulong off,
-                               const ulong rel, __global const float *scales, const ulong s_off,
-                               const int j, __global const int *bt_row, const int block_shift,
-                               const int num_blocks, const ulong s0, const ulong s1, const int e)
+/* A piece of a quantized row as loaded: nothing reads a loaded register at the load, so the
+ * prefetch of the next tile stays in flight as for plain rows (a GPU issues in order and waits at
+ * the first instruction that reads a load's result: packing the bytes there made every ggml
+ * prefetch wait, docs/notes/opencl-decode-nvidia.md). int8: r is the packed piece (quant bytes,
+ * scale bits); ggml: r holds the piece's 2-byte quant words one per slot, d the block's d bits,
+ * shift the q4_0 nibble shift. qpacked() packs it where it is used. */
+typedef struct { raw_t r; uint d, shift; } qpiece_t;
+
+/* The piece of key j's quantized row at dims [e, e + QPIECE); its scale is NaN where the row's
+ * block id is out of range (not read). `rel` is the (batch, KV head) base, in bytes. */
+static inline qpiece_t load_quant(const int fmt, const int dim, __global const uchar *data, const ulong off,
+                                  const ulong rel, __global const float *scales, const ulong s_off,
+                                  const int j, __global const int *bt_row, const int block_shift,
+                                  const int num_blocks, const ulong s0, const ulong s1, const int e)
 {
     bool ok;
     const ulong row = rel + row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
     uint4 r = (uint4)(0u, 0u, as_uint(NAN), 0u);
+    qpiece_t q;
+    q.d = 0x7e00u;   /* fp16 NaN */
+    q.shift = 0u;
     if (ok) {
         __global const uchar *p = data + off + row;
         if (fmt == QUANT_INT8) {
@@ -261,23 +270,44 @@ static inline raw_t load_quant(const int fmt, const int dim, __global const ucha
         } else {
             __global const uchar *blk = p + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18);
             int at = e % 32;
-            r.z = as_uint(vload_half(0, (__global const half *)blk));
+            q.d = *(__global const ushort *)blk;
             if (fmt == QUANT_Q4_0) {  /* dims 16..31 of a block are the high nibbles of bytes 0..15 */
-                r.w = (at >= 16) ? 4u : 0u;
+                q.shift = (at >= 16) ? 4u : 0u;
                 at %= 16;
             }
             __global const ushort *u = (__global const ushort *)(blk + 2 + at);
+            r.x = u[0];
+            r.y = u[1];
 #if QPIECE == 8
-            const ushort4 h = vload4(0, u);
-            r.x = h.s0 | ((uint)h.s1 << 16);
-            r.y = h.s2 | ((uint)h.s3 << 16);
-#else
-            const ushort2 h = vload2(0, u);
-            r.x = h.s0 | ((uint)h.s1 << 16);
+            r.z = u[2];
+            r.w = u[3];
 #endif
         }
     }
-    return RAW_OF_BITS(r);
+    q.r = RAW_OF_BITS(r);
+    return q;
+}
+
+/* A loaded piece packed as dequant takes it: .x (.y) its quant bytes, .z the scale's bits, .w
+ * the q4_0 nibble shift (fmt 0: a plain chunk, as loaded) */
+static inline raw_t qpacked(const int fmt, const qpiece_t q)
+{
+    if (fmt != QUANT_Q8_0 && fmt != QUANT_Q4_0)
+        return q.r;
+    const uint4 w = BITS_OF_RAW(q.r);
+    const ushort d16 = (ushort)q.d;
+    const float d = vload_half(0, (const __private half *)&d16);
+    return RAW_OF_BITS((uint4)(w.x | (w.y << 16), w.z | (w.w << 16), as_uint(d), q.shift));
+}
+
+/* a plain chunk where the build's chunks are pieces (one side quantized) */
+static inline qpiece_t qpiece_of(const raw_t x)
+{
+    qpiece_t q;
+    q.r = x;
+    q.d = 0u;
+    q.shift = 0u;
+    return q;
 }
 
 /* the QPIECE values of a piece load_quant packed (keys past the split's end: all zero, scale 0) */

@@ -215,6 +215,21 @@ def test_gluon_gqa_reads_quantized_caches(triton_device, k_fmt, v_fmt, h_q, h_kv
     _check(out, lse, c, f"gluon gqa {formats} lens={lens} splits={splits}")
 
 
+@pytest.mark.parametrize("h_q,h_kv", [(24, 2), (32, 2)])
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("int8", "q4_0")])
+def test_gluon_gqa_quantized_large_groups(triton_device, k_fmt, v_fmt, h_q, h_kv, poison, gqa_calls):
+    """The Gluon GQA kernel (forced) on quantized caches at groups 12 and 16: every accumulator
+    row a query head (groups up to 8 rescale only rows 0..7)."""
+    formats = (k_fmt, v_fmt)
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "float16", b=2, h_q=h_q, h_kv=h_kv, lens=[1500, 90], d=128, k_fmt=k_fmt,
+              v_fmt=v_fmt, seed=h_q)
+    out, lse = _forced_gqa(c, formats, 2)
+    assert gqa_calls == [formats]
+    _check(out, lse, c, f"gluon gqa {formats} group {h_q // h_kv}")
+
+
 @pytest.mark.parametrize("block_size", [1, 64])
 @pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", "q4_0"), ("int8", "fp8_e4m3")])
 def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size, poison, gqa_calls):

@@ -381,9 +381,17 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa, *s_ks, *s_vs,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
-        SORT_N=keys, K_FMT=k_format, V_FMT=v_format,
+        SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
         num_warps=warps)
+
+
+def gqa_tiles_ahead(k_format: str, v_format: str) -> int:
+    """Tiles of K/V the GQA kernel keeps in flight ahead of the one it computes: 2 for q4_0 K and
+    V (a quarter of fp16's bytes a tile: one tile in flight a warp left it waiting on memory;
+    16% faster on an H200), else 1 (int8 and q8_0 lost 5-9% to the tile rotation's register
+    moves at 236-254 registers; a plain tile is 64 registers a lane). docs/notes/quantized-decode.md."""
+    return 2 if k_format == v_format == "q4_0" else 1
 
 
 def _as_words(cache, fmt: str):
@@ -519,6 +527,30 @@ if gluon is not None:
             else:
                 d = gl.load(d_ptrs, mask=mask, other=0.0)
         return main, tail, d
+
+    @gluon.jit
+    def _gqa_tile(k_base, v_base, page_k, page_v, t_k, t_v, col_k, col_v, stride_kblk, stride_kpos, stride_vblk,
+                  stride_vpos, PAGE: gl.constexpr, EVICT: gl.constexpr, K4: gl.constexpr, V4: gl.constexpr,
+                  K_FMT: gl.constexpr, V_FMT: gl.constexpr):
+        """A tile's K and V rows (tokens t_k / t_v on pages page_k / page_v, unmasked: the caller
+        clamps rows past the end) as the GQA loop reads them: (k, K's ggml window ends, v, V's
+        ggml window ends, V's ggml d), 0.0 where the format has none."""
+        K_GGML: gl.constexpr = (K_FMT == "q8_0") or (K_FMT == "q4_0")
+        V_GGML: gl.constexpr = (V_FMT == "q8_0") or (V_FMT == "q4_0")
+        kt = 0.0
+        vt = 0.0
+        vd = 0.0
+        if K_GGML:
+            k, kt, _ = _ggml_load(k_base, page_k * stride_kblk + (t_k % PAGE) * stride_kpos, col_k, None, EVICT,
+                                  K4, True, K_FMT)
+        else:
+            k = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k, eviction_policy=EVICT)
+        if V_GGML:
+            v, vt, vd = _ggml_load(v_base, page_v * stride_vblk + (t_v % PAGE) * stride_vpos, col_v, None, EVICT,
+                                   V4, False, V_FMT)
+        else:
+            v = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v, eviction_policy=EVICT)
+        return k, kt, v, vt, vd
 
     @gluon.jit
     def _ggml_selectors(L4: gl.constexpr, IS_K: gl.constexpr):
@@ -801,20 +833,19 @@ if gluon is not None:
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
                     stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
                     GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
-                    SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr,
+                    SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr, AHEAD: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
                     K4: gl.constexpr, V4: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
-        """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key
-        tile and runs its own flash attention on them with mma.sync (m16n8k16; the group's query
-        rows padded to 16): S_w = Q K_w^T, acc_w += P_w V_w, its own (m, l, acc) in registers, no
-        exchange between warps in the loop; the W states merge once after it, through shared
-        memory behind one barrier. K and V are loaded one tile ahead into registers laid out for
-        the mma operands: S sums over d, so the operand's k index may stand for any column of K as
-        long as q's does too (logical k = 16 s + 8 h + 2 c + e is column 32 c + 4 s + 2 h + e: each
-        lane loads 64 contiguous bytes of a K row), and the output columns of P V may be permuted
-        as long as the store undoes it (logical n = 8 j + i is column 16 i + j: 32 contiguous bytes
-        of a V row). The reshapes and permutes that name those orders move no data
-        (assert_trivial).
+        """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key tile
+        and runs its own flash attention on them with mma.sync (m16n8k16; the group's query rows padded
+        to 16): S_w = Q K_w^T, acc_w += P_w V_w, its own (m, l, acc) in registers, no exchange between
+        warps in the loop; the W states merge once after it, through shared memory behind one barrier.
+        K and V are loaded AHEAD tiles ahead (gqa_tiles_ahead) into registers laid out for the mma
+        operands: S sums over d, so the operand's k index may stand for any column of K as long as q's
+        does too (logical k = 16 s + 8 h + 2 c + e is column 32 c + 4 s + 2 h + e: each lane loads 64
+        contiguous bytes of a K row), and the output columns of P V may be permuted as long as the
+        store undoes it (logical n = 8 j + i is column 16 i + j: 32 contiguous bytes of a V row). The
+        reshapes and permutes that name those orders move no data (assert_trivial).
 
         Quantized K/V (K_FMT / V_FMT, decode_plan.GQA_QUANTIZED): the same tiles of 1-byte
         values, loaded as 32-bit words in layouts that hold each word where its values go (half
@@ -913,6 +944,27 @@ if gluon is not None:
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
+        if AHEAD == 2:
+            # quantized tiles are a few registers a lane: the second tile in flight too. Its rows
+            # past the end read the last token's row, as the loop's; the masked ones use no entry
+            t_k = gl.minimum(BLOCK_N + tok_k, last)
+            t_v = gl.minimum(BLOCK_N + tok_v, last)
+            page_k, used = _safe_pages(page_k, last_block)
+            top = gl.maximum(top, gl.where(BLOCK_N + tok_k < hi, used, 0))
+            page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
+            k_next2, kt_next2, v_next2, vt_next2, vd_next2 = _gqa_tile(
+                k_base, v_base, page_k, page_v, t_k, t_v, col_k, col_v, stride_kblk, stride_kpos, stride_vblk,
+                stride_vpos, PAGE, EVICT, K4, V4, K_FMT, V_FMT)
+            page_k = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_k, last) // PAGE)  # the third tile's
+            page_v = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_v, last) // PAGE)
+            if ROW_SCALES:
+                t_s = gl.minimum(BLOCK_N + tok_s, last)
+                page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
+                ks_next2 = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos,
+                                       stride_ksh, K_FMT == "int8")
+                vs_next2 = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos,
+                                       stride_vsh, V_FMT == "int8")
+                page_s = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_s, last) // PAGE)
         for start in range(lo, hi, BLOCK_N):
             k = k_next
             v = v_next
@@ -921,38 +973,40 @@ if gluon is not None:
             if V_GGML:
                 v_tail = vt_next
                 v_d = vd_next
-            # the next tile into registers while this one is computed (L1::evict_first: see
-            # decode._KNOBS, kv_evict_first); rows past the end read the last token's row (real,
-            # no mask; their scores are -inf); the block table one tile further ahead
-            t_k = gl.minimum(start - lo + BLOCK_N + tok_k, last)
-            t_v = gl.minimum(start - lo + BLOCK_N + tok_v, last)
-            page_k, used = _safe_pages(page_k, last_block)
-            top = gl.maximum(top, used)
-            page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
-            if K_GGML:
-                k_next, kt_next, _ = _ggml_load(k_base, page_k * stride_kblk + (t_k % PAGE) * stride_kpos, col_k,
-                                                None, EVICT, K4, True, K_FMT)
-            else:
-                k_next = gl.load(k_base + page_k * stride_kblk + (t_k % PAGE) * stride_kpos + col_k,
-                                 eviction_policy=EVICT)
-            if V_GGML:
-                v_next, vt_next, vd_next = _ggml_load(v_base, page_v * stride_vblk + (t_v % PAGE) * stride_vpos,
-                                                      col_v, None, EVICT, V4, False, V_FMT)
-            else:
-                v_next = gl.load(v_base + page_v * stride_vblk + (t_v % PAGE) * stride_vpos + col_v,
-                                 eviction_policy=EVICT)
-            page_k = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_k, last) // PAGE)
-            page_v = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_v, last) // PAGE)
             if ROW_SCALES:
                 ks = ks_next
                 vs = vs_next
-                t_s = gl.minimum(start - lo + BLOCK_N + tok_s, last)
+            # the tile AHEAD tiles on into registers while this one is computed (L1::evict_first:
+            # see decode._KNOBS, kv_evict_first); rows past the end read the last token's row
+            # (real, no mask; their scores are -inf); the block table one tile further ahead
+            t_k = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_k, last)
+            t_v = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_v, last)
+            page_k, used = _safe_pages(page_k, last_block)
+            top = gl.maximum(top, used)
+            page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
+            kn, ktn, vn, vtn, vdn = _gqa_tile(k_base, v_base, page_k, page_v, t_k, t_v, col_k, col_v, stride_kblk,
+                                              stride_kpos, stride_vblk, stride_vpos, PAGE, EVICT, K4, V4, K_FMT,
+                                              V_FMT)
+            if AHEAD == 2:
+                k_next, kt_next, v_next, vt_next, vd_next = k_next2, kt_next2, v_next2, vt_next2, vd_next2
+                k_next2, kt_next2, v_next2, vt_next2, vd_next2 = kn, ktn, vn, vtn, vdn
+            else:
+                k_next, kt_next, v_next, vt_next, vd_next = kn, ktn, vn, vtn, vdn
+            page_k = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_k, last) // PAGE)
+            page_v = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_v, last) // PAGE)
+            if ROW_SCALES:
+                t_s = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_s, last)
                 page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
-                ks_next = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
-                                      K_FMT == "int8")
-                vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
-                                      V_FMT == "int8")
-                page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
+                ksn = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
+                                  K_FMT == "int8")
+                vsn = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
+                                  V_FMT == "int8")
+                if AHEAD == 2:
+                    ks_next, vs_next = ks_next2, vs_next2
+                    ks_next2, vs_next2 = ksn, vsn
+                else:
+                    ks_next, vs_next = ksn, vsn
+                page_s = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_s, last) // PAGE)
             if K_GGML:
                 k = _ggml_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True, K_FMT)
             elif K_FMT != "":

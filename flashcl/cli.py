@@ -447,9 +447,12 @@ def _split_counts(text):
 @click.option("--kv-format", "kv_format", default=None,
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
               help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored).")
+@click.option("--kernel", type=click.Choice(["auto", "decode.cl"]), default="auto", show_default=True,
+              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, else decode.cl) or decode.cl "
+                   "everywhere (the kernel Adreno and float32 calls run).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, rounds,
-                 splits, sweep_tiles, window, softcap, kv_format, as_json):
+                 splits, sweep_tiles, window, softcap, kv_format, kernel, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     try:
@@ -469,6 +472,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     extra = _variant_kwargs(window, softcap)
     if kv_format not in (None, "float16"):
         extra["kv_format"] = kv_format
+    if backend == "triton" and kernel != "auto":
+        _fail("--kernel picks an OpenCL decode kernel (--backend opencl)", EXIT_USAGE)
     if backend == "triton":
         tb = _triton_bench("decode")
         if shape_list is None and preset not in ("auto", "reference"):
@@ -511,7 +516,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     if not as_json:
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
-                           block_order=block_order, head_dim=head_dim, **extra)
+                           block_order=block_order, head_dim=head_dim,
+                           tensor_cores=False if kernel == "decode.cl" else None, **extra)
     if as_json:
         _echo_report(cond, b.rows_as_dicts(rows))
     else:

@@ -137,6 +137,8 @@ def test_bench_decode_wiring():
     assert r.exit_code == 2 and "power of two" in r.stderr
     r = run("bench", "decode", "--head-dim", "12")
     assert r.exit_code == 2 and "head dim 12" in r.stderr
+    r = run("bench", "decode", "--backend", "triton", "--kernel", "decode.cl")
+    assert r.exit_code == 2 and "--kernel" in r.stderr
 
 
 def test_bench_decode_head_dim(cpu_device):
@@ -147,6 +149,16 @@ def test_bench_decode_head_dim(cpu_device):
     (row,) = json.loads(r.stdout)["rows"]
     assert row["shape"] == "(1,4/2,64,64)" and row["bytes_moved"] == 2 * 64 * 2 * 64 * 2 + 4 * 2 * 64 * 2
     assert row["rel_err"] < 1e-2
+
+
+def test_bench_decode_kernel_option(cpu_device):
+    """--kernel decode.cl reaches the kernel (the row names it) with a quantized cache timed beside."""
+    r = run("bench", "decode", "--device", "cpu", "--shape", "1,4,2,64", "--head-dim", "64", "--repeats", "1",
+            "--kernel", "decode.cl", "--kv-format", "q4_0", "--json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["kernel"].startswith("decode.cl") and row["quant_kernel"].startswith("decode.cl")
+    assert row["quant_rel_err"] < 1e-2
 
 
 # --------------------------------------------------------------------------- one-line errors

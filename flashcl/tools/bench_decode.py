@@ -161,9 +161,11 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                  repeats: int = 10, splits=DEFAULT_SPLITS, params: dict | None = None,
                  check: bool = True, verbose_build: bool = False, progress=None,
                  block_order: str = "random", head_dim: int = HEAD_DIM,
-                 variants: dict | None = None, kv_format: str | None = None) -> list[DecodeRow]:
+                 variants: dict | None = None, kv_format: str | None = None,
+                 tensor_cores: bool | None = None) -> list[DecodeRow]:
     """Time single pass, the automatic split count and every forced count of ``splits``, head dim
-    ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring)."""
+    ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring).
+    ``tensor_cores``: DecodeKernel's (None: decode_mma.cl where it applies; False: decode.cl)."""
     rng = np.random.default_rng(0)
     dev = handle.device
     cache = int(dev.global_mem_cache_size)
@@ -175,7 +177,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         b, h_q, h_kv, ctx = shape
         prob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype)
         choice = choose_params(handle, prob, params, ctx)
-        kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build)
+        kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, tensor_cores=tensor_cores)
         q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order, head_dim)
         kv_bytes = k.nbytes + v.nbytes
         copies = int(max(1, min(-(-3 * cache // kv_bytes), mem_budget // max(kv_bytes, 1), 8)))
@@ -230,7 +232,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             on_device = DecodeVariants(var.window_left, var.softcap,
                                        *(None if x is None else cla.to_device(queue, x)
                                          for x in (var.sinks, var.alibi_slopes)))
-            vkern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, variant_flags=var.flags())
+            vkern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, variant_flags=var.flags(),
+                                 tensor_cores=tensor_cores)
             vauto = vkern.auto_splits(var.keys_seen(ctx))
 
             def run_var_splits(num_splits):
@@ -257,7 +260,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         if kv_format:
             qprob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype, kv_format, kv_format)
             qkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
-                                 verbose=verbose_build)
+                                 verbose=verbose_build, tensor_cores=tensor_cores)
             qk, qv = quant.quantize(k, kv_format), quant.quantize(v, kv_format)
             qbytes = qprob.bytes_moved(b * ctx)
             stored = sum(x.nbytes for x in (qk.data, qv.data)) + (

@@ -310,19 +310,20 @@ static inline qpiece_t qpiece_of(const raw_t x)
     return q;
 }
 
-/* the QPIECE values of a piece load_quant packed (keys past the split's end: all zero, scale 0) */
+/* the QPIECE values of a piece load_quant packed (keys past the split's end: all zero, scale 0),
+ * as flashcl.dequantize gives them (as_stored) */
 static inline FLASHCL_CAT(float, QPIECE) dequant(const int fmt, const raw_t raw)
 {
     const uint4 r = BITS_OF_RAW(raw);
     const float scale = as_float(r.z);
 #if QPIECE == 8
     if (fmt == QUANT_Q4_0)
-        return (convert_float8((as_uchar8(r.xy) >> (uchar8)((uchar)r.w)) & (uchar8)(15)) - 8.0f) * scale;
-    return convert_float8(as_char8(r.xy)) * scale;
+        return as_stored8((convert_float8((as_uchar8(r.xy) >> (uchar8)((uchar)r.w)) & (uchar8)(15)) - 8.0f) * scale);
+    return as_stored8(convert_float8(as_char8(r.xy)) * scale);
 #else
     if (fmt == QUANT_Q4_0)
-        return (convert_float4((as_uchar4(r.x) >> (uchar4)((uchar)r.w)) & (uchar4)(15)) - 8.0f) * scale;
-    return convert_float4(as_char4(r.x)) * scale;
+        return as_stored4((convert_float4((as_uchar4(r.x) >> (uchar4)((uchar)r.w)) & (uchar4)(15)) - 8.0f) * scale);
+    return as_stored4(convert_float4(as_char4(r.x)) * scale);
 #endif
 }
 

@@ -74,6 +74,9 @@
 #if HEAD_DK % 32 != 0 || HEAD_DK > 256 || HEAD_DV % 64 != 0 || HEAD_DV > 128
 #error "decode_mma.cl: DK a multiple of 32 up to 256, DV 64 or 128 (16-byte loads, registers)"
 #endif
+#if K_QUANT && (HEAD_DK & (HEAD_DK - 1)) != 0
+#error "decode_mma.cl: a quantized K needs DK 32, 64, 128 or 256 (whole or aligned blocks per work-item)"
+#endif
 
 typedef uint4 raw_t;      // one 16-byte chunk of a K/V row: 8 halves
 typedef half store_t;

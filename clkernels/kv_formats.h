@@ -25,4 +25,22 @@
 #error "q8_0 / q4_0 V caches need HEAD_DV a multiple of 32 (ggml blocks)"
 #endif
 
+/* Dequantized values as flashcl.dequantize gives them: a float16 cache's (STORE_HALF, common.h)
+ * rounded to fp16, as the oracle and the tensor-core kernels attend them (left in float32, large
+ * logits made the half-ulp differences errors past the float16 tolerance). Through a private
+ * array: OpenCL 1.2 has no half arithmetic without cl_khr_fp16. */
+#if STORE_HALF
+#define FLASHCL_AS_STORED(N)                                                                 \
+static inline float##N as_stored##N(const float##N x)                                        \
+{                                                                                            \
+    ushort h[N];                                                                             \
+    vstore_half##N##_rte(x, 0, (__private half *)h);                                         \
+    return vload_half##N(0, (const __private half *)h);                                      \
+}
+#else
+#define FLASHCL_AS_STORED(N) static inline float##N as_stored##N(const float##N x) { return x; }
+#endif
+FLASHCL_AS_STORED(4)
+FLASHCL_AS_STORED(8)
+
 #endif

@@ -1,6 +1,7 @@
-/* Quantized K/V rows (flashcl/quant.py, docs/quantized-formats.md), dequantized to float32 as the
- * prefill kernels stage them into local memory. K_QUANT / V_QUANT pick each cache's format at
- * compile time; 0 (the default) is a plain store_t cache and leaves the kernels as they are.
+/* Quantized K/V rows (flashcl/quant.py, docs/quantized-formats.md), dequantized to float32 (the
+ * values flashcl.dequantize gives: as_stored4) as the prefill kernels stage them into local
+ * memory. K_QUANT / V_QUANT pick each cache's format at compile time; 0 (the default) is a plain
+ * store_t cache and leaves the kernels as they are.
  *
  * A quantized cache is read as bytes (offsets and strides in bytes); each row of D values holds:
  *
@@ -22,11 +23,11 @@
 static inline float4 ggml_values4(const int fmt, __global const uchar *blk, const int e, const float d)
 {
     if (fmt == QUANT_Q8_0)
-        return convert_float4(vload4(0, (__global const char *)(blk + 2 + e))) * d;
+        return as_stored4(convert_float4(vload4(0, (__global const char *)(blk + 2 + e))) * d);
     /* q4_0: dims 0..15 are the low nibbles of bytes 0..15, dims 16..31 their high nibbles */
     const uchar4 b = vload4(0, blk + 2 + e % (QUANT_BLOCK / 2));
     const uchar4 q = (e < QUANT_BLOCK / 2) ? (b & (uchar4)(0x0F)) : (b >> (uchar4)(4));
-    return (convert_float4(q) - 8.0f) * d;
+    return as_stored4((convert_float4(q) - 8.0f) * d);
 }
 
 /* A ggml block's d: its first two bytes, little-endian fp16 (byte offsets are even) */
@@ -40,7 +41,7 @@ static inline float block_d(__global const uchar *blk)
 static inline float4 dequant4(const int fmt, __global const uchar *row, const int c, const float row_scale)
 {
     if (fmt == QUANT_INT8)
-        return convert_float4(vload4(c, (__global const char *)row)) * row_scale;
+        return as_stored4(convert_float4(vload4(c, (__global const char *)row)) * row_scale);
     __global const uchar *blk = row + (c / (QUANT_BLOCK / 4)) * QUANT_BLOCK_BYTES(fmt);
     return ggml_values4(fmt, blk, 4 * (c % (QUANT_BLOCK / 4)), block_d(blk));
 }

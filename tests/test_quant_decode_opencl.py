@@ -12,6 +12,7 @@ hold garbage / bad ids that must never be read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from pathlib import Path
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 
 import flashcl
-from flashcl import reference
-from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_params, quantized_to_device
+from flashcl import quant, reference
+from flashcl.opencl.decode import DecodeKernel, DecodeProblem, _mma_shape_ok, choose_params, quantized_to_device
 from flashcl.opencl.runtime import get_device
 
 from ._check import assert_close
@@ -86,6 +87,13 @@ def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_
     for ev in kern(qd, kd, vd, out, lse, table_d, lens_d, dk ** -0.5, num_splits):
         ev.wait()
     return out.get(), lse.get()
+
+
+def unrounded(x):
+    """A QuantizedTensor's values q * scale in float32, not rounded to its float16 dtype: what a
+    kernel that applies the scale outside the fp16 products attends (decode_mma.cl's int8 K;
+    docs/quantized-formats.md, "What the kernels attend")."""
+    return quant.dequantize(dataclasses.replace(x, dtype=np.dtype(np.float32)))
 
 
 def check(got, q, k, v, table, lens, what):
@@ -169,10 +177,26 @@ def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size
     two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; int8 K as integers with
     the row scales on the scores, V read a tile ahead; G = 5 (padding MMA rows)."""
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{dk}".encode()))
-    q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [70, 9], block_size, "float16", k_fmt, v_fmt)
+    # 300 keys in one split: 5 rounds of 64, so the loads (and table entries) read ahead in the loop
+    q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [300, 9], block_size, "float16", k_fmt, v_fmt)
+    k_seen = unrounded(k) if k_fmt == "int8" else k  # int8 K: its row scale goes on the scores
     for splits in (1, 3):
         got = run_quantized(cl_device, q, k, v, table, lens, splits, tensor_cores="emulate")
-        check(got, q, k, v, table, lens, f"decode_mma.cl emulated K {k_fmt} V {v_fmt} splits {splits}")
+        check(got, q, k_seen, v, table, lens, f"decode_mma.cl emulated K {k_fmt} V {v_fmt} splits {splits}")
+
+
+@pytest.mark.parametrize("k_fmt,dk", [("q8_0", 96), ("q4_0", 160), ("int8", 224), ("q8_0", 192)])
+def test_tensor_core_kernel_takes_no_split_blocks(cl_device, k_fmt, dk):
+    """A quantized K of DK 96 (Phi-3), 160, 192 or 224: a work-item's quarter of the row would
+    straddle ggml blocks (int8: miss its 16-byte alignment), so decode_mma.cl does not take it,
+    decode.cl does, exactly; a plain K of that DK still takes decode_mma.cl."""
+    assert not _mma_shape_ok(DecodeProblem(2, 10, 2, dk, 64, True, "float16", k_fmt, "q8_0"))
+    assert _mma_shape_ok(DecodeProblem(2, 10, 2, dk, 64, True, "float16", None, "q8_0"))
+    rng = np.random.default_rng(dk)
+    q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, 64, [70, 9], 16, "float16", k_fmt, "q8_0")
+    with pytest.raises(ValueError, match="quantized K"):
+        run_quantized(cl_device, q, k, v, table, lens, 2, tensor_cores="emulate")
+    check(run_quantized(cl_device, q, k, v, table, lens, 2), q, k, v, table, lens, f"DK {dk} K {k_fmt}")
 
 
 @pytest.mark.parametrize("k_fmt,v_fmt", [("q8_0", "q4_0"), ("int8", "int8")])
@@ -180,12 +204,14 @@ def test_tensor_core_kernel_emulated_bad_block_id(cl_device, k_fmt, v_fmt):
     """decode_mma.cl (emulated): a used block id out of range gives that sequence NaN and reads
     nothing; the table entries read a tile ahead of their rows leave the other sequence exact."""
     rng = np.random.default_rng(14)
-    q, k, v, table, lens = _inputs(rng, 2, 10, 2, 128, 128, [70, 90], 16, "float16", k_fmt, v_fmt)
-    bad = table.copy()
-    bad[1, 2] = -3
-    out, lse = run_quantized(cl_device, q, k, v, bad, lens, 2, tensor_cores="emulate")
-    assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1])), (out[1], lse[1])
-    check((out[:1], lse[:1]), q[:1], k, v, table[:1], lens[:1], "the other sequence")
+    q, k, v, table, lens = _inputs(rng, 2, 10, 2, 128, 128, [70, 300], 16, "float16", k_fmt, v_fmt)
+    for block, splits in ((2, 2), (9, 1)):  # in the first round; one read ahead inside the loop
+        bad = table.copy()
+        bad[1, block] = -3
+        out, lse = run_quantized(cl_device, q, k, v, bad, lens, splits, tensor_cores="emulate")
+        assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1])), (block, out[1], lse[1])
+        check((out[:1], lse[:1]), q[:1], unrounded(k) if k_fmt == "int8" else k, v, table[:1], lens[:1],
+              f"the other sequence (block {block})")
 
 
 def test_errors(cl_device):
@@ -217,9 +243,9 @@ def _oclgrind_worker(spec_json: str) -> None:
     pyopencl.characterize.nv_compute_capability = lambda dev: None  # see tests/test_oclgrind.py
     spec = json.loads(spec_json)
     rng = np.random.default_rng(zlib.crc32(spec_json.encode()))
-    dv = spec.get("dv", 32)
-    q, k, v, table, lens = _inputs(rng, 2, 4, 2, 32, dv, [5, 19], spec["block_size"], spec["dtype"],
-                                   spec["fmt"], spec["fmt"])
+    dk, dv = spec.get("dk", 32), spec.get("dv", 32)
+    q, k, v, table, lens = _inputs(rng, 2, 4, 2, dk, dv, spec.get("lens", [5, 19]), spec["block_size"],
+                                   spec["dtype"], spec["fmt"], spec["fmt"])
     for splits in (1, 3):
         got = run_quantized("oclgrind", q, k, v, table, lens, splits,
                             params={"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16},
@@ -242,7 +268,10 @@ def _oclgrind_present() -> bool:
                                   {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dv": 64,
                                    "tensor_cores": "emulate"},
                                   {"fmt": "q4_0", "block_size": None, "dtype": "float16", "dv": 64,
-                                   "tensor_cores": "emulate"}],
+                                   "tensor_cores": "emulate"},
+                                  # whole-block K spans (3 chunks for q8_0), loads ahead in the loop
+                                  {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dk": 128, "dv": 128,
+                                   "lens": [150, 3], "tensor_cores": "emulate"}],
                          ids=lambda s: s["fmt"] + ("-mma-emulated" if s.get("tensor_cores") else ""))
 def test_under_oclgrind(spec, tmp_path):
     """Races, out-of-bounds and uninitialized reads in the quantized loads (Oclgrind's checks,

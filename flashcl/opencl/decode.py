@@ -212,8 +212,8 @@ MMA_MIN_KEYS_PER_SPLIT = 512
 def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
     """Whether decode_mma.cl's real path applies: an NVIDIA device of compute capability 8.0+
     (mma.sync.m16n8k16 with f16 inputs, inline PTX), an fp16 cache, DK a multiple of 32 up to 256
-    and DV 64 or 128 (16-byte row slices per work-item, the accumulator in registers). Any GQA
-    group: 16 query heads per work-group."""
+    (a quantized K: 32, 64, 128 or 256) and DV 64 or 128 (16-byte row slices per work-item, the
+    accumulator in registers). Any GQA group: 16 query heads per work-group."""
     if not handle.is_nvidia or not _mma_shape_ok(prob):
         return False
     try:
@@ -223,7 +223,10 @@ def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
 
 
 def _mma_shape_ok(prob: "DecodeProblem") -> bool:
-    return prob.dtype == "float16" and prob.dk % 32 == 0 and prob.dk <= 256 and prob.dv in (64, 128)
+    # a work-item reads a quarter of a K row: a quantized one must be whole ggml blocks or one
+    # block's aligned part (DK / 4 of 8, 16, 32 or 64 dims), else decode.cl reads it
+    k_ok = prob.dk in (32, 64, 128, 256) if prob.k_fmt else prob.dk % 32 == 0 and prob.dk <= 256
+    return prob.dtype == "float16" and k_ok and prob.dv in (64, 128)
 
 
 def mma_tiles(group: int) -> int:
@@ -427,10 +430,11 @@ class DecodeKernel:
         mma_ok = tensor_cores_ok(handle, prob)
         if tensor_cores == "emulate" and not _mma_shape_ok(prob):
             raise ValueError("tensor_cores='emulate': needs an fp16 cache, DK a multiple of 32 up to 256 "
-                             "and DV 64 or 128")
+                             "(a quantized K: 32, 64, 128 or 256) and DV 64 or 128")
         if tensor_cores is True and not mma_ok:
             raise ValueError("tensor_cores: needs an NVIDIA device of compute capability 8.0+, an fp16 "
-                             "cache, DK a multiple of 32 up to 256 and DV 64 or 128")
+                             "cache, DK a multiple of 32 up to 256 (a quantized K: 32, 64, 128 or 256) "
+                             "and DV 64 or 128")
         self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
         self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle,
                                        unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores),

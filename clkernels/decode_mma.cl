@@ -243,7 +243,9 @@ static inline uint pack_half2(const float lo, const float hi)
  * (one to three loads instead of len / 2 two-byte ones, which left the load units, not HBM, the
  * limit), s's offset o in the first chunk, the block's d as fp16 bits. Nothing touches the loaded
  * words until the piece is used (span_pieces): a shift or select at the load made every K prefetch
- * and V load wait there (docs/notes/opencl-decode-nvidia.md). */
+ * and V load wait there (docs/notes/opencl-decode-nvidia.md). The chunk holding a buffer's last
+ * bytes may reach up to 14 bytes past its end (unused; mapped memory on NVIDIA, whose allocations
+ * are 256-byte aligned); Oclgrind flags it for a buffer whose size is not a multiple of 16. */
 #define SPAN_CHUNKS(len) (((len) + 29) / 16)   /* chunks len bytes at a 2-byte aligned start touch */
 typedef struct { uint4 ch[3]; uint o, d; } ggml_span;
 #define SPANS(np) (((np) + 3) / 4)   /* blocks a lane's np pieces of a row touch */

@@ -349,8 +349,8 @@ static inline void span_pieces(const int fmt, const ggml_span *spans, const int 
 }
 
 /* A piece (load_pieces, span_pieces) as the 4 words of f16 pairs a plain row's 16-byte chunk
- * would be, each value fp16(q * scale) as flashcl.dequantize rounds it; `scaled` false: q alone, exact in fp16
- * (int8 K, whose row scale goes on the scores instead). ggml: the scale d is fp16, so q times d
+ * would be, each value fp16(q * scale) as flashcl.dequantize rounds it; `scaled` false: q alone,
+ * exact in fp16 (int8 K, whose row scale goes on the scores instead). ggml: the scale d is fp16, so q times d
  * in f16x2 arithmetic rounds the same; a byte becomes the half 1024 + byte with one byte permute
  * per pair (prmt), the bias goes with one sub.f16x2: ~1.5 instructions a value against ~5
  * through cvt (a quarter-rate instruction) and fp32. int8 V (a float32 scale): fp32, a byte

@@ -89,11 +89,13 @@ def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_
     return out.get(), lse.get()
 
 
-def unrounded(x):
-    """A QuantizedTensor's values q * scale in float32, not rounded to its float16 dtype: what a
-    kernel that applies the scale outside the fp16 products attends (decode_mma.cl's int8 K;
-    docs/quantized-formats.md, "What the kernels attend")."""
-    return quant.dequantize(dataclasses.replace(x, dtype=np.dtype(np.float32)))
+def mma_k(k):
+    """K as decode_mma.cl attends it: an int8 K's values q * scale in float32, not rounded to its
+    float16 dtype (its row scale goes on the scores, outside the fp16 products;
+    docs/quantized-formats.md, "What the kernels attend"); any other K as it is."""
+    if isinstance(k, flashcl.QuantizedTensor) and k.fmt == "int8":
+        return quant.dequantize(dataclasses.replace(k, dtype=np.dtype(np.float32)))
+    return k
 
 
 def check(got, q, k, v, table, lens, what):
@@ -179,10 +181,9 @@ def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{dk}".encode()))
     # 300 keys in one split: 5 rounds of 64, so the loads (and table entries) read ahead in the loop
     q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [300, 9], block_size, "float16", k_fmt, v_fmt)
-    k_seen = unrounded(k) if k_fmt == "int8" else k  # int8 K: its row scale goes on the scores
     for splits in (1, 3):
         got = run_quantized(cl_device, q, k, v, table, lens, splits, tensor_cores="emulate")
-        check(got, q, k_seen, v, table, lens, f"decode_mma.cl emulated K {k_fmt} V {v_fmt} splits {splits}")
+        check(got, q, mma_k(k), v, table, lens, f"decode_mma.cl emulated K {k_fmt} V {v_fmt} splits {splits}")
 
 
 @pytest.mark.parametrize("k_fmt,dk", [("q8_0", 96), ("q4_0", 160), ("int8", 224), ("q8_0", 192)])
@@ -210,7 +211,7 @@ def test_tensor_core_kernel_emulated_bad_block_id(cl_device, k_fmt, v_fmt):
         bad[1, block] = -3
         out, lse = run_quantized(cl_device, q, k, v, bad, lens, splits, tensor_cores="emulate")
         assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1])), (block, out[1], lse[1])
-        check((out[:1], lse[:1]), q[:1], unrounded(k) if k_fmt == "int8" else k, v, table[:1], lens[:1],
+        check((out[:1], lse[:1]), q[:1], mma_k(k), v, table[:1], lens[:1],
               f"the other sequence (block {block})")
 
 

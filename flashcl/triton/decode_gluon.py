@@ -944,6 +944,7 @@ if gluon is not None:
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
+        gl.static_assert(AHEAD == 1 or not ROW_SCALES, "int8's row scales are read one tile ahead only")
         if AHEAD == 2:
             # quantized tiles are a few registers a lane: the second tile in flight too. Its rows
             # past the end read the last token's row, as the loop's; the masked ones use no entry
@@ -957,14 +958,6 @@ if gluon is not None:
                 stride_vpos, PAGE, EVICT, K4, V4, K_FMT, V_FMT)
             page_k = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_k, last) // PAGE)  # the third tile's
             page_v = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_v, last) // PAGE)
-            if ROW_SCALES:
-                t_s = gl.minimum(BLOCK_N + tok_s, last)
-                page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
-                ks_next2 = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos,
-                                       stride_ksh, K_FMT == "int8")
-                vs_next2 = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos,
-                                       stride_vsh, V_FMT == "int8")
-                page_s = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_s, last) // PAGE)
         for start in range(lo, hi, BLOCK_N):
             k = k_next
             v = v_next
@@ -995,18 +988,13 @@ if gluon is not None:
             page_k = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_k, last) // PAGE)
             page_v = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_v, last) // PAGE)
             if ROW_SCALES:
-                t_s = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_s, last)
+                t_s = gl.minimum(start - lo + BLOCK_N + tok_s, last)
                 page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
-                ksn = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
-                                  K_FMT == "int8")
-                vsn = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
-                                  V_FMT == "int8")
-                if AHEAD == 2:
-                    ks_next, vs_next = ks_next2, vs_next2
-                    ks_next2, vs_next2 = ksn, vsn
-                else:
-                    ks_next, vs_next = ksn, vsn
-                page_s = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_s, last) // PAGE)
+                ks_next = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
+                                      K_FMT == "int8")
+                vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
+                                      V_FMT == "int8")
+                page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
             if K_GGML:
                 k = _ggml_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True, K_FMT)
             elif K_FMT != "":

@@ -172,12 +172,16 @@ def _gluon_gqa_runs(device, formats) -> bool:
 
 def _forced_gqa(c, formats, splits):
     """(out, lse) of case ``c`` (d = 128) with the Gluon GQA kernel forced where it runs;
-    ``formats``: K's and V's ("" plain)."""
+    ``formats``: K's and V's ("" plain); the case's variants as the op passes them."""
     (k, k_fmt), (v, v_fmt) = zip((c["k"], c["v"]), formats)
+    var = c["variants"]
+    slopes = var.get("alibi_slopes")
     return triton_decode._launch(
         c["q"], k.data if k_fmt else k, v.data if v_fmt else v, c["block_table"], c["lens"], 1.0 / math.sqrt(128),
         splits, config={"gluon_gqa": True}, k_scales=k.scales if k_fmt else None,
-        v_scales=v.scales if v_fmt else None, k_format=k_fmt, v_format=v_fmt)
+        v_scales=v.scales if v_fmt else None, k_format=k_fmt, v_format=v_fmt,
+        window_left=var["window"][0] if "window" in var else -1, softcap=var.get("softcap", 0.0),
+        sinks=var.get("sinks"), alibi_slopes=None if slopes is None else slopes.to(torch.float32))
 
 
 @pytest.fixture
@@ -243,6 +247,49 @@ def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size
     out, lse = _forced_gqa(c, formats, 2)
     assert gqa_calls == [formats]
     _check(out, lse, c, f"gluon gqa {formats} block_size={block_size}")
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q4_0", "q4_0"), ("int8", "int8"), ("q8_0", "fp8_e4m3")])
+def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, gqa_calls):
+    """The Gluon GQA kernel (forced) on quantized caches with every variant on (q4_0's two tiles in
+    flight, int8's row scales, ggml and fp8 mixed): a window that starts mid-tile, 1 and 3 splits."""
+    formats = (k_fmt, v_fmt)
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    gen = torch.Generator()
+    gen.manual_seed(5)
+    var = {"window": (300, 0), "softcap": 7.5, "sinks": torch.randn((16,), generator=gen),
+           "alibi_slopes": torch.rand((4, 16), generator=gen) * 0.1}
+    c = _case(triton_device, "float16", b=4, h_q=16, h_kv=4, lens=[0, 1, 700, 2049], d=128, k_fmt=k_fmt,
+              v_fmt=v_fmt, seed=6, **var)
+    for ns in (1, 3):
+        out, lse = _forced_gqa(c, formats, ns)
+        _check(out, lse, c, f"gluon gqa {formats} all variants splits={ns}")
+    assert gqa_calls == [formats] * 2
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gluon_gqa_two_tiles_unused_entries(triton_device, splits, poison, gqa_calls):
+    """q4_0 K and V keep two tiles in flight: the table entries the prologue and the loop read
+    ahead past a sequence's end are never used, so -1 there changes nothing (contexts of one key,
+    a tile, a tile + 1 and two tiles + 2); a used entry of -1 makes only its sequence NaN."""
+    formats = ("q4_0", "q4_0")
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon")
+    lens = [1, 64, 65, 130, 300]
+    c = _case(triton_device, "float16", b=len(lens), h_q=32, h_kv=8, lens=lens, d=128, k_fmt="q4_0",
+              v_fmt="q4_0", seed=9)
+    table = c["block_table"]
+    for i, n in enumerate(lens):
+        table[i, -(-n // 16):] = -1
+    out, lse = _forced_gqa(c, formats, splits)
+    _check(out, lse, c, f"gluon gqa q4_0 entries -1 past the end splits={splits}")
+    table[4, 5] = -1  # a block sequence 4 uses
+    out, lse = _forced_gqa(c, formats, splits)
+    o, l = _np(out), _np(lse)
+    assert np.isnan(o[4]).all() and np.isnan(l[4]).all()
+    check_out_and_lse(o[:4], l[:4], c["ref"][:4], c["ref_lse"][:4], "float16", "the other sequences", lse_rtol=1e-3)
+    assert gqa_calls == [formats] * 2
 
 
 def test_words_need_an_int32_view():

@@ -270,19 +270,24 @@ def test_plain_path_unchanged_and_window_that_hides_nothing(triton_device, poiso
     assert torch.equal(out_w, out) and torch.equal(lse_w, lse)
 
 
-def test_plan_routes_variants_off_gluon():
-    """On a Hopper with Gluon, the shapes the Gluon kernels take plain go to the Triton kernel when
-    any variant is on (decode_gluon takes none); the window's span sets the split count."""
+def test_plan_routes_variants():
+    """On a Hopper with Gluon, the Gluon GQA kernel keeps the launches it takes plain with any
+    variant on, at the same split count; the Gluon MHA kernel takes none (they go to the MHA loop);
+    a window's span decides the split count and whether the GQA rule takes the launch."""
     facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
     gqa = dp.DecodeProblem(1, 32, 8, 128, 128, 32768, 2, 16)
     mha = dp.DecodeProblem(8, 32, 32, 128, 128, 8192, 2, 16)
-    assert dp.plan(gqa, facts).kernel == "gluon_gqa" and dp.plan(mha, facts).kernel == "gluon_mha"
-    for name in dp.VARIANTS:
-        assert dp.plan(replace(gqa, variants=(name,)), facts).kernel == "dot"
+    plain_gqa = dp.plan(gqa, facts)
+    assert plain_gqa.kernel == "gluon_gqa" and dp.plan(mha, facts).kernel == "gluon_mha"
+    for name in ("alibi", "sinks", "softcap"):
+        with_variant = dp.plan(replace(gqa, variants=(name,)), facts)
+        assert with_variant.kernel == "gluon_gqa" and with_variant.num_splits == plain_gqa.num_splits
         assert dp.plan(replace(mha, variants=(name,)), facts).kernel == "mha_fma"
     windowed = dp.plan(replace(gqa, variants=("window",), window_left=127), facts)
-    plain = dp.plan(replace(gqa, variants=("softcap",)), facts)
-    assert windowed.num_splits <= 2 < plain.num_splits  # 128 keys: two tiles
+    assert windowed.kernel == "dot" and windowed.num_splits <= 2 < plain_gqa.num_splits  # 128 keys: two tiles
+    batched = replace(gqa, b=8)  # 64 programs: the GQA rule's 4 splits of 1024 keys cover a 4096-key window
+    assert dp.plan(replace(batched, variants=("window",), window_left=4095), facts).kernel == "gluon_gqa"
+    assert dp.plan(replace(batched, variants=("window",), window_left=2047), facts).kernel == "dot"
     with pytest.raises(ValueError, match="unknown decode variants"):
         dp.plan(replace(gqa, variants=("mask",)), facts)
 
@@ -300,3 +305,83 @@ def test_mask_refused_and_custom_op_schema(triton_device):
     slopes = torch.tensor([[0.1, 0.2], [0.3, 0.4]], device=triton_device)
     args = (c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["lens"], c["scale"], 2, 2, 3.0, sinks, slopes)
     torch.library.opcheck(torch.ops.flashcl.decode.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# --------------------------------------------------------------------------- the Gluon GQA kernel
+
+GQA = {"gluon_gqa": True}  # the Gluon GQA kernel forced wherever it can run
+
+
+@pytest.fixture
+def gqa_calls(monkeypatch):
+    """The Gluon GQA kernel's launches, with the variants each one took."""
+    from flashcl.triton import decode_gluon
+
+    calls = []
+    launch = decode_gluon.launch_gqa
+    monkeypatch.setattr(decode_gluon, "launch_gqa", lambda *a, **kw: (calls.append(
+        {n for n in ("sinks", "alibi_slopes") if kw.get(n) is not None}
+        | {n for n in ("window_left",) if kw.get(n, -1) >= 0} | {n for n in ("softcap_log2",) if kw.get(n, 0) > 0}),
+        launch(*a, **kw))[1])
+    return calls
+
+
+def _gluon_runs():
+    from flashcl.triton import decode_gluon
+
+    return torch.cuda.is_available() and decode_gluon.available()
+
+
+gluon_only = pytest.mark.skipif(not _gluon_runs(), reason="needs CUDA and Gluon")
+_TAKEN = {"window": {"window_left"}, "softcap": {"softcap_log2"}, "sinks": {"sinks"}, "alibi": {"alibi_slopes"},
+          "all": {"window_left", "softcap_log2", "sinks", "alibi_slopes"}}
+
+
+@gluon_only
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("dtype,h_q,h_kv,block_size", [("float16", 8, 2, 16), ("bfloat16", 16, 2, 1),
+                                                       ("float16", 32, 2, 64)])  # groups 4, 8, 16
+def test_gluon_gqa_variants(kind, dtype, h_q, h_kv, block_size, poison, gqa_calls):
+    """The Gluon GQA kernel (forced) with each variant alone and all together, groups 4, 8 and 16,
+    pages of 1, 16 and 64 tokens, contexts 0, 1, 150 and 700: one split, 3 and 16 (the reduce
+    kernel; empty splits), against the oracle and against the dot path."""
+    var = _variants(kind, h_q, 4, _gen(21))
+    c = _case("cuda", dtype, b=4, h_q=h_q, h_kv=h_kv, lens=[0, 1, 150, 700], d=128, block_size=block_size,
+              seed=22, **var)
+    for ns in (1, 3, 16):
+        out, lse = _run(c, ns, config=GQA)
+        assert gqa_calls[-1] == _TAKEN[kind]
+        _check(out, lse, c, f"gluon gqa {kind} {dtype} {h_q}/{h_kv} bs={block_size} splits={ns}")
+        dot_out, dot_lse = _run(c, ns, config={"gluon_gqa": False})
+        assert torch.allclose(out.float(), dot_out.float(), rtol=2e-2, atol=2e-3)
+    assert len(gqa_calls) == 3
+
+
+@gluon_only
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf")])
+def test_gluon_gqa_window_edges(value, poison, gqa_calls):
+    """Windows of left 0, 1, tile - 1, tile, tile + 1, 2 tiles + 3 and past the context (tiles of
+    64 keys), over contexts of one key, a tile, a tile + 1, 200 and 1000; NaN or inf in K and V at
+    every key outside the window and past the context never reach a row. 1, 3 and 16 splits."""
+    lens = [1, 64, 65, 200, 1000]
+    for i, left in enumerate([0, 1, 63, 64, 65, 131, 5000]):
+        c = _case("cuda", "float16", b=len(lens), h_q=8, h_kv=2, lens=lens, d=128, seed=30 + i, window=(left, 0),
+                  softcap=20.0, poison_hidden=value)
+        for ns in (1, 3, 16):
+            out, lse = _run(c, ns, config=GQA)
+            _check(out, lse, c, f"gluon gqa window=({left},0) hidden={value} splits={ns}")
+    assert len(gqa_calls) == 7 * 3
+
+
+@gluon_only
+def test_gluon_gqa_sinks_rows_without_keys(poison, gqa_calls):
+    """In the GQA kernel a sink joins each row once (one split: in the kernel; more: in the reduce
+    kernel): a context of 0 returns zeros with lse = sink; a sink of -inf is no sink."""
+    sinks = torch.tensor([0.5, -1.0, 3.0, float("-inf"), 0.0, 2.0, -3.0, 1.0])
+    c = _case("cuda", "float16", b=3, h_q=8, h_kv=2, lens=[0, 5, 300], d=128, seed=31, sinks=sinks)
+    for ns in (1, 2, 7):
+        out, lse = _run(c, ns, config=GQA)
+        _check(out, lse, c, f"gluon gqa sinks splits={ns}")
+        finite = torch.isfinite(sinks)
+        assert (_np(out)[0] == 0).all() and np.allclose(_np(lse)[0][finite.numpy()], sinks[finite].numpy())
+    assert len(gqa_calls) == 3

@@ -33,9 +33,10 @@ of sequence b sits at p = context_lens[b] - 1. ``window`` (left, right) shows it
 [max(0, p - left), p]: the split partition then cuts [that key rounded down to a page, length),
 at most left + one page of tokens whatever the length, so the cost follows the window; the
 loads of a windowed launch are row-masked (a hidden row's K/V never reach the row). ``softcap``
-and ``alibi_slopes`` ((B, H_q)) change the scores (_score_variants); ``sinks`` join the
+and ``alibi_slopes`` ((B, H_q)) change the scores (score_variants); ``sinks`` join the
 normalizer once: in the single pass, else as the merge's starting state (both merges). The
-Gluon kernels take no variant: the plan runs such launches on this kernel (decode_plan.VARIANTS).
+Gluon GQA kernel takes them the same way; the Gluon MHA kernel takes none, and the plan runs
+such launches on this kernel (decode_plan.VARIANTS).
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
@@ -115,9 +116,7 @@ from triton.language.extra import cuda as tl_cuda
 from ..quant import QuantizedTensor
 from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
-
-_LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
-LOG2E = tl.constexpr(_LOG2E)  # the same, for the kernels
+from .score_variants import _LOG2E, LOG2E, score_variants
 
 # --------------------------------------------------------------------------- kernels
 
@@ -354,9 +353,9 @@ def _decode_kernel(
             if K_FMT == "int8" or K_FMT == "fp8_e4m3":
                 s = s * k_scale[None, :]
             if ALIBI:
-                s = _score_variants(s, slopes[:, None], (n_ctx - 1 - tok)[None, :], softcap_log2, SOFTCAP, ALIBI)
+                s = score_variants(s, slopes[:, None], (n_ctx - 1 - tok)[None, :], softcap_log2, SOFTCAP, ALIBI)
             else:
-                s = _score_variants(s, 0.0, 0, softcap_log2, SOFTCAP, ALIBI)
+                s = score_variants(s, 0.0, 0, softcap_log2, SOFTCAP, ALIBI)
             s = tl.where(valid[None, :], s, float("-inf"))
             # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -497,21 +496,6 @@ def _load_words(base, row, valid, FMT: tl.constexpr, D: tl.constexpr, CVT_ASM: t
     words = base.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[:, None]
     w = tl.load(words + tl.arange(0, D // 4)[None, :], mask=valid[:, None], other=0)
     return quant_words.values(w, FMT, CVT_ASM)
-
-
-@triton.jit
-def _score_variants(s, slope, dist, softcap_log2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """The scores (log2 domain) after the softcap, ``c tanh(s / c)`` (``softcap_log2`` = c log2 e),
-    then ALiBi, ``- slope * dist`` (``dist`` = p - j >= 0 for every key the query sees)."""
-    if SOFTCAP:
-        # tanh from one exp2 of -2|x| (no overflow): (1 - e) / (1 + e), the sign put back
-        x = s / softcap_log2
-        e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-        t = (1.0 - e) / (1.0 + e)
-        s = softcap_log2 * tl.where(x < 0, -t, t)
-    if ALIBI:
-        s = s - slope * dist.to(tl.float32)
-    return s
 
 
 @triton.jit
@@ -673,7 +657,7 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         page = _table_entries(bt_base, tok_next + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
 
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
-        s = _score_variants(s, slope, n_ctx - 1 - (start_n + offs_n), softcap_log2, SOFTCAP, ALIBI)
+        s = score_variants(s, slope, n_ctx - 1 - (start_n + offs_n), softcap_log2, SOFTCAP, ALIBI)
         if WINDOW:
             valid = valid & (start_n + offs_n >= win_lo)
         s = tl.where(valid, s, float("-inf"))
@@ -963,7 +947,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 evict_first=plan.evict_first, num_splits=num_splits,
                                 partials=(part_m, part_l, part_acc) if split else None,
                                 sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
-                                k_scales=scale_args[0], v_scales=scale_args[1])
+                                k_scales=scale_args[0], v_scales=scale_args[1],
+                                window_left=problem.window_left, sinks=sinks, alibi_slopes=alibi_slopes,
+                                softcap_log2=var_values[1] if "softcap" in flags else 0.0)
     else:
         if fused:
             knobs.update(FUSED=True, MERGE_STAGES=plan.merge_stages, BLOCK_GM=plan.block_gm)

@@ -42,6 +42,7 @@ import triton.language as tl
 from . import interpreting
 from .decode_plan import gluon_block_d as _block_d
 from .quant_words import F16_BIAS, FP8_F16_PTX, INT8_F16_PTX, word_to_f16x2_ptx
+from .score_variants import LOG2E, score_variants
 
 try:
     from triton.experimental import gluon
@@ -340,7 +341,8 @@ def rows_merge_ptx(rows: int, top: int) -> str:
 
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
                evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True,
-               k_format: str = "", v_format: str = "", k_scales=None, v_scales=None) -> None:
+               k_format: str = "", v_format: str = "", k_scales=None, v_scales=None, window_left: int = -1,
+               softcap_log2: float = 0.0, sinks=None, alibi_slopes=None) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
@@ -349,7 +351,10 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     "q8_0" / "q4_0" for a quantized cache's data (decode_plan.GQA_QUANTIZED, fp16 q; see operands_fit);
     ``k_scales`` / ``v_scales``: its scales as decode reads them, (tensor, (block, position, head)
     strides) (decode._scale_operand: int8's per row, fp8's one at every row; ggml's d lie in
-    its data)."""
+    its data). The variants as decode's kernel takes them: ``window_left`` >= 0 (-1: none; its
+    splits cut the window), ``softcap_log2`` > 0 (c log2 e; 0: none), ``sinks`` (H_q,) (one
+    split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q); with a window or
+    ALiBi, which read a key's position, the pages keep their order (no sort)."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -359,8 +364,10 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     part_m, part_l, part_acc = partials if split else (lse, lse, lse)
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
+    window = window_left >= 0
+    # the page sort visits keys out of place: not with the variants that read a key's position
     keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
-                              sort_pages, lse)
+                              sort_pages and not window and alibi_slopes is None, lse)
     k_cache, v_cache = _as_words(k_cache, k_format), _as_words(v_cache, v_format)
     k_sc, s_ks = k_scales or (lse, (0, 0, 0))
     v_sc, s_vs = v_scales or (lse, (0, 0, 0))
@@ -376,10 +383,14 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         vl = gl.SliceLayout(3, v_units) if v_format in GGML_BLOCK_BYTES else v_words
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
-        qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0],
+        lse if sinks is None else sinks, lse if alibi_slopes is None else alibi_slopes,
+        qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0], max(window_left, 0),
+        softcap_log2 if softcap_log2 > 0 else 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa, *s_ks, *s_vs,
+        0 if alibi_slopes is None else alibi_slopes.stride(0),
+        WINDOW=window, SOFTCAP=softcap_log2 > 0, SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
         SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
@@ -824,14 +835,15 @@ if gluon is not None:
         _cta_barrier()
         return order - lo // PAGE
 
-    @gluon.jit(do_not_specialize=["num_splits", "num_blocks"])
+    @gluon.jit(do_not_specialize=["num_splits", "num_blocks", "window_left"])
     def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order, KScales, VScales,
-                    qk_scale_log2, max_blocks, num_splits, num_blocks,
+                    Sinks, Slopes, qk_scale_log2, max_blocks, num_splits, num_blocks, window_left, softcap_log2,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
-                    stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
+                    stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh, stride_slb,
+                    WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr, ALIBI: gl.constexpr,
                     GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
                     SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr, AHEAD: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
@@ -854,7 +866,11 @@ if gluon is not None:
         their lane slices), become q * d in the same places (_ggml_values). int8's row scales,
         read a tile ahead in the scores' layout, multiply the fp32 scores (K) and p before its
         fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
-        multiplies the score scale (K) and the state's acc at the end (V)."""
+        multiplies the score scale (K) and the state's acc at the end (V).
+
+        The variants (WINDOW, SOFTCAP, ALIBI, SINKS) as decode's kernel applies them: the softcap
+        and ALiBi on each warp's scores (score_variants), the sink once in the single pass (with
+        splits, the reduce kernel's); a window's splits start at its first key."""
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
@@ -869,9 +885,17 @@ if gluon is not None:
         k_base = K + pid_h.to(gl.int64) * stride_kh
         v_base = V + pid_h.to(gl.int64) * stride_vh
         # this split's tokens [lo, hi): the table's bound cut into num_splits chunks of whole
-        # tiles, as decode's kernel cuts it (early_pages): the first entries need no length
-        chunk = gl.cdiv(gl.cdiv(max_blocks * PAGE, num_splits), BLOCK_N) * BLOCK_N
-        lo = pid_s * chunk
+        # tiles, as decode's kernel cuts it (early_pages): the first entries need no length. A
+        # window cuts [its first key, length) instead (the length first): at most window_left + 1
+        # keys whatever the length, from the first key on (a row's page is looked up per token)
+        gl.static_assert(not ((WINDOW or ALIBI) and SORT_N > 0), "the page sort moves keys: no positional variant")
+        if WINDOW:
+            n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
+            chunk = gl.cdiv(gl.cdiv(gl.minimum(max_blocks * PAGE, window_left + 1), num_splits), BLOCK_N) * BLOCK_N
+            lo = gl.maximum(n_ctx - 1 - window_left, 0) + pid_s * chunk
+        else:
+            chunk = gl.cdiv(gl.cdiv(max_blocks * PAGE, num_splits), BLOCK_N) * BLOCK_N
+            lo = pid_s * chunk
 
         # a tile's token offsets in the K and V layouts: warp w holds keys 16 w .. 16 w + 15
         tok_k = lo + _vec3(W, 0, KL) * 16 + _vec3(16, 1, KL)
@@ -892,7 +916,8 @@ if gluon is not None:
             bt = _sorted_table(bt, order, lo, gl.minimum(lo + chunk, n_sort), max_blocks, PAGE, SORT_N)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
-        n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
+        if not WINDOW:
+            n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
         hi = gl.minimum(lo + chunk, n_ctx)
         last = gl.maximum(hi - 1, 0)
         last_block = (num_blocks - 1).to(gl.uint32)
@@ -941,6 +966,12 @@ if gluon is not None:
             vs_next = _row_scales(VScales, pid_h, page_s, tok_s % PAGE, tok_s < hi, stride_vsblk, stride_vspos,
                                   stride_vsh, V_FMT == "int8")
             page_s = gl.load(bt + gl.minimum(BLOCK_N + tok_s, last) // PAGE)
+        if ALIBI:  # the group's slopes, in the log2 domain, per score row
+            row_s = _vec3(16, 1, MMA)
+            slopes = gl.load(Slopes + pid_b.to(gl.int64) * stride_slb + pid_h * GROUP + row_s, mask=row_s < GROUP,
+                             other=0.0) * LOG2E
+        else:
+            slopes = 0.0
         m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
@@ -1010,6 +1041,8 @@ if gluon is not None:
             s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
             if K_FMT == "int8":
                 s = s * ks
+            if SOFTCAP or ALIBI:
+                s = score_variants(s, slopes, n_ctx - 1 - (start + key_s), softcap_log2, SOFTCAP, ALIBI)
             s = gl.where(start + key_s < hi, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
@@ -1057,6 +1090,14 @@ if gluon is not None:
         if V_FMT == "fp8_e4m3":
             o = o * gl.load(VScales)
         row = _vec3(R, 1, CL)
+        if SINKS and not SPLIT:  # the sink joins the normalizer once, here (splits: in the reduce kernel)
+            sink = gl.load(Sinks + pid_h * GROUP + row, mask=row < GROUP, other=0.0) * LOG2E
+            m_new = gl.maximum(m, sink)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key
+            alpha = gl.exp2(m - m_safe)
+            l = l * alpha + gl.exp2(sink - m_safe)
+            o = o * alpha
+            m = m_new
         n = _vec3(D, 2, CL)
         col = _ggml_v_column(n, V_FMT)  # the output column of logical column n
         if SPLIT:

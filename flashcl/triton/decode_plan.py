@@ -75,9 +75,10 @@ class DecodeProblem:
 
 
 KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
-# The attention variants decode takes (flashcl.variants); the Triton kernel ("dot", "mha_fma")
-# and the merges take them all, decode_gluon's kernels none: a launch with any variant on is
-# planned as on a device without Gluon (documented kernel choice, never a dropped variant).
+# The attention variants decode takes (flashcl.variants); the Triton kernel ("dot", "mha_fma"),
+# the merges and decode_gluon's GQA kernel take them all, its MHA kernel none: an MHA launch with
+# any variant on is planned as on a device without Gluon (a documented kernel choice, never a
+# dropped variant).
 VARIANTS = ("alibi", "sinks", "softcap", "window")
 # Quantized K/V (flashcl.quant) run on the dot path (no MHA loop) over whole pages, each K/V tile
 # dequantized after its load: the formats the kernel reads. The Gluon GQA kernel also reads the
@@ -478,9 +479,11 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     bad = set(p.kv_formats) - set(QUANTIZED) - {""}
     if bad:
         raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
-    # decode_gluon's kernels take no variant; the GQA kernel reads GQA_QUANTIZED caches, the MHA one none
-    if p.variants or not gqa_reads(p.kv_formats, p.q_dtype, facts):
+    # decode_gluon's GQA kernel reads GQA_QUANTIZED caches and takes every variant; its MHA kernel
+    # reads plain caches and takes no variant (mha_facts)
+    if not gqa_reads(p.kv_formats, p.q_dtype, facts):
         facts = replace(facts, gluon=False)
+    mha_facts = replace(facts, gluon=False) if p.variants else facts
     n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
     group = p.h_q // p.h_kv
     paged = p.page_size > 0
@@ -535,7 +538,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     g_tile = None
     if cfg["mha_fma"] is None:
         if (not tile_forced and cfg["gluon_mha"] and paged
-                and gluon_takes(p.dk, p.dv, p.elt_bytes, splits, facts)):
+                and gluon_takes(p.dk, p.dv, p.elt_bytes, splits, mha_facts)):
             g_tile = gluon_tile(p.dv, programs * splits, sms)
             if g_tile[0] % p.page_size:
                 g_tile = None  # not whole pages
@@ -563,7 +566,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     kernel = "dot"
     if whole and cfg["mha_fma"]:
         kernel = "mha_fma"
-        if (offs32 and cfg["gluon_mha"] and gluon_takes(p.dk, p.dv, p.elt_bytes, splits, facts)
+        if (offs32 and cfg["gluon_mha"] and gluon_takes(p.dk, p.dv, p.elt_bytes, splits, mha_facts)
                 and (cfg["BLOCK_N"], cfg["num_warps"]) in _TILES[gluon_block_d(p.dk)]):
             kernel = "gluon_mha"
     elif cfg["gluon_gqa"] and offs32:

@@ -302,6 +302,7 @@ def test_gluon_gqa_rule():
     assert not takes(group=17, forced=True) and not takes(d=64, forced=True) and not takes(elt=4, forced=True)
     assert not takes(facts=SMS_132) and not takes(facts=FACTS["T4"], forced=True)
     assert [dp.gqa_splits(n, 132) for n in (8, 16, 32, 100, 132, 133, 256)] == [32, 16, 8, 2, 2, 1, 1]
+    assert [dp.gqa_splits(n, 132, 3) for n in (8, 64, 132, 400)] == [49, 6, 3, 1]  # fp8's three per SM
 
     def gqa(b, h_q, h_kv, ctx=2048, config=None, num_splits=0, page=16):
         p = plan(problem(b, h_q, h_kv, ctx, page=page), H100, config, num_splits)

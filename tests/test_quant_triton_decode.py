@@ -407,8 +407,10 @@ def test_plan_routes_quantized_caches():
         p = dp.plan(replace(gqa, kv_formats=(fmt, fmt)), facts)
         want = "gluon_gqa" if fmt in dp.GQA_QUANTIZED else "dot"
         assert p.kernel == want, (fmt, p.kernel)
-        if want == "gluon_gqa":
-            assert p.num_splits == dp.gqa_splits(8, facts.sms) and p.merge == "reduce"
+        if want == "gluon_gqa":  # fp8 K and V: three programs per SM, the others two
+            per_sm = 3 if fmt == "fp8_e4m3" else 2
+            assert dp.gqa_programs_per_sm((fmt, fmt)) == per_sm
+            assert p.num_splits == dp.gqa_splits(8, facts.sms, per_sm) and p.merge == "reduce"
     for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0"),
                     ("int8", "q4_0")):
         assert dp.plan(replace(gqa, kv_formats=formats), facts).kernel == "gluon_gqa", formats

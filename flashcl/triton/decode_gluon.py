@@ -40,6 +40,7 @@ import torch
 import triton.language as tl
 
 from . import interpreting
+from .decode_plan import GQA_THREE_REGISTERS, gqa_programs_per_sm
 from .decode_plan import gluon_block_d as _block_d
 from .quant_words import F16_BIAS, FP8_F16_PTX, INT8_F16_PTX, word_to_f16x2_ptx
 from .score_variants import LOG2E, score_variants
@@ -394,7 +395,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
         SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
-        num_warps=warps)
+        num_warps=warps, **({"maxnreg": GQA_THREE_REGISTERS} if gqa_programs_per_sm((k_format, v_format)) == 3 else {}))
 
 
 def gqa_tiles_ahead(k_format: str, v_format: str) -> int:

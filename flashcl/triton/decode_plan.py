@@ -426,13 +426,29 @@ GQA_MIN_CONTEXT = 1024
 GQA_MIN_PROGRAMS_PER_SM = 1.5
 
 
-def gqa_splits(batch_heads: int, sms: int) -> int:
+def gqa_splits(batch_heads: int, sms: int, per_sm: int = 2) -> int:
     """The GQA kernel's split count: the largest power of two that keeps the grid within two
-    programs per SM (one split where B * H_kv alone fills that)."""
+    programs per SM (one split where B * H_kv alone fills that); for a build of three per SM
+    (gqa_programs_per_sm), the largest count within three."""
+    if per_sm != 2:
+        return max(1, per_sm * sms // batch_heads)
     splits = 1
     while batch_heads * (2 * splits) <= 2 * sms:  # twice the splits still within two per SM
         splits *= 2
     return splits
+
+
+# Programs of the GQA kernel (4 warps) an SM holds: two at up to 255 registers a thread; three for
+# fp8 K and V, held to GQA_THREE_REGISTERS (65536 / (3 x 128), in units of 8): its loop then spills
+# 8 bytes and runs 10-12% faster on an H200 ((1, 32/8, 32k / 128k) x fp16: 0.810 / 0.731 ->
+# 0.726 / 0.644). int8 (72 bytes spilled) and q8_0 (56) lost there: "Three fp8 programs per SM".
+GQA_THREE_PER_SM = (("fp8_e4m3", "fp8_e4m3"),)
+GQA_THREE_REGISTERS = 168
+
+
+def gqa_programs_per_sm(kv_formats: tuple) -> int:
+    """2, or 3 for the K/V formats GQA_THREE_PER_SM (the kernel is then built for GQA_THREE_REGISTERS)."""
+    return 3 if tuple(kv_formats) in GQA_THREE_PER_SM else 2
 
 
 def gqa_reads(kv_formats: tuple, q_dtype: str, facts: DeviceFacts) -> bool:
@@ -471,7 +487,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     on 2 warps where _two_warps_pay; MHA takes the Gluon kernel's tile where it runs; quantized
     caches take _dequant_tile. The automatic split count aims at two programs per SM where
     _two_programs_per_sm, at _dequant_programs_per_sm with quantized caches, and at the GQA
-    kernel's own count (gqa_splits) where that kernel takes the launch."""
+    kernel's own count (gqa_splits, at gqa_programs_per_sm) where that kernel takes the launch
+    (its rule judged at two programs per SM)."""
     p = problem
     unknown = set(p.variants) - set(VARIANTS)
     if unknown:
@@ -510,7 +527,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     splits = num_splits if num_splits > 0 else auto_splits
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch
-    # at its own split count (two programs per SM) or at the one given
+    # (judged at two programs per SM), at its own split count (gqa_programs_per_sm) or the one given
     gluon_gqa = False
     if cfg["gluon_gqa"] is not False and not tile_forced and paged:
         if cfg["gluon_gqa"] is True:
@@ -518,7 +535,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         else:
             g_splits = num_splits if num_splits > 0 else gqa_splits(programs, sms)
             if gqa_takes(group, p.dk, p.dv, p.elt_bytes, g_splits, programs, n_ctx, facts):
-                gluon_gqa, splits = True, g_splits
+                own = gqa_splits(programs, sms, gqa_programs_per_sm(p.kv_formats))
+                gluon_gqa, splits = True, g_splits if num_splits > 0 else own
 
     alone = programs * splits <= sms  # at most one program per SM
     quant_tile = dequant_tile is not None

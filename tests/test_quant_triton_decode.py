@@ -249,10 +249,13 @@ def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size
     _check(out, lse, c, f"gluon gqa {formats} block_size={block_size}")
 
 
-@pytest.mark.parametrize("k_fmt,v_fmt", [("q4_0", "q4_0"), ("int8", "int8"), ("q8_0", "fp8_e4m3")])
+@pytest.mark.parametrize("k_fmt,v_fmt", [("q4_0", "q4_0"), ("int8", "int8"), ("q8_0", "fp8_e4m3"),
+                                         ("fp8_e4m3", "fp8_e4m3")])
 def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, gqa_calls):
     """The Gluon GQA kernel (forced) on quantized caches with every variant on (q4_0's two tiles in
-    flight, int8's row scales, ggml and fp8 mixed): a window that starts mid-tile, 1 and 3 splits."""
+    flight, int8's row scales, ggml and fp8 mixed, fp8's build capped at 168 registers where its
+    grid needs three programs per SM): a window that starts mid-tile, 1 and 3 splits, and for fp8
+    K and V as many as make the grid more than two programs per SM."""
     formats = (k_fmt, v_fmt)
     if not _gluon_gqa_runs(triton_device, formats):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
@@ -262,10 +265,13 @@ def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, 
            "alibi_slopes": torch.rand((4, 16), generator=gen) * 0.1}
     c = _case(triton_device, "float16", b=4, h_q=16, h_kv=4, lens=[0, 1, 700, 2049], d=128, k_fmt=k_fmt,
               v_fmt=v_fmt, seed=6, **var)
-    for ns in (1, 3):
+    splits = [1, 3]
+    if formats == ("fp8_e4m3", "fp8_e4m3"):
+        splits.append(2 * torch.cuda.get_device_properties(0).multi_processor_count // 16 + 1)  # 16 programs a split
+    for ns in splits:
         out, lse = _forced_gqa(c, formats, ns)
         _check(out, lse, c, f"gluon gqa {formats} all variants splits={ns}")
-    assert gqa_calls == [formats] * 2
+    assert gqa_calls == [formats] * len(splits)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -407,10 +413,18 @@ def test_plan_routes_quantized_caches():
         p = dp.plan(replace(gqa, kv_formats=(fmt, fmt)), facts)
         want = "gluon_gqa" if fmt in dp.GQA_QUANTIZED else "dot"
         assert p.kernel == want, (fmt, p.kernel)
-        if want == "gluon_gqa":  # fp8 K and V: three programs per SM, the others two
+        if want == "gluon_gqa":  # fp8 K and V: three programs per SM (168 registers), the others two
             per_sm = 3 if fmt == "fp8_e4m3" else 2
             assert dp.gqa_programs_per_sm((fmt, fmt)) == per_sm
             assert p.num_splits == dp.gqa_splits(8, facts.sms, per_sm) and p.merge == "reduce"
+            assert p.gqa_registers == (dp.GQA_THREE_REGISTERS if per_sm == 3 else 0)
+    fp8 = replace(gqa, kv_formats=("fp8_e4m3", "fp8_e4m3"))
+    assert dp.plan(replace(gqa, kv_formats=("fp8_e4m3", "int8")), facts).num_splits == 32  # mixed: two per SM
+    for splits, capped in ((8, False), (33, False), (34, True), (49, True)):  # forced: capped past 2 per SM
+        p = dp.plan(fp8, facts, {"gluon_gqa": True}, num_splits=splits)
+        assert p.kernel == "gluon_gqa" and p.num_splits == splits and (p.gqa_registers > 0) == capped, splits
+    wide = dp.plan(replace(fp8, b=32), facts)  # 256 programs: within two per SM already, no cap
+    assert wide.kernel == "gluon_gqa" and wide.num_splits == 1 and wide.gqa_registers == 0
     for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0"),
                     ("int8", "q4_0")):
         assert dp.plan(replace(gqa, kv_formats=formats), facts).kernel == "gluon_gqa", formats

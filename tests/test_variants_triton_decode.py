@@ -122,7 +122,9 @@ def _variants(kind, h_q, b, gen):
     slopes = torch.rand((b, h_q), generator=gen) * 0.3
     return {"window": {"window": (37, 0)}, "softcap": {"softcap": 4.0}, "sinks": {"sinks": sinks},
             "alibi": {"alibi_slopes": slopes},
-            "all": {"window": (50, 3), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes}}[kind]
+            "all": {"window": (50, 3), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes},
+            # a window that several splits of the Gluon GQA kernel's 64-key tiles share
+            "all_wide": {"window": (200, 0), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes}}[kind]
 
 
 # --------------------------------------------------------------------------- each variant, each merge
@@ -283,6 +285,7 @@ def test_plan_routes_variants():
         with_variant = dp.plan(replace(gqa, variants=(name,)), facts)
         assert with_variant.kernel == "gluon_gqa" and with_variant.num_splits == plain_gqa.num_splits
         assert dp.plan(replace(mha, variants=(name,)), facts).kernel == "mha_fma"
+    assert dp.plan(replace(mha, variants=("window",), window_left=1023), facts).kernel == "mha_fma"
     windowed = dp.plan(replace(gqa, variants=("window",), window_left=127), facts)
     assert windowed.kernel == "dot" and windowed.num_splits <= 2 < plain_gqa.num_splits  # 128 keys: two tiles
     batched = replace(gqa, b=8)  # 64 programs: the GQA rule's 4 splits of 1024 keys cover a 4096-key window
@@ -334,17 +337,19 @@ def _gluon_runs():
 
 gluon_only = pytest.mark.skipif(not _gluon_runs(), reason="needs CUDA and Gluon")
 _TAKEN = {"window": {"window_left"}, "softcap": {"softcap_log2"}, "sinks": {"sinks"}, "alibi": {"alibi_slopes"},
-          "all": {"window_left", "softcap_log2", "sinks", "alibi_slopes"}}
+          "all": {"window_left", "softcap_log2", "sinks", "alibi_slopes"},
+          "all_wide": {"window_left", "softcap_log2", "sinks", "alibi_slopes"}}
 
 
 @gluon_only
-@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "alibi", "all", "all_wide"])
 @pytest.mark.parametrize("dtype,h_q,h_kv,block_size", [("float16", 8, 2, 16), ("bfloat16", 16, 2, 1),
                                                        ("float16", 32, 2, 64)])  # groups 4, 8, 16
 def test_gluon_gqa_variants(kind, dtype, h_q, h_kv, block_size, poison, gqa_calls):
-    """The Gluon GQA kernel (forced) with each variant alone and all together, groups 4, 8 and 16,
-    pages of 1, 16 and 64 tokens, contexts 0, 1, 150 and 700: one split, 3 and 16 (the reduce
-    kernel; empty splits), against the oracle and against the dot path."""
+    """The Gluon GQA kernel (forced) with each variant alone and all together (a window inside a
+    split, and one of 201 keys over several), groups 4, 8 and 16, pages of 1, 16 and 64 tokens,
+    contexts 0, 1, 150 and 700: one split, 3 and 16 (the reduce kernel; empty splits), against
+    the oracle and against the dot path."""
     var = _variants(kind, h_q, 4, _gen(21))
     c = _case("cuda", dtype, b=4, h_q=h_q, h_kv=h_kv, lens=[0, 1, 150, 700], d=128, block_size=block_size,
               seed=22, **var)

@@ -35,8 +35,9 @@ at most left + one page of tokens whatever the length, so the cost follows the w
 loads of a windowed launch are row-masked (a hidden row's K/V never reach the row). ``softcap``
 and ``alibi_slopes`` ((B, H_q)) change the scores (score_variants); ``sinks`` join the
 normalizer once: in the single pass, else as the merge's starting state (both merges). The
-Gluon GQA kernel takes them the same way; the Gluon MHA kernel takes none, and the plan runs
-such launches on this kernel (decode_plan.VARIANTS).
+Gluon GQA kernel takes them the same way, except that its window splits cut [the first key,
+length) unrounded (it looks up each row's page); the Gluon MHA kernel takes none, and the plan
+runs such launches on this kernel (decode_plan.VARIANTS).
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
@@ -94,12 +95,14 @@ BLOCK_N, num_warps and num_stages; benchmarks force them on or off, the op uses 
                   gluon_mha, gluon_gqa) are marked L1::evict_first: +0.5-4.5% on H100.
     gluon_gqa     (default: groups of 4 to 8, head dim 128, at the kernel's own split count of
                   two programs per SM where that gives 1.5 programs per SM or more and splits of
-                  1024 tokens or more) the GQA kernel of ``decode_gluon``; split launches are
-                  merged by ``_reduce_kernel``.
+                  1024 tokens or more; fp8 K and V then run three per SM, capped at 168
+                  registers) the GQA kernel of ``decode_gluon``; split launches are merged by
+                  ``_reduce_kernel``.
     sort_pages    (default on) the Gluon kernels (gluon_mha, gluon_gqa) visit the pages of
                   splits of 256 to 1024 pages in ascending order of address, sorted in the kernel
                   into an int32 scratch array per program (``decode_gluon.sort_size``): +1.2% at
-                  (8, 32/32, 8k) and +1.3% at (1, 32/8, 128k) on H100.
+                  (8, 32/32, 8k) and +1.3% at (1, 32/8, 128k) on H100. Not with a window or ALiBi
+                  (the sort moves keys, whose positions those read).
 
 ``decode_plan`` holds the rules for the automatic ones; docs/notes/decode-h100.md the measurements.
 """
@@ -949,7 +952,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
                                 k_scales=scale_args[0], v_scales=scale_args[1],
                                 window_left=problem.window_left, sinks=sinks, alibi_slopes=alibi_slopes,
-                                softcap_log2=var_values[1] if "softcap" in flags else 0.0)
+                                softcap_log2=var_values[1] if "softcap" in flags else 0.0,
+                                max_registers=plan.gqa_registers)
     else:
         if fused:
             knobs.update(FUSED=True, MERGE_STAGES=plan.merge_stages, BLOCK_GM=plan.block_gm)

@@ -40,7 +40,6 @@ import torch
 import triton.language as tl
 
 from . import interpreting
-from .decode_plan import GQA_THREE_REGISTERS, gqa_programs_per_sm
 from .decode_plan import gluon_block_d as _block_d
 from .quant_words import F16_BIAS, FP8_F16_PTX, INT8_F16_PTX, word_to_f16x2_ptx
 from .score_variants import LOG2E, score_variants
@@ -343,7 +342,7 @@ def rows_merge_ptx(rows: int, top: int) -> str:
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
                evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True,
                k_format: str = "", v_format: str = "", k_scales=None, v_scales=None, window_left: int = -1,
-               softcap_log2: float = 0.0, sinks=None, alibi_slopes=None) -> None:
+               softcap_log2: float = 0.0, sinks=None, alibi_slopes=None, max_registers: int = 0) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
@@ -354,8 +353,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     strides) (decode._scale_operand: int8's per row, fp8's one at every row; ggml's d lie in
     its data). The variants as decode's kernel takes them: ``window_left`` >= 0 (-1: none; its
     splits cut the window), ``softcap_log2`` > 0 (c log2 e; 0: none), ``sinks`` (H_q,) (one
-    split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q); with a window or
-    ALiBi, which read a key's position, the pages keep their order (no sort)."""
+    split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q), unit head stride;
+    with a window or ALiBi, which read a key's position, the pages keep their order (no sort).
+    ``max_registers``: a register cap for the build (the plan's gqa_registers), 0 for none."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -395,7 +395,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
         SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
-        num_warps=warps, **({"maxnreg": GQA_THREE_REGISTERS} if gqa_programs_per_sm((k_format, v_format)) == 3 else {}))
+        num_warps=warps, **({"maxnreg": max_registers} if max_registers else {}))
 
 
 def gqa_tiles_ahead(k_format: str, v_format: str) -> int:

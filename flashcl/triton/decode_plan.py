@@ -124,6 +124,7 @@ class DecodePlan:
     reduce_chunk: int
     evict_first: bool   # the Gluon kernels' K/V loads marked L1::evict_first
     sort_pages: bool    # the Gluon kernels sort long splits' pages
+    gqa_registers: int  # the Gluon GQA kernel's register cap (GQA_THREE_REGISTERS), 0: none
     config: Mapping = field(hash=False)
 
     @property
@@ -420,7 +421,8 @@ def gluon_tile(d: int, programs: int, sms: int) -> tuple[int, int]:
 
 # The Gluon GQA kernel takes groups GQA_GROUPS whose grid holds GQA_MIN_PROGRAMS_PER_SM programs
 # per SM or more and whose splits are GQA_MIN_CONTEXT tokens or longer, at its own split count of
-# two programs per SM (gqa_splits); measured faster than the dot path only there ("The Gluon GQA rule").
+# two programs per SM (three for fp8: gqa_programs_per_sm, gqa_splits); measured faster than the
+# dot path only there ("The Gluon GQA rule").
 GQA_GROUPS = range(4, 9)
 GQA_MIN_CONTEXT = 1024
 GQA_MIN_PROGRAMS_PER_SM = 1.5
@@ -576,6 +578,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if cfg["mha_fma"] and g_tile:
         cfg["BLOCK_N"], cfg["num_warps"] = g_tile
     cfg["gluon_gqa"] = gluon_gqa
+    # the register cap only where the grid needs a third program per SM (fp8 K and V)
+    three_per_sm = gluon_gqa and gqa_programs_per_sm(p.kv_formats) == 3 and programs * splits > 2 * sms
 
     # what runs: the page addressing (paged, whole_pages and early_pages), then the kernel
     on_pages = paged and cfg["whole_pages"] and cfg["early_pages"]
@@ -604,4 +608,5 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         merge_stages=int(cfg["merge_stages"]), block_gm=_next_pow2(group),
         reduce_heads=reduce_heads, reduce_chunk=reduce_chunk,
         evict_first=bool(cfg["kv_evict_first"]), sort_pages=bool(cfg["sort_pages"]),
+        gqa_registers=GQA_THREE_REGISTERS if three_per_sm else 0,
         config=types.MappingProxyType(cfg))

@@ -222,6 +222,10 @@ def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
         return False
 
 
+# what _mma_shape_ok takes, in words (DecodeKernel's errors)
+_MMA_SHAPES = "an fp16 cache, DK a multiple of 32 up to 256 (a quantized K: 32, 64, 128 or 256) and DV 64 or 128"
+
+
 def _mma_shape_ok(prob: "DecodeProblem") -> bool:
     # a work-item reads a quarter of a K row: a quantized one must be whole ggml blocks or one
     # block's aligned part (DK / 4 of 8, 16, 32 or 64 dims), else decode.cl reads it
@@ -429,12 +433,9 @@ class DecodeKernel:
         self.row_shuffle = shuffle_ok if row_shuffle is None else bool(row_shuffle)
         mma_ok = tensor_cores_ok(handle, prob)
         if tensor_cores == "emulate" and not _mma_shape_ok(prob):
-            raise ValueError("tensor_cores='emulate': needs an fp16 cache, DK a multiple of 32 up to 256 "
-                             "(a quantized K: 32, 64, 128 or 256) and DV 64 or 128")
+            raise ValueError(f"tensor_cores='emulate': needs {_MMA_SHAPES}")
         if tensor_cores is True and not mma_ok:
-            raise ValueError("tensor_cores: needs an NVIDIA device of compute capability 8.0+, an fp16 "
-                             "cache, DK a multiple of 32 up to 256 (a quantized K: 32, 64, 128 or 256) "
-                             "and DV 64 or 128")
+            raise ValueError(f"tensor_cores: needs an NVIDIA device of compute capability 8.0+, {_MMA_SHAPES}")
         self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
         self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle,
                                        unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores),

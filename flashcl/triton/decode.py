@@ -119,7 +119,7 @@ from triton.language.extra import cuda as tl_cuda
 from ..quant import QuantizedTensor
 from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
-from .score_variants import _LOG2E, LOG2E, score_variants
+from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
 
 # --------------------------------------------------------------------------- kernels
 
@@ -410,17 +410,12 @@ def _decode_kernel(
                              GROUP, BLOCK_GM, DV, BLOCK_DV, MERGE_STAGES, SINKS)
     else:
         if SINKS:  # the sink joins the normalizer once, here (split launches: in the merge)
-            sink = tl.load(Sinks + heads, mask=mask_g, other=0.0) * LOG2E
-            m_new = tl.maximum(m_i, sink)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.exp2(sink - m_safe)
+            m_i, l_i, alpha = join_sink(m_i, l_i, tl.load(Sinks + heads, mask=mask_g, other=0.0) * LOG2E)
             if STORED:
                 acc = acc * ggml_stored.stack(alpha, DV // 32)[:, None]
                 acc_tail = acc_tail * alpha[:, None, None]
             else:
                 acc = acc * alpha[:, None]
-            m_i = m_new
         # context_len 0: out 0, lse -inf (no 0/0); a NaN l (NaN/inf in q or a seen K, a bad
         # table) is not 0: out and lse NaN
         seen = l_i != 0.0

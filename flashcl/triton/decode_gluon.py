@@ -42,7 +42,7 @@ import triton.language as tl
 from . import interpreting
 from .decode_plan import gluon_block_d as _block_d
 from .quant_words import F16_BIAS, FP8_F16_PTX, INT8_F16_PTX, word_to_f16x2_ptx
-from .score_variants import LOG2E, score_variants
+from .score_variants import LOG2E, join_sink, score_variants
 
 try:
     from triton.experimental import gluon
@@ -869,9 +869,10 @@ if gluon is not None:
         fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
         multiplies the score scale (K) and the state's acc at the end (V).
 
-        The variants (WINDOW, SOFTCAP, ALIBI, SINKS) as decode's kernel applies them: the softcap
-        and ALiBi on each warp's scores (score_variants), the sink once in the single pass (with
-        splits, the reduce kernel's); a window's splits start at its first key."""
+        The variants (WINDOW, SOFTCAP, ALIBI, SINKS) as decode's kernel applies them, with its
+        functions: the softcap and ALiBi on each warp's scores (score_variants), the sink once in
+        the single pass (join_sink; with splits, the reduce kernel's); a window's splits start at
+        its first key."""
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
@@ -1042,8 +1043,7 @@ if gluon is not None:
             s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
             if K_FMT == "int8":
                 s = s * ks
-            if SOFTCAP or ALIBI:
-                s = score_variants(s, slopes, n_ctx - 1 - (start + key_s), softcap_log2, SOFTCAP, ALIBI)
+            s = score_variants(s, slopes, n_ctx - 1 - (start + key_s), softcap_log2, SOFTCAP, ALIBI)
             s = gl.where(start + key_s < hi, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
@@ -1092,13 +1092,8 @@ if gluon is not None:
             o = o * gl.load(VScales)
         row = _vec3(R, 1, CL)
         if SINKS and not SPLIT:  # the sink joins the normalizer once, here (splits: in the reduce kernel)
-            sink = gl.load(Sinks + pid_h * GROUP + row, mask=row < GROUP, other=0.0) * LOG2E
-            m_new = gl.maximum(m, sink)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key
-            alpha = gl.exp2(m - m_safe)
-            l = l * alpha + gl.exp2(sink - m_safe)
+            m, l, alpha = join_sink(m, l, gl.load(Sinks + pid_h * GROUP + row, mask=row < GROUP, other=0.0) * LOG2E)
             o = o * alpha
-            m = m_new
         n = _vec3(D, 2, CL)
         col = _ggml_v_column(n, V_FMT)  # the output column of logical column n
         if SPLIT:

@@ -1,5 +1,6 @@
-"""The score variants of the decode kernels (decode's Triton kernel and decode_gluon's GQA kernel,
-which calls this Triton function as it is): the softcap and ALiBi, on scores in the log2 domain."""
+"""The variants of the decode kernels (decode's Triton kernel and decode_gluon's GQA kernel, which
+calls these Triton functions as they are): the softcap and ALiBi on scores, a sink joined to an
+online-softmax state, all in the log2 domain."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ def score_variants(s, slope, dist, softcap_log2, SOFTCAP: tl.constexpr, ALIBI: t
     if ALIBI:
         s = s - slope * dist.to(tl.float32)
     return s
+
+
+@triton.jit
+def join_sink(m, l, sink):
+    """The state (m, l) with the sink logit ``sink`` joined once: (m', l', alpha), alpha the factor
+    the state's accumulator takes. A sink of -inf with no key leaves l = 0 (no 0/0 later)."""
+    m_new = tl.maximum(m, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    return m_new, l * alpha + tl.exp2(sink - m_safe), alpha

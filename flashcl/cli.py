@@ -267,10 +267,12 @@ def _window_option(ctx, param, value):
     return (left, right)
 
 
-def _variant_kwargs(window, softcap, mask=None) -> dict:
+def _variant_kwargs(window, softcap, mask=None, sinks=False, alibi=False) -> dict:
     """The benchmark tools' ``variants`` keyword: each row is timed with these variants on and,
-    in the same run, without them (the plain kernel next to the variant)."""
-    variants = {k: v for k, v in (("window", window), ("softcap", softcap), ("mask", mask)) if v is not None}
+    in the same run, without them (the plain kernel next to the variant). ``sinks`` / ``alibi``:
+    drawn by the tool (True)."""
+    variants = {k: v for k, v in (("window", window), ("softcap", softcap), ("mask", mask),
+                                  ("sinks", sinks or None), ("alibi_slopes", alibi or None)) if v is not None}
     if softcap is not None and not softcap > 0:
         _fail(f"--softcap: expected a float > 0, got {softcap}", EXIT_USAGE)
     return {"variants": variants} if variants else {}
@@ -444,15 +446,19 @@ def _split_counts(text):
 @click.option("--window", default=None, callback=_window_option,
               help="Sliding window LEFT,RIGHT (e.g. 1023,0), timed next to the same call without it.")
 @click.option("--softcap", default=None, type=float, help="Logit softcap, timed next to the call without it.")
+@click.option("--sinks", is_flag=True, help="Learned sinks (drawn ~ N(0, 1) per query head), timed the same way.")
+@click.option("--alibi", is_flag=True,
+              help="ALiBi slopes (2^(-8 (h + 1) / H_q) for query head h), timed the same way.")
 @click.option("--kv-format", "kv_format", default=None,
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
-              help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored).")
+              help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored); "
+                   "with variants, also timed with them on.")
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl"]), default="auto", show_default=True,
               help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, else decode.cl) or decode.cl "
                    "everywhere (the kernel Adreno and float32 calls run).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, rounds,
-                 splits, sweep_tiles, window, softcap, kv_format, kernel, as_json):
+                 splits, sweep_tiles, window, softcap, sinks, alibi, kv_format, kernel, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     try:
@@ -469,7 +475,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         except ValueError as exc:
             raise click.BadParameter(f"'{b_},{h_q},{h_kv},{ctx}': {exc}", param_hint=["--shape"]) from None
     shape_list = list(shapes) or None
-    extra = _variant_kwargs(window, softcap)
+    extra = _variant_kwargs(window, softcap, sinks=sinks, alibi=alibi)
     if kv_format not in (None, "float16"):
         extra["kv_format"] = kv_format
     if backend == "triton" and kernel != "auto":

@@ -161,6 +161,18 @@ def test_bench_decode_kernel_option(cpu_device):
     assert row["quant_rel_err"] < 1e-2
 
 
+
+def test_bench_decode_quantized_with_variants(cpu_device):
+    """--kv-format with variants also times the quantized cache with them on, checked against the
+    oracle on the dequantized cache with the same variants."""
+    r = run("bench", "decode", "--device", "cpu", "--shape", "1,4,2,96", "--head-dim", "64", "--repeats", "1",
+            "--kv-format", "q8_0", "--window", "40,0", "--softcap", "5", "--sinks", "--alibi", "--json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["variants"] == "window=(40, 0) softcap=5.0 sinks=True alibi_slopes=True" and row["quant_var_ms"] > 0
+    assert row["quant_var_ratio"] == pytest.approx(row["quant_var_ms"] / row["quant_ms"])
+    assert row["quant_var_rel_err"] < 1e-2
+
 # --------------------------------------------------------------------------- one-line errors
 
 def _one_error_line(r, code):

@@ -25,7 +25,9 @@ count the keys its query sees.
 ``kv_format`` ("q8_0", "q4_0", "int8"): the same K/V values quantized (flashcl.quantize) are timed
 at the automatic split count next to the plain cache, in copies that rotate past the cache like
 the plain ones; bytes are counted as stored (DecodeProblem.bytes_moved), and the row gives the
-quantized time, its TB/s and its ratio to the plain time.
+quantized time, its TB/s and its ratio to the plain time. With ``variants`` too, the quantized
+cache is also timed with the variants on (what a model with both runs), and the row gives that time
+and its ratio to the quantized call without them.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class DecodeRow:
     quant_tbps: float = float("nan")
     quant_ratio: float = float("nan")  # quant_ms / auto_ms
     quant_rel_err: float = float("nan")
+    quant_var_ms: float = float("nan")     # the quantized cache with the variants on
+    quant_var_ratio: float = float("nan")  # quant_var_ms / quant_ms
+    quant_var_rel_err: float = float("nan")
 
 
 def copy_bandwidth(handle: DeviceHandle, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -206,8 +211,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
 
         g = h_q // h_kv
 
-        def rel_err_of_first(kw):
-            """Relative error of sequence 0's first GQA group against the oracle."""
+        def rel_err_of_first(kw, k=k, v=v):
+            """Relative error of sequence 0's first GQA group against the oracle (on the cache k, v)."""
             got = out.get()[:1, :g].astype(np.float64)
             kw = {**kw, **{n: kw[n][..., :g] for n in ("sinks", "alibi_slopes") if n in kw}}
             if "alibi_slopes" in kw:
@@ -224,6 +229,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
 
         var_fields = {}
+        var = on_device = kw = None
         if variants:
             kw = _bench_variants(variants, b, h_q)
             var = DecodeVariants.of(Variants(**kw), prob)
@@ -276,16 +282,30 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 return qkern(qd, kd, vd, out, lse, td, ld, scale, qauto)
 
             quant_ms = statistics.median(event_times(run_quant, repeats))
+            k_deq, v_deq = quant.dequantize(qk), quant.dequantize(qv)
             quant_err = float("nan")
             if check:
                 for ev in run_quant(0):
                     ev.wait()
-                got = out.get()[:1, :g].astype(np.float64)
-                ref = reference.decode_attention(q[:1, :g], quant.dequantize(qk)[:, :, :1],
-                                                 quant.dequantize(qv)[:, :, :1], block_table=table[:1],
-                                                 context_lens=lens[:1])
-                quant_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            quant_fields = dict(kv_format=kv_format, quant_kernel=qkern.path, quant_auto_splits=qauto,
+                quant_err = rel_err_of_first({}, k_deq, v_deq)
+            if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
+                qvkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
+                                      verbose=verbose_build, variant_flags=var.flags(), tensor_cores=tensor_cores)
+                qvauto = qvkern.auto_splits(var.keys_seen(ctx))
+
+                def run_quant_var(i):
+                    qd, _, _, td, ld = sets[i % copies]
+                    kd, vd = qsets[i % qcopies]
+                    return qvkern(qd, kd, vd, out, lse, td, ld, scale, qvauto, variants=on_device)
+
+                qv_ms = statistics.median(event_times(run_quant_var, repeats))
+                qv_err = float("nan")
+                if check:
+                    for ev in run_quant_var(0):
+                        ev.wait()
+                    qv_err = rel_err_of_first(kw, k_deq, v_deq)
+                quant_fields.update(quant_var_ms=qv_ms, quant_var_ratio=qv_ms / quant_ms, quant_var_rel_err=qv_err)
+            quant_fields.update(kv_format=kv_format, quant_kernel=qkern.path, quant_auto_splits=qauto,
                                 quant_bytes=qbytes, quant_ms=quant_ms,
                                 quant_tbps=qbytes / (quant_ms * 1e-3) / 1e12,
                                 quant_ratio=quant_ms / med[auto], quant_rel_err=quant_err)
@@ -343,6 +363,9 @@ def format_decode(rows, cond: dict) -> str:
                          f"{r.quant_ms:.3f} ms vs {r.auto_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
                          f"{r.quant_tbps:.3g} TB/s vs {r.auto_gbps / 1e3:.3g}, rel err {r.quant_rel_err:.1e} "
                          f"[{r.quant_kernel}]")
+            if r.variants and not np.isnan(r.quant_var_ms):
+                lines.append(f"#     with {r.variants}: {r.quant_var_ms:.3f} ms, ratio {r.quant_var_ratio:.3f} to "
+                             f"{r.kv_format} without them, rel err {r.quant_var_rel_err:.1e}")
     lines.append("# decode kernel: " + "; ".join(sorted({r.kernel for r in rows})))
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources) + "; params: " + "; ".join(sorted({r.params for r in rows})))

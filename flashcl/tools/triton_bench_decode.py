@@ -27,7 +27,8 @@ skips keys, the variants' cost where it does not).
 ``kv_format`` (``run(kv_format="q8_0")``, the CLI's --kv-format: q8_0, q4_0, int8 or fp8_e4m3):
 the same paged K/V quantized (flashcl.quantize) are timed next to the float16 call in the same
 rounds. Reported: their time, the ratio to the float16 time, TB/s over the bytes as stored
-(_stored_bytes) and that bandwidth as a fraction of the float16 call's.
+(_stored_bytes) and that bandwidth as a fraction of the float16 call's. With ``variants`` too,
+the quantized call with the variants on, and its ratio to the quantized call without them.
 
 What paging costs, measured with this command on an H100 (fp16, d=128, block_size 16, random
 blocks): the paged kernel is 1-5% behind the same kernel on contiguous KV (1.0-1.7% on the
@@ -241,6 +242,10 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
                 s["q"], s["k_quant"], s["v_quant"], block_table=s["block_table"], context_lens=s["context_lens"],
                 scale=scale)
             q_bytes = _stored_bytes(b, h_q, h_kv, ctx, d, elt, kv_format)
+            if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
+                calls["quant_variants"] = lambda s: triton_decode.decode(
+                    s["q"], s["k_quant"], s["v_quant"], block_table=s["block_table"],
+                    context_lens=s["context_lens"], scale=scale, variants=var)
         calls.update({s: flashcl_fn(s) for s in _forced_splits(ctx, block_n, splits)})
         t = cuda_timing.interleaved_rounds(
             {n: (lambda fn=fn, ss=sets: _time(fn, ss, est_s)["median_ms"]) for n, fn in calls.items()}, rounds)
@@ -277,6 +282,9 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
                 "quant_TB_s": q_bytes / (t_q * 1e-3) / 1e12, "quant_ratio": t_q / t_auto["median_ms"],
                 "quant_bw_vs_fp16": (q_bytes / t_q) / (nbytes / t_auto["median_ms"]),
             })
+            if var is not None:
+                rows[-1].update({"quant_var_ms": t["quant_variants"]["median_ms"],
+                                 "quant_var_ratio": t["quant_variants"]["median_ms"] / t_q})
         if var is not None:
             t_var = t["variants"]["median_ms"]
             rows[-1].update({
@@ -403,6 +411,9 @@ def format_table(rows, command: str | None = None) -> str:
             out.append(f"  {r['shape']}: {r['quant_ms']:.4f} ms ({r['quant_min_ms']:.4f}-{r['quant_max_ms']:.4f}), "
                        f"{r['quant_stored_MB']:.0f} MB stored, {r['quant_TB_s']:.2f} TB/s; time x{r['quant_ratio']:.3f}"
                        f", bandwidth x{r['quant_bw_vs_fp16']:.3f} of {r['dtype']}")
+            if r.get("quant_var_ms") is not None:
+                out.append(f"    with variants {r['variants']}: {r['quant_var_ms']:.4f} ms, "
+                           f"x{r['quant_var_ratio']:.3f} of the {r['kv_format']} call without them")
     var_rows = [r for r in rows if r.get("variants")]
     if var_rows:
         out.append(f"\nwith variants {var_rows[0]['variants']} (same run, same rounds; TB/s over the keys "

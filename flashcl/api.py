@@ -195,7 +195,8 @@ def _check_window(window) -> Optional[Tuple[int, int]]:
         isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= -1 for w in window)
     if not ok:
         raise ValueError(f"window: expected (left, right), two ints >= 0 or -1 (unbounded), got {window!r}")
-    left, right = int(window[0]), int(window[1])
+    # a bound past 2^30 is wider than any sequence: held there, kernels add it to positions in int32
+    left, right = (min(int(w), 1 << 30) for w in window)
     return None if (left, right) == (-1, -1) else (left, right)
 
 
@@ -218,11 +219,27 @@ def _per_head(x, name: str, shapes: tuple):
     arr = x if _is_torch(x) else _host_array(x, name)
     if tuple(arr.shape) not in shapes:
         raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(arr.shape)}")
+    if not (_is_torch(arr) and arr.is_cuda):  # a CUDA tensor is not read back (no device sync)
+        host = _host_array(arr, name).astype(np.float64)
+        # a sink of -inf is no sink for that head; NaN or +inf has no meaning in a normalizer
+        bad = np.isnan(host) | (np.isinf(host) if name == "alibi_slopes" else np.isposinf(host))
+        if bad.any():
+            allowed = "finite values" if name == "alibi_slopes" else "finite values or -inf (no sink)"
+            raise ValueError(f"{name}: expected {allowed}, got {host[bad].flat[0]}")
+        _check_float32_range(host, name)
     if _is_torch(arr):
         import torch
 
         return arr.detach().to(torch.float32).contiguous()
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _check_float32_range(x: np.ndarray, name: str) -> None:
+    """Kernels take these values as float32: a finite value past its range would become inf."""
+    finite = x[np.isfinite(x)]
+    if finite.size and np.abs(finite).max() > np.finfo(np.float32).max:
+        raise ValueError(f"{name}: {np.abs(finite).max():.3g} is past float32's range, which the "
+                         "kernels compute in (it would become inf)")
 
 
 def _slopes(x, b: int, h_q: int):
@@ -250,6 +267,8 @@ def _check_mask(mask, b: int, h_q: int, n_q: int, n_kv: int) -> np.ndarray:
         raise ValueError(f"mask: shape {tuple(arr.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
     if kind != "bool" and np.isnan(arr).any():
         raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
+    if kind == "float64":
+        _check_float32_range(arr, "mask")
     target = (shape4[0], shape4[1], n_q, n_kv)
     arr = np.broadcast_to(arr.reshape(shape4), target)
     return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "bool" else np.float32)
@@ -267,6 +286,8 @@ def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
     if kind != "bool" and not mask.is_cuda and bool(torch.isnan(mask).any()):  # no device sync
         raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
+    if kind == "float64" and not mask.is_cuda:
+        _check_float32_range(mask.detach().numpy(), "mask")
     out = mask.reshape(shape4).expand(shape4[0], shape4[1], n_q, n_kv)
     return out.to(torch.bool if kind == "bool" else torch.float32).contiguous()
 
@@ -534,8 +555,9 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
 
     ``outs[i]`` (..., DV) and ``lses[i]`` (...) from calls with ``return_lse=True``; returns the
     merged (out, lse). Each part is weighted by exp(lse_i - lse_max); parts with lse -inf (no key
-    seen) contribute nothing, and a row no part saw stays (0, -inf). A row whose lse is NaN in any
-    part is NaN in both results; NaN in a part's out reaches only those columns of out.
+    seen) contribute nothing, whatever their out holds (SDPA gives NaN there), and a row no part
+    saw stays (0, -inf). A row whose lse is NaN or +inf in any part is NaN in both results; NaN in
+    the out of a part that saw keys reaches only those columns of out.
     """
     if _merge_inputs(outs, lses) == "torch":
         import torch
@@ -546,10 +568,11 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
         m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
         w = torch.exp(xp_l - m_safe)
         den = w.sum(0)
-        out = (w[..., None] * xp_o).sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+        part = torch.where(w[..., None] > 0, w[..., None] * xp_o, torch.zeros_like(xp_o))
+        out = part.sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
         lse = torch.where(den > 0, m_safe + torch.log(torch.where(den > 0, den, torch.ones_like(den))),
                           torch.full_like(den, -float("inf")))
-        bad = torch.isnan(xp_l).any(0)
+        bad = (torch.isnan(xp_l) | torch.isposinf(xp_l)).any(0)
         out = torch.where(bad[..., None], torch.full_like(out, float("nan")), out)
         lse = torch.where(bad, torch.full_like(lse, float("nan")), lse)
         return out.to(outs[0].dtype), lse
@@ -561,9 +584,10 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
         w = np.exp(l - m_safe)
         den = w.sum(0)
         seen = den > 0
-        out = (w[..., None] * o).sum(0) / np.where(seen, den, 1.0)[..., None]
+        part = np.where(w[..., None] > 0, w[..., None] * o, 0.0)
+        out = part.sum(0) / np.where(seen, den, 1.0)[..., None]
         lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
-    bad = np.isnan(l).any(0)
+    bad = (np.isnan(l) | np.isposinf(l)).any(0)
     out[bad] = np.nan
     lse[bad] = np.nan
     return out.astype(np.asarray(outs[0]).dtype), lse.astype(np.float32)

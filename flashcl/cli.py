@@ -278,6 +278,22 @@ def _variant_kwargs(window, softcap, mask=None, sinks=False, alibi=False) -> dic
     return {"variants": variants} if variants else {}
 
 
+def _check_kv_format(kv_format: str, backend: str, kernel: str, head_dims) -> None:
+    """Exit 2 where the backend's ``kernel`` does not take ``kv_format`` or a head dim is not whole
+    ggml blocks (before any build)."""
+    from .api import QUANTIZED_KV_FORMATS
+    from .quant import BLOCK_BYTES, QK
+
+    takes = QUANTIZED_KV_FORMATS[(backend, kernel)]
+    if kv_format not in takes:
+        hint = " (a torch-only format: use --backend triton)" if kv_format == "fp8_e4m3" else ""
+        _fail(f"--kv-format {kv_format}: the {backend} {kernel} kernels take {', '.join(takes)}{hint}", EXIT_USAGE)
+    odd = sorted(d for d in head_dims if kv_format in BLOCK_BYTES and d % QK)
+    if odd:
+        _fail(f"--kv-format {kv_format}: head dim {odd[0]} is not a multiple of {QK} (whole ggml blocks)",
+              EXIT_USAGE)
+
+
 def _triton_bench(name: str):
     """The Triton tool module of ``name`` ("prefill", "decode", "soak"), or exit 5 (torch or
     triton missing) or 3 (no CUDA GPU)."""
@@ -343,17 +359,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
             _fail("--kv-format: time it without --window/--softcap/--mask (the quantized call is the plain one)",
                   EXIT_USAGE)
         extra["kv_format"] = kv_format
-        from .api import QUANTIZED_KV_FORMATS
-        from .quant import BLOCK_BYTES, QK
-
-        takes = QUANTIZED_KV_FORMATS[(backend, "prefill")]
-        if kv_format not in takes:
-            hint = " (a torch-only format: use --backend triton)" if kv_format == "fp8_e4m3" else ""
-            _fail(f"--kv-format {kv_format}: the {backend} prefill kernels take {', '.join(takes)}{hint}", EXIT_USAGE)
-        odd = sorted({s[4] for s in shapes if kv_format in BLOCK_BYTES and s[4] % QK})
-        if odd:
-            _fail(f"--kv-format {kv_format}: head dim {odd[0]} is not a multiple of {QK} (whole ggml blocks)",
-                  EXIT_USAGE)
+        _check_kv_format(kv_format, backend, "prefill", {s[4] for s in shapes})
     if backend == "triton":
         tb = _triton_bench("prefill")
         rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds, **extra)
@@ -478,6 +484,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     extra = _variant_kwargs(window, softcap, sinks=sinks, alibi=alibi)
     if kv_format not in (None, "float16"):
         extra["kv_format"] = kv_format
+        _check_kv_format(kv_format, backend, "decode", {head_dim})
     if backend == "triton" and kernel != "auto":
         _fail("--kernel picks an OpenCL decode kernel (--backend opencl)", EXIT_USAGE)
     if backend == "triton":

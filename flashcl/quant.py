@@ -244,7 +244,7 @@ def _float32_of(x):
         if str(x.dtype).replace("torch.", "") not in _FLOAT_NAMES:
             raise TypeError(f"quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
         return x.detach().float()
-    x = x.get() if _is_cl(x) else np.asarray(x)
+    x = _cl_to_host(x) if _is_cl(x) else np.asarray(x)
     if x.dtype not in (np.float32, np.float16):
         raise TypeError(f"quantize takes float32 or float16 arrays (bfloat16 as torch), got {x.dtype}")
     return x.astype(np.float32)
@@ -267,13 +267,16 @@ def quantize(x, fmt: str) -> QuantizedTensor:
         return _quantize_fp8(x)
     xf = _float32_of(x)
     ops = _ops(xf)
-    if fmt == "int8":
-        data, scales = _quantize_int8(xf, ops)
-    else:
-        data = _quantize_q8_0(xf, ops) if fmt == "q8_0" else _quantize_q4_0(xf, ops)
-        scales = None
+    with np.errstate(over="ignore"):  # a d past fp16 is refused below (_check_ggml_range)
+        if fmt == "int8":
+            data, scales = _quantize_int8(xf, ops)
+        else:
+            data = _quantize_q8_0(xf, ops) if fmt == "q8_0" else _quantize_q4_0(xf, ops)
+            scales = None
     # C-contiguous whatever x's strides (elementwise ops keep a transposed input's layout)
     data, scales = _contiguous(data), None if scales is None else _contiguous(scales)
+    if fmt in BLOCK_BYTES and not (_is_torch(data) and data.device.type != "cpu"):  # no device sync
+        _check_ggml_range(data, fmt, x.dtype)
     if _is_cl(x):
         import pyopencl.array as cla
         data = cla.to_device(x.queue, data)
@@ -286,6 +289,24 @@ def quantize(x, fmt: str) -> QuantizedTensor:
 
 def _contiguous(a):
     return a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
+
+
+def _check_ggml_range(data, fmt: str, dtype) -> None:
+    """ValueError where a block's d is not finite in fp16 (|x| past 127 x 65504 for q8_0, 8 x
+    65504 for q4_0), or where the block's largest value, 127 d or -8 d, rounds past a float16
+    cache's range (d rounded up: a float16 65504 becomes 127 x 516), which would attend inf."""
+    d = _ggml_scales(data)
+    d = np.abs((d.float().numpy() if _is_torch(d) else d).astype(np.float64))
+    if not d.size:
+        return
+    top = d.max() * (127 if fmt == "q8_0" else 8)
+    if not np.isfinite(top):
+        limit = "127" if fmt == "q8_0" else "8"
+        raise ValueError(f"x: {fmt} needs each block's scale d finite in fp16, so |x| <= {limit} x 65504; "
+                         "the values are past that")
+    if "float16" in str(dtype) and "bfloat16" not in str(dtype) and top >= 65520:  # fp16 rounds it to inf
+        raise ValueError(f"x: a {fmt} block's largest value dequantizes to {top:g} (its fp16 d rounded up), "
+                         "past float16's 65504: scale the cache down or quantize it from float32")
 
 
 def _quantize_fp8(x) -> QuantizedTensor:
@@ -339,11 +360,11 @@ def dequantize(qt: QuantizedTensor):
 def _indices(ids, name: str, n: int, bound: int, like):
     """block_ids/slots as indices of ``like``'s kind. Host values are checked against ``bound``;
     device tensors are not read back (that would sync the decode loop that calls this)."""
-    if _is_torch(ids) and _is_torch(like) and ids.device == like.device:
-        if tuple(ids.shape) != (n,):
-            raise ValueError(f"{name}: expected shape ({n},), got {tuple(ids.shape)}")
+    if _is_torch(ids) and _is_torch(like) and ids.device == like.device and ids.device.type != "cpu":
+        if tuple(ids.shape) != (n,) or ids.is_floating_point() or ids.is_complex() or str(ids.dtype) == "torch.bool":
+            raise ValueError(f"{name}: expected {n} integers (one per token), got {ids.dtype} {tuple(ids.shape)}")
         return ids.long()
-    host = ids.get() if _is_cl(ids) else (ids.cpu().numpy() if _is_torch(ids) else np.asarray(ids))
+    host = _cl_to_host(ids) if _is_cl(ids) else (ids.cpu().numpy() if _is_torch(ids) else np.asarray(ids))
     if host.shape != (n,) or (n and host.dtype.kind not in "iu"):
         raise ValueError(f"{name}: expected {n} integers (one per token), got {host.dtype} {host.shape}")
     if n and (host.min() < 0 or host.max() >= bound):
@@ -361,11 +382,25 @@ def _as_kind_of(x, like):
     if _is_torch(like):
         import torch
         if not _is_torch(x):
-            x = torch.from_numpy(np.ascontiguousarray(x.get() if _is_cl(x) else np.asarray(x)))
+            x = torch.from_numpy(np.ascontiguousarray(_cl_to_host(x) if _is_cl(x) else np.asarray(x)))
         return x.to(like.device)
     if _is_torch(x):
         return x.detach().cpu().float().numpy()
-    return x.get() if _is_cl(x) else np.asarray(x)
+    return _cl_to_host(x) if _is_cl(x) else np.asarray(x)
+
+
+def _cl_to_host(x) -> np.ndarray:
+    """A pyopencl Array as numpy, a strided view too (Array.get takes only contiguous ones): the
+    bytes its elements span, viewed with its strides on the host."""
+    if x.flags.c_contiguous or x.size == 0:
+        return x.get()
+    import pyopencl as cl
+    span = [(n - 1) * st for n, st in zip(x.shape, x.strides)]
+    lo = x.offset + sum(min(0, v) for v in span)
+    hi = x.offset + sum(max(0, v) for v in span) + x.dtype.itemsize
+    raw = np.empty(hi - lo, np.uint8)
+    cl.enqueue_copy(x.queue, raw, x.base_data, src_offset=lo, is_blocking=True)
+    return np.ndarray(x.shape, x.dtype, buffer=raw, offset=x.offset - lo, strides=x.strides).copy()
 
 
 def _scatter_rows(dst, block_ids, slots, rows) -> None:
@@ -396,13 +431,16 @@ def quantize_into(qt: QuantizedTensor, block_ids, slots, x) -> None:
 
     A torch cache is written by torch ops on its device: with ``x`` on that device nothing syncs,
     whether block_ids/slots are tensors there or host values (checked, then copied through
-    pinned memory without waiting). Device indices are not range-checked."""
+    pinned memory without waiting). Index tensors on a GPU are not range-checked."""
     if qt.fmt == "fp8_e4m3":
         raise ValueError("fp8_e4m3 has one scale per tensor: writing tokens would require "
                          "requantizing the whole cache; quantize the updated tensor instead")
     if len(qt.shape) != 4 or len(x.shape) != 3 or tuple(x.shape[1:]) != qt.shape[2:]:
         raise ValueError("quantize_into writes x (n, H_kv, D) into a paged cache (num_blocks, "
                          f"block_size, H_kv, D); got x {tuple(x.shape)} and cache {qt.shape}")
+    x_dtype, cache_dtype = (str(t).replace("torch.", "") for t in (x.dtype, qt.dtype))
+    if x_dtype != cache_dtype and cache_dtype != "float32":  # 16-bit tokens widen into float32 exactly
+        raise TypeError(f"x: the cache holds {cache_dtype} values (quantized from {cache_dtype}); got {x_dtype}")
     n = int(x.shape[0])
     block_ids = _indices(block_ids, "block_ids", n, qt.shape[0], qt.data)
     slots = _indices(slots, "slots", n, qt.shape[1], qt.data)

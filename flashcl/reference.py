@@ -88,7 +88,7 @@ def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
 def window_mask(n_q: int, n_kv: int, window) -> np.ndarray:
     """Boolean (N_q, N_kv) mask of a (left, right) window around each row's bottom-right aligned
     position p = i + N_kv - N_q: key j is seen when p - left <= j <= p + right (-1: unbounded)."""
-    left, right = window
+    left, right = (min(int(w), n_q + n_kv) for w in window)  # wider is the same, and fits int64
     pos = np.arange(n_q)[:, None] + (n_kv - n_q)
     cols = np.arange(n_kv)[None, :]
     seen = np.ones((n_q, n_kv), dtype=bool)

@@ -199,6 +199,8 @@ def _one_error_line(r, code):
     (["bench", "prefill", "--params", "[64, 32]"], "expected a JSON object"),
     (["bench", "decode", "--shape", "1,3,2,64"], "H_q=3 must be a multiple of H_kv=2"),
     (["bench", "decode", "--shape", "1,x,2,64"], "four integers"),
+    (["bench", "decode", "--head-dim", "40", "--kv-format", "q8_0"], "head dim 40 is not a multiple of 32"),
+    (["bench", "decode", "--kv-format", "fp8_e4m3"], "use --backend triton"),
     (["show-config", "--device", "adreno", "--d", "12"], "head dim 12 is not supported"),
     (["show-config", "--device", "adreno", "--dv", "0"], "head dim 0 is not supported"),
     (["show-config", "--device", "adreno", "--d", "264"], "head dim 264 is not supported"),

@@ -1,0 +1,189 @@
+"""Regression tests of the API's edges that an audit of the contract found: window bounds past
+int32, quantizing values a block's fp16 scale cannot hold, quantize_into's index and dtype checks,
+strided pyopencl views, merge_states with empty parts that hold NaN, and float64 or non-finite
+variant arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcl
+from flashcl import reference
+from flashcl.opencl.runtime import get_device
+
+from ._check import TOL, rel_err
+
+
+# --------------------------------------------------------------------------- window bounds
+
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 2**31 - 1), (2**31, 0), (2**40, 3), (5, 2**63)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_window_bounds_past_int32(cpu_device, window, causal):
+    """A bound past int32 (INT_MAX written for "unbounded") is as wide as -1, not an overflow."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 5, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 9, 32)).astype(np.float32) for _ in range(2))
+    got = flashcl.prefill(q, k, v, causal=causal, window=window, device=cpu_device)
+    ref = reference.attention(q, k, v, causal=causal, window=window)
+    assert rel_err(got, ref) < TOL["float32"]
+
+
+def test_decode_window_bound_past_int32(cpu_device):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 40, 32)).astype(np.float32) for _ in range(2))
+    lens = np.array([40, 17], np.int32)
+    got = flashcl.decode(q, k, v, context_lens=lens, window=(2**35, 0), device=cpu_device)
+    ref = reference.decode_attention(q, k, v, context_lens=lens)
+    assert rel_err(got, ref) < TOL["float32"]
+
+
+# --------------------------------------------------------------------------- quantize's range
+
+def test_float16_values_whose_scale_rounds_past_float16_are_refused():
+    """q8_0: d = 65504 / 127 rounds up to 516 in fp16, and 127 x 516 is inf in a float16 cache.
+    q4_0's d = max / -8 is exact, so its largest value decodes to itself."""
+    x = np.zeros((2, 64), np.float16)
+    x[1, 40] = 65504.0
+    with pytest.raises(ValueError, match="past float16's 65504"):
+        flashcl.quantize(x, "q8_0")
+    assert flashcl.dequantize(flashcl.quantize(x, "q4_0"))[1, 40] == 65504.0
+    x[1, 40] = 60000.0  # within range: it round-trips finite
+    assert np.isfinite(flashcl.dequantize(flashcl.quantize(x, "q8_0"))).all()
+
+
+@pytest.mark.parametrize("fmt, top", [("q8_0", 1e7), ("q4_0", 6e5)])
+def test_values_whose_scale_is_not_finite_in_fp16_are_refused(fmt, top):
+    x = np.ones((1, 32), np.float32)
+    x[0, 3] = top
+    with pytest.raises(ValueError, match="finite in fp16"):
+        flashcl.quantize(x, fmt)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="finite in fp16"):
+        flashcl.quantize(torch.from_numpy(x), fmt)
+
+
+def test_float32_values_of_the_largest_fp16_scale_round_trip():
+    """A float32 cache holds 127 x 516 = 65532: the block is not refused, and comes back finite."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 65504.0
+    back = flashcl.dequantize(flashcl.quantize(x, "q8_0"))
+    assert back[0, 0] == 65532.0
+
+
+# --------------------------------------------------------------------------- quantize_into
+
+@pytest.mark.parametrize("bad, match", [
+    ([-1], r"\[0, 4\)"),
+    ([4], r"\[0, 4\)"),
+    ([1.9], "integers"),
+    ([True], "integers"),
+])
+def test_quantize_into_checks_torch_cpu_indices(bad, match):
+    torch = pytest.importorskip("torch")
+    cache = flashcl.quantize(torch.zeros(4, 4, 1, 32), "q8_0")
+    before = cache.data.clone()
+    with pytest.raises(ValueError, match=match):
+        flashcl.quantize_into(cache, torch.tensor(bad), torch.tensor([0]), torch.ones(1, 1, 32))
+    assert torch.equal(cache.data, before)
+
+
+def test_quantize_into_refuses_tokens_of_another_dtype():
+    cache = flashcl.quantize(np.zeros((2, 2, 1, 32), np.float16), "int8")
+    x = np.ones((1, 1, 32), np.float32)
+    with pytest.raises(TypeError, match="x: the cache holds float16"):
+        flashcl.quantize_into(cache, np.array([0]), np.array([0]), x)
+    flashcl.quantize_into(cache, np.array([0]), np.array([0]), x.astype(np.float16))
+    assert (flashcl.dequantize(cache)[0, 0, 0] == 1).all()
+
+
+# --------------------------------------------------------------------------- strided pyopencl views
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
+def test_quantize_takes_strided_pyopencl_views(cpu_device, fmt):
+    import pyopencl.array as cla
+
+    handle = get_device(cpu_device)
+    host = np.random.default_rng(2).standard_normal((6, 96)).astype(np.float32)
+    arr = cla.to_device(handle.queue, host)
+    for view, want in ((arr[::2], host[::2]), (arr[:, 32:], host[:, 32:]), (arr[1:5, 32:96], host[1:5, 32:96])):
+        got = flashcl.dequantize(flashcl.quantize(view, fmt)).get()
+        np.testing.assert_array_equal(got, flashcl.dequantize(flashcl.quantize(want, fmt)))
+
+
+# --------------------------------------------------------------------------- merge_states
+
+def _two_parts():
+    rng = np.random.default_rng(3)
+    out = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    return out, rng.standard_normal((1, 2, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_merge_states_ignores_the_out_of_empty_parts(lib):
+    """An empty part (lse -inf) may hold NaN in out (SDPA's fully masked rows): it adds nothing."""
+    out, lse = _two_parts()
+    empty_out, empty_lse = np.full_like(out, np.nan), np.full_like(lse, -np.inf)
+    parts = ([out, empty_out], [lse, empty_lse])
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        parts = tuple([torch.from_numpy(x) for x in p] for p in parts)
+    got, got_lse = flashcl.merge_states(*parts)
+    np.testing.assert_allclose(np.asarray(got), out, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_merge_states_makes_a_positive_infinite_lse_nan(lib):
+    out, lse = _two_parts()
+    bad = lse.copy()
+    bad[0, 1, 2] = np.inf
+    parts = ([out, out], [bad, lse])
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        parts = tuple([torch.from_numpy(x) for x in p] for p in parts)
+    got, got_lse = (np.asarray(x) for x in flashcl.merge_states(*parts))
+    assert np.isnan(got[0, 1, 2]).all() and np.isnan(got_lse[0, 1, 2])
+    assert np.isfinite(np.delete(got_lse.reshape(-1), 5)).all()
+
+
+# --------------------------------------------------------------------------- variant arrays
+
+def test_float64_mask_past_float32_range_is_refused(cpu_device):
+    q = np.zeros((1, 1, 2, 32), np.float32)
+    k = v = np.ones((1, 1, 4, 32), np.float32)
+    mask = np.zeros((2, 4))
+    mask[0] = -1e39
+    with pytest.raises(ValueError, match="mask: .*past float32's range"):
+        flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+    mask[0] = -np.inf  # what hides a key
+    out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+    assert (out[0, 0, 0] == 0).all() and (out[0, 0, 1] == 1).all()
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("sinks", np.nan, "finite values or -inf"),
+    ("sinks", np.inf, "finite values or -inf"),
+    ("sinks", 1e300, "past float32's range"),
+    ("alibi_slopes", np.nan, "finite values"),
+    ("alibi_slopes", -np.inf, "finite values"),
+])
+@pytest.mark.parametrize("call", ["prefill", "decode"])
+def test_non_finite_sinks_and_slopes_are_refused(cpu_device, name, value, match, call):
+    arr = np.array([0.5, value])
+    q = np.zeros((1, 2, 1, 32), np.float32)
+    k = v = np.ones((1, 1, 4, 32), np.float32)
+    with pytest.raises(ValueError, match=f"{name}: .*{match}"):
+        if call == "prefill":
+            flashcl.prefill(q, k, v, device=cpu_device, **{name: arr})
+        else:
+            flashcl.decode(q[:, :, 0], k, v, device=cpu_device, **{name: arr})
+
+
+def test_a_sink_of_minus_inf_is_no_sink(cpu_device):
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 2, 3, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 5, 32)).astype(np.float32) for _ in range(2))
+    got = flashcl.prefill(q, k, v, sinks=np.array([-np.inf, -np.inf], np.float32), device=cpu_device)
+    assert rel_err(got, reference.attention(q, k, v)) < TOL["float32"]

@@ -34,12 +34,14 @@ REPO = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- inputs
 
 def _values(rng, shape, dtype):
-    """Normal values whose 32-value blocks (and so rows) are scaled by 10^[-2, 2]; one block in
-    seven all zero (a zero ggml d, a zero int8 row scale where the whole row is zero)."""
+    """Normal values whose 32-value blocks (and so rows; whole rows where d is not a multiple of
+    32) are scaled by 10^[-2, 2]; one block in seven all zero (a zero ggml d, a zero int8 row
+    scale where the whole row is zero)."""
     lead, d = shape[:-1], shape[-1]
-    x = rng.standard_normal((*lead, d // 32, 32))
-    x *= 10.0 ** rng.uniform(-2, 2, size=(*lead, d // 32, 1))
-    x[rng.random((*lead, d // 32)) < 1 / 7] = 0.0
+    blk = 32 if d % 32 == 0 else d
+    x = rng.standard_normal((*lead, d // blk, blk))
+    x *= 10.0 ** rng.uniform(-2, 2, size=(*lead, d // blk, 1))
+    x[rng.random((*lead, d // blk)) < 1 / 7] = 0.0
     x = x.reshape(shape)
     x[..., :1, :] = 0.0  # a whole zero row (int8 scale 0)
     return x.astype(dtype)
@@ -136,6 +138,16 @@ def test_quantized_caches(cl_device, k_fmt, v_fmt, block_size, heads, d, dtype):
     for splits in (1, 3, 40):
         got = run_quantized(cl_device, q, k, v, table, lens, splits)
         check(got, q, k, v, table, lens, f"K {k_fmt} V {v_fmt} bs {block_size} splits {splits}")
+
+
+@pytest.mark.parametrize("dk, dv", [(40, 24), (8, 72)])
+def test_int8_head_dims_of_any_multiple_of_8_in_float16(cl_device, dk, dv):
+    """A float16 lane reads 8 int8 values (one uint2): rows need 8-byte alignment, not 16."""
+    rng = np.random.default_rng(dk * 1000 + dv)
+    q, k, v, table, lens = _inputs(rng, 2, 4, 2, dk, dv, [1, 37], 16, "float16", "int8", "int8")
+    for splits in (1, 3):
+        got = run_quantized(cl_device, q, k, v, table, lens, splits)
+        check(got, q, k, v, table, lens, f"int8 DK {dk} DV {dv} splits {splits}")
 
 
 def test_staged_tile_and_dk_ne_dv(cl_device):
@@ -265,6 +277,7 @@ def _oclgrind_present() -> bool:
 @pytest.mark.parametrize("spec", [{"fmt": "q8_0", "block_size": 4, "dtype": "float16"},
                                   {"fmt": "q4_0", "block_size": None, "dtype": "float32"},
                                   {"fmt": "int8", "block_size": 8, "dtype": "float16"},
+                                  {"fmt": "int8", "block_size": 8, "dtype": "float16", "dk": 40, "dv": 24},
                                   # decode_mma.cl's loads (its warp instructions emulated)
                                   {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dv": 64,
                                    "tensor_cores": "emulate"},

@@ -603,7 +603,7 @@ def _quantized_addressing(qt: QuantizedTensor, fmt: str, paged: bool, w: int, wi
     st = data.strides
     row = qt.shape[-1] // QK * BLOCK_BYTES[fmt] if fmt in BLOCK_BYTES else qt.shape[-1]
     contiguous_row = (st[-1] == 1 and st[-2] == BLOCK_BYTES[fmt]) if fmt in BLOCK_BYTES else st[-1] == 1
-    align = 2 if fmt in BLOCK_BYTES else 16 if wide else 2 * w
+    align = 2 if fmt in BLOCK_BYTES else 16 if wide else w  # load_quant's uint2 (fp16) or uint (fp32)
     if fmt == "int8" and not (data.flags.c_contiguous and qt.scales.flags.c_contiguous):
         raise ValueError("int8 k_cache/v_cache: data and scales must be C-contiguous (the row scale is "
                          "found at the row's byte offset / D)")

@@ -632,9 +632,13 @@ if gluon is not None:
 
     @gluon.jit
     def _join_row_halves(lo, hi):
-        """_row_halves undone: [W, 16, D] (in a layout equal to the mma layout)."""
-        x = gl.permute(gl.join(lo, hi), [0, 3, 1, 2])
-        return gl.reshape(x, [x.shape[0], 16, x.shape[3]])
+        """_row_halves undone: [W, 16, D] or [W, 16] (in a layout equal to the mma layout or its
+        row slice)."""
+        if len(lo.shape) == 3:
+            x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 3, 1, 2]), [lo.shape[0], 16, lo.shape[2]])
+        else:
+            x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [lo.shape[0], 16])
+        return x
 
     @gluon.jit
     def _ggml_v_column(n, FMT: gl.constexpr):
@@ -974,8 +978,17 @@ if gluon is not None:
                              other=0.0) * LOG2E
         else:
             slopes = 0.0
-        m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
-        l_i = gl.zeros([W, 16], gl.float32, ROWS)
+        # HALF: the scores, softmax and state of rows 0 .. 7 alone (8 .. 15 pad a group of up to 8;
+        # P's are zeros) where the scores carry more than the softmax; the plain and ggml builds
+        # measured slower with it (docs/notes/quantized-decode.md, "Scores of the group's rows only")
+        HALF: gl.constexpr = (GROUP <= 8) and (SOFTCAP or ALIBI or (K_FMT == "int8") or (V_FMT == "int8")) \
+            and not K_GGML and not V_GGML
+        if HALF:
+            m_i = gl.max(_row_halves(gl.full([W, 16, 16], float("-inf"), gl.float32, MMA))[0], 2)
+            l_i = gl.sum(_row_halves(gl.zeros([W, 16, 16], gl.float32, MMA))[0], 2)
+        else:
+            m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
+            l_i = gl.zeros([W, 16], gl.float32, ROWS)
         acc = gl.zeros([W, 16, D], gl.float32, MMA)
         gl.static_assert(AHEAD == 1 or not ROW_SCALES, "int8's row scales are read one tile ahead only")
         if AHEAD == 2:
@@ -1041,10 +1054,23 @@ if gluon is not None:
             kb = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
             kb = gl.convert_layout(gl.permute(gl.reshape(kb, [W, 16, D]), [0, 2, 1]), B_L, assert_trivial=True)
             s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
+            key = start + key_s
+            row_slopes = slopes
+            k_scale = ks if K_FMT == "int8" else 1.0
+            v_scale = vs if V_FMT == "int8" else 1.0
+            if HALF:
+                key = _row_halves(gl.broadcast(key, s)[0])[0]
+                if ALIBI:
+                    row_slopes = _row_halves(gl.broadcast(slopes, s)[0])[0]
+                if K_FMT == "int8":
+                    k_scale = _row_halves(gl.broadcast(ks, s)[0])[0]
+                if V_FMT == "int8":
+                    v_scale = _row_halves(gl.broadcast(vs, s)[0])[0]
+                s = _row_halves(s)[0]
             if K_FMT == "int8":
-                s = s * ks
-            s = score_variants(s, slopes, n_ctx - 1 - (start + key_s), softcap_log2, SOFTCAP, ALIBI)
-            s = gl.where(start + key_s < hi, s, float("-inf"))
+                s = s * k_scale
+            s = score_variants(s, row_slopes, n_ctx - 1 - key, softcap_log2, SOFTCAP, ALIBI)
+            s = gl.where(key < hi, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
             alpha = gl.exp2(m_i - m_safe)
@@ -1052,14 +1078,18 @@ if gluon is not None:
             l_i = l_i * alpha + gl.sum(p, 2)
             m_i = m_new
             if V_FMT == "int8":
-                p = p * vs
+                p = p * v_scale
+            if HALF:
+                p = gl.convert_layout(_join_row_halves(p, gl.zeros_like(p)), MMA, assert_trivial=True)
             pa = gl.convert_layout(p.to(PV_T), A_L)
             # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
             vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
             vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
-            # rows 8 .. 15 only pad a group of up to 8 and are dropped after the loop: left unscaled
-            # (their alpha is 1, or 0 while their acc is still 0)
+            # acc's rows 8 .. 15 (dropped after the loop) are left unscaled: alpha 1, or 0 while acc is 0
             if GROUP <= 8:
+                if HALF:
+                    alpha = gl.convert_layout(_join_row_halves(alpha, gl.full_like(alpha, 1.0)), ROWS,
+                                              assert_trivial=True)
                 acc_lo, acc_hi = _row_halves(acc)
                 alpha_lo = _row_halves(gl.broadcast(gl.expand_dims(alpha, 2), acc)[0])[0]
                 acc = gl.convert_layout(_join_row_halves(acc_lo * alpha_lo, acc_hi), MMA, assert_trivial=True)
@@ -1072,8 +1102,9 @@ if gluon is not None:
         # only the rows g < 8 of the mma layout (its first register half), half the exchange
         if GROUP <= 8:
             acc, acc_hi = _row_halves(acc)
-            m_i, m_hi = _row_halves(m_i)
-            l_i, l_hi = _row_halves(l_i)
+            if not HALF:
+                m_i, m_hi = _row_halves(m_i)
+                l_i, l_hi = _row_halves(l_i)
         acc_s = gl.allocate_shared_memory(gl.float32, [W, R, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         m_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         l_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))

@@ -245,6 +245,8 @@ def _float32_of(x):
             raise TypeError(f"quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
         return x.detach().float()
     x = _cl_to_host(x) if _is_cl(x) else np.asarray(x)
+    if x.dtype.newbyteorder("=") in (np.float32, np.float16):  # either byte order: astype swaps
+        x = x.astype(x.dtype.newbyteorder("="))
     if x.dtype not in (np.float32, np.float16):
         raise TypeError(f"quantize takes float32 or float16 arrays (bfloat16 as torch), got {x.dtype}")
     return x.astype(np.float32)
@@ -283,7 +285,7 @@ def quantize(x, fmt: str) -> QuantizedTensor:
         scales = None if scales is None else cla.to_device(x.queue, scales)
     if scales is None:
         scales = _ggml_scales(data)
-    dtype = x.dtype if _is_torch(x) else np.dtype(x.dtype)
+    dtype = x.dtype if _is_torch(x) else np.dtype(x.dtype).newbyteorder("=")
     return QuantizedTensor(data, scales, fmt, tuple(int(s) for s in x.shape), dtype)
 
 
@@ -318,7 +320,7 @@ def _quantize_fp8(x) -> QuantizedTensor:
     except ImportError:
         raise ImportError("fp8_e4m3 needs torch (torch.float8_e4m3fn); install torch or pick "
                           "q8_0, q4_0 or int8") from None
-    dtype = x.dtype if _is_torch(x) else np.dtype(np.asarray(x).dtype)
+    dtype = x.dtype if _is_torch(x) else np.dtype(np.asarray(x).dtype).newbyteorder("=")
     xf = _float32_of(x)
     if not _is_torch(xf):
         xf = torch.from_numpy(xf)

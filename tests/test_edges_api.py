@@ -187,3 +187,14 @@ def test_a_sink_of_minus_inf_is_no_sink(cpu_device):
     k, v = (rng.standard_normal((1, 1, 5, 32)).astype(np.float32) for _ in range(2))
     got = flashcl.prefill(q, k, v, sinks=np.array([-np.inf, -np.inf], np.float32), device=cpu_device)
     assert rel_err(got, reference.attention(q, k, v)) < TOL["float32"]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8", "fp8_e4m3"])
+def test_quantize_takes_either_byte_order(fmt):
+    if fmt == "fp8_e4m3":
+        pytest.importorskip("torch")
+    x = np.random.default_rng(5).standard_normal((3, 64)).astype(np.float32)
+    swapped = x.astype(">f4")
+    assert flashcl.quantize(swapped, fmt).dtype == np.float32
+    got, want = (flashcl.dequantize(flashcl.quantize(a, fmt)) for a in (swapped, x))
+    np.testing.assert_array_equal(got, want)

@@ -275,6 +275,8 @@ def _qkv(requires_grad=False):
     ({"position_bias": torch.zeros(1, 2, 4, 4)}, "position_bias"),
     ({"cu_seq_lens_q": torch.tensor([0, 4])}, "cu_seq_lens_q"),
     ({"output_attentions": True}, "attention weights"),
+    ({"indices": torch.zeros(1, 4, 2, dtype=torch.long)}, "indices"),  # sparse attention's top-k keys
+    ({"block_indices": torch.zeros(1, 4, 1, dtype=torch.long)}, "block_indices"),
 ])
 def test_unsupported_calls_raise_before_any_kernel(kwargs, match, flashcl_calls):
     with torch.no_grad(), pytest.raises(ValueError, match=match):
@@ -285,7 +287,30 @@ def test_unsupported_calls_raise_before_any_kernel(kwargs, match, flashcl_calls)
 def test_gradients_are_refused(flashcl_calls):
     with pytest.raises(ValueError, match="no_grad"):
         fcl_hf.attention_forward(_Module(), *_qkv(requires_grad=True), None)
+    sinks = torch.zeros(2, requires_grad=True)  # gpt-oss's learned sinks
+    with pytest.raises(ValueError, match="no_grad"):
+        fcl_hf.attention_forward(_Module(), *_qkv(), None, s_aux=sinks)
+    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)  # a learned additive mask
+    with pytest.raises(ValueError, match="no_grad"):
+        fcl_hf.attention_forward(_Module(), *_qkv(), bias)
     assert not flashcl_calls
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_mask_edited_in_place_is_read_again(mode, flashcl_calls):
+    """A preallocated mask buffer reused with new contents (tree or speculative decoding) gets a
+    new plan, inference tensors (no version counter) included."""
+    q, k, v = _qkv()
+    with getattr(torch, mode)():
+        mask = torch.tril(torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        fcl_hf.attention_forward(_Module(), q, k, v, mask)
+        assert flashcl_calls[-1][1]["mask"] is None  # a plain causal plan
+        mask[..., 2:, 0] = False
+        out, _ = fcl_hf.attention_forward(_Module(), q, k, v, mask)
+    assert flashcl_calls[-1][1]["mask"] is not None
+    s = (q @ k.transpose(-1, -2)) / 4.0
+    ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+    assert rel_err(out.transpose(1, 2).numpy(), ref.numpy()) < 1e-5
 
 
 def test_registration_names_flashcl_for_both_interfaces():

@@ -27,8 +27,10 @@ from .. import api
 NAME = "fcl"
 
 # Keywords that describe inputs flashcl would otherwise misread: packed varlen batches (FA's
-# cu_seqlens) and additive position biases (T5-style) carry structure the mask does not show.
-_UNSUPPORTED = ("position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+# cu_seqlens), additive position biases (T5-style) and sparse attention's selected keys
+# (DeepSeek-V3.2's indexer: indices, block_indices) carry structure the mask does not show.
+_UNSUPPORTED = ("position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k",
+                "indices", "block_indices")
 
 
 def register() -> str:
@@ -94,17 +96,21 @@ def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
 
 def _cached_plan(mask, n_q: int, n_kv: int) -> Plan:
     """plan_for_mask, kept on the mask tensor itself: every layer of a kind gets the same mask
-    object in one forward, and the plan dies with it."""
+    object in one forward, and the plan dies with it. An in-place change to the mask invalidates
+    it: through the version counter, or for inference tensors, which keep none, a copy of the
+    mask compared with it (one read, against plan_for_mask's several)."""
+    import torch
+
     try:
-        version = mask._version  # an in-place change to the mask invalidates its plan
-    except RuntimeError:         # inference tensors keep no version counter
-        version = None
+        version, copy = mask._version, None
+    except RuntimeError:
+        version, copy = None, mask.clone()
     key = (version, n_q, n_kv)
     held = getattr(mask, "_flashcl_plan", None)
-    if held is not None and held[0] == key:
+    if held is not None and held[0] == key and (held[2] is None or torch.equal(held[2], mask)):
         return held[1]
     plan = plan_for_mask(mask, n_q, n_kv)
-    mask._flashcl_plan = (key, plan)
+    mask._flashcl_plan = (key, plan, copy)
     return plan
 
 
@@ -127,7 +133,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise ValueError(f"flashcl attention does not take {name}; use attn_implementation='sdpa' or 'eager'")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    learned = (query, key, value, s_aux, attention_mask)  # sinks and a float mask may be trained too
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in learned):
         raise ValueError("flashcl attention computes no gradients; run inference under torch.no_grad() "
                          "or torch.inference_mode()")
 

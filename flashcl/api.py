@@ -219,7 +219,7 @@ def _per_head(x, name: str, shapes: tuple):
     arr = x if _is_torch(x) else _host_array(x, name)
     if tuple(arr.shape) not in shapes:
         raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(arr.shape)}")
-    if not (_is_torch(arr) and arr.is_cuda):  # a CUDA tensor is not read back (no device sync)
+    if _values_checkable(arr):
         host = _host_array(arr, name).astype(np.float64)
         # a sink of -inf is no sink for that head; NaN or +inf has no meaning in a normalizer
         bad = np.isnan(host) | (np.isinf(host) if name == "alibi_slopes" else np.isposinf(host))
@@ -232,6 +232,16 @@ def _per_head(x, name: str, shapes: tuple):
 
         return arr.detach().to(torch.float32).contiguous()
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _values_checkable(x) -> bool:
+    """Whether a small per-call array's values may be read on the host: not a CUDA tensor (no
+    device sync) and not inside torch.compile (a read would break the graph)."""
+    if not _is_torch(x):
+        return True
+    import torch
+
+    return not x.is_cuda and not torch.compiler.is_compiling()
 
 
 def _check_float32_range(x: np.ndarray, name: str) -> None:
@@ -284,9 +294,9 @@ def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
     shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     if any(s not in (1, f) for s, f in zip(shape4, full)):
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
-    if kind != "bool" and not mask.is_cuda and bool(torch.isnan(mask).any()):  # no device sync
+    if kind != "bool" and _values_checkable(mask) and bool(torch.isnan(mask).any()):
         raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
-    if kind == "float64" and not mask.is_cuda:
+    if kind == "float64" and _values_checkable(mask):
         _check_float32_range(mask.detach().numpy(), "mask")
     out = mask.reshape(shape4).expand(shape4[0], shape4[1], n_q, n_kv)
     return out.to(torch.bool if kind == "bool" else torch.float32).contiguous()

@@ -600,7 +600,7 @@ def _parse_tune_shape(text: str, kernel: str):
 @click.option("--repeats", default=7, show_default=True, type=click.IntRange(1),
               help="Timed runs per configuration (at least 5 are made).")
 @click.option("--retime", default=3, show_default=True, type=click.IntRange(0),
-              help="Re-time the fastest N, interleaved.")
+              help="Re-time the fastest N, interleaved with each other (0 or 1: no re-timing).")
 @click.option("--timeout", default=120.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds one configuration may take (build, check, timing) before it counts as hung.")
 @click.option("--no-isolate", is_flag=True, help="Run configurations in this process (faster; a driver "
@@ -657,13 +657,17 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
         report = tuner.run_sweep(target, problem, dtype, kernel=kernel, quick=quick, overrides=overrides,
                                  repeats=repeats, retime_top=retime, isolate=not no_isolate, timeout=timeout,
                                  resume=resume, extra_options=extra_options, on_start=on_start,
-                                 on_result=on_result, command=command)
+                                 on_result=on_result, command=command, write_resume=not no_save,
+                                 keep_resume=not no_save)
     finally:
         if "bar" in bar_ctx:
             bar_ctx["bar"].__exit__(None, None, None)
     if report.interrupted:
         if as_json:
             _echo_json(report.as_dict())
+        if no_save:
+            _fail(f"interrupted after {len(report.results)} configurations (--no-save: nothing kept)",
+                  EXIT_INTERRUPTED)
         _fail(f"interrupted; {len(report.results)} configurations kept in {report.resume_file}; "
               f"rerun with --resume to continue", EXIT_INTERRUPTED)
     if report.winner is not None and not no_save:
@@ -674,9 +678,12 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
                 _echo_json(report.as_dict())
             else:
                 click.echo(tuner.format_report(report))
-            _fail(f"{exc}", EXIT_DATABASE)
+            _fail(f"{exc} (the measurements are kept: rerun with --resume)", EXIT_DATABASE)
         except OSError as exc:
-            _fail(f"cannot write the tuning database ({exc}); choose another file with --output", EXIT_DATABASE)
+            _fail(f"cannot write the tuning database ({exc}); choose another file with --output (the "
+                  f"measurements are kept: rerun with --resume)", EXIT_DATABASE)
+    if not no_save:
+        tuner.remove_resume_file(report)  # saved, or no winner to save
     if as_json:
         _echo_json(report.as_dict())
     else:

@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import stat
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -784,6 +785,10 @@ def _entry_problem(e) -> str | None:
     for name in ("kernel", "dtype"):
         if not isinstance(e.get(name), str):
             return f"'{name}' is {field_kind(name)}, expected a string"
+    if e["kernel"] not in SPACES:
+        return f"'kernel' is {e['kernel']!r}, expected one of {', '.join(map(repr, SPACES))}"
+    if e["dtype"] not in _DB_DTYPES:
+        return f"'dtype' is {e['dtype']!r}, expected one of {', '.join(map(repr, _DB_DTYPES))}"
     for name in ("dk", "dv", "bucket"):
         v = e.get(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -806,9 +811,20 @@ def _entry_problem(e) -> str | None:
     return None
 
 
+_DB_DTYPES = ("float32", "float16")   # what the OpenCL kernels are tuned for
+_MAX_DB_BYTES = 64 << 20             # far past any real database (an entry is ~1 KB)
+
+
 def _read(path: Path) -> dict:
-    """The file's JSON, checked to be ``{"entries": [...], ...}``; TuningDatabaseError otherwise."""
+    """The file's JSON, checked to be ``{"version": 1, "entries": [...], ...}`` in a regular file of
+    at most _MAX_DB_BYTES; TuningDatabaseError otherwise."""
     try:
+        st = Path(path).stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise TuningDatabaseError(f"tuning database {path} is not a regular file; fix or delete it")
+        if st.st_size > _MAX_DB_BYTES:
+            raise TuningDatabaseError(f"tuning database {path} is {st.st_size >> 20} MiB, past the "
+                                      f"{_MAX_DB_BYTES >> 20} MiB a database can be; fix or delete it")
         data = json.loads(Path(path).read_bytes())
     except json.JSONDecodeError as exc:
         raise TuningDatabaseError(f"tuning database {path} is not valid JSON ({exc}); fix or delete it") from None
@@ -819,6 +835,9 @@ def _read(path: Path) -> dict:
         raise TuningDatabaseError(f"tuning database {path} cannot be read ({exc}); fix or delete it") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise TuningDatabaseError(f"tuning database {path} has no 'entries' list; fix or delete it")
+    if data.get("version", DB_VERSION) != DB_VERSION:
+        raise TuningDatabaseError(f"tuning database {path} is version {data['version']!r}; this flashcl reads "
+                                  f"version {DB_VERSION} (a newer flashcl wrote it?); fix or delete it")
     return data
 
 

@@ -340,6 +340,16 @@ def test_export_variants_and_quantized_caches_run(dtype, shape, combos, kv_forma
         assert all(f" {kv_format} K/V" in ln for ln in lines), proc.stdout
 
 
+def test_export_int8_float16_head_dim_not_a_multiple_of_16(cpu_device, tmp_path, toolchain):
+    """float16 int8 rows need 8-byte alignment (decode.cl reads 8 values a lane): d = 40 exports
+    and its example passes, as the library runs it."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", "float16", "--kv-format", "int8",
+                  "--shape", "prefill:1,4,2,64,40,1", "--shape", "decode:1,4,2,64,40")
+    assert "int8 rows 8-byte" in m["kv_format"]["addressing"]
+    assert_example_passes(out, toolchain, m)
+
+
 def test_the_example_catches_a_variant_or_format_left_out(cpu_device, tmp_path, toolchain):
     """Each variant and the format are checked for real: a source built with one of them off (its
     define flipped), or K/V packed with the q4_0 nibbles swapped, fails; the others stay right."""

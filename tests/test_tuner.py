@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -389,6 +390,52 @@ def test_interrupt_keeps_results_and_resume_continues(cpu_device):
                            on_start=lambda todo, done: starts.append((todo, done)))
     assert starts == [(1, 1)] and not rep2.interrupted and len(rep2.results) == 2
     assert not list((tuning.user_tuning_dir() / "resume").glob("*.json"))  # finished: removed
+
+
+def _interrupted_sweep(cpu_device, **kw):
+    target = tuner.resolve_target(cpu_device)
+    over = {"BLOCK_M": [32, 64], "BLOCK_N": [16], "DV_TILE": [64], "Q_IN_REGS": [1]}
+
+    def stop_after_first(r):
+        raise KeyboardInterrupt
+
+    shape = (1, 2, 1, 128, 64, True)
+    rep = tuner.run_sweep(target, shape, "float32", overrides=over, repeats=5, isolate=False,
+                          on_result=stop_after_first, **kw)
+    assert rep.interrupted and len(rep.results) == 1
+    return target, shape, over, rep
+
+
+def test_resume_keeps_only_well_formed_results_of_this_plan(cpu_device):
+    """A hand-edited resume file: a result with params outside the plan (it could win with a
+    made-up time) and one with times that are not numbers are left out, with a note, and measured
+    again; nothing raises."""
+    target, shape, over, rep = _interrupted_sweep(cpu_device)
+    path = Path(rep.resume_file)
+    data = json.loads(path.read_text())
+    alien = dict(data["results"][0], params=dict(data["results"][0]["params"], BLOCK_M=512), times_ms=[1e-3] * 5)
+    data["results"][0]["times_ms"] = "fast"
+    path.write_text(json.dumps({"version": 1, "results": data["results"] + [alien]}))
+    starts = []
+    rep2 = tuner.run_sweep(target, shape, "float32", overrides=over, repeats=5, isolate=False, resume=True,
+                           on_start=lambda todo, done: starts.append((todo, done)))
+    assert starts == [(2, 0)] and rep2.winner is not None and rep2.winner.params["BLOCK_M"] in (32, 64)
+    assert any("2 results of resume file" in n and "left out" in n for n in rep2.notes), rep2.notes
+    path.write_text("{garbage")
+    _, _, _, rep3 = _interrupted_sweep(cpu_device, resume=True)
+    assert any("unreadable" in n for n in rep3.notes), rep3.notes
+
+
+def test_no_resume_file_without_write_resume_and_kept_until_saved(cpu_device):
+    _, _, _, rep = _interrupted_sweep(cpu_device, write_resume=False)
+    assert rep.resume_file == "" and not list((tuning.user_tuning_dir() / "resume").glob("*.json"))
+    target = tuner.resolve_target(cpu_device)
+    over = {"BLOCK_M": [32], "BLOCK_N": [16], "DV_TILE": [64], "Q_IN_REGS": [1]}
+    rep = tuner.run_sweep(target, (1, 2, 1, 128, 64, True), "float32", overrides=over, repeats=5,
+                          isolate=False, keep_resume=True)
+    assert not rep.interrupted and Path(rep.resume_file).exists()  # a failed save would lose nothing
+    tuner.remove_resume_file(rep)
+    assert not Path(rep.resume_file).exists()
 
 
 def test_hung_configuration_costs_only_itself(cpu_device):

@@ -182,6 +182,8 @@ MALFORMED = [
     (lambda e: dict(e, device=["Some GPU"]), "'device' is an array"),
     (lambda e: dict(e, params=[64, 16, 64, 4]), "'params' is an array, expected an object"),
     (lambda e: dict(e, provenance=json.loads('{"a":' * 20 + "1" + "}" * 20)), "nested more than 8 levels"),
+    (lambda e: dict(e, kernel="prefil"), "'kernel' is 'prefil', expected one of 'prefill', 'decode'"),
+    (lambda e: dict(e, dtype="fp16"), "'dtype' is 'fp16', expected one of 'float32', 'float16'"),
 ]
 
 
@@ -243,9 +245,31 @@ def test_bad_file_raises_naming_it(tuning_dir, content, why):
 
 def test_unreadable_file_raises_naming_it(tuning_dir):
     (tuning_dir / "folder.json").mkdir(parents=True)  # globbed like a file, read like none
-    with pytest.raises(tuning.TuningDatabaseError, match=r"folder\.json cannot be read"):
+    with pytest.raises(tuning.TuningDatabaseError, match=r"folder\.json is not a regular file"):
         tuning.lookup("prefill", KEY, **PROBLEM)
     assert tuning.TuningDatabaseError is flashcl.TuningDatabaseError
+
+
+def test_a_link_to_a_device_is_refused_unread(tuning_dir):
+    """A link to /dev/zero would be read until memory runs out."""
+    tuning_dir.mkdir(parents=True)
+    (tuning_dir / "dev.json").symlink_to("/dev/zero")
+    with pytest.raises(tuning.TuningDatabaseError, match=r"dev\.json is not a regular file"):
+        tuning.lookup("prefill", KEY, **PROBLEM)
+
+
+def test_an_oversized_file_is_refused_unread(tuning_dir, monkeypatch):
+    f = _db(tuning_dir, [_good()])
+    monkeypatch.setattr(tuning, "_MAX_DB_BYTES", 100)
+    with pytest.raises(tuning.TuningDatabaseError, match=r"db\.json is 0 MiB, past the 0 MiB"):
+        tuning.load_file(f)
+
+
+def test_a_database_of_another_version_is_refused(tuning_dir):
+    f = _db(tuning_dir, [_good()])
+    f.write_text(json.dumps({"version": 99, "entries": [_good()]}))
+    with pytest.raises(tuning.TuningDatabaseError, match="is version 99; this flashcl reads version 1"):
+        tuning.load_file(f)
 
 
 def test_save_keeps_malformed_entries(tuning_dir):

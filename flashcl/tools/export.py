@@ -511,12 +511,12 @@ def _prefill_flags(variants: tuple) -> dict | None:
 def check_kv_format(fmt: str | None, dtype: str, head_dims) -> None:
     """A K/V format the kernels read, for head dims they can address in it (ValueError otherwise):
     ggml blocks of 32 values; int8 rows whose decode pieces stay aligned (decode.cl reads 8 bytes
-    (float16 q) or 4 (float32 q) of a row at a time, at 16 or 8 byte aligned strides)."""
+    (float16 q) or 4 (float32 q) of a row at a time)."""
     if fmt is None:
         return
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv_format: unknown {fmt!r}; choose from {', '.join(KV_FORMATS)}")
-    step = 32 if fmt in ("q8_0", "q4_0") else 2 * dec.chunk_elems(dtype)
+    step = 32 if fmt in ("q8_0", "q4_0") else dec.chunk_elems(dtype)
     bad = sorted({d for d in head_dims if d % step})
     if bad:
         raise ValueError(f"kv_format {fmt}: head dims must be multiples of {step}"
@@ -692,7 +692,8 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
                             **KV_LAYOUTS[kv_format],
                             "addressing": "k and v are read as bytes: their offsets and strides are in bytes "
                                           "(prefill: k_off, k_sb, k_sh, k_sn; decode: k_off, k_s0, k_sh, k_s1), "
-                                          "rows contiguous, ggml rows 2-byte aligned",
+                                          "rows contiguous, ggml rows 2-byte aligned, int8 rows 8-byte "
+                                          "(float16) or 4-byte (float32) aligned",
                             "example": "example.c quantizes its K/V on the host in C (quantize_row) and the "
                                        "reference attends the dequantized values"}
     return out

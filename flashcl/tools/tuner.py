@@ -1042,11 +1042,52 @@ def _save_resume(path: Path, raws: list):
     os.replace(tmp, path)
 
 
+def _resumed(rpath: Path, configs: list, notes: list) -> list:
+    """The results of a resume file that belong to this sweep's plan, each with the plan's own
+    params; an unreadable file, or results that are malformed or not in the plan, are left out
+    with a note (they are measured again)."""
+    try:
+        loaded = json.loads(rpath.read_text())["results"]
+        if not isinstance(loaded, list):
+            raise ValueError("'results' is not a list")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        notes.append(f"resume file {rpath} unreadable ({exc}); the sweep starts over")
+        return []
+    planned = {_key(p): p for p in configs}
+    raws = []
+    for r in loaded:
+        try:
+            times = r.get("times_ms") or []
+            ok = (isinstance(r["status"], str) and isinstance(r.get("info") or {}, dict)
+                  and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times))
+            params = planned.get(_key(r["params"])) if ok and isinstance(r["params"], dict) else None
+        except (AttributeError, KeyError, TypeError):
+            params = None
+        if params is not None:
+            raws.append({**r, "params": dict(params)})
+    if len(raws) < len(loaded):
+        notes.append(f"{len(loaded) - len(raws)} results of resume file {rpath} left out (malformed, or not "
+                     "in this sweep's plan): measured again")
+    return raws
+
+
+def remove_resume_file(report: Report) -> None:
+    """Drop a finished sweep's resume file (run_sweep(keep_resume=True) leaves it for the caller
+    to remove once the winner is saved)."""
+    if report.resume_file:
+        Path(report.resume_file).unlink(missing_ok=True)
+
+
 def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", quick: bool = False,
               overrides: dict | None = None, repeats: int = 7, retime_top: int = 3, isolate: bool = True,
               timeout: float = 120.0, resume: bool = False, extra_options=(), on_start=None, on_result=None,
-              command: str = "", jobs: int | None = None) -> Report:
+              command: str = "", jobs: int | None = None, write_resume: bool = True,
+              keep_resume: bool = False) -> Report:
     """Sweep, choose, and return the report (nothing is written to the database here).
+
+    Each result goes to a resume file as it arrives (not with ``write_resume=False``); a sweep
+    that finishes removes it, unless ``keep_resume`` (the caller removes it once the winner is
+    saved: remove_resume_file), so that a failed save loses nothing.
 
     With ``isolate``, ``jobs`` processes (default: the host's cores on an attached GPU, else 1)
     build the configurations ahead of the timing worker (``Prebuilder``); 1 builds each in the
@@ -1062,12 +1103,7 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
                     date=_dt.datetime.now().isoformat(timespec="seconds"), command=command, kernel=kernel,
                     notes=_plan_notes(target, kernel, shape, dtype))
     rpath = resume_path(target, shape, dtype, configs, repeats, kernel)
-    raws = []
-    if resume and rpath.exists():
-        try:
-            raws = json.loads(rpath.read_text())["results"]
-        except (OSError, ValueError, KeyError):
-            raws = []
+    raws = _resumed(rpath, configs, report.notes) if resume and rpath.exists() else []
     done = {_key(r["params"]) for r in raws}
     todo = [p for p in configs if _key(p) not in done]
     report.results = [_finish(r, target, kernel, shape, dtype) for r in raws]
@@ -1094,7 +1130,8 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
                 runner = runner or (IsolatedRunner if isolate else InlineRunner)(setup, timeout)
                 raw = runner.evaluate(p)
             raws.append(raw)
-            _save_resume(rpath, raws)
+            if write_resume:
+                _save_resume(rpath, raws)
             res = _finish(raw, target, kernel, shape, dtype)
             report.results.append(res)
             if on_result:
@@ -1120,12 +1157,9 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
     order = {_key(p): i for i, p in enumerate(configs)}
     report.results.sort(key=lambda r: order.get(_key(r.params), len(order)))
     _choose(report)
-    if not report.interrupted:
-        try:
-            rpath.unlink()
-        except FileNotFoundError:
-            pass
-    report.resume_file = str(rpath)
+    report.resume_file = str(rpath) if write_resume else ""
+    if not report.interrupted and not keep_resume:
+        remove_resume_file(report)
     return report
 
 

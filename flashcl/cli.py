@@ -798,7 +798,8 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
 
 # --------------------------------------------------------------------------- export
 
-_EXPORT_SHAPE = "prefill:B,H_q,H_kv,N,d,causal or decode:B,H_q,H_kv,ctx,d (e.g. prefill:1,32,8,2048,128,1)"
+_EXPORT_SHAPE = ("prefill:B,H_q,H_kv,N,d,causal or decode:B,H_q,H_kv,ctx,d, d the head dim or DK/DV (e.g. "
+                 "prefill:1,32,8,2048,128,1 or decode:1,32,8,4096,192/128)")
 
 
 def _export_shapes_option(ctx, param, value):
@@ -810,7 +811,20 @@ def _export_shapes_option(ctx, param, value):
         kind = kind.strip().lower()
         if not sep or kind not in out:
             raise click.BadParameter(f"{text!r}: expected {_EXPORT_SHAPE}")
-        out[kind].append(_parse_shape(rest) if kind == "prefill" else _parse_tune_shape(rest, "decode"))
+        fields = rest.split(",")
+        dims = fields[4].split("/") if len(fields) > 4 else []
+        dv = None
+        if len(dims) == 2:  # DK/DV: parsed with DK, then DV checked as the API checks it
+            fields[4] = dims[0]
+            dv = _ints(text, [dims[1].strip()], "DV: an integer")[0]
+        shape = _parse_shape(",".join(fields)) if kind == "prefill" else _parse_tune_shape(",".join(fields), "decode")
+        if dv is not None:
+            try:
+                check_prefill_problem(shape[0], shape[1], shape[2], 1, 1, shape[4], dv)
+            except ValueError as exc:
+                raise click.BadParameter(f"{text!r}: {exc}") from None
+            shape = shape[:4] + ((shape[4], dv),) + shape[5:]
+        out[kind].append(shape)
     return out
 
 

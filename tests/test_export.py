@@ -350,6 +350,18 @@ def test_export_int8_float16_head_dim_not_a_multiple_of_16(cpu_device, tmp_path,
     assert_example_passes(out, toolchain, m)
 
 
+@pytest.mark.parametrize("kv_format", [None, "q8_0"])
+def test_export_dk_ne_dv(cpu_device, tmp_path, toolchain, kv_format):
+    """Head dims DK/DV (e.g. 192/128 in real models): the sources, the manifest's classes and the
+    example all take them."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", "float16", "--shape", "prefill:1,4,2,64,64/32,1",
+                  "--shape", "decode:1,4,2,64,96/64", *(["--kv-format", kv_format] if kv_format else []))
+    dims = {k["name"]: (k["problem"]["dk"], k["problem"]["dv"]) for k in m["kernels"]}
+    assert dims["flash_prefill"] == (64, 32) and dims["flash_decode"] == (96, 64), dims
+    assert_example_passes(out, toolchain, m)
+
+
 def test_the_example_catches_a_variant_or_format_left_out(cpu_device, tmp_path, toolchain):
     """Each variant and the format are checked for real: a source built with one of them off (its
     define flipped), or K/V packed with the q4_0 nibbles swapped, fails; the others stay right."""

@@ -389,7 +389,8 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
            dtype: str = "float16", command: str = "flashcl export", require_device: bool = False,
            check_build: bool = True, variants=(), kv_format: str | None = None) -> Result:
     """Write the export of ``prefill_shapes`` (B, H_q, H_kv, N, d, causal) and ``decode_shapes``
-    (B, H_q, H_kv, ctx, d) into the folder ``out``; None means the reference shapes. On an
+    (B, H_q, H_kv, ctx, d) into the folder ``out``, d the head dim of q, K and V or a pair (DK, DV);
+    None means the reference shapes. On an
     attached device each source is also built as written (``check_build``). ``variants``: one
     combination of VARIANTS' names, or a list of combinations (an empty one is the plain
     kernels), each exported in sources of its own; ``kv_format`` (one of KV_FORMATS) stores K and
@@ -401,7 +402,7 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
     if not prefill_shapes or not decode_shapes:
         raise ValueError("export needs at least one prefill and one decode shape (the example runs both)")
     combos = check_combinations(variants)
-    check_kv_format(kv_format, dtype, [s[4] for s in prefill_shapes] + [s[4] for s in decode_shapes])
+    check_kv_format(kv_format, dtype, [x for s in prefill_shapes + decode_shapes for x in _head_dims(s[4])])
     # decode takes no mask: combinations that differ only in it share the decode sources
     decode_combos = list(dict.fromkeys(_decode_variants(c) for c in combos))
     out = Path(out)
@@ -410,12 +411,13 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
     sources: dict = {}
 
     for combo, (b, hq, hkv, n, d, causal) in ((c, s) for c in combos for s in prefill_shapes):
-        prob = pre.PrefillProblem(b, hq, hkv, n, n, d, d, bool(causal), dtype, kv_format, kv_format)
+        dk, dv = _head_dims(d)
+        prob = pre.PrefillProblem(b, hq, hkv, n, n, dk, dv, bool(causal), dtype, kv_format, kv_format)
         choice = choose(target, "prefill", prob, n)
         origin, entry, defines = pre.program(prob, choice.params, write_lse=True, unroll_loops=not target.is_cpu,
                                              flags=_prefill_flags(combo))
         src = _source(sources, "prefill", origin, (entry,),
-                      {"dtype": dtype, "dk": d, "dv": d, "causal": bool(causal), **_class_extras(combo, kv_format)},
+                      {"dtype": dtype, "dk": dk, "dv": dv, "causal": bool(causal), **_class_extras(combo, kv_format)},
                       choice, defines, tuning.work_group_size("prefill", choice.params))
         gsize, lsize = pre.launch_grid(prob, choice.params)
         section = pre.head_section(prob, target.cache_bytes) if target.cache_bytes else None
@@ -424,15 +426,16 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
                                         "head_section": section}}))
 
     for combo, (b, hq, hkv, ctx, d) in ((c, s) for c in decode_combos for s in decode_shapes):
-        prob = dec.DecodeProblem(b, hq, hkv, d, d, True, dtype, kv_format, kv_format)
+        dk, dv = _head_dims(d)
+        prob = dec.DecodeProblem(b, hq, hkv, dk, dv, True, dtype, kv_format, kv_format)
         choice = choose(target, "decode", prob, ctx)
         shuffle = (target.handle is not None  # NVIDIA inline PTX: only where the device is known
-                   and dec.row_shuffle_ok(target.handle, choice.params, prob.group, d, d, dtype))
+                   and dec.row_shuffle_ok(target.handle, choice.params, prob.group, dk, dv, dtype))
         defines = dec.program_defines(prob, choice.params, row_shuffle=shuffle, unroll_merge=not target.is_cpu,
                                       variant_flags={x.upper(): 1 for x in combo})
-        wg = dec.work_group_size(choice.params, prob.group, d, d, dtype)
+        wg = dec.work_group_size(choice.params, prob.group, dk, dv, dtype)
         src = _source(sources, "decode", "decode.cl", ("flash_decode", "flash_decode_split", "flash_decode_merge"),
-                      {"dtype": dtype, "dk": d, "dv": d, "group": prob.group, "paged": True,
+                      {"dtype": dtype, "dk": dk, "dv": dv, "group": prob.group, "paged": True,
                        **_class_extras(combo, kv_format)}, choice, defines, wg)
         cus = target.compute_units
         splits = dec.choose_num_splits(cus, b * hkv, ctx, params=choice.params) if cus else None
@@ -506,6 +509,11 @@ def _prefill_flags(variants: tuple) -> dict | None:
     if not variants:
         return None
     return {**{x: x in variants for x in VARIANTS if x != "mask"}, "mask": "bool" if "mask" in variants else None}
+
+
+def _head_dims(d) -> tuple:
+    """(DK, DV) of a shape's head-dim field: one int for both, or the pair."""
+    return (d, d) if isinstance(d, int) else tuple(d)
 
 
 def check_kv_format(fmt: str | None, dtype: str, head_dims) -> None:

@@ -839,19 +839,21 @@ def _export_variants_option(ctx, param, value):
     kernels); an unknown name is a usage error."""
     combos = []
     for text in value:
-        names = [x.strip().lower() for x in text.split(",") if x.strip() and x.strip().lower() != "none"]
-        unknown = [x for x in names if x not in _EXPORT_VARIANTS]
+        names = [x.strip().lower() for x in text.split(",") if x.strip()]
+        unknown = [x for x in names if x not in _EXPORT_VARIANTS + ("none",)]
         if unknown:
             raise click.BadParameter(f"unknown {', '.join(map(repr, unknown))}; choose any of "
                                      f"{', '.join(_EXPORT_VARIANTS)} (comma-separated), or none")
-        combos.append(tuple(names))
+        if "none" in names and len(names) > 1:
+            raise click.BadParameter(f"{text!r}: none stands alone (the plain kernels)")
+        combos.append(tuple(x for x in names if x != "none"))
     return combos
 
 
 @main.command("export")
 @click.option("--device", default=None,
-              help="Device: substring, P:D, or a profile name (adreno, adreno-6xx, mali, apple, intel, nvidia, "
-                   "cpu); a profile with no such device attached exports its modeled tiles (model mode).")
+              help="Device: substring, P:D, or a profile name (adreno, adreno-6xx, adreno-8xx, mali, apple, intel, "
+                   "nvidia, cpu); a profile with no such device attached exports its modeled tiles (model mode).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Folder to write: new, empty, or a previous export (whose files are replaced).")
 @click.option("--shape", "shapes", multiple=True, callback=_export_shapes_option,

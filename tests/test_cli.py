@@ -202,6 +202,7 @@ def _one_error_line(r, code):
     (["bench", "decode", "--head-dim", "40", "--kv-format", "q8_0"], "head dim 40 is not a multiple of 32"),
     (["bench", "decode", "--kv-format", "fp8_e4m3"], "use --backend triton"),
     (["export", "--shape", "decode:1,4,2,64,96/12"], "head dim 12 is not supported"),
+    (["export", "--variants", "none,window"], "none stands alone"),
     (["export", "--shape", "prefill:1,4,2,64,96/x,1"], "DV: an integer"),
     (["show-config", "--device", "adreno", "--d", "12"], "head dim 12 is not supported"),
     (["show-config", "--device", "adreno", "--dv", "0"], "head dim 0 is not supported"),

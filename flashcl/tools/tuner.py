@@ -131,7 +131,7 @@ def resolve_target(spec: str | None, *, require_device: bool = False) -> Target:
             handle = get_device(spec)
         except (ValueError, RuntimeError) as exc:
             raise TunerError(f"{exc}. Run `flashcl devices` to list devices; a profile name "
-                             f"({', '.join(_profile_names())}) tunes in model mode") from None
+                             f"({', '.join(_profile_names())}) without its device runs in model mode") from None
         return _measured(handle)
     want = spec.strip().lower()
     for r in rows:  # an attached device of that profile (a bare family name matches its variants)

@@ -578,7 +578,7 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
         m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
         w = torch.exp(xp_l - m_safe)
         den = w.sum(0)
-        part = torch.where(w[..., None] > 0, w[..., None] * xp_o, torch.zeros_like(xp_o))
+        part = torch.where(torch.isneginf(xp_l)[..., None], torch.zeros_like(xp_o), w[..., None] * xp_o)
         out = part.sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
         lse = torch.where(den > 0, m_safe + torch.log(torch.where(den > 0, den, torch.ones_like(den))),
                           torch.full_like(den, -float("inf")))
@@ -594,7 +594,7 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
         w = np.exp(l - m_safe)
         den = w.sum(0)
         seen = den > 0
-        part = np.where(w[..., None] > 0, w[..., None] * o, 0.0)
+        part = np.where(np.isneginf(l)[..., None], 0.0, w[..., None] * o)
         out = part.sum(0) / np.where(seen, den, 1.0)[..., None]
         lse = np.where(seen, m_safe + np.log(np.where(seen, den, 1.0)), -np.inf)
     bad = (np.isnan(l) | np.isposinf(l)).any(0)

@@ -269,7 +269,8 @@ def quantize(x, fmt: str) -> QuantizedTensor:
         return _quantize_fp8(x)
     xf = _float32_of(x)
     ops = _ops(xf)
-    with np.errstate(over="ignore"):  # a d past fp16 is refused below (_check_ggml_range)
+    # a d past fp16 is refused below (_check_ggml_range); NaN and inf blocks pass through as they are
+    with np.errstate(over="ignore", invalid="ignore"):
         if fmt == "int8":
             data, scales = _quantize_int8(xf, ops)
         else:
@@ -278,7 +279,7 @@ def quantize(x, fmt: str) -> QuantizedTensor:
     # C-contiguous whatever x's strides (elementwise ops keep a transposed input's layout)
     data, scales = _contiguous(data), None if scales is None else _contiguous(scales)
     if fmt in BLOCK_BYTES and not (_is_torch(data) and data.device.type != "cpu"):  # no device sync
-        _check_ggml_range(data, fmt, x.dtype)
+        _check_ggml_range(xf, data, fmt, x.dtype)
     if _is_cl(x):
         import pyopencl.array as cla
         data = cla.to_device(x.queue, data)
@@ -293,22 +294,25 @@ def _contiguous(a):
     return a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
 
 
-def _check_ggml_range(data, fmt: str, dtype) -> None:
-    """ValueError where a block's d is not finite in fp16 (|x| past 127 x 65504 for q8_0, 8 x
-    65504 for q4_0), or where the block's largest value, 127 d or -8 d, rounds past a float16
-    cache's range (d rounded up: a float16 65504 becomes 127 x 516), which would attend inf."""
+def _check_ggml_range(xf, data, fmt: str, dtype) -> None:
+    """ValueError where a block of finite values gets a d that is not finite in fp16 (|x| past
+    127 x 65504 for q8_0, 8 x 65504 for q4_0), or a largest value, 127 d or -8 d, that rounds past
+    a float16 cache's range (d rounded up: a float16 65504 becomes 127 x 516). A block holding NaN
+    or inf (an unwritten slot's garbage) stays non-finite, as it went in."""
+    if not data.shape[-2]:
+        return
     d = _ggml_scales(data)
     d = np.abs((d.float().numpy() if _is_torch(d) else d).astype(np.float64))
-    if not d.size:
-        return
-    top = d.max() * (127 if fmt == "q8_0" else 8)
-    if not np.isfinite(top):
+    amax = np.abs(np.asarray(_ggml_blocks(xf.numpy() if _is_torch(xf) else xf), np.float64)).max(-1)
+    finite = np.isfinite(amax)
+    top = d * (127 if fmt == "q8_0" else 8)
+    if (finite & ~np.isfinite(d)).any():
         limit = "127" if fmt == "q8_0" else "8"
         raise ValueError(f"x: {fmt} needs each block's scale d finite in fp16, so |x| <= {limit} x 65504; "
-                         "the values are past that")
-    if "float16" in str(dtype) and "bfloat16" not in str(dtype) and top >= 65520:  # fp16 rounds it to inf
-        raise ValueError(f"x: a {fmt} block's largest value dequantizes to {top:g} (its fp16 d rounded up), "
-                         "past float16's 65504: scale the cache down or quantize it from float32")
+                         f"got a block of |x| up to {amax[finite & ~np.isfinite(d)].max():g}")
+    if "float16" in str(dtype) and "bfloat16" not in str(dtype) and (finite & (top >= 65520)).any():
+        raise ValueError(f"x: a {fmt} block's largest value dequantizes to {top[finite].max():g} (its fp16 d "
+                         "rounded up), past float16's 65504: scale the cache down or quantize it from float32")
 
 
 def _quantize_fp8(x) -> QuantizedTensor:

@@ -64,6 +64,17 @@ def test_values_whose_scale_is_not_finite_in_fp16_are_refused(fmt, top):
         flashcl.quantize(torch.from_numpy(x), fmt)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_blocks_holding_nan_or_inf_quantize_as_before(fmt):
+    """An unwritten cache's garbage (NaN, inf) is not refused: those blocks stay non-finite and
+    the others round-trip."""
+    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float16)
+    x[0, 5], x[1, 40] = np.nan, np.inf
+    back = flashcl.dequantize(flashcl.quantize(x, fmt)).astype(np.float32)
+    assert not np.isfinite(back[0, :32]).all() and not np.isfinite(back[1, 32:]).all()
+    assert np.isfinite(back[2]).all() and np.isfinite(back[0, 32:]).all() and np.isfinite(back[1, :32]).all()
+
+
 def test_float32_values_of_the_largest_fp16_scale_round_trip():
     """A float32 cache holds 127 x 516 = 65532: the block is not refused, and comes back finite."""
     x = np.zeros((1, 32), np.float32)

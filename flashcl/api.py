@@ -226,7 +226,7 @@ def _per_head(x, name: str, shapes: tuple):
         if bad.any():
             allowed = "finite values" if name == "alibi_slopes" else "finite values or -inf (no sink)"
             raise ValueError(f"{name}: expected {allowed}, got {host[bad].flat[0]}")
-        _check_float32_range(host, name)
+        _check_float32_range(host, name, both_signs=name == "alibi_slopes")
     if _is_torch(arr):
         import torch
 
@@ -244,12 +244,14 @@ def _values_checkable(x) -> bool:
     return not x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _check_float32_range(x: np.ndarray, name: str) -> None:
-    """Kernels take these values as float32: a finite value past its range would become inf."""
+def _check_float32_range(x: np.ndarray, name: str, both_signs: bool = False) -> None:
+    """Kernels take these values as float32: a finite value past its range would become inf. A
+    mask's or a sink's large negative value becomes -inf, which hides the key or the sink as meant."""
     finite = x[np.isfinite(x)]
-    if finite.size and np.abs(finite).max() > np.finfo(np.float32).max:
-        raise ValueError(f"{name}: {np.abs(finite).max():.3g} is past float32's range, which the "
-                         "kernels compute in (it would become inf)")
+    top = (np.abs(finite) if both_signs else finite).max(initial=0.0)
+    if top > np.finfo(np.float32).max:
+        raise ValueError(f"{name}: {top:.3g} is past float32's range, which the kernels compute in "
+                         "(it would become inf)")
 
 
 def _slopes(x, b: int, h_q: int):

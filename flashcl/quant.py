@@ -262,6 +262,17 @@ def quantize(x, fmt: str) -> QuantizedTensor:
     pyopencl Array of float32/float16; any shape ending in the head dim) to ``fmt`` (one of
     FORMATS) along its last dim. data/scales are of ``x``'s kind (torch on its device, pyopencl
     on its queue)."""
+    return _quantize(x, fmt, _dtype_name(x.dtype))
+
+
+def _dtype_name(dtype) -> str:
+    """'float16', ... of a numpy (either byte order) or torch dtype."""
+    return str(dtype).replace("torch.", "") if type(dtype).__module__.startswith("torch") else np.dtype(dtype).name
+
+
+def _quantize(x, fmt: str, logical: str) -> QuantizedTensor:
+    """quantize, its range checks judged for a cache of dtype ``logical`` (quantize_into: the
+    cache's, whatever kind the new tokens came in)."""
     _check_fmt(fmt)
     if len(x.shape) < 1:
         raise ValueError("quantize needs at least one dim (the head dim)")
@@ -279,7 +290,7 @@ def quantize(x, fmt: str) -> QuantizedTensor:
     # C-contiguous whatever x's strides (elementwise ops keep a transposed input's layout)
     data, scales = _contiguous(data), None if scales is None else _contiguous(scales)
     if fmt in BLOCK_BYTES and not (_is_torch(data) and data.device.type != "cpu"):  # no device sync
-        _check_ggml_range(xf, data, fmt, x.dtype)
+        _check_ggml_range(xf, data, fmt, logical)
     if _is_cl(x):
         import pyopencl.array as cla
         data = cla.to_device(x.queue, data)
@@ -294,7 +305,7 @@ def _contiguous(a):
     return a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
 
 
-def _check_ggml_range(xf, data, fmt: str, dtype) -> None:
+def _check_ggml_range(xf, data, fmt: str, dtype: str) -> None:
     """ValueError where a block of finite values gets a d that is not finite in fp16 (|x| past
     127 x 65504 for q8_0, 8 x 65504 for q4_0), or a largest value, 127 d or -8 d, that rounds past
     a float16 cache's range (d rounded up: a float16 65504 becomes 127 x 516). A block holding NaN
@@ -303,14 +314,13 @@ def _check_ggml_range(xf, data, fmt: str, dtype) -> None:
         return
     d = _ggml_scales(data)
     d = np.abs((d.float().numpy() if _is_torch(d) else d).astype(np.float64))
-    amax = np.abs(np.asarray(_ggml_blocks(xf.numpy() if _is_torch(xf) else xf), np.float64)).max(-1)
-    finite = np.isfinite(amax)
+    finite = np.isfinite(np.abs(_ggml_blocks(xf.numpy() if _is_torch(xf) else xf)).max(-1))
     top = d * (127 if fmt == "q8_0" else 8)
     if (finite & ~np.isfinite(d)).any():
         limit = "127" if fmt == "q8_0" else "8"
         raise ValueError(f"x: {fmt} needs each block's scale d finite in fp16, so |x| <= {limit} x 65504; "
-                         f"got a block of |x| up to {amax[finite & ~np.isfinite(d)].max():g}")
-    if "float16" in str(dtype) and "bfloat16" not in str(dtype) and (finite & (top >= 65520)).any():
+                         "the values are past that")
+    if dtype == "float16" and (finite & (top >= 65520)).any():
         raise ValueError(f"x: a {fmt} block's largest value dequantizes to {top[finite].max():g} (its fp16 d "
                          "rounded up), past float16's 65504: scale the cache down or quantize it from float32")
 
@@ -405,7 +415,7 @@ def _cl_to_host(x) -> np.ndarray:
     lo = x.offset + sum(min(0, v) for v in span)
     hi = x.offset + sum(max(0, v) for v in span) + x.dtype.itemsize
     raw = np.empty(hi - lo, np.uint8)
-    cl.enqueue_copy(x.queue, raw, x.base_data, src_offset=lo, is_blocking=True)
+    cl.enqueue_copy(x.queue, raw, x.base_data, src_offset=lo, wait_for=x.events, is_blocking=True)
     return np.ndarray(x.shape, x.dtype, buffer=raw, offset=x.offset - lo, strides=x.strides).copy()
 
 
@@ -444,13 +454,13 @@ def quantize_into(qt: QuantizedTensor, block_ids, slots, x) -> None:
     if len(qt.shape) != 4 or len(x.shape) != 3 or tuple(x.shape[1:]) != qt.shape[2:]:
         raise ValueError("quantize_into writes x (n, H_kv, D) into a paged cache (num_blocks, "
                          f"block_size, H_kv, D); got x {tuple(x.shape)} and cache {qt.shape}")
-    x_dtype, cache_dtype = (str(t).replace("torch.", "") for t in (x.dtype, qt.dtype))
+    x_dtype, cache_dtype = _dtype_name(x.dtype), _dtype_name(qt.dtype)
     if x_dtype != cache_dtype and cache_dtype != "float32":  # 16-bit tokens widen into float32 exactly
         raise TypeError(f"x: the cache holds {cache_dtype} values (quantized from {cache_dtype}); got {x_dtype}")
     n = int(x.shape[0])
     block_ids = _indices(block_ids, "block_ids", n, qt.shape[0], qt.data)
     slots = _indices(slots, "slots", n, qt.shape[1], qt.data)
-    new = quantize(_as_kind_of(x, qt.data), qt.fmt)
+    new = _quantize(_as_kind_of(x, qt.data), qt.fmt, cache_dtype)
     _scatter_rows(qt.data, block_ids, slots, new.data)
     if qt.fmt == "int8":
         _scatter_rows(qt.scales, block_ids, slots, new.scales)

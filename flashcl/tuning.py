@@ -823,8 +823,8 @@ def _read(path: Path) -> dict:
         if not stat.S_ISREG(st.st_mode):
             raise TuningDatabaseError(f"tuning database {path} is not a regular file; fix or delete it")
         if st.st_size > _MAX_DB_BYTES:
-            raise TuningDatabaseError(f"tuning database {path} is {st.st_size >> 20} MiB, past the "
-                                      f"{_MAX_DB_BYTES >> 20} MiB a database can be; fix or delete it")
+            raise TuningDatabaseError(f"tuning database {path} is {st.st_size} bytes, past the "
+                                      f"{_MAX_DB_BYTES} a database can be; fix or delete it")
         data = json.loads(Path(path).read_bytes())
     except json.JSONDecodeError as exc:
         raise TuningDatabaseError(f"tuning database {path} is not valid JSON ({exc}); fix or delete it") from None

@@ -100,6 +100,19 @@ def test_quantize_into_checks_torch_cpu_indices(bad, match):
     assert torch.equal(cache.data, before)
 
 
+def test_quantize_into_judges_the_range_for_the_cache_dtype():
+    """torch float16 tokens into a numpy float16 cache (made float32 numpy on the way) are still
+    checked as float16: 65504 would dequantize to inf there."""
+    torch = pytest.importorskip("torch")
+    cache = flashcl.quantize(np.zeros((2, 2, 1, 32), np.float16), "q8_0")
+    x = torch.zeros(1, 1, 32, dtype=torch.float16)
+    x[0, 0, 0] = 65504.0
+    with pytest.raises(ValueError, match="past float16's 65504"):
+        flashcl.quantize_into(cache, np.array([0]), np.array([0]), x)
+    flashcl.quantize_into(cache, np.array([0]), np.array([0]), np.ones((1, 1, 32), ">f2"))  # either byte order
+    assert (flashcl.dequantize(cache)[0, 0, 0] == 1).all()
+
+
 def test_quantize_into_refuses_tokens_of_another_dtype():
     cache = flashcl.quantize(np.zeros((2, 2, 1, 32), np.float16), "int8")
     x = np.ones((1, 1, 32), np.float32)
@@ -162,21 +175,25 @@ def test_merge_states_makes_a_positive_infinite_lse_nan(lib):
 # --------------------------------------------------------------------------- variant arrays
 
 def test_float64_mask_past_float32_range_is_refused(cpu_device):
+    """A positive value past float32 would become +inf; a negative one becomes -inf, which hides
+    the key as float64's minimum (transformers' "hide") means it to."""
     q = np.zeros((1, 1, 2, 32), np.float32)
     k = v = np.ones((1, 1, 4, 32), np.float32)
     mask = np.zeros((2, 4))
-    mask[0] = -1e39
-    with pytest.raises(ValueError, match="mask: .*past float32's range"):
+    mask[1, 0] = 1e39
+    with pytest.raises(ValueError, match="mask: 1e\\+39 is past float32's range"):
         flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
-    mask[0] = -np.inf  # what hides a key
-    out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
-    assert (out[0, 0, 0] == 0).all() and (out[0, 0, 1] == 1).all()
+    for hide in (-np.inf, np.finfo(np.float64).min, -1e39):
+        mask[1, 0], mask[0] = 0.0, hide
+        out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+        assert (out[0, 0, 0] == 0).all() and (out[0, 0, 1] == 1).all()
 
 
 @pytest.mark.parametrize("name, value, match", [
     ("sinks", np.nan, "finite values or -inf"),
     ("sinks", np.inf, "finite values or -inf"),
     ("sinks", 1e300, "past float32's range"),
+    ("alibi_slopes", -1e300, "past float32's range"),
     ("alibi_slopes", np.nan, "finite values"),
     ("alibi_slopes", -np.inf, "finite values"),
 ])

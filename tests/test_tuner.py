@@ -414,13 +414,15 @@ def test_resume_keeps_only_well_formed_results_of_this_plan(cpu_device):
     path = Path(rep.resume_file)
     data = json.loads(path.read_text())
     alien = dict(data["results"][0], params=dict(data["results"][0]["params"], BLOCK_M=512), times_ms=[1e-3] * 5)
-    data["results"][0]["times_ms"] = "fast"
-    path.write_text(json.dumps({"version": 1, "results": data["results"] + [alien]}))
+    good = data["results"][0]
+    bools = dict(good, times_ms=[True] * 5)
+    text = dict(good, times_ms="fast")
+    path.write_text(json.dumps({"version": 1, "results": [text, alien, bools, good, good]}))  # good twice
     starts = []
     rep2 = tuner.run_sweep(target, shape, "float32", overrides=over, repeats=5, isolate=False, resume=True,
                            on_start=lambda todo, done: starts.append((todo, done)))
-    assert starts == [(2, 0)] and rep2.winner is not None and rep2.winner.params["BLOCK_M"] in (32, 64)
-    assert any("2 results of resume file" in n and "left out" in n for n in rep2.notes), rep2.notes
+    assert starts == [(1, 1)] and len(rep2.results) == 2 and rep2.winner.params["BLOCK_M"] in (32, 64)
+    assert any("4 results of resume file" in n and "left out" in n for n in rep2.notes), rep2.notes
     path.write_text("{garbage")
     _, _, _, rep3 = _interrupted_sweep(cpu_device, resume=True)
     assert any("unreadable" in n for n in rep3.notes), rep3.notes

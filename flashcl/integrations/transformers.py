@@ -96,21 +96,20 @@ def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
 
 def _cached_plan(mask, n_q: int, n_kv: int) -> Plan:
     """plan_for_mask, kept on the mask tensor itself: every layer of a kind gets the same mask
-    object in one forward, and the plan dies with it. An in-place change to the mask invalidates
-    it: through the version counter, or for inference tensors, which keep none, a copy of the
-    mask compared with it (one read, against plan_for_mask's several)."""
+    object in one forward, and the plan dies with it. An in-place change invalidates it: seen by
+    the version counter, or (inference tensors keep none) by a copy compared with the mask."""
     import torch
 
     try:
-        version, copy = mask._version, None
+        version = mask._version
     except RuntimeError:
-        version, copy = None, mask.clone()
+        version = None
     key = (version, n_q, n_kv)
     held = getattr(mask, "_flashcl_plan", None)
     if held is not None and held[0] == key and (held[2] is None or torch.equal(held[2], mask)):
         return held[1]
     plan = plan_for_mask(mask, n_q, n_kv)
-    mask._flashcl_plan = (key, plan, copy)
+    mask._flashcl_plan = (key, plan, mask.clone() if version is None else None)
     return plan
 
 

@@ -1053,18 +1053,22 @@ def _resumed(rpath: Path, configs: list, notes: list) -> list:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         notes.append(f"resume file {rpath} unreadable ({exc}); the sweep starts over")
         return []
+    def number(x, positive=False):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and (not positive or x > 0)
+
     planned = {_key(p): p for p in configs}
-    raws = []
+    raws, taken = [], set()
     for r in loaded:
         try:
-            times = r.get("times_ms") or []
             ok = (isinstance(r["status"], str) and isinstance(r.get("info") or {}, dict)
-                  and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times))
-            params = planned.get(_key(r["params"])) if ok and isinstance(r["params"], dict) else None
+                  and all(number(t, True) and math.isfinite(t) for t in r.get("times_ms") or [])
+                  and all(number(r[f]) for f in ("rel_err", "build_s") if f in r))
+            key = _key(r["params"]) if ok and isinstance(r["params"], dict) else None
         except (AttributeError, KeyError, TypeError):
-            params = None
-        if params is not None:
-            raws.append({**r, "params": dict(params)})
+            key = None
+        if key in planned and key not in taken:
+            taken.add(key)
+            raws.append({**r, "params": dict(planned[key])})
     if len(raws) < len(loaded):
         notes.append(f"{len(loaded) - len(raws)} results of resume file {rpath} left out (malformed, or not "
                      "in this sweep's plan): measured again")

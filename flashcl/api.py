@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
+from .quant import dtype_name as _dtype_name
 from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
@@ -57,13 +58,6 @@ def _kind(x, name: str) -> str:
     raise TypeError(
         f"{name}: expected a numpy array, a torch tensor or a pyopencl Array, got {type(x).__name__}"
     )
-
-
-def _dtype_name(x) -> str:
-    """The dtype's name; a QuantizedTensor's is its logical dtype (the one it was quantized from)."""
-    if type(x.dtype).__module__ == "torch":
-        return str(x.dtype).replace("torch.", "")
-    return np.dtype(x.dtype).name
 
 
 def _check_head_dim(name: str, d: int) -> None:

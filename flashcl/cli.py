@@ -278,7 +278,7 @@ def _variant_kwargs(window, softcap, mask=None, sinks=False, alibi=False) -> dic
     return {"variants": variants} if variants else {}
 
 
-def _check_kv_format(kv_format: str, backend: str, kernel: str, head_dims) -> None:
+def _check_bench_kv_format(kv_format: str, backend: str, kernel: str, head_dims) -> None:
     """Exit 2 where the backend's ``kernel`` does not take ``kv_format`` or a head dim is not whole
     ggml blocks (before any build)."""
     from .api import QUANTIZED_KV_FORMATS
@@ -359,7 +359,7 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
             _fail("--kv-format: time it without --window/--softcap/--mask (the quantized call is the plain one)",
                   EXIT_USAGE)
         extra["kv_format"] = kv_format
-        _check_kv_format(kv_format, backend, "prefill", {s[4] for s in shapes})
+        _check_bench_kv_format(kv_format, backend, "prefill", {s[4] for s in shapes})
     if backend == "triton":
         tb = _triton_bench("prefill")
         rows = tb.run(shapes=list(shapes) or None, dtype=dtype, rounds=rounds, **extra)
@@ -484,7 +484,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     extra = _variant_kwargs(window, softcap, sinks=sinks, alibi=alibi)
     if kv_format not in (None, "float16"):
         extra["kv_format"] = kv_format
-        _check_kv_format(kv_format, backend, "decode", {head_dim})
+        _check_bench_kv_format(kv_format, backend, "decode", {head_dim})
     if backend == "triton" and kernel != "auto":
         _fail("--kernel picks an OpenCL decode kernel (--backend opencl)", EXIT_USAGE)
     if backend == "triton":
@@ -658,7 +658,7 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
                                  repeats=repeats, retime_top=retime, isolate=not no_isolate, timeout=timeout,
                                  resume=resume, extra_options=extra_options, on_start=on_start,
                                  on_result=on_result, command=command, write_resume=not no_save,
-                                 keep_resume=not no_save)
+                                 keep_resume=True)
     finally:
         if "bar" in bar_ctx:
             bar_ctx["bar"].__exit__(None, None, None)
@@ -682,8 +682,7 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
         except OSError as exc:
             _fail(f"cannot write the tuning database ({exc}); choose another file with --output (the "
                   f"measurements are kept: rerun with --resume)", EXIT_DATABASE)
-    if not no_save:
-        tuner.remove_resume_file(report)  # saved, or no winner to save
+    tuner.remove_resume_file(report)  # saved, or no winner to save (--no-save: there is none)
     if as_json:
         _echo_json(report.as_dict())
     else:

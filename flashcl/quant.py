@@ -241,13 +241,11 @@ _FLOAT_NAMES = ("float32", "float16", "bfloat16")
 def _float32_of(x):
     """x as float32 in the kind its math runs in (torch on its device, else NumPy)."""
     if _is_torch(x):
-        if str(x.dtype).replace("torch.", "") not in _FLOAT_NAMES:
+        if dtype_name(x) not in _FLOAT_NAMES:
             raise TypeError(f"quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
         return x.detach().float()
     x = _cl_to_host(x) if _is_cl(x) else np.asarray(x)
-    if x.dtype.newbyteorder("=") in (np.float32, np.float16):  # either byte order: astype swaps
-        x = x.astype(x.dtype.newbyteorder("="))
-    if x.dtype not in (np.float32, np.float16):
+    if dtype_name(x) not in ("float32", "float16"):  # either byte order: astype swaps
         raise TypeError(f"quantize takes float32 or float16 arrays (bfloat16 as torch), got {x.dtype}")
     return x.astype(np.float32)
 
@@ -262,12 +260,15 @@ def quantize(x, fmt: str) -> QuantizedTensor:
     pyopencl Array of float32/float16; any shape ending in the head dim) to ``fmt`` (one of
     FORMATS) along its last dim. data/scales are of ``x``'s kind (torch on its device, pyopencl
     on its queue)."""
-    return _quantize(x, fmt, _dtype_name(x.dtype))
+    return _quantize(x, fmt, dtype_name(x))
 
 
-def _dtype_name(dtype) -> str:
-    """'float16', ... of a numpy (either byte order) or torch dtype."""
-    return str(dtype).replace("torch.", "") if type(dtype).__module__.startswith("torch") else np.dtype(dtype).name
+def dtype_name(x) -> str:
+    """The name of ``x``'s dtype ('float16', ...; numpy of either byte order, torch, pyopencl); a
+    QuantizedTensor's is its logical dtype (the one it was quantized from)."""
+    if type(x.dtype).__module__ == "torch":
+        return str(x.dtype).replace("torch.", "")
+    return np.dtype(x.dtype).name
 
 
 def _quantize(x, fmt: str, logical: str) -> QuantizedTensor:
@@ -454,7 +455,7 @@ def quantize_into(qt: QuantizedTensor, block_ids, slots, x) -> None:
     if len(qt.shape) != 4 or len(x.shape) != 3 or tuple(x.shape[1:]) != qt.shape[2:]:
         raise ValueError("quantize_into writes x (n, H_kv, D) into a paged cache (num_blocks, "
                          f"block_size, H_kv, D); got x {tuple(x.shape)} and cache {qt.shape}")
-    x_dtype, cache_dtype = _dtype_name(x.dtype), _dtype_name(qt.dtype)
+    x_dtype, cache_dtype = dtype_name(x), dtype_name(qt)
     if x_dtype != cache_dtype and cache_dtype != "float32":  # 16-bit tokens widen into float32 exactly
         raise TypeError(f"x: the cache holds {cache_dtype} values (quantized from {cache_dtype}); got {x_dtype}")
     n = int(x.shape[0])

@@ -282,10 +282,9 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 return qkern(qd, kd, vd, out, lse, td, ld, scale, qauto)
 
             quant_ms = statistics.median(event_times(run_quant, repeats))
-            # the oracle reads KV head 0 only
-            k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv)) if check else (None, None)
             quant_err = float("nan")
             if check:
+                k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv))  # the oracle reads KV head 0
                 for ev in run_quant(0):
                     ev.wait()
                 quant_err = rel_err_of_first({}, k_deq, v_deq)

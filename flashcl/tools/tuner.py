@@ -1042,6 +1042,10 @@ def _save_resume(path: Path, raws: list):
     os.replace(tmp, path)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _resumed(rpath: Path, configs: list, notes: list) -> list:
     """The results of a resume file that belong to this sweep's plan, each with the plan's own
     params; an unreadable file, or results that are malformed or not in the plan, are left out
@@ -1053,16 +1057,13 @@ def _resumed(rpath: Path, configs: list, notes: list) -> list:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         notes.append(f"resume file {rpath} unreadable ({exc}); the sweep starts over")
         return []
-    def number(x, positive=False):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and (not positive or x > 0)
-
     planned = {_key(p): p for p in configs}
     raws, taken = [], set()
     for r in loaded:
         try:
             ok = (isinstance(r["status"], str) and isinstance(r.get("info") or {}, dict)
-                  and all(number(t, True) and math.isfinite(t) for t in r.get("times_ms") or [])
-                  and all(number(r[f]) for f in ("rel_err", "build_s") if f in r))
+                  and all(_is_number(t) and math.isfinite(t) and t > 0 for t in r.get("times_ms") or [])
+                  and all(_is_number(r[f]) for f in ("rel_err", "build_s") if f in r))
             key = _key(r["params"]) if ok and isinstance(r["params"], dict) else None
         except (AttributeError, KeyError, TypeError):
             key = None

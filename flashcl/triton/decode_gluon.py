@@ -631,6 +631,11 @@ if gluon is not None:
         return halves
 
     @gluon.jit
+    def _rows_lo(x, like):
+        """``x`` broadcast to ``like``'s shape ([W, 16, D] in the mma layout), its rows 0 .. 7."""
+        return _row_halves(gl.broadcast(x, like)[0])[0]
+
+    @gluon.jit
     def _join_row_halves(lo, hi):
         """_row_halves undone: [W, 16, D] or [W, 16] (in a layout equal to the mma layout or its
         row slice)."""
@@ -983,7 +988,7 @@ if gluon is not None:
         # measured slower with it (docs/notes/quantized-decode.md, "Scores of the group's rows only")
         HALF: gl.constexpr = (GROUP <= 8) and (SOFTCAP or ALIBI or (K_FMT == "int8") or (V_FMT == "int8")) \
             and not K_GGML and not V_GGML
-        if HALF:
+        if HALF:  # reductions of constant tiles: m_i and l_i in the layout the loop's reductions give
             m_i = gl.max(_row_halves(gl.full([W, 16, 16], float("-inf"), gl.float32, MMA))[0], 2)
             l_i = gl.sum(_row_halves(gl.zeros([W, 16, 16], gl.float32, MMA))[0], 2)
         else:
@@ -1059,13 +1064,13 @@ if gluon is not None:
             k_scale = ks if K_FMT == "int8" else 1.0
             v_scale = vs if V_FMT == "int8" else 1.0
             if HALF:
-                key = _row_halves(gl.broadcast(key, s)[0])[0]
+                key = _rows_lo(key, s)
                 if ALIBI:
-                    row_slopes = _row_halves(gl.broadcast(slopes, s)[0])[0]
+                    row_slopes = _rows_lo(slopes, s)
                 if K_FMT == "int8":
-                    k_scale = _row_halves(gl.broadcast(ks, s)[0])[0]
+                    k_scale = _rows_lo(ks, s)
                 if V_FMT == "int8":
-                    v_scale = _row_halves(gl.broadcast(vs, s)[0])[0]
+                    v_scale = _rows_lo(vs, s)
                 s = _row_halves(s)[0]
             if K_FMT == "int8":
                 s = s * k_scale
@@ -1091,7 +1096,7 @@ if gluon is not None:
                     alpha = gl.convert_layout(_join_row_halves(alpha, gl.full_like(alpha, 1.0)), ROWS,
                                               assert_trivial=True)
                 acc_lo, acc_hi = _row_halves(acc)
-                alpha_lo = _row_halves(gl.broadcast(gl.expand_dims(alpha, 2), acc)[0])[0]
+                alpha_lo = _rows_lo(gl.expand_dims(alpha, 2), acc)
                 acc = gl.convert_layout(_join_row_halves(acc_lo * alpha_lo, acc_hi), MMA, assert_trivial=True)
             else:
                 acc = acc * gl.expand_dims(alpha, 2)

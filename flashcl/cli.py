@@ -426,6 +426,26 @@ def _split_counts(text):
     return counts
 
 
+def _knob_option(ctx, param, values) -> dict:
+    """--knob KEY=VALUE ...: the decode plan's knobs by name, each value an integer, true, false or
+    none (which knob takes which: decode_plan.check_knobs, called before the run)."""
+    words = {"true": True, "false": False, "none": None}
+    knobs = {}
+    for text in values:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{text!r}: expected KEY=VALUE", param_hint=["--knob"])
+        if value.lower() in words:
+            knobs[key] = words[value.lower()]
+        else:
+            try:
+                knobs[key] = int(value)
+            except ValueError:
+                raise click.BadParameter(f"{text!r}: the value is an integer, true, false or none",
+                                         param_hint=["--knob"]) from None
+    return knobs
+
+
 @bench.command("decode")
 @click.option("--device", default=None, help="Device: substring, profile name or P:D (default: first GPU).")
 @click.option("--backend", type=click.Choice(["opencl", "triton"]), default="opencl", show_default=True)
@@ -462,9 +482,13 @@ def _split_counts(text):
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl"]), default="auto", show_default=True,
               help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, else decode.cl) or decode.cl "
                    "everywhere (the kernel Adreno and float32 calls run).")
+@click.option("--knob", "knobs", multiple=True, callback=_knob_option,
+              help="Triton: a launch knob every flashcl call of the run takes, the float16 baseline included, "
+                   "KEY=VALUE (repeatable; values are integers, true, false or none), e.g. "
+                   "gqa_programs_per_sm=3.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, block_order, repeats, rounds,
-                 splits, sweep_tiles, window, softcap, sinks, alibi, kv_format, kernel, as_json):
+                 splits, sweep_tiles, window, softcap, sinks, alibi, kv_format, kernel, knobs, as_json):
     """Decode throughput (TB/s and % of the copy bandwidth measured in the same run)."""
     command = "flashcl " + " ".join(sys.argv[1:])
     try:
@@ -487,6 +511,15 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         _check_bench_kv_format(kv_format, backend, "decode", {head_dim})
     if backend == "triton" and kernel != "auto":
         _fail("--kernel picks an OpenCL decode kernel (--backend opencl)", EXIT_USAGE)
+    if backend == "triton" and knobs:
+        from .triton import decode_plan
+
+        try:
+            decode_plan.check_knobs(knobs)
+        except (KeyError, ValueError) as exc:
+            _fail(f"--knob: {exc.args[0]}", EXIT_USAGE)
+        if sweep_tiles:
+            _fail("--knob and --sweep-tiles: the sweep sets the tile itself; give one or the other", EXIT_USAGE)
     if backend == "triton":
         tb = _triton_bench("decode")
         if shape_list is None and preset not in ("auto", "reference"):
@@ -504,7 +537,7 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
             return
         forced = _split_counts(splits)
         rows = tb.run(shapes=shape_list, dtype=dtype, block_size=block_size, block_order=block_order,
-                      head_dim=head_dim, rounds=rounds, splits=forced, **extra,
+                      head_dim=head_dim, rounds=rounds, splits=forced, knobs=knobs, **extra,
                       on_row=lambda r: click.echo(f"done {r['shape']}: {r['TB_s']:.2f} TB/s", err=True))
         if as_json:
             _echo_report(_triton_conditions(command), rows)
@@ -513,8 +546,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         return
     if dtype == "bfloat16":
         _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
-    if splits is not None or sweep_tiles:
-        _fail("--splits and --sweep-tiles are options of --backend triton", EXIT_USAGE)
+    if splits is not None or sweep_tiles or knobs:
+        _fail("--splits, --sweep-tiles and --knob are options of --backend triton", EXIT_USAGE)
     from .tools import bench_prefill as b
     from .tools import bench_decode as bd
 

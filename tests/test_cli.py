@@ -139,6 +139,21 @@ def test_bench_decode_wiring():
     assert r.exit_code == 2 and "head dim 12" in r.stderr
     r = run("bench", "decode", "--backend", "triton", "--kernel", "decode.cl")
     assert r.exit_code == 2 and "--kernel" in r.stderr
+    # --knob: KEY=VALUE, a known knob, Triton only, not with --sweep-tiles
+    for bad, said in (("gqa_programs_per_sm", "KEY=VALUE"), ("gqa_programs_per_sm=three", "an integer"),
+                      ("=3", "KEY=VALUE")):
+        r = run("bench", "decode", "--backend", "triton", "--knob", bad)
+        assert r.exit_code == 2 and said in r.stderr, r.output
+    r = run("bench", "decode", "--backend", "triton", "--knob", "programs=3")
+    assert r.exit_code == 2 and "unknown decode knobs ['programs']" in r.stderr and "gqa_programs_per_sm" in r.stderr
+    for bad, said in (("gluon_gqa=1", "none, true or false"), ("sort_pages=none", "true or false"),
+                      ("merge_stages=none", "an integer >= 1"), ("gqa_programs_per_sm=5", "none or 1 .. 4")):
+        r = run("bench", "decode", "--backend", "triton", "--knob", bad)
+        assert r.exit_code == 2 and said in r.stderr, r.output
+    r = run("bench", "decode", "--backend", "triton", "--knob", "sort_pages=false", "--sweep-tiles")
+    assert r.exit_code == 2 and "--sweep-tiles" in r.stderr
+    r = run("bench", "decode", "--knob", "sort_pages=false")
+    assert r.exit_code == 2 and "--backend triton" in r.stderr
 
 
 def test_bench_decode_head_dim(cpu_device):

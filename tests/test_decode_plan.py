@@ -302,7 +302,7 @@ def test_gluon_gqa_rule():
     assert not takes(group=17, forced=True) and not takes(d=64, forced=True) and not takes(elt=4, forced=True)
     assert not takes(facts=SMS_132) and not takes(facts=FACTS["T4"], forced=True)
     assert [dp.gqa_splits(n, 132) for n in (8, 16, 32, 100, 132, 133, 256)] == [32, 16, 8, 2, 2, 1, 1]
-    assert [dp.gqa_splits(n, 132, 3) for n in (8, 64, 132, 400)] == [49, 6, 3, 1]  # fp8's three per SM
+    assert [dp.gqa_splits(n, 132, 3) for n in (8, 64, 132, 400)] == [49, 6, 3, 1]  # three per SM
 
     def gqa(b, h_q, h_kv, ctx=2048, config=None, num_splits=0, page=16):
         p = plan(problem(b, h_q, h_kv, ctx, page=page), H100, config, num_splits)
@@ -426,3 +426,39 @@ def test_reduce_shape_rule():
     assert [dp._reduce_shape(ns, 128) for ns in (10, 20, 70)] == [(4, 16), (2, 32), (1, 64)]
     p = plan(problem(1, 32, 1, 131072), H100)
     assert p.merge == "reduce" and (p.reduce_heads, p.reduce_chunk) == dp._reduce_shape(p.num_splits, 128)
+
+
+def test_knob_defaults_hold_while_they_last():
+    """knob_defaults: the plans made inside take the overrides (the bench's --knob), the defaults
+    come back after, also when the block raises; an unknown knob is a KeyError before any change."""
+    gqa = problem(1, 32, 8, 32768)
+    base = plan(gqa, H100)
+    with dp.knob_defaults({"gqa_programs_per_sm": 3}):
+        inside = plan(gqa, H100)
+    assert (inside.num_splits, inside.gqa_registers) == (dp.gqa_splits(8, H100.sms, 3), 168)
+    assert plan(gqa, H100).num_splits == base.num_splits and plan(gqa, H100).gqa_registers == 0
+    with pytest.raises(RuntimeError), dp.knob_defaults({"sort_pages": False}):
+        assert not plan(gqa, H100).sort_pages
+        raise RuntimeError("inside")
+    assert plan(gqa, H100).sort_pages
+    with pytest.raises(KeyError, match="unknown decode knobs"), dp.knob_defaults({"programs": 3}):
+        pass
+    for bad in ({"gqa_programs_per_sm": 5}, {"gqa_programs_per_sm": True}, {"gluon_gqa": 1}, {"pdl": "yes"},
+                {"sort_pages": None}, {"merge_stages": 0}):
+        with pytest.raises(ValueError, match="decode knob"), dp.knob_defaults(bad):
+            pass
+        key, value = next(iter(bad.items()))
+        if key == "gqa_programs_per_sm":  # a config's value too
+            with pytest.raises(ValueError, match="gqa_programs_per_sm"):
+                plan(gqa, H100, {key: value})
+    assert plan(gqa, H100) == base
+    # the cap follows what the grid needs: one program per SM at 4 asked needs none; 2.06 per SM, 3
+    one = plan(problem(1, 32, 8, 32768), H100, {"gqa_programs_per_sm": 1})
+    assert (one.num_splits, one.gqa_registers) == (16, 0)
+    wide = plan(problem(34, 32, 8, 2048), H100, {"gqa_programs_per_sm": 4})  # 272 programs, one split
+    assert (wide.num_splits, wide.gqa_registers) == (1, 168)
+    # groups past 8 (forced onto the kernel) keep two per SM whatever the format's entry
+    big = replace(problem(1, 64, 4, 32768), kv_formats=("int8", "int8"))
+    forced = plan(big, H100, {"gluon_gqa": True})
+    assert forced.kernel == "gluon_gqa" and forced.gqa_registers == 0
+    assert plan(replace(problem(1, 32, 8, 32768), kv_formats=("int8", "int8")), H100).gqa_registers == 168

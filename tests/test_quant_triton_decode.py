@@ -253,9 +253,9 @@ def test_gluon_gqa_quantized_block_sizes(triton_device, k_fmt, v_fmt, block_size
                                          ("fp8_e4m3", "fp8_e4m3")])
 def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, gqa_calls):
     """The Gluon GQA kernel (forced) on quantized caches with every variant on (q4_0's two tiles in
-    flight, int8's row scales, ggml and fp8 mixed, fp8's build capped at 168 registers where its
-    grid needs three programs per SM): a window that starts mid-tile, 1 and 3 splits, and for fp8
-    K and V as many as make the grid more than two programs per SM."""
+    flight, int8's row scales, ggml and fp8 mixed, builds capped at 168 registers where the grid
+    needs three programs per SM): a window that starts mid-tile, 1 and 3 splits, and for int8, fp8
+    and q4_0 K and V as many as make the grid more than two programs per SM."""
     formats = (k_fmt, v_fmt)
     if not _gluon_gqa_runs(triton_device, formats):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
@@ -266,7 +266,7 @@ def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, 
     c = _case(triton_device, "float16", b=4, h_q=16, h_kv=4, lens=[0, 1, 700, 2049], d=128, k_fmt=k_fmt,
               v_fmt=v_fmt, seed=6, **var)
     splits = [1, 3]
-    if formats == ("fp8_e4m3", "fp8_e4m3"):
+    if k_fmt == v_fmt and dp.gqa_programs_per_sm(formats) > 2:
         splits.append(2 * torch.cuda.get_device_properties(0).multi_processor_count // 16 + 1)  # 16 programs a split
     for ns in splits:
         out, lse = _forced_gqa(c, formats, ns)
@@ -274,22 +274,23 @@ def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, 
     assert gqa_calls == [formats] * len(splits)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_gluon_gqa_two_tiles_unused_entries(triton_device, splits, poison, gqa_calls):
-    """q4_0 K and V keep two tiles in flight: the table entries the prologue and the loop read
-    ahead past a sequence's end are never used, so -1 there changes nothing (contexts of one key,
-    a tile, a tile + 1 and two tiles + 2); a used entry of -1 makes only its sequence NaN."""
-    formats = ("q4_0", "q4_0")
+def test_gluon_gqa_two_tiles_unused_entries(triton_device, fmt, splits, poison, gqa_calls):
+    """q4_0 and q8_0 K and V keep two tiles in flight: the table entries the prologue and the loop
+    read ahead past a sequence's end are never used, so -1 there changes nothing (contexts of one
+    key, a tile, a tile + 1 and two tiles + 2); a used entry of -1 makes only its sequence NaN."""
+    formats = (fmt, fmt)
     if not _gluon_gqa_runs(triton_device, formats):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon")
     lens = [1, 64, 65, 130, 300]
-    c = _case(triton_device, "float16", b=len(lens), h_q=32, h_kv=8, lens=lens, d=128, k_fmt="q4_0",
-              v_fmt="q4_0", seed=9)
+    c = _case(triton_device, "float16", b=len(lens), h_q=32, h_kv=8, lens=lens, d=128, k_fmt=fmt, v_fmt=fmt,
+              seed=9)
     table = c["block_table"]
     for i, n in enumerate(lens):
         table[i, -(-n // 16):] = -1
     out, lse = _forced_gqa(c, formats, splits)
-    _check(out, lse, c, f"gluon gqa q4_0 entries -1 past the end splits={splits}")
+    _check(out, lse, c, f"gluon gqa {fmt} entries -1 past the end splits={splits}")
     table[4, 5] = -1  # a block sequence 4 uses
     out, lse = _forced_gqa(c, formats, splits)
     o, l = _np(out), _np(lse)
@@ -413,16 +414,19 @@ def test_plan_routes_quantized_caches():
         p = dp.plan(replace(gqa, kv_formats=(fmt, fmt)), facts)
         want = "gluon_gqa" if fmt in dp.GQA_QUANTIZED else "dot"
         assert p.kernel == want, (fmt, p.kernel)
-        if want == "gluon_gqa":  # fp8 K and V: three programs per SM (168 registers), the others two
-            per_sm = 3 if fmt == "fp8_e4m3" else 2
+        if want == "gluon_gqa":  # int8, fp8, q4_0 K and V: three programs per SM (168 registers), q8_0 two
+            per_sm = 2 if fmt == "q8_0" else 3
             assert dp.gqa_programs_per_sm((fmt, fmt)) == per_sm
             assert p.num_splits == dp.gqa_splits(8, facts.sms, per_sm) and p.merge == "reduce"
-            assert p.gqa_registers == (dp.GQA_THREE_REGISTERS if per_sm == 3 else 0)
+            assert p.gqa_registers == dp.gqa_registers(per_sm)
     fp8 = replace(gqa, kv_formats=("fp8_e4m3", "fp8_e4m3"))
     assert dp.plan(replace(gqa, kv_formats=("fp8_e4m3", "int8")), facts).num_splits == 32  # mixed: two per SM
     for splits, capped in ((8, False), (33, False), (34, True), (49, True)):  # forced: capped past 2 per SM
         p = dp.plan(fp8, facts, {"gluon_gqa": True}, num_splits=splits)
         assert p.kernel == "gluon_gqa" and p.num_splits == splits and (p.gqa_registers > 0) == capped, splits
+    for per_sm, splits, cap in ((2, 32, 0), (3, 49, 168), (4, 66, 128)):  # the knob: split count and cap
+        p = dp.plan(fp8, facts, {"gqa_programs_per_sm": per_sm})
+        assert (p.num_splits, p.gqa_registers) == (splits, cap), per_sm
     wide = dp.plan(replace(fp8, b=32), facts)  # 256 programs: within two per SM already, no cap
     assert wide.kernel == "gluon_gqa" and wide.num_splits == 1 and wide.gqa_registers == 0
     for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0"),

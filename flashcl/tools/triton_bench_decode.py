@@ -172,11 +172,19 @@ def _forced_splits(ctx: int, block_n: int, splits) -> list[int]:
 
 def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, seed: int = 0,
         on_row=None, block_order: str = "random", rounds: int = 3, head_dim: int = HEAD_DIM,
-        variants: dict | None = None, kv_format: str | None = None) -> list[dict]:
+        variants: dict | None = None, kv_format: str | None = None, knobs: dict | None = None) -> list[dict]:
     """Time every shape; one dict per shape (see the module docstring for what is measured).
     ``on_row(row)`` is called as each shape finishes (progress on long runs); ``rounds``:
     interleaved rounds (cuda_timing.interleaved_rounds); ``variants``: also timed with these on;
-    ``kv_format``: also timed on the K/V quantized to it."""
+    ``kv_format``: also timed on the K/V quantized to it; ``knobs``: decode_plan knobs every
+    flashcl call of the run takes (decode_plan.knob_defaults)."""
+    with decode_plan.knob_defaults(knobs or {}):
+        return _run(shapes, dtype, block_size, splits, seed, on_row, block_order, rounds, head_dim, variants,
+                    kv_format, knobs or {})
+
+
+def _run(shapes, dtype, block_size, splits, seed, on_row, block_order, rounds, head_dim, variants, kv_format,
+         knobs) -> list[dict]:
     if kv_format is not None and kv_format not in _ROW_BYTES:
         raise ValueError(f"kv_format: expected one of {sorted(_ROW_BYTES)}, got {kv_format!r}")
     torch_dtype = getattr(torch, dtype)
@@ -272,7 +280,7 @@ def run(shapes=None, dtype: str = "float16", block_size: int = 16, splits=None, 
             "device": summary["device"], "sm_count": summary["sm_count"],
             "driver": summary["driver"],
             "torch": summary["torch"], "triton": triton_decode.triton.__version__,
-            "flashcl": __version__, "date": date,
+            "flashcl": __version__, "date": date, "knobs": knobs,
         })
         if kv_format is not None:
             t_q = t["quant"]["median_ms"]

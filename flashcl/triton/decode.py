@@ -95,9 +95,11 @@ BLOCK_N, num_warps and num_stages; benchmarks force them on or off, the op uses 
                   gluon_mha, gluon_gqa) are marked L1::evict_first: +0.5-4.5% on H100.
     gluon_gqa     (default: groups of 4 to 8, head dim 128, at the kernel's own split count of
                   two programs per SM where that gives 1.5 programs per SM or more and splits of
-                  1024 tokens or more; fp8 K and V then run three per SM, capped at 168
-                  registers) the GQA kernel of ``decode_gluon``; split launches are merged by
-                  ``_reduce_kernel``.
+                  1024 tokens or more; int8, fp8 and q4_0 K and V then run three per SM,
+                  capped at 168 registers) the GQA kernel of ``decode_gluon``; split launches
+                  are merged by ``_reduce_kernel``.
+    gqa_programs_per_sm (default: decode_plan.GQA_PROGRAMS_PER_SM) the GQA kernel's programs per
+                  SM: its split count and, past two, its register cap.
     sort_pages    (default on) the Gluon kernels (gluon_mha, gluon_gqa) visit the pages of
                   splits of 256 to 1024 pages in ascending order of address, sorted in the kernel
                   into an int32 scratch array per program (``decode_gluon.sort_size``): +1.2% at

@@ -24,8 +24,8 @@ then checks the tensors (``operands_fit``) and otherwise runs decode's Triton ke
 Triton 3.6 for sm_80, sm_89 and sm_90, and with Triton 3.9 for sm_90.
 
 The GQA kernel (``launch_gqa``) replaces the dot path's cp.async ring and its per-tile cross-warp
-softmax by K and V loaded one tile ahead into registers in the mma operand layouts, each warp
-running its own softmax over its 16 keys of a tile. Its loads take the same L1::evict_first hint
+softmax by K and V loaded a tile or two ahead (gqa_tiles_ahead) into registers in the mma operand
+layouts, each warp running its own softmax over its 16 keys of a tile, keys as the mma's rows. Its loads take the same L1::evict_first hint
 ("GQA in Gluon with the L1 hint"). It also reads int8, fp8, q8_0 and q4_0 caches (fp16 q): int8
 and fp8 tiles in the same places as 32-bit words, q8_0 / q4_0 rows as 8-byte units around each
 lane's block, turned into fp16 values in registers (docs/notes/quantized-decode.md, "q8_0 and
@@ -123,7 +123,8 @@ def _gqa_layouts(warps: int, rows: int):
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
         warp_bases=[[1 << i, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[warps, 16, 128])
-    q_layout = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [warps, 1, 1], [2, 1, 0])
+    # q^T [W, 128 d, R rows], loaded once and converted to the B operand
+    q_layout = gl.BlockedLayout([1, 8, 1], [1, 4, 8], [warps, 1, 1], [1, 2, 0])
     # the merge: the W states of an element in one thread
     merge = gl.BlockedLayout([warps, 1, 4], [1, rows // warps, 32 * warps // rows], [1, warps, 1], [2, 1, 0])
     return mma, k_layout, v_layout, q_layout, merge
@@ -399,11 +400,12 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
 
 
 def gqa_tiles_ahead(k_format: str, v_format: str) -> int:
-    """Tiles of K/V the GQA kernel keeps in flight ahead of the one it computes: 2 for q4_0 K and
-    V (a quarter of fp16's bytes a tile: one tile in flight a warp left it waiting on memory;
-    16% faster on an H200), else 1 (int8 and q8_0 lost 5-9% to the tile rotation's register
-    moves at 236-254 registers; a plain tile is 64 registers a lane). docs/notes/quantized-decode.md."""
-    return 2 if k_format == v_format == "q4_0" else 1
+    """Tiles of K/V the GQA kernel keeps in flight ahead of the one it computes: 2 for q8_0 and
+    q4_0 K and V (a quarter to a half of fp16's bytes a tile: one tile in flight a warp left them
+    waiting on memory), else 1 (fp16 measured slower with two, fp8 no faster at three programs
+    per SM; int8 reads its row scales one tile ahead). docs/notes/quantized-decode.md, "Keys as
+    the mma's rows"."""
+    return 2 if k_format == v_format and k_format in GGML_BLOCK_BYTES else 1
 
 
 def _as_words(cache, fmt: str):
@@ -620,38 +622,12 @@ if gluon is not None:
         return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit
-    def _row_halves(x):
-        """[W, 16, D] in the mma layout (or [W, 16] in its row slice) -> its rows 0 .. 7 and 8 .. 15,
-        [W, 8, D] ([W, 8]) each (each thread holds row g in its first register half, g + 8 in the
-        second: no data movement)."""
-        if len(x.shape) == 3:
-            halves = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8, x.shape[2]]), [0, 2, 3, 1]))
-        else:
-            halves = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, 8]), [0, 2, 1]))
-        return halves
-
-    @gluon.jit
-    def _rows_lo(x, like):
-        """``x`` broadcast to ``like``'s shape ([W, 16, D] in the mma layout), its rows 0 .. 7."""
-        return _row_halves(gl.broadcast(x, like)[0])[0]
-
-    @gluon.jit
-    def _join_row_halves(lo, hi):
-        """_row_halves undone: [W, 16, D] or [W, 16] (in a layout equal to the mma layout or its
-        row slice)."""
-        if len(lo.shape) == 3:
-            x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 3, 1, 2]), [lo.shape[0], 16, lo.shape[2]])
-        else:
-            x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [lo.shape[0], 16])
-        return x
-
-    @gluon.jit
-    def _ggml_v_column(n, FMT: gl.constexpr):
-        """The head-dim column of column n of P V (B operand order: logical n = 8 j + g is register
-        j of lane group g): 16 g + j, for q4_0 V 32 (g / 2) + 8 (g % 2) + j % 8 + 16 (j / 8)
-        (_ggml_values)."""
-        g = n % 8
-        j = n // 8
+    def _ggml_v_column(m, FMT: gl.constexpr):
+        """The head-dim column of row m of O^T = V^T P^T (A operand order: logical m = 16 t + 8 h + g
+        is register j = 2 t + h of lane group g): 16 g + j, for q4_0 V 32 (g / 2) + 8 (g % 2) + j % 8
+        + 16 (j / 8) (_ggml_values)."""
+        g = m % 8
+        j = 2 * (m // 16) + (m // 8) % 2
         if FMT == "q4_0":
             col = 32 * (g // 2) + 8 * (g % 2) + j % 8 + 16 * (j // 8)
         else:
@@ -859,15 +835,19 @@ if gluon is not None:
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
                     K4: gl.constexpr, V4: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
         """One program per (KV head, sequence). Each of the W warps owns 16 keys of every 16 W-key tile
-        and runs its own flash attention on them with mma.sync (m16n8k16; the group's query rows padded
-        to 16): S_w = Q K_w^T, acc_w += P_w V_w, its own (m, l, acc) in registers, no exchange between
-        warps in the loop; the W states merge once after it, through shared memory behind one barrier.
-        K and V are loaded AHEAD tiles ahead (gqa_tiles_ahead) into registers laid out for the mma
-        operands: S sums over d, so the operand's k index may stand for any column of K as long as q's
-        does too (logical k = 16 s + 8 h + 2 c + e is column 32 c + 4 s + 2 h + e: each lane loads 64
-        contiguous bytes of a K row), and the output columns of P V may be permuted as long as the
-        store undoes it (logical n = 8 j + i is column 16 i + j: 32 contiguous bytes of a V row). The
-        reshapes and permutes that name those orders move no data (assert_trivial).
+        and runs its own flash attention on them with mma.sync (m16n8k16), transposed so that the
+        keys fill the mma's 16 rows and the group's query rows its n columns (8, or 16 for groups
+        past 8): S_w^T = K_w Q^T, acc_w^T += V_w^T P_w^T, its own (m, l, acc) in registers, no
+        exchange between warps in the loop; the W states merge once after it, through shared memory
+        behind one barrier. With the rows as the mma's rows, a group of up to 8 would pad them to 16:
+        twice the mma work, the accumulator and the q operand. P^T reaches the B operand through
+        warp shuffles. K and V are loaded AHEAD tiles ahead (gqa_tiles_ahead) into
+        registers laid out for the mma operands: S sums over d, so the operand's k index may stand for
+        any column of K as long as q's does too (logical k = 16 s + 8 h + 2 c + e is column 32 c + 4 s
+        + 2 h + e: each lane loads 64 contiguous bytes of a K row), and the rows of V^T P^T may be
+        permuted as long as the store undoes it (logical m = 16 t + 8 h + g is column 16 g + 2 t + h:
+        32 contiguous bytes of a V row). The reshapes and permutes that name those orders move no
+        data (assert_trivial).
 
         Quantized K/V (K_FMT / V_FMT, decode_plan.GQA_QUANTIZED): the same tiles of 1-byte
         values, loaded as 32-bit words in layouts that hold each word where its values go (half
@@ -885,10 +865,10 @@ if gluon is not None:
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
-        R: gl.constexpr = 8 if GROUP <= 8 else 16  # the query rows the merge exchanges
+        R: gl.constexpr = 8 if GROUP <= 8 else 16  # the query rows: the mma's n, what the merge exchanges
         A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
         B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-        ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # per (warp, query row)
+        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)  # per (warp, query row)
         pid_h = gl.program_id(0)
         pid_b = gl.program_id(1)
         pid_s = gl.program_id(2)
@@ -933,13 +913,13 @@ if gluon is not None:
         last = gl.maximum(hi - 1, 0)
         last_block = (num_blocks - 1).to(gl.uint32)
 
-        # q in the operand's k order (see above); rows past the group are zeros
-        k_q = _vec3(D, 2, QL)
+        # q^T in the operand's k order (see above); rows past the group are zeros
+        k_q = _vec3(D, 1, QL)
         col_q = 32 * ((k_q // 2) % 4) + 4 * (k_q // 16) + 2 * ((k_q // 8) % 2) + k_q % 2
-        row_q = _vec3(16, 1, QL)
+        row_q = _vec3(R, 2, QL)
         q = gl.load(Q + pid_b.to(gl.int64) * stride_qb + (pid_h * GROUP + row_q) * stride_qh + col_q
                     + _vec3(W, 0, QL) * 0, mask=(row_q < GROUP) & (col_q < D), other=0.0)
-        q = gl.convert_layout(q, A_L)
+        q = gl.convert_layout(q, B_L)
 
         # K and V read the same entries: top follows K's (the masked rows use none)
         page_k, top = _safe_pages(gl.where(tok_k < hi, page_k, 0), last_block)
@@ -961,9 +941,9 @@ if gluon is not None:
         page_k = gl.load(bt + gl.minimum(BLOCK_N + tok_k, last) // PAGE)  # the second tile's
         page_v = gl.load(bt + gl.minimum(BLOCK_N + tok_v, last) // PAGE)
 
-        key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 2, MMA)  # the key of each score column
+        key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 1, MMA)  # the key of each score row
         ROW_SCALES: gl.constexpr = (K_FMT == "int8") or (V_FMT == "int8")
-        PV_T: gl.constexpr = Q.dtype.element_ty if V_FMT != "" else V.dtype.element_ty  # P V's operand type
+        PV_T: gl.constexpr = Q.dtype.element_ty if V_FMT != "" else V.dtype.element_ty  # V^T P^T's operand type
         if K_FMT == "fp8_e4m3":
             qk_scale_log2 = qk_scale_log2 * gl.load(KScales)
         if ROW_SCALES:
@@ -978,23 +958,14 @@ if gluon is not None:
                                   stride_vsh, V_FMT == "int8")
             page_s = gl.load(bt + gl.minimum(BLOCK_N + tok_s, last) // PAGE)
         if ALIBI:  # the group's slopes, in the log2 domain, per score row
-            row_s = _vec3(16, 1, MMA)
+            row_s = _vec3(R, 2, MMA)
             slopes = gl.load(Slopes + pid_b.to(gl.int64) * stride_slb + pid_h * GROUP + row_s, mask=row_s < GROUP,
                              other=0.0) * LOG2E
         else:
             slopes = 0.0
-        # HALF: the scores, softmax and state of rows 0 .. 7 alone (8 .. 15 pad a group of up to 8;
-        # P's are zeros) where the scores carry more than the softmax; the plain and ggml builds
-        # measured slower with it (docs/notes/quantized-decode.md, "Scores of the group's rows only")
-        HALF: gl.constexpr = (GROUP <= 8) and (SOFTCAP or ALIBI or (K_FMT == "int8") or (V_FMT == "int8")) \
-            and not K_GGML and not V_GGML
-        if HALF:  # reductions of constant tiles: m_i and l_i in the layout the loop's reductions give
-            m_i = gl.max(_row_halves(gl.full([W, 16, 16], float("-inf"), gl.float32, MMA))[0], 2)
-            l_i = gl.sum(_row_halves(gl.zeros([W, 16, 16], gl.float32, MMA))[0], 2)
-        else:
-            m_i = gl.full([W, 16], float("-inf"), gl.float32, ROWS)
-            l_i = gl.zeros([W, 16], gl.float32, ROWS)
-        acc = gl.zeros([W, 16, D], gl.float32, MMA)
+        m_i = gl.full([W, R], float("-inf"), gl.float32, ROWS)
+        l_i = gl.zeros([W, R], gl.float32, ROWS)
+        acc = gl.zeros([W, D, R], gl.float32, MMA)  # O^T
         gl.static_assert(AHEAD == 1 or not ROW_SCALES, "int8's row scales are read one tile ahead only")
         if AHEAD == 2:
             # quantized tiles are a few registers a lane: the second tile in flight too. Its rows
@@ -1055,65 +1026,36 @@ if gluon is not None:
             elif V_FMT != "":
                 v = _words_to_f16(v, V_FMT, VF)
 
-            # K [W, 16, (c, s, h, e)] -> the B operand [W, (s, h, c, e), 16]
-            kb = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
-            kb = gl.convert_layout(gl.permute(gl.reshape(kb, [W, 16, D]), [0, 2, 1]), B_L, assert_trivial=True)
-            s = mma_v2(q, kb, gl.zeros([W, 16, 16], gl.float32, MMA)) * qk_scale_log2
+            # K [W, 16, (c, s, h, e)] -> the A operand [W, 16, (s, h, c, e)]
+            ka = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
+            ka = gl.convert_layout(gl.reshape(ka, [W, 16, D]), A_L, assert_trivial=True)
+            s = mma_v2(ka, q, gl.zeros([W, 16, R], gl.float32, MMA)) * qk_scale_log2  # S^T: keys x rows
             key = start + key_s
-            row_slopes = slopes
-            k_scale = ks if K_FMT == "int8" else 1.0
-            v_scale = vs if V_FMT == "int8" else 1.0
-            if HALF:
-                key = _rows_lo(key, s)
-                if ALIBI:
-                    row_slopes = _rows_lo(slopes, s)
-                if K_FMT == "int8":
-                    k_scale = _rows_lo(ks, s)
-                if V_FMT == "int8":
-                    v_scale = _rows_lo(vs, s)
-                s = _row_halves(s)[0]
             if K_FMT == "int8":
-                s = s * k_scale
-            s = score_variants(s, row_slopes, n_ctx - 1 - key, softcap_log2, SOFTCAP, ALIBI)
+                s = s * ks
+            s = score_variants(s, slopes, n_ctx - 1 - key, softcap_log2, SOFTCAP, ALIBI)
             s = gl.where(key < hi, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 2))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
             alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 2))
-            l_i = l_i * alpha + gl.sum(p, 2)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             if V_FMT == "int8":
-                p = p * v_scale
-            if HALF:
-                p = gl.convert_layout(_join_row_halves(p, gl.zeros_like(p)), MMA, assert_trivial=True)
-            pa = gl.convert_layout(p.to(PV_T), A_L)
-            # V [W, 16, (i, j)] -> the B operand [W, 16, (j, i)]
-            vb = gl.permute(gl.reshape(v, [W, 16, 8, 16]), [0, 1, 3, 2])
-            vb = gl.convert_layout(gl.reshape(vb, [W, 16, D]), B_L, assert_trivial=True)
-            # acc's rows 8 .. 15 (dropped after the loop) are left unscaled: alpha 1, or 0 while acc is 0
-            if GROUP <= 8:
-                if HALF:
-                    alpha = gl.convert_layout(_join_row_halves(alpha, gl.full_like(alpha, 1.0)), ROWS,
-                                              assert_trivial=True)
-                acc_lo, acc_hi = _row_halves(acc)
-                alpha_lo = _rows_lo(gl.expand_dims(alpha, 2), acc)
-                acc = gl.convert_layout(_join_row_halves(acc_lo * alpha_lo, acc_hi), MMA, assert_trivial=True)
-            else:
-                acc = acc * gl.expand_dims(alpha, 2)
-            acc = mma_v2(pa, vb, acc)
+                p = p * vs
+            pb = gl.convert_layout(p.to(PV_T), B_L)  # P^T, the B operand: lanes exchange its rows
+            # V [W, 16, (g, t, h)] -> the A operand V^T [W, (t, h, g), 16]
+            va = gl.permute(gl.reshape(v, [W, 16, 8, 8, 2]), [0, 3, 4, 2, 1])
+            va = gl.convert_layout(gl.reshape(va, [W, D, 16]), A_L, assert_trivial=True)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc = mma_v2(va, pb, acc)
 
         tables_ok = (gl.max(gl.max(gl.max(top, 2), 1), 0) <= last_block) & lens_ok
-        # the warps' states through shared memory behind one barrier; a group of at most 8 needs
-        # only the rows g < 8 of the mma layout (its first register half), half the exchange
-        if GROUP <= 8:
-            acc, acc_hi = _row_halves(acc)
-            if not HALF:
-                m_i, m_hi = _row_halves(m_i)
-                l_i, l_hi = _row_halves(l_i)
+        # the warps' states through shared memory behind one barrier
         acc_s = gl.allocate_shared_memory(gl.float32, [W, R, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         m_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         l_s = gl.allocate_shared_memory(gl.float32, [W, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        acc_s.store(acc)
+        acc_s.store(gl.permute(acc, [0, 2, 1]))
         m_s.store(m_i)
         l_s.store(l_i)
         _cta_barrier()

@@ -16,6 +16,7 @@ section "The launch plan's rules" (H100, fp16, d = 128, paged blocks of 16 unles
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass, field, replace
@@ -124,7 +125,7 @@ class DecodePlan:
     reduce_chunk: int
     evict_first: bool   # the Gluon kernels' K/V loads marked L1::evict_first
     sort_pages: bool    # the Gluon kernels sort long splits' pages
-    gqa_registers: int  # the Gluon GQA kernel's register cap (GQA_THREE_REGISTERS), 0: none
+    gqa_registers: int  # the Gluon GQA kernel's register cap (gqa_registers), 0: none
     config: Mapping = field(hash=False)
 
     @property
@@ -214,12 +215,51 @@ _KNOBS = {
     # GQA of head dim 128 as decode_gluon's GQA kernel (None: gqa_takes at its own split count;
     # True: wherever it can run, at the dot path's count)
     "gluon_gqa": None,
+    # the GQA kernel's programs per SM (its split count and register cap; None: GQA_PROGRAMS_PER_SM)
+    "gqa_programs_per_sm": None,
     # the Gluon kernels visit the pages of splits of 256 to 1024 pages in address order
     "sort_pages": True,
     # q4_0 K and V read in stored order where their rows allow (ggml_stored); off: the byte gather
     "ggml_stored": True,
 }
 _TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+GQA_MAX_PROGRAMS_PER_SM = 4  # 128 registers a thread (gqa_registers); fewer spill every build
+
+
+def check_knobs(overrides: Mapping) -> None:
+    """KeyError for a name that is not a knob, ValueError for a value the knob does not take: the
+    ones whose default is None take None (the plan's choice), True or False; merge_stages an
+    integer >= 1; gqa_programs_per_sm None or 1 .. GQA_MAX_PROGRAMS_PER_SM; the others a bool."""
+    unknown = set(overrides) - set(_KNOBS)
+    if unknown:
+        raise KeyError(f"unknown decode knobs {sorted(unknown)}; expected some of {sorted(_KNOBS)}")
+    for key, value in overrides.items():
+        if key == "merge_stages":
+            ok, want = type(value) is int and value >= 1, "an integer >= 1"
+        elif key == "gqa_programs_per_sm":
+            ok = value is None or (type(value) is int and 1 <= value <= GQA_MAX_PROGRAMS_PER_SM)
+            want = f"none or 1 .. {GQA_MAX_PROGRAMS_PER_SM}"
+        elif _KNOBS[key] is None:
+            ok, want = value is None or type(value) is bool, "none, true or false"
+        else:
+            ok, want = type(value) is bool, "true or false"
+        if not ok:
+            raise ValueError(f"decode knob {key}: expected {want}, got {value!r}")
+
+
+@contextlib.contextmanager
+def knob_defaults(overrides: Mapping):
+    """The plans made inside take ``overrides`` in place of _KNOBS' defaults: what a benchmark's
+    knob comparison needs of calls that take no config (decode's op). Process-wide while it lasts:
+    not for concurrent callers. Names and values are checked first (check_knobs)."""
+    check_knobs(overrides)
+    saved = dict(_KNOBS)
+    _KNOBS.update(overrides)
+    try:
+        yield
+    finally:
+        _KNOBS.clear()
+        _KNOBS.update(saved)
 
 _OFFS32_LIMIT = 2**31  # caches whose every element lies below this offset use 32-bit row offsets
 
@@ -421,7 +461,7 @@ def gluon_tile(d: int, programs: int, sms: int) -> tuple[int, int]:
 
 # The Gluon GQA kernel takes groups GQA_GROUPS whose grid holds GQA_MIN_PROGRAMS_PER_SM programs
 # per SM or more and whose splits are GQA_MIN_CONTEXT tokens or longer, at its own split count of
-# two programs per SM (three for fp8: gqa_programs_per_sm, gqa_splits); measured faster than the
+# two programs per SM (GQA_PROGRAMS_PER_SM: gqa_splits); measured faster than the
 # dot path only there ("The Gluon GQA rule").
 GQA_GROUPS = range(4, 9)
 GQA_MIN_CONTEXT = 1024
@@ -430,8 +470,8 @@ GQA_MIN_PROGRAMS_PER_SM = 1.5
 
 def gqa_splits(batch_heads: int, sms: int, per_sm: int = 2) -> int:
     """The GQA kernel's split count: the largest power of two that keeps the grid within two
-    programs per SM (one split where B * H_kv alone fills that); for a build of three per SM
-    (gqa_programs_per_sm), the largest count within three."""
+    programs per SM (one split where B * H_kv alone fills that); for any other ``per_sm``
+    (gqa_programs_per_sm), the largest count within that many."""
     if per_sm != 2:
         return max(1, per_sm * sms // batch_heads)
     splits = 1
@@ -440,17 +480,21 @@ def gqa_splits(batch_heads: int, sms: int, per_sm: int = 2) -> int:
     return splits
 
 
-# Programs of the GQA kernel (4 warps) an SM holds: two at up to 255 registers a thread; three for
-# fp8 K and V, held to GQA_THREE_REGISTERS (65536 / (3 x 128), in units of 8): its loop then spills
-# 8 bytes and runs 10-12% faster on an H200 ((1, 32/8, 32k / 128k) x fp16: 0.810 / 0.731 ->
-# 0.726 / 0.644). int8 (72 bytes spilled) and q8_0 (56) lost there: "Three fp8 programs per SM".
-GQA_THREE_PER_SM = (("fp8_e4m3", "fp8_e4m3"),)
-GQA_THREE_REGISTERS = 168
+# Programs of the GQA kernel (4 warps) an SM holds, by (K, V) format (others: 2), at 168 registers
+# for 3 (gqa_registers). Each warp keeps its next tiles in registers: more programs, more bytes in
+# flight; fp16 and q8_0 measured best at 2 (docs/notes/quantized-decode.md, "Keys as the mma's rows").
+GQA_PROGRAMS_PER_SM = {(fmt, fmt): 3 for fmt in ("int8", "fp8_e4m3", "q4_0")}
 
 
 def gqa_programs_per_sm(kv_formats: tuple) -> int:
-    """2, or 3 for the K/V formats GQA_THREE_PER_SM (the kernel is then built for GQA_THREE_REGISTERS)."""
-    return 3 if tuple(kv_formats) in GQA_THREE_PER_SM else 2
+    """The GQA kernel's programs per SM for these K/V formats (GQA_PROGRAMS_PER_SM, else 2)."""
+    return GQA_PROGRAMS_PER_SM.get(tuple(kv_formats), 2)
+
+
+def gqa_registers(per_sm: int) -> int:
+    """The register cap that lets ``per_sm`` programs of 128 threads share an SM's 65536 registers
+    (in ptxas's units of 8); 0 (none) for two."""
+    return 0 if per_sm <= 2 else 65536 // (128 * per_sm) // 8 * 8
 
 
 def gqa_reads(kv_formats: tuple, q_dtype: str, facts: DeviceFacts) -> bool:
@@ -530,6 +574,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch
     # (judged at two programs per SM), at its own split count (gqa_programs_per_sm) or the one given
+    # groups past 8 take the mma's 16 columns: their builds hold more than 168 registers
+    check_knobs({"gqa_programs_per_sm": cfg["gqa_programs_per_sm"]})
+    gqa_per_sm = cfg["gqa_programs_per_sm"] or (gqa_programs_per_sm(p.kv_formats) if group <= 8 else 2)
     gluon_gqa = False
     if cfg["gluon_gqa"] is not False and not tile_forced and paged:
         if cfg["gluon_gqa"] is True:
@@ -537,7 +584,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         else:
             g_splits = num_splits if num_splits > 0 else gqa_splits(programs, sms)
             if gqa_takes(group, p.dk, p.dv, p.elt_bytes, g_splits, programs, n_ctx, facts):
-                own = gqa_splits(programs, sms, gqa_programs_per_sm(p.kv_formats))
+                own = gqa_splits(programs, sms, gqa_per_sm)
                 gluon_gqa, splits = True, g_splits if num_splits > 0 else own
 
     alone = programs * splits <= sms  # at most one program per SM
@@ -578,8 +625,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if cfg["mha_fma"] and g_tile:
         cfg["BLOCK_N"], cfg["num_warps"] = g_tile
     cfg["gluon_gqa"] = gluon_gqa
-    # the register cap only where the grid needs a third program per SM (fp8 K and V)
-    three_per_sm = gluon_gqa and gqa_programs_per_sm(p.kv_formats) == 3 and programs * splits > 2 * sms
+    # the register cap only where the grid needs more than two programs per SM, for as many as it needs
+    need = min(gqa_per_sm, _cdiv(programs * splits, sms))
 
     # what runs: the page addressing (paged, whole_pages and early_pages), then the kernel
     on_pages = paged and cfg["whole_pages"] and cfg["early_pages"]
@@ -608,5 +655,5 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         merge_stages=int(cfg["merge_stages"]), block_gm=_next_pow2(group),
         reduce_heads=reduce_heads, reduce_chunk=reduce_chunk,
         evict_first=bool(cfg["kv_evict_first"]), sort_pages=bool(cfg["sort_pages"]),
-        gqa_registers=GQA_THREE_REGISTERS if three_per_sm else 0,
+        gqa_registers=gqa_registers(need) if gluon_gqa else 0,
         config=types.MappingProxyType(cfg))

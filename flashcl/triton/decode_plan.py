@@ -261,6 +261,7 @@ def knob_defaults(overrides: Mapping):
         _KNOBS.clear()
         _KNOBS.update(saved)
 
+
 _OFFS32_LIMIT = 2**31  # caches whose every element lies below this offset use 32-bit row offsets
 
 
@@ -555,6 +556,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     unknown = set(cfg) - set(_KNOBS) - set(_TILE_KEYS)
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
+    check_knobs({k: v for k, v in (config or {}).items() if k in _KNOBS})
     if p.quantized:
         # quantized K/V: the dot path, whose loads dequantize (QUANTIZED)
         cfg.update(mha_fma=False)
@@ -573,9 +575,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     splits = num_splits if num_splits > 0 else auto_splits
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch
-    # (judged at two programs per SM), at its own split count (gqa_programs_per_sm) or the one given
-    # groups past 8 take the mma's 16 columns: their builds hold more than 168 registers
-    check_knobs({"gqa_programs_per_sm": cfg["gqa_programs_per_sm"]})
+    # (judged at two programs per SM), at its own split count (gqa_programs_per_sm) or the one given.
+    # Groups past 8 take the mma's 16 columns: their builds hold more than 168 registers
     gqa_per_sm = cfg["gqa_programs_per_sm"] or (gqa_programs_per_sm(p.kv_formats) if group <= 8 else 2)
     gluon_gqa = False
     if cfg["gluon_gqa"] is not False and not tile_forced and paged:

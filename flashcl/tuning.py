@@ -773,6 +773,10 @@ def _deeper_than(x, levels: int) -> bool:
     return any(_deeper_than(v, levels - 1) for v in (x.values() if isinstance(x, dict) else x))
 
 
+_DB_DTYPES = ("float32", "float16")   # what the OpenCL kernels are tuned for
+_MAX_DB_BYTES = 64 << 20             # far past any real database (an entry is ~1 KB)
+
+
 def _entry_problem(e) -> str | None:
     """Why ``e`` cannot be an entry (a field lookup would fail or match wrongly), or None.
     Whether its params suit a device is checked at lookup, against that device."""
@@ -809,10 +813,6 @@ def _entry_problem(e) -> str | None:
     if _deeper_than(prov, _MAX_PROVENANCE_DEPTH):
         return f"'provenance' is nested more than {_MAX_PROVENANCE_DEPTH} levels deep"
     return None
-
-
-_DB_DTYPES = ("float32", "float16")   # what the OpenCL kernels are tuned for
-_MAX_DB_BYTES = 64 << 20             # far past any real database (an entry is ~1 KB)
 
 
 def _read(path: Path) -> dict:

@@ -31,7 +31,7 @@ from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor
 from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
                      nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
-from .runtime import DeviceHandle, build, check_variant, launch, launch_sequence, spill_report
+from .runtime import DeviceHandle, build, check_variant, launch_sequence, spill_report
 
 KERNEL = "decode"
 _LOG2E = 1.0 / math.log(2.0)
@@ -493,6 +493,15 @@ class DecodeKernel:
     def __call__(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
                  wait_for=None, variants: DecodeVariants | None = None) -> list[cl.Event]:
         """Enqueue on pyopencl Arrays; returns the events (decode, and merge when num_splits > 1).
+        The arguments as launches() takes them."""
+        seq = self.launches(q, k, v, out, lse, block_table, context_lens, scale, num_splits, variants=variants)
+        return launch_sequence(self.handle, seq, params=self.params)
+
+    def launches(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
+                 variants: DecodeVariants | None = None) -> list[tuple]:
+        """The kernels one call enqueues, as (name, kernel, global size, local size, arguments):
+        the decode kernel, and the merge when num_splits > 1 (benchmarks/opencl_under_ncu.py
+        launches the first through the CUDA driver).
 
         q (B, H_q, DK) and out (B, H_q, DV): head dim contiguous. k/v: contiguous (B, H_kv, N_max, D)
         or paged (num_blocks, block_size, H_kv, D), head dim contiguous, offsets and other strides
@@ -546,8 +555,7 @@ class DecodeKernel:
         if num_splits == 1:
             args = [q.base_data, _buffer(k), _buffer(v), out.base_data, lse.data,
                     lse.data, lse.data, lse.data, block_table.data, context_lens.data, *common]
-            return [launch(h, self.kernels["flash_decode"], gsize, lsize, args, name=KERNEL,
-                           params=self.params)]
+            return [(KERNEL, self.kernels["flash_decode"], gsize, lsize, args)]
         pm, pl, pacc = self.workspace(num_splits)
         args = [q.base_data, _buffer(k), _buffer(v), out.base_data, lse.data,
                 pm.data, pl.data, pacc.data, block_table.data, context_lens.data, *common]
@@ -555,9 +563,8 @@ class DecodeKernel:
         margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
-        return launch_sequence(h, [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
-                                   (KERNEL + "_merge", self.kernels["flash_decode_merge"],
-                                    *merge_grid(p, mwg), margs)], params=self.params)
+        return [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
+                (KERNEL + "_merge", self.kernels["flash_decode_merge"], *merge_grid(p, mwg), margs)]
 
     def auto_splits(self, n_ctx: int) -> int:
         """The split count choose_num_splits gives this kernel for a query that sees up to n_ctx

@@ -185,7 +185,8 @@ def test_public_api_and_bad_block_ids(cl_device):
                                                           ("q4_0", "int8", 64, 128, 1),
                                                           ("q4_0", "q8_0", 128, 128, 16),
                                                           ("q8_0", "q4_0", 256, 128, None),
-                                                          ("int8", "int8", 128, 128, 16)])
+                                                          ("int8", "int8", 128, 128, 16),
+                                                          ("q4_0", "q4_0", 128, 128, 16)])
 def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size):
     """decode_mma.cl's dequantized fragments (its mma.sync / shfl.sync emulated): K quarters of
     two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; int8 K as integers with

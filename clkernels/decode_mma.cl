@@ -29,8 +29,9 @@
  *
  * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
  * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
- * (as every tensor-core flash attention does), keys past the split's end are -inf with zeroed
- * K/V (0 x garbage could be NaN), and the tables are checked as in decode.cl (decode_common.h): a
+ * (as every tensor-core flash attention does), keys past the split's end score -inf and read the
+ * row of its last key (a visible row: P = 0 times finite values, and no zero-fill or branch per
+ * row in the loop), and the tables are checked as in decode.cl (decode_common.h): a
  * context length outside [0, capacity] or a used block id outside [0, num_blocks) reads nothing
  * out of bounds and gives the sequence NaN out and lse.
  *
@@ -290,7 +291,8 @@ static inline void span_words(const ggml_span sp, const int len, uint *sw)
 
 /* Key j's row, whose table entry is `block`: the lane's pieces as loaded, int8 as its pieces
  * (aligned 16-byte loads: the host checks 16-byte aligned rows, and one scale load), ggml as
- * spans. Rows of an out-of-range block read nothing and carry a NaN scale. */
+ * spans. A row of an out-of-range block is not read (the head's first row is, in its place) and
+ * carries a NaN scale. */
 static inline void load_pieces(const int fmt, const int dim, __global const uchar *data, const ulong off,
                                const ulong rel, __global const float *scales, const ulong s_off,
                                const int j, const int block, const int block_shift,
@@ -298,17 +300,11 @@ static inline void load_pieces(const int fmt, const int dim, __global const ucha
                                const int np, raw_t *pieces, ggml_span *spans)
 {
     bool ok;
-    const ulong row = rel + block_row_offset(block, j, block_shift, num_blocks, s0, s1, &ok);
-    if (!ok) {
-        for (int p_ = 0; p_ < np; ++p_)
-            pieces[p_] = (uint4)(0u, 0u, as_uint(NAN), 0u);
-        for (int b_ = 0; b_ < SPANS(np); ++b_)
-            spans[b_].d = 0x7e00u;   /* fp16 NaN (the chunks stay zero) */
-        return;
-    }
+    const ulong at = block_row_offset(block, j, block_shift, num_blocks, s0, s1, &ok);
+    const ulong row = rel + (ok ? at : 0);
     __global const uchar *r = data + off + row;
     if (fmt == QUANT_INT8) {
-        const uint sc = as_uint(scales[s_off + row / dim]);
+        const uint sc = ok ? as_uint(scales[s_off + row / dim]) : as_uint(NAN);
         if (np == 1) {
             const uint2 x = *(__global const uint2 *)(r + e0);
             pieces[0] = (uint4)(x.x, x.y, sc, 0u);
@@ -324,6 +320,8 @@ static inline void load_pieces(const int fmt, const int dim, __global const ucha
         const int e = e0 + 8 * b0, npb = min(np - b0, 4);
         spans[b0 / 4] = load_span(r + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18), SPAN_AT(fmt, e, npb),
                                   SPAN_LEN(fmt, npb));
+        if (!ok)
+            spans[b0 / 4].d = 0x7e00u;   /* fp16 NaN */
     }
 }
 
@@ -409,18 +407,6 @@ static inline void piece_words(const int fmt, const raw_t piece, const bool scal
         dst[i] = PACK_HALF2(f[2 * i], f[2 * i + 1]);
 }
 
-/* a lane's part of a row that reads as zeros (keys past the split's end) */
-static inline void no_pieces(const int np, raw_t *pieces, ggml_span *spans)
-{
-    for (int p_ = 0; p_ < np; ++p_)
-        pieces[p_] = (raw_t)(0u);
-    for (int b_ = 0; b_ < SPANS(np); ++b_) {
-        for (int k_ = 0; k_ < 3; ++k_)
-            spans[b_].ch[k_] = (uint4)(0u);
-        spans[b_].o = spans[b_].d = 0u;
-    }
-}
-
 /* a lane's part of a row as load_pieces left it (np pieces from dim e0), as 4 np words of f16
  * pairs */
 static inline void part_words(const int fmt, const raw_t *pieces, const ggml_span *spans, const int e0,
@@ -495,45 +481,40 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     }
 
     /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
-     * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read as zeros, rows
-     * of an out-of-range block as NaN (not read). */
+     * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read key k1 - 1's
+     * row (LAST_KEY: the loop runs only where k0 < k1). A row of an out-of-range block is not read:
+     * K reads NaN (its key's P, then out and lse, are NaN), a plain V the head's first row. */
     uint kw[2][KQ / 2], vw[4][NTV / 2];
     /* the table entries of the next K and V rows to load, read an iteration before those rows:
      * a row load that waits on its entry (a DRAM round trip of its own once per 32 pages) left
      * the quantized formats, whose rows are fewer bytes per wait, no faster than fp16 */
     int kb[2], vb[4];
+#define LAST_KEY(j) min((j), k1 - 1)
 #define TABLE_K(t0)                                                                          \
-    for (int t = 0; t < 2; ++t) {                                                            \
-        const int j = (t0) + 8 * t + g;                                                      \
-        kb[t] = (j < k1) ? table_entry(j, bt_row, block_shift) : 0;                          \
-    }
+    for (int t = 0; t < 2; ++t)                                                              \
+        kb[t] = table_entry(LAST_KEY((t0) + 8 * t + g), bt_row, block_shift);
 #define TABLE_V(t0)                                                                          \
-    for (int r = 0; r < 4; ++r) {                                                            \
-        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
-        vb[r] = (j < k1) ? table_entry(j, bt_row, block_shift) : 0;                          \
-    }
+    for (int r = 0; r < 4; ++r)                                                              \
+        vb[r] = table_entry(LAST_KEY((t0) + 2 * c + (r & 1) + 8 * (r >> 1)), bt_row, block_shift);
 #if K_QUANT
     /* quantized K: the pieces of 8 dims (int8) or the ggml spans as loaded (load_pieces), turned
      * into f16 pairs when used */
     raw_t kq[2][KQ / 8];
     ggml_span ks[2][SPANS(KQ / 8)];
 #define LOAD_K(t0, LOAD)                                                                     \
-    for (int t = 0; t < 2; ++t) {                                                            \
-        const int j = (t0) + 8 * t + g;                                                      \
-        no_pieces(KQ / 8, kq[t], ks[t]);                                                     \
-        if (j < k1)                                                                          \
-            load_pieces(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, j, \
-                        kb[t], block_shift, num_blocks, k_s0, k_s1, c * KQ, KQ / 8, kq[t], ks[t]); \
-    }
+    for (int t = 0; t < 2; ++t)                                                              \
+        load_pieces(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES,       \
+                    LAST_KEY((t0) + 8 * t + g), kb[t], block_shift, num_blocks, k_s0, k_s1, c * KQ, \
+                    KQ / 8, kq[t], ks[t]);
 #else
 #define LOAD_K(t0, LOAD)                                                                     \
     for (int t = 0; t < 2; ++t) {                                                            \
-        const int j = (t0) + 8 * t + g;                                                      \
-        bool ok = false;  /* j < k1 and its block id in range */                             \
-        const ulong off = (j < k1)                                                           \
-            ? block_row_offset(kb[t], j, block_shift, num_blocks, k_s0, k_s1, &ok) + c * KCH : 0; \
+        bool ok;  /* its block id in range */                                                \
+        const ulong at = block_row_offset(kb[t], LAST_KEY((t0) + 8 * t + g), block_shift, num_blocks, \
+                                          k_s0, k_s1, &ok);                                  \
+        const ulong off = (ok ? at : 0) + c * KCH;                                           \
         for (int i = 0; i < KCH; ++i) {                                                      \
-            const uint4 x = ok ? LOAD(k_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u);  \
+            const uint4 x = ok ? LOAD(k_base + off + i) : RAW_NAN;                           \
             kw[t][4 * i] = x.x; kw[t][4 * i + 1] = x.y; kw[t][4 * i + 2] = x.z; kw[t][4 * i + 3] = x.w; \
         }                                                                                    \
     }
@@ -542,22 +523,19 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     raw_t vq[4][NTV / 8];
     ggml_span vs[4][SPANS(NTV / 8)];
 #define LOAD_V(t0)                                                                           \
-    for (int r = 0; r < 4; ++r) {                                                            \
-        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
-        no_pieces(NTV / 8, vq[r], vs[r]);                                                    \
-        if (j < k1)                                                                          \
-            load_pieces(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, j, \
-                        vb[r], block_shift, num_blocks, v_s0, v_s1, g * NTV, NTV / 8, vq[r], vs[r]); \
-    }
+    for (int r = 0; r < 4; ++r)                                                              \
+        load_pieces(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES,       \
+                    LAST_KEY((t0) + 2 * c + (r & 1) + 8 * (r >> 1)), vb[r], block_shift, num_blocks, \
+                    v_s0, v_s1, g * NTV, NTV / 8, vq[r], vs[r]);
 #else
 #define LOAD_V(t0)                                                                           \
     for (int r = 0; r < 4; ++r) {                                                            \
-        const int j = (t0) + 2 * c + (r & 1) + 8 * (r >> 1);                                 \
-        bool ok = false;  /* j < k1 and its block id in range */                             \
-        const ulong off = (j < k1)                                                           \
-            ? block_row_offset(vb[r], j, block_shift, num_blocks, v_s0, v_s1, &ok) + g * VCH : 0; \
+        bool ok;  /* its block id in range (else K reads NaN) */                             \
+        const ulong at = block_row_offset(vb[r], LAST_KEY((t0) + 2 * c + (r & 1) + 8 * (r >> 1)), \
+                                          block_shift, num_blocks, v_s0, v_s1, &ok);         \
+        const ulong off = (ok ? at : 0) + g * VCH;                                           \
         for (int i = 0; i < VCH; ++i) {                                                      \
-            const uint4 x = ok ? load_kv_streamed(v_base + off + i) : (j < k1) ? RAW_NAN : (uint4)(0u); \
+            const uint4 x = load_kv_streamed(v_base + off + i);                              \
             vw[r][4 * i] = x.x; vw[r][4 * i + 1] = x.y; vw[r][4 * i + 2] = x.z; vw[r][4 * i + 3] = x.w; \
         }                                                                                    \
     }
@@ -569,14 +547,16 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
      * and arrives during S = Q K^T and the softmax (V_AHEAD: an iteration earlier). (H100: no
      * prefetch 184 registers and 6% slower at 32k; a plain V prefetched too, 255 registers with a
      * spill, no faster: docs/notes/opencl-decode-nvidia.md.) */
-    TABLE_K(k0 + warp * TILE)
-    TABLE_V(k0 + warp * TILE)
-    LOAD_K(k0 + warp * TILE, load_kv_plain)
-    TABLE_K(k0 + warp * TILE + ROUND)
+    if (rounds > 0) {   /* the same for the whole work-group; LAST_KEY needs a key */
+        TABLE_K(k0 + warp * TILE)
+        TABLE_V(k0 + warp * TILE)
+        LOAD_K(k0 + warp * TILE, load_kv_plain)
+        TABLE_K(k0 + warp * TILE + ROUND)
 #if V_AHEAD
-    LOAD_V(k0 + warp * TILE)
-    TABLE_V(k0 + warp * TILE + ROUND)
+        LOAD_V(k0 + warp * TILE)
+        TABLE_V(k0 + warp * TILE + ROUND)
 #endif
+    }
     for (int it = 0; it < rounds; ++it) {
         const int t0 = k0 + it * ROUND + warp * TILE;   /* this warp's 16 keys */
         uint kc[2][KQ / 2];
@@ -675,6 +655,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 #undef LOAD_V
 #undef TABLE_K
 #undef TABLE_V
+#undef LAST_KEY
 #undef V_AHEAD
 #undef K_SCALE
 

@@ -30,7 +30,6 @@ from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_params, qu
 from flashcl.opencl.runtime import get_device
 from flashcl.tools.bench_decode import _inputs
 
-_CUDA = ctypes.CDLL("libcuda.so.1")
 _ENVREG = re.compile(rb"mov\.b32\s+(%r\d+), %envreg\d+;")
 
 
@@ -42,10 +41,11 @@ def _check(result: int, what: str) -> None:
 def cuda_launch(kernel_name: bytes, ptx: bytes, gsize, lsize, args, queue):
     """A callable that launches ``kernel_name`` of ``ptx`` with the OpenCL launch's sizes and
     arguments (buffers copied to torch CUDA tensors, scalars by their numpy type)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    _check(_CUDA.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_ENVREG.sub(rb"mov.b32 \1, 0;", ptx) + b"\0")),
+    _check(cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_ENVREG.sub(rb"mov.b32 \1, 0;", ptx) + b"\0")),
            "cuModuleLoadData")
-    _check(_CUDA.cuModuleGetFunction(ctypes.byref(fn), mod, kernel_name), "cuModuleGetFunction")
+    _check(cuda.cuModuleGetFunction(ctypes.byref(fn), mod, kernel_name), "cuModuleGetFunction")
     copies, values = {}, []
     for a in args:
         if isinstance(a, cl.Buffer):
@@ -64,7 +64,7 @@ def cuda_launch(kernel_name: bytes, ptx: bytes, gsize, lsize, args, queue):
     block = list(lsize) + [1] * (3 - len(lsize))
 
     def go():
-        _check(_CUDA.cuLaunchKernel(fn, *grid, *block, 0, None, params, None), "cuLaunchKernel")
+        _check(cuda.cuLaunchKernel(fn, *grid, *block, 0, None, params, None), "cuLaunchKernel")
     go.keep = (mod, copies, values, params)  # alive as long as the callable
     return go
 
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--define", action="append", default=[], help="KEY=VALUE, a -D option of the build")
     ap.add_argument("--reps", type=int, default=20)
     opt = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("opencl_under_ncu: needs a CUDA GPU (and its driver's OpenCL)")
     b, h_q, h_kv, ctx = (int(x) for x in opt.shape.split(","))
     handle = get_device("nvidia")
     queue = handle.queue

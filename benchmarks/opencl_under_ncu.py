@@ -27,7 +27,7 @@ import torch
 
 from flashcl import quant
 from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_params, quantized_to_device
-from flashcl.opencl.runtime import get_device
+from flashcl.opencl.runtime import get_device, launch_sequence
 from flashcl.tools.bench_decode import _inputs
 
 _ENVREG = re.compile(rb"mov\.b32\s+(%r\d+), %envreg\d+;")
@@ -95,7 +95,7 @@ def main() -> None:
                             extra_options=[f"-D{d}" for d in opt.define])
         kk, vv = ((quantized_to_device(quant.quantize(x, f), queue) for x in (k, v)) if f else (kd, vd))
         seq = kern.launches(qd, kk, vv, out, lse, td, ld, opt.head_dim ** -0.5, kern.auto_splits(ctx))
-        for ev in kern(qd, kk, vv, out, lse, td, ld, opt.head_dim ** -0.5, kern.auto_splits(ctx)):
+        for ev in launch_sequence(handle, seq, params=kern.params):
             ev.wait()  # the OpenCL run: the buffers the copies are taken from are written
         _, kernel, gsize, lsize, args = seq[0]
         ptx = kern.built_decode.program.get_info(cl.program_info.BINARIES)[0]

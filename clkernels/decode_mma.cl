@@ -5,27 +5,31 @@
  * 4-step shuffle sum per head and its own online softmax: ~115 warp instructions per key row, so
  * on an H100 the SMs run out of issue slots before HBM runs out of bandwidth (52% of copy at
  * (1, 32/8, 32k)). One m16n8k16 instruction does 16 x 8 x 16 multiply-adds: here a warp spends
- * 2 MMAs and ~10 other instructions per key.
+ * one MMA and ~25 other instructions per key of an fp16 cache
+ * (docs/notes/opencl-decode-nvidia.md, "Keys as the MMAs' rows").
  *
- * One work-group = MMA_WARPS warps serves one (sequence, KV head, split) and 16 query heads of its
- * GQA group (the M = 16 rows of the MMA; rows past G are zeros and never stored): the whole group
- * for G <= 16; a larger group takes ceil(G / 16) work-groups, which read the same K/V rows at the
- * same time, the second from L2. Warp w
- * takes the 16-key tiles w, w + MMA_WARPS, ... of the split and keeps its own online-softmax
- * state; the warps' states meet in local memory at the end.
+ * One work-group = MMA_WARPS warps serves one (sequence, KV head, split) and up to 16 query heads
+ * of its GQA group (one or two n-tiles of 8 heads, NH; heads past G are zeros and never stored):
+ * the whole group for G <= 16; a larger group takes ceil(G / 16) work-groups, which read the same
+ * K/V rows at the same time, the second from L2. Warp w takes the 16-key tiles w, w + MMA_WARPS,
+ * ... of the split and keeps its own online-softmax state; the warps' states meet in local memory
+ * at the end.
  *
+ * Keys are the MMAs' M rows, query heads their N columns (a GQA group of 4-8 fills N = 8, where
+ * heads as M rows left 8-12 of 16 rows as padding, whose zeros cost a move per register per MMA).
  * Per 16-key tile, with g = lane / 4 and c = lane % 4 (PTX ISA "mma.m16n8k16" fragments):
  *
- *   S = Q K^T     A = Q (16 heads x 16 dims per k-step), B = K^T (16 dims x 8 keys), 2 n-tiles.
+ *   S^T = K Q^T   A = K (16 keys x 16 dims per k-step), B = Q^T (16 dims x 8 heads).
  *                 The order of the dims inside a dot product is free, so k-position 2c+e (e < 2)
  *                 of step s is dim c*DK/4 + 4s + e and k-position 2c+8+e is dim c*DK/4 + 4s+2+e:
- *                 a work-item's fragments of K come from ONE row (key t0 + 8t + g), a contiguous
- *                 quarter c of it -- plain 16-byte loads, no shuffles.
- *   O += P V      A = P (16 heads x 16 keys): S's accumulator fragments ARE P's A fragments
- *                 (keys 2c, 2c+1 and 8+2c, 9+2c of the tile), converted to f16 pairs.
- *                 B = V (16 keys x 8 dims), DV/8 n-tiles: n-tile d, column n is output dim
- *                 n * DV/8 + d, so a work-item's B columns (n = g) are the contiguous eighth g of
- *                 the V rows 2c, 2c+1, 8+2c, 9+2c; two rows' halves are paired by a byte permute.
+ *                 a work-item's fragments of K come from two rows (keys t0 + g, t0 + 8 + g), a
+ *                 contiguous quarter c of each -- plain 16-byte loads, no shuffles.
+ *   O^T += V^T P^T  A = V^T (16 output dims x 16 keys), DV/16 m-tiles: m-tile d, row r < 8 is
+ *                 dim r * DV/8 + 2d and row r + 8 dim r * DV/8 + 2d + 1, so a work-item's A
+ *                 fragments are the contiguous eighth g of the V rows 2c, 2c+1, 8+2c, 9+2c, two
+ *                 rows' halves paired by a byte permute. B = P^T (16 keys x 8 heads): S^T's
+ *                 accumulator holds keys g and g + 8 of heads 2c, 2c+1, the rows of two 8 x 8
+ *                 blocks of P; one movmatrix.trans each makes them P^T's B fragments.
  *
  * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
  * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
@@ -41,13 +45,13 @@
  * V eighth of the quantized row (int8 as pieces of 8 dims, ggml as the 16-byte chunks holding its
  * bytes), both a tile ahead, and turns them into the words of f16 pairs a plain row's chunks
  * would be (value = fp16(q * scale), as flashcl.dequantize rounds) only when they are used, K
- * before S = Q K^T, V before O += P V. int8 K goes in as its integers (exact in fp16), its row
- * scale applied to the fp32 scores.
+ * before S^T = K Q^T, V before O^T += V^T P^T. int8 K goes in as its integers (exact in fp16),
+ * its row scale applied to the fp32 scores.
  *
- * MMA_EMULATE=1 replaces the two PTX instructions (mma.sync, shfl.sync) by local-memory
- * exchanges with the same fragment semantics, so that the fragment bookkeeping above is checked
- * against the float64 oracle on any OpenCL device (PoCL in CI); it is for tests, not speed. Every
- * loop that contains them has the same trip count on the whole work-group (barriers).
+ * MMA_EMULATE=1 replaces the three PTX instructions (mma.sync, movmatrix, shfl.sync) by
+ * local-memory exchanges with the same fragment semantics, so that the fragment bookkeeping above
+ * is checked against the float64 oracle on any OpenCL device (PoCL in CI); it is for tests, not
+ * speed. Every loop that contains them has the same trip count on the whole work-group (barriers).
  */
 
 #include "common.h"   /* HEAD_DK, HEAD_DV, STORE_HALF, lse_of_state */
@@ -107,16 +111,17 @@ static inline raw_t load_kv_streamed(__global const raw_t *p)
 #define WG (32 * MMA_WARPS)
 #define TILE 16                     // keys per warp per iteration: the k extent of O += P V
 #define ROUND (TILE * MMA_WARPS)    // keys per work-group per iteration
-#define KSTEPS (HEAD_DK / 16)       // k-steps of S = Q K^T
+#define KSTEPS (HEAD_DK / 16)       // k-steps of S^T = K Q^T
 #define KQ (HEAD_DK / 4)            // dims of a K row per work-item (quarter c)
 #define KCH (KQ / 8)                // ... in 16-byte chunks
-#define NTV (HEAD_DV / 8)           // n-tiles of O; also the dims of a V row per work-item
+#define NTV (HEAD_DV / 8)           // dims of a V row per work-item
+#define MTV (HEAD_DV / 16)          // m-tiles of O^T (16 output dims each)
 #define VCH (NTV / 8)               // ... in 16-byte chunks
-#define MTILES ((GROUP + 15) / 16)  // work-groups per KV head: one per 16 query heads (MMA rows)
+#define MTILES ((GROUP + 15) / 16)  // work-groups per KV head: one per 16 query heads
 #define MT_ROWS (GROUP < 16 ? GROUP : 16)  // query heads of one work-group (the last may have fewer)
-#define NH (MT_ROWS > 8 ? 2 : 1)    // MMA rows per work-item holding real heads: g and g + 8
+#define NH (MT_ROWS > 8 ? 2 : 1)    // n-tiles of 8 query heads
 
-/* ---- the two warp-level primitives ---------------------------------------------------------- */
+/* ---- the warp-level primitives -------------------------------------------------------------- */
 
 #if MMA_EMULATE
 /* Local scratch of one warp for the emulations: the A and B fragments of an MMA and the values
@@ -157,15 +162,19 @@ static inline float warp_xor_emulated(const float x, const int mask, __local war
 }
 #define WARP_XOR(x, mask) warp_xor_emulated((x), (mask), ws)
 
-static inline float warp_idx_emulated(const float x, const int src, __local warp_scratch *ws)
+/* movmatrix.m8n8.trans.b16: the 8 x 8 matrix of halves whose row lane / 4 holds columns
+ * 2 (lane % 4), +1 in this lane's word, transposed */
+static inline uint transpose8_emulated(const uint w, __local warp_scratch *ws)
 {
-    const int lane = get_local_id(0) % 32;
+    const int lane = get_local_id(0) % 32, g = lane >> 2, c = lane & 3;
     barrier(CLK_LOCAL_MEM_FENCE);
-    ws->x[lane] = x;
+    ws->b[lane] = w;
     barrier(CLK_LOCAL_MEM_FENCE);
-    return ws->x[src];
+    /* element (row r, column j) sits in lane 4r + j / 2, half j % 2 */
+    const uint lo = ws->b[4 * (2 * c) + g / 2], hi = ws->b[4 * (2 * c + 1) + g / 2];
+    return ((g & 1) ? lo >> 16 : lo & 0xffffu) | (((g & 1) ? hi >> 16 : hi & 0xffffu) << 16);
 }
-#define WARP_IDX(x, src) warp_idx_emulated((x), (src), ws)
+#define TRANSPOSE8(w) transpose8_emulated((w), ws)
 
 /* D = A B + C with the fragment layout of mma.sync.m16n8k16.row.col.f32.f16.f16.f32 */
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
@@ -196,7 +205,14 @@ static inline void mma_16816(float d[4], const uint a0, const uint a1, const uin
 
 #else
 #define WARP_XOR(x, mask) warp_xor((x), (mask))
-#define WARP_IDX(x, src) warp_idx((x), (src))
+
+static inline uint transpose8(const uint w)
+{
+    uint r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(w));
+    return r;
+}
+#define TRANSPOSE8(w) transpose8(w)
 
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
                              const uint b0, const uint b1)
@@ -218,24 +234,21 @@ static inline uint pack_half2(const float lo, const float hi)
 #define PACK_HALF2(lo, hi) pack_half2((lo), (hi))
 #endif
 
-/* C += A B on the accumulator rows that hold real heads: c[0..1] is row g, c[2..3] row g + 8
- * (NH == 2 only). With NH == 1 the padding rows go in as zeros and come out dropped, which frees
- * two registers per n-tile (32 of the accumulator's 64 at DV = 128). */
-#if NH > 1
-#define MMA_ROWS(c, a0, a1, a2, a3, b0, b1) MMA((c), (a0), (a1), (a2), (a3), (b0), (b1))
-#else
-#define MMA_ROWS(c, a0, a1, a2, a3, b0, b1)                                                  \
-    do {                                                                                     \
-        float t_[4] = {(c)[0], (c)[1], 0.0f, 0.0f};                                          \
-        MMA(t_, (a0), (a1), (a2), (a3), (b0), (b1));                                         \
-        (c)[0] = t_[0];                                                                      \
-        (c)[1] = t_[1];                                                                      \
-    } while (0)
-#endif
-
-/* the 16-bit halves of two words side by side: (lo(a), lo(b)) or (hi(a), hi(b)) */
+/* the 16-bit halves of two words side by side: (lo(a), lo(b)) or (hi(a), hi(b)), one byte
+ * permute each (the C expressions took two instructions) */
+#if MMA_EMULATE
 #define PAIR_LO(a, b) (((a) & 0xffffu) | ((b) << 16))
 #define PAIR_HI(a, b) (((a) >> 16) | ((b) & 0xffff0000u))
+#else
+static inline uint byte_perm(const uint a, const uint b, const uint sel)
+{
+    uint r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+#define PAIR_LO(a, b) byte_perm((a), (b), 0x5410u)
+#define PAIR_HI(a, b) byte_perm((a), (b), 0x7632u)
+#endif
 
 /* ---- quantized rows: a work-item's pieces from whole 16-byte loads --------------------------- */
 
@@ -456,28 +469,34 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;  /* quantized: bytes */
     const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
 
-    /* Q's A fragments, exact fp16 bits: rows g and g + 8 (heads past G are zeros); word
-     * qa[h][s][e] holds dims c*KQ + 4s + 2e, +1 of row g + 8h */
-    uint qa[NH][KSTEPS][2];
+    /* Q^T's B fragments, exact fp16 bits, n-tile h = heads 8h .. 8h + 7 of this work-group
+     * (heads past G are zeros): word qb[h][s][e] holds dims c*KQ + 4s + 2e, +1 of head g + 8h */
+    uint qb[NH][KSTEPS][2];
     for (int h = 0; h < NH; ++h) {
         const int row = g + 8 * h;
         __global const ushort *q_row = (__global const ushort *)q + q_off + batch * q_sb
                                        + (head0 + min(row, rows - 1)) * q_sh + c * KQ;
         for (int s = 0; s < KSTEPS; ++s)
             for (int e = 0; e < 2; ++e)
-                qa[h][s][e] = (row < rows) ? ((uint)q_row[4 * s + 2 * e] | ((uint)q_row[4 * s + 2 * e + 1] << 16))
+                qb[h][s][e] = (row < rows) ? ((uint)q_row[4 * s + 2 * e] | ((uint)q_row[4 * s + 2 * e + 1] << 16))
                                             : 0u;
     }
 
-    float m[NH], l[NH];              /* per row: running max (log2 units), this lane's share of the sum */
-    float acc[NTV][2 * NH];          /* O's C fragments: [d][2h + i] = row g + 8h, dim (2c + i) * NTV + d */
-    float slope[NH];                 /* ALiBi slope of row g + 8h (padding rows: the last head's) */
+    /* per head 8h + 2c + i: running max (log2 units), this lane's share of the sum, ALiBi slope
+     * (padding heads: the last head's) */
+    float m[NH][2], l[NH][2], slope[NH][2];
+    /* O^T's C fragments, m-tile d: [d][h][i] dim NTV*g + 2d, [d][h][2 + i] dim NTV*g + 2d + 1,
+     * both of head 8h + 2c + i */
+    float acc[MTV][NH][4];
     for (int h = 0; h < NH; ++h) {
-        slope[h] = ALIBI_SLOPE_LOG2(batch, head0 + min(g + 8 * h, rows - 1));
-        m[h] = -INFINITY;
-        l[h] = ctx_ok ? 0.0f : NAN;
-        for (int d = 0; d < NTV; ++d)
-            acc[d][2 * h] = acc[d][2 * h + 1] = ctx_ok ? 0.0f : NAN;
+        for (int i = 0; i < 2; ++i) {
+            slope[h][i] = ALIBI_SLOPE_LOG2(batch, head0 + min(8 * h + 2 * c + i, rows - 1));
+            m[h][i] = -INFINITY;
+            l[h][i] = ctx_ok ? 0.0f : NAN;
+        }
+        for (int d = 0; d < MTV; ++d)
+            for (int r = 0; r < 4; ++r)
+                acc[d][h][r] = ctx_ok ? 0.0f : NAN;
     }
 
     /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
@@ -564,18 +583,16 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         for (int t = 0; t < 2; ++t)
             part_words(K_QUANT, kq[t], ks[t], c * KQ, KQ / 8, K_QUANT != QUANT_INT8, kc[t]);
 #if K_QUANT == QUANT_INT8
-        /* int8 K goes into S = Q K^T as its integers, and the row scale onto the scores: the
-         * scale of key t0 + 8t + 2c + i (S's column) came with row g = 2c + i of the loads */
-        float k_scale[2][2];
-        for (int t = 0; t < 2; ++t)
-            for (int i = 0; i < 2; ++i)
-                k_scale[t][i] = WARP_IDX(as_float(kq[t][0].z), 4 * (2 * c + i) + c);
-#define K_SCALE(t, i) k_scale[t][i]
+        /* int8 K goes into S^T = K Q^T as its integers, and the row scale onto the scores: key
+         * t0 + g + 8t (S^T's row) is the row this lane loaded as kq[t], taken before the next
+         * tile's loads overwrite it */
+        const float k_scale[2] = {as_float(kq[0][0].z), as_float(kq[1][0].z)};
+#define K_SCALE(t) k_scale[t]
 #else
-#define K_SCALE(t, i) 1.0f
+#define K_SCALE(t) 1.0f
 #endif
 #else
-#define K_SCALE(t, i) 1.0f
+#define K_SCALE(t) 1.0f
         for (int t = 0; t < 2; ++t)
             for (int i = 0; i < KQ / 2; ++i)
                 kc[t][i] = kw[t][i];
@@ -598,57 +615,60 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         TABLE_V(t0 + ROUND)
 #endif
 
-        /* S = Q K^T: sc[t][2h + i] = row g + 8h, key t0 + 8t + 2c + i */
-        float sc[2][2 * NH];
-        for (int t = 0; t < 2; ++t) {
-            for (int i = 0; i < 2 * NH; ++i)
-                sc[t][i] = 0.0f;
+        /* S^T = K Q^T: st[h][r] = key t0 + g + 8 (r >> 1), head 8h + 2c + (r & 1) */
+        float st[NH][4];
+        for (int h = 0; h < NH; ++h) {
+            for (int r = 0; r < 4; ++r)
+                st[h][r] = 0.0f;
             for (int s = 0; s < KSTEPS; ++s)
-                MMA_ROWS(sc[t], qa[0][s][0], NH > 1 ? qa[NH - 1][s][0] : 0u, qa[0][s][1],
-                         NH > 1 ? qa[NH - 1][s][1] : 0u, kc[t][2 * s], kc[t][2 * s + 1]);
+                MMA(st[h], kc[0][2 * s], kc[1][2 * s], kc[0][2 * s + 1], kc[1][2 * s + 1],
+                    qb[h][s][0], qb[h][s][1]);
         }
 
-        /* online softmax per row; the 4 lanes of a row (c = 0..3) share its max by two shuffles
-         * and keep their own share of the sum (added up once, at the end) */
-        uint pa[2][2];   /* P's A fragments: [h][0] keys 2c, 2c+1; [h][1] keys 8+2c, 9+2c */
-        pa[1][0] = pa[1][1] = 0u;
+        /* online softmax per head: its 16 keys are on the 8 lanes of one c (3 shuffles for the
+         * max); each lane keeps its own share of the sum (added up once, at the end). P^T's B
+         * fragments (pb[h][0]: keys 2c, 2c+1 of head g + 8h; pb[h][1]: keys 8+2c, 9+2c) are the
+         * transposes of the 8 x 8 blocks whose rows (keys) the lanes hold. */
+        uint pb[NH][2];
         for (int h = 0; h < NH; ++h) {
-            float x[4];
-            for (int i = 0; i < 4; ++i) {
-                const int key = t0 + 8 * (i >> 1) + 2 * c + (i & 1);
-                x[i] = (key < k1) ? SCORE_VARIANTS(sc[i >> 1][2 * h + (i & 1)] * K_SCALE(i >> 1, i & 1) * scale_log2, slope[h],
-                                                   n_used - 1 - key)
-                                  : -INFINITY;
+            float x[4], p[4], alpha[2];
+            for (int r = 0; r < 4; ++r) {
+                const int key = t0 + g + 8 * (r >> 1);
+                const float s_log2 = st[h][r] * K_SCALE(r >> 1) * scale_log2;
+                x[r] = (key < k1) ? SCORE_VARIANTS(s_log2, slope[h][r & 1], n_used - 1 - key) : -INFINITY;
             }
-            float mx = fmax(fmax(x[0], x[1]), fmax(x[2], x[3]));
-            mx = fmax(mx, WARP_XOR(mx, 1));
-            mx = fmax(mx, WARP_XOR(mx, 2));
-            const float m_new = fmax(m[h], mx);
-            const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* nothing seen: no inf - inf */
-            const float alpha = exp2(m[h] - m_use);
-            float p[4];
-            for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < 2; ++i) {
+                float mx = fmax(x[i], x[2 + i]);
+                mx = fmax(mx, WARP_XOR(mx, 4));
+                mx = fmax(mx, WARP_XOR(mx, 8));
+                mx = fmax(mx, WARP_XOR(mx, 16));
+                const float m_new = fmax(m[h][i], mx);
+                /* nothing seen: no inf - inf */
+                const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
+                alpha[i] = exp2(m[h][i] - m_use);
                 p[i] = exp2(x[i] - m_use);
-            l[h] = l[h] * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
-            m[h] = m_new;
-            for (int d = 0; d < NTV; ++d) {
-                acc[d][2 * h] *= alpha;
-                acc[d][2 * h + 1] *= alpha;
+                p[2 + i] = exp2(x[2 + i] - m_use);
+                l[h][i] = l[h][i] * alpha[i] + (p[i] + p[2 + i]);
+                m[h][i] = m_new;
             }
-            pa[h][0] = PACK_HALF2(p[0], p[1]);
-            pa[h][1] = PACK_HALF2(p[2], p[3]);
+            for (int d = 0; d < MTV; ++d)
+                for (int r = 0; r < 4; ++r)
+                    acc[d][h][r] *= alpha[r & 1];
+            pb[h][0] = TRANSPOSE8(PACK_HALF2(p[0], p[1]));
+            pb[h][1] = TRANSPOSE8(PACK_HALF2(p[2], p[3]));
         }
 
 #if V_QUANT && !V_AHEAD
         for (int r = 0; r < 4; ++r)
             part_words(V_QUANT, vq[r], vs[r], g * NTV, NTV / 8, true, vw[r]);
 #endif
-        /* O += P V, one n-tile (8 output dims) at a time */
-        for (int d = 0; d < NTV; ++d) {
-            const int w = d >> 1;
-            const uint b0 = (d & 1) ? PAIR_HI(vw[0][w], vw[1][w]) : PAIR_LO(vw[0][w], vw[1][w]);
-            const uint b1 = (d & 1) ? PAIR_HI(vw[2][w], vw[3][w]) : PAIR_LO(vw[2][w], vw[3][w]);
-            MMA_ROWS(acc[d], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b0, b1);
+        /* O^T += V^T P^T, one m-tile (16 output dims) at a time: row g is dim NTV*g + 2d (word d's
+         * low halves of keys 2c, 2c+1 | 8+2c, 9+2c), row g + 8 dim NTV*g + 2d + 1 (high halves) */
+        for (int d = 0; d < MTV; ++d) {
+            const uint a0 = PAIR_LO(vw[0][d], vw[1][d]), a1 = PAIR_HI(vw[0][d], vw[1][d]);
+            const uint a2 = PAIR_LO(vw[2][d], vw[3][d]), a3 = PAIR_HI(vw[2][d], vw[3][d]);
+            for (int h = 0; h < NH; ++h)
+                MMA(acc[d][h], a0, a1, a2, a3, pb[h][0], pb[h][1]);
         }
     }
 #undef LOAD_K
@@ -659,33 +679,36 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 #undef V_AHEAD
 #undef K_SCALE
 
-    /* each row's sum over its 4 lanes; then the warps' states meet: shared max per row, the
+    /* each head's sum over its 8 lanes; then the warps' states meet: shared max per head, the
      * accumulators rescaled to it and summed in local memory */
-    for (int h = 0; h < NH; ++h) {
-        l[h] += WARP_XOR(l[h], 1);
-        l[h] += WARP_XOR(l[h], 2);
-        const int row = g + 8 * h;
-        if (c == 0 && row < rows) {
-            red_m[warp * MT_ROWS + row] = m[h];
-            red_l[warp * MT_ROWS + row] = l[h];
+    for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < 2; ++i) {
+            l[h][i] += WARP_XOR(l[h][i], 4);
+            l[h][i] += WARP_XOR(l[h][i], 8);
+            l[h][i] += WARP_XOR(l[h][i], 16);
+            const int head = 8 * h + 2 * c + i;
+            if (g == 0 && head < rows) {
+                red_m[warp * MT_ROWS + head] = m[h][i];
+                red_l[warp * MT_ROWS + head] = l[h][i];
+            }
         }
-    }
     barrier(CLK_LOCAL_MEM_FENCE);
     const bool takes_sink = !partial || split == 0;   /* exactly once per query head */
-    for (int h = 0; h < NH; ++h) {
-        const int row = g + 8 * h;
-        if (row >= rows)
-            continue;
-        float mx = SINK_LOG2(head0 + row, takes_sink);
-        for (int w = 0; w < MMA_WARPS; ++w)
-            mx = fmax(mx, red_m[w * MT_ROWS + row]);
-        const float f = exp2(m[h] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty warp: 0 */
-        __local float *dst = red_acc + (warp * MT_ROWS + row) * HEAD_DV;
-        for (int d = 0; d < NTV; ++d) {
-            dst[(2 * c) * NTV + d] = acc[d][2 * h] * f;
-            dst[(2 * c + 1) * NTV + d] = acc[d][2 * h + 1] * f;
+    for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < 2; ++i) {
+            const int head = 8 * h + 2 * c + i;
+            if (head >= rows)
+                continue;
+            float mx = SINK_LOG2(head0 + head, takes_sink);
+            for (int w = 0; w < MMA_WARPS; ++w)
+                mx = fmax(mx, red_m[w * MT_ROWS + head]);
+            const float f = exp2(m[h][i] - ((mx == -INFINITY) ? 0.0f : mx));  /* empty warp: 0 */
+            __local float *dst = red_acc + (warp * MT_ROWS + head) * HEAD_DV + NTV * g;
+            for (int d = 0; d < MTV; ++d) {
+                dst[2 * d] = acc[d][h][i] * f;
+                dst[2 * d + 1] = acc[d][h][2 + i] * f;
+            }
         }
-    }
     barrier(CLK_LOCAL_MEM_FENCE);
 
     for (int x = tid; x < rows * HEAD_DV; x += WG) {

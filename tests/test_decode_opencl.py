@@ -210,16 +210,16 @@ def test_row_shuffle(cl_device, dk):
             check(cl_device, q, k, v, table, lens, s, params, what=f"row_shuffle={shuffle}", row_shuffle=shuffle)
 
 
-# (H_q, H_kv, DK, DV): GQA groups of 4, 16 (both MMA row halves), 12 (a partial second half),
-# 1 (15 padding rows), 32 (two work-groups per KV head); DK 32..128 and DK != DV
+# (H_q, H_kv, DK, DV): GQA groups of 4, 16 (both n-tiles of 8 heads), 12 (a partial second one),
+# 1 (7 padding heads), 32 (two work-groups per KV head); DK 32..128 and DK != DV
 MMA_CASES = [(8, 2, 128, 128), (16, 1, 64, 64), (12, 1, 96, 128), (2, 2, 32, 64), (32, 1, 64, 64)]
 
 
 @pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
 def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
-    """decode_mma.cl against the oracle: on NVIDIA (sm_80+) with the real mma.sync/shfl.sync
-    instructions, on every other device with their emulation (the same fragment bookkeeping,
-    checked by PoCL in CI). Partial tiles, 1-key sequences, more splits than keys, a contiguous
+    """decode_mma.cl against the oracle: on NVIDIA (sm_80+) with the real warp instructions
+    (mma.sync, movmatrix, shfl.sync), on every other device with their emulation (the same
+    fragment bookkeeping, checked by PoCL in CI). Partial tiles, 1-key sequences, more splits than keys, a contiguous
     cache with an empty sequence, logits around +-200."""
     h = get_device(cl_device)
     prob = DecodeProblem(3, h_q, h_kv, dk, dv, True, "float16")

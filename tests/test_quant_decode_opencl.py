@@ -188,9 +188,9 @@ def test_public_api_and_bad_block_ids(cl_device):
                                                           ("int8", "int8", 128, 128, 16),
                                                           ("q4_0", "q4_0", 128, 128, 16)])
 def test_tensor_core_kernel_emulated(cl_device, k_fmt, v_fmt, dk, dv, block_size):
-    """decode_mma.cl's dequantized fragments (its mma.sync / shfl.sync emulated): K quarters of
+    """decode_mma.cl's dequantized fragments (its warp instructions emulated): K quarters of
     two, one, half and a quarter ggml block, V eighths of 8 and 16 dims; int8 K as integers with
-    the row scales on the scores, V read a tile ahead; G = 5 (padding MMA rows)."""
+    the row scales on the scores, V read a tile ahead; G = 5 (padding heads in the MMAs' n-tile)."""
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{dk}".encode()))
     # 300 keys in one split: 5 rounds of 64, so the loads (and table entries) read ahead in the loop
     q, k, v, table, lens = _inputs(rng, 2, 10, 2, dk, dv, [300, 9], block_size, "float16", k_fmt, v_fmt)

@@ -189,8 +189,8 @@ def test_staged_head_tiles_fp16(cl_device, block_size):
 
 
 def test_tensor_core_kernel_emulated(cl_device):
-    """decode_mma.cl (its mma.sync / shfl.sync emulated) with every variant: G = 4 (padding MMA
-    rows), single pass and split-k."""
+    """decode_mma.cl (its warp instructions emulated) with every variant: G = 4 (padding
+    heads in the MMAs' n-tile), single pass and split-k."""
     rng = np.random.default_rng(4)
     b, h_q, h_kv, d = 2, 8, 2, 64
     q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [150, 40], 16, np.float16)

@@ -7,9 +7,9 @@ that ``flash_decode_merge`` combines exactly. The split count, when not forced, 
 :func:`choose_num_splits` (``DecodeKernel.auto_splits``).
 
 On NVIDIA devices of compute capability 8.0+ with an fp16 cache (``tensor_cores_ok``) the two
-decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), ~12 warp
-instructions per key instead of ~115, so the SMs no longer run out of issue slots before HBM runs
-out of bandwidth. decode.cl serves every other device and fp32 caches. What was measured for
+decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), keys as the
+MMAs' rows and query heads as their columns, ~27 warp instructions per key of an fp16 cache instead
+of ~115, so the SMs no longer run out of issue slots before HBM runs out of bandwidth. decode.cl serves every other device and fp32 caches. What was measured for
 both, and every variant that lost: docs/notes/opencl-decode-nvidia.md.
 
 Attention variants (window, softcap, sinks, ALiBi: :class:`DecodeVariants`) and quantized caches

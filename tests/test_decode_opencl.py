@@ -240,16 +240,27 @@ def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
 
 
 def test_tensor_cores_split_choice():
-    """decode_mma.cl's split rule (2 resident work-groups per SM, 512..4096 keys per split) on the
-    reference decode shapes on an H100 (132 SMs): the counts the H100 bench measured
-    best (MQA: 8, within noise of 4)."""
-    picks = [choose_num_splits(132, b * h_kv * cl_decode.mma_tiles(h_q // h_kv), ctx,
-                               waves=cl_decode.MMA_WAVES, keys_per_split=cl_decode.MMA_KEYS_PER_SPLIT,
-                               min_keys=cl_decode.MMA_MIN_KEYS_PER_SPLIT)
-             for b, h_q, h_kv, ctx in [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048),
-                                       (32, 32, 8, 2048), (4, 64, 8, 2048), (8, 64, 8, 2048),
-                                       (16, 32, 1, 4096), (1, 32, 8, 32768), (1, 32, 8, 131072)]]
-    assert picks == [1, 2, 4, 1, 4, 4, 8, 32, 32]
+    """decode_mma.cl's split rule (2 resident work-groups per SM, >= 512 keys per split) on an
+    H100 / H200 (132 SMs). Lengths on the host (equal here): the count that fills the device
+    once, the best forced count both cards measured on the reference shapes and (B, 32/8, ctx)
+    at B = 2, 4, 8 (ties within 4%). Device tables: at most 4096 keys a split, which splits the
+    long sequence of an uneven batch (and costs 11-19% at (8, 32/32, 8k) and (8, 32/8, 32k))."""
+    shapes = [(8, 32, 32, 2048), (8, 32, 32, 8192), (8, 32, 8, 2048), (32, 32, 8, 2048),
+              (4, 64, 8, 2048), (8, 64, 8, 2048), (16, 32, 1, 4096), (1, 32, 8, 32768),
+              (1, 32, 8, 131072), (8, 32, 8, 32768), (4, 32, 8, 32768), (2, 32, 8, 65536)]
+
+    def pick(b, h_q, h_kv, ctx, **kw):
+        return choose_num_splits(132, b * h_kv * cl_decode.mma_tiles(h_q // h_kv), ctx,
+                                 waves=cl_decode.MMA_WAVES, min_keys=cl_decode.MMA_MIN_KEYS_PER_SPLIT, **kw)
+
+    host = [pick(*s, keys_per_split=None, mean_ctx=s[3]) for s in shapes]
+    assert host == [1, 1, 4, 1, 4, 4, 8, 32, 32, 4, 8, 16]
+    device = [pick(*s, keys_per_split=cl_decode.MMA_KEYS_PER_SPLIT) for s in shapes]
+    assert device == [1, 2, 4, 1, 4, 4, 8, 32, 32, 8, 8, 16]
+    # uneven batches split the long sequence further: the counts the H200 measured best for one
+    # sequence of 128k keys and seven of 1k, and for one of 32k and seven of 4k
+    assert pick(8, 32, 8, 131072, keys_per_split=None, mean_ctx=(131072 + 7 * 1024) / 8) == 32
+    assert pick(8, 32, 8, 32768, keys_per_split=None, mean_ctx=(32768 + 7 * 4096) / 8) == 16
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -393,3 +404,12 @@ def test_bench_block_orders(block_order):
     ascending = bool((np.diff(table, axis=1) > 0).all())
     assert ascending == (block_order != "random")
     assert np.array_equal(table, np.arange(24).reshape(3, 8)) == (block_order == "sequential")
+
+
+def test_mean_keys_seen():
+    """The mean length decode_mma.cl's splits balance: host tables only, a window's keys at most."""
+    lens = np.array([100, 3000, 0], np.int32)
+    assert cl_decode.mean_keys_seen(lens, None) == pytest.approx(3100 / 3)
+    var = cl_decode.DecodeVariants(1023, None, None, None)   # window (1023, 0)
+    assert cl_decode.mean_keys_seen(lens, var) == pytest.approx(1124 / 3)
+    assert cl_decode.mean_keys_seen(None, None) is None

@@ -99,7 +99,8 @@ def _pow2_floor(x: int) -> int:
 
 def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves: int = WAVES,
                       keys_per_split: int = KEYS_PER_SPLIT, min_keys: int = MIN_KEYS_PER_SPLIT,
-                      max_splits: int = MAX_SPLITS, params: dict | None = None) -> int:
+                      max_splits: int = MAX_SPLITS, params: dict | None = None,
+                      mean_ctx: float | None = None) -> int:
     """The split-k count when the caller does not force one.
 
     Decode is bandwidth bound, so the whole device must be reading, and each work-group must have
@@ -127,16 +128,29 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     (the rule before the merge kernel got faster) it picked 4 for (8, 32, 8, 2k) and (8, 64, 8, 2k),
     12% and 9% behind 8 and 16 splits. ``n_ctx`` is the longest context of the batch.
 
+    ``keys_per_split`` None (decode_mma.cl with the lengths on the host): the second bound
+    balances instead of capping a split's keys. The longest sequence is split until its
+    work-groups hold about as many keys as the mean work-group of one full wave: the fill bound
+    times ``n_ctx / mean_ctx`` rounded to the nearest power of two. For a batch of equal lengths
+    that is the fill bound itself, the count that fills the device once, which the H100 and the
+    H200 measured best ((8, 32/8, 32k): 4 splits, 11% / 19% faster than the 8 that 4096 keys a
+    split gave); an uneven batch splits its long sequence further (H200, 8 x 32/8: one 128k and
+    seven 1k sequences, 32 splits, 154 us against 196 at 16; one 32k and seven 4k, 16 splits,
+    83 us against 89 at 32). ``mean_ctx`` None: the batch's lengths are taken as equal.
+
     ``params``: the configuration in use; its SPLIT_WAVES and SPLIT_KEYS, where set (a tuned
     entry, measured on the path that runs), replace ``waves`` and ``keys_per_split``.
     """
     if params:
         waves = params.get("SPLIT_WAVES", waves)
         keys_per_split = params.get("SPLIT_KEYS", keys_per_split)
-    fill = _pow2_floor(waves * max(1, compute_units) // max(1, batch_heads))
-    if waves * max(1, compute_units) < max(1, batch_heads):
-        fill = 1
-    work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
+    slots = waves * max(1, compute_units)
+    fill = _pow2_floor(slots // max(1, batch_heads)) if slots >= max(1, batch_heads) else 1
+    if keys_per_split is None:
+        uneven = max(1.0, n_ctx / max(1.0, float(mean_ctx if mean_ctx is not None else n_ctx)))
+        work = fill << round(math.log2(uneven))
+    else:
+        work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
     cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
     return int(max(1, min(max(fill, work), cap)))
 
@@ -201,9 +215,10 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
 
 
 MMA_WARPS = 4  # warps per work-group of decode_mma.cl
-# choose_num_splits for decode_mma.cl: ~210 registers per work-item fit 2 work-groups per SM (not
-# decode.cl's 4); a split keeps >= 512 keys (its prologue and merge outweigh the parallelism below)
-# and long contexts split only past 4096 keys a split: docs/notes/opencl-decode-nvidia.md.
+# choose_num_splits for decode_mma.cl: 158-253 registers per work-item fit 2 work-groups per SM
+# (not decode.cl's 4); a split keeps >= 512 keys (its prologue and merge outweigh the parallelism
+# below); lengths on the host balance the splits, device tables split past 4096 keys a split:
+# docs/notes/opencl-decode-nvidia.md.
 MMA_WAVES = 2
 MMA_KEYS_PER_SPLIT = 4096
 MMA_MIN_KEYS_PER_SPLIT = 512
@@ -566,11 +581,14 @@ class DecodeKernel:
         return [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
                 (KERNEL + "_merge", self.kernels["flash_decode_merge"], *merge_grid(p, mwg), margs)]
 
-    def auto_splits(self, n_ctx: int) -> int:
+    def auto_splits(self, n_ctx: int, mean_ctx: float | None = None) -> int:
         """The split count choose_num_splits gives this kernel for a query that sees up to n_ctx
-        keys (with a window: the windowed length, DecodeVariants.keys_seen)."""
-        tuned = dict(waves=MMA_WAVES, keys_per_split=MMA_KEYS_PER_SPLIT,
-                     min_keys=MMA_MIN_KEYS_PER_SPLIT) if self.tensor_cores else {}
+        keys (with a window: the windowed length, DecodeVariants.keys_seen); ``mean_ctx``, the
+        mean of those lengths over the batch where the host knows them, balances decode_mma.cl's
+        splits (None: device tables, 4096 keys a split at most)."""
+        tuned = dict(waves=MMA_WAVES, min_keys=MMA_MIN_KEYS_PER_SPLIT, mean_ctx=mean_ctx,
+                     keys_per_split=MMA_KEYS_PER_SPLIT if mean_ctx is None else None
+                     ) if self.tensor_cores else {}
         return choose_num_splits(int(self.handle.device.max_compute_units),
                                  self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned,
                                  params=self.params)
@@ -684,6 +702,18 @@ def max_context(geo: dict, context_lens) -> int:
     return geo["N_max"]
 
 
+def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
+    """The mean over the batch of the keys each sequence's query sees, from host tables; None
+    for device tables (not read back)."""
+    lens = _host_ints(context_lens)
+    if lens is None or not len(lens):
+        return None
+    seen = np.clip(lens.astype(np.int64), 0, None)
+    if var is not None and var.window_left is not None:
+        seen = np.minimum(seen, var.window_left + 1)
+    return float(seen.mean())
+
+
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
            device, params, return_lse: bool, variants=None):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api."""
@@ -708,7 +738,8 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     choice = choose_params(handle, prob, params, n_ctx)
     kern = DecodeKernel(handle, prob, choice.params, variant_flags=var.flags() if var else None)
     if num_splits is None:
-        num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx)
+        num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx,
+                                      mean_ctx=mean_keys_seen(context_lens, var))
 
     queue = handle.queue
     if is_cl:

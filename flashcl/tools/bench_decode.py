@@ -200,7 +200,9 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 return kern(qd, kd, vd, out, lse, td, ld, scale, num_splits)
             return go
 
-        auto = kern.auto_splits(ctx)
+        # the count flashcl.decode picks with the lengths on the host (numpy / torch tables)
+        mean_ctx = float(lens.mean())
+        auto = kern.auto_splits(ctx, mean_ctx=mean_ctx)
         timed = {}
         for s in sorted({1, auto, *splits}):
             timed[s] = event_times(lambda i, go=run(s): go(i % copies), repeats)  # rotate the copies
@@ -240,7 +242,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                                          for x in (var.sinks, var.alibi_slopes)))
             vkern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, variant_flags=var.flags(),
                                  tensor_cores=tensor_cores)
-            vauto = vkern.auto_splits(var.keys_seen(ctx))
+            vauto = vkern.auto_splits(var.keys_seen(ctx), mean_ctx=var.keys_seen(mean_ctx))
 
             def run_var_splits(num_splits):
                 def go(i):
@@ -274,7 +276,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             # the same bytes at other addresses, as many copies as the plain cache's rule gives
             qcopies = int(max(1, min(-(-3 * cache // stored), mem_budget // max(stored, 1), 8)))
             qsets = [[quantized_to_device(x, queue) for x in (qk, qv)] for _ in range(qcopies)]
-            qauto = qkern.auto_splits(ctx)
+            qauto = qkern.auto_splits(ctx, mean_ctx=mean_ctx)
 
             def run_quant(i):
                 qd, _, _, td, ld = sets[i % copies]
@@ -291,7 +293,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
                 qvkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
                                       verbose=verbose_build, variant_flags=var.flags(), tensor_cores=tensor_cores)
-                qvauto = qvkern.auto_splits(var.keys_seen(ctx))
+                qvauto = qvkern.auto_splits(var.keys_seen(ctx), mean_ctx=var.keys_seen(mean_ctx))
 
                 def run_quant_var(i):
                     qd, _, _, td, ld = sets[i % copies]

@@ -91,8 +91,9 @@ def main() -> None:
     for fmt in opt.format or ["fp16"]:
         f = None if fmt == "fp16" else fmt
         prob = DecodeProblem(b, h_q, h_kv, opt.head_dim, opt.head_dim, True, "float16", f, f)
+        # the split kernel alone (the two-launch split-k): the fused one would merge as well
         kern = DecodeKernel(handle, prob, choose_params(handle, prob, None, ctx).params,
-                            extra_options=[f"-D{d}" for d in opt.define])
+                            extra_options=[f"-D{d}" for d in opt.define], fused_merge=False)
         kk, vv = ((quantized_to_device(quant.quantize(x, f), queue) for x in (k, v)) if f else (kd, vd))
         seq = kern.launches(qd, kk, vv, out, lse, td, ld, opt.head_dim ** -0.5, kern.auto_splits(ctx))
         for ev in launch_sequence(handle, seq, params=kern.params):

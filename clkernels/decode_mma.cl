@@ -761,3 +761,67 @@ void NAME(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS)                            
 
 DECODE_MMA_KERNEL(flash_decode, false)
 DECODE_MMA_KERNEL(flash_decode_split, true)
+
+/* ---- split-k in one launch ------------------------------------------------------------------ */
+
+/* Device-wide order of this work-item's global writes before its later ones (and of its later
+ * reads after the others' writes it has seen through an atomic) */
+#if DECODE_NV_PTX
+#define GLOBAL_FENCE() asm volatile("membar.gl;" ::: "memory")
+#else
+#define GLOBAL_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
+#endif
+
+/* flash_decode_split, then flash_decode_merge's arithmetic for this work-group's heads, done by
+ * the work-group of their (sequence, KV head, head tile) that finishes last: one launch instead
+ * of two, where NVIDIA's OpenCL spends several microseconds per launch. `arrivals`: one int per
+ * (sequence, grid row), zero before the first call; the last work-group puts it back to zero.
+ * It reads the other work-groups' states through volatile loads (L2, not a stale L1). */
+__kernel FLASHCL_REQD_WG(WG)
+void flash_decode_fused(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, __global int *arrivals)
+{
+    __local float red_m[MMA_WARPS * MT_ROWS], red_l[MMA_WARPS * MT_ROWS];
+    __local float red_acc[MMA_WARPS * MT_ROWS * HEAD_DV];
+    __local int last;
+    SCRATCH_DECL
+    decode_mma_body(DECODE_ARGS VARIANT_ARGS QUANT_ARGS, true, red_m, red_l, red_acc SCRATCH_ARG);
+
+    const int tid = get_local_id(0), batch = get_group_id(2);
+    const int slot = batch * (int)get_num_groups(1) + (int)get_group_id(1);
+    GLOBAL_FENCE();
+    barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);  /* every work-item's states written */
+    if (tid == 0)
+        last = atomic_inc(arrivals + slot) == num_splits - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!last)
+        return;
+    GLOBAL_FENCE();
+    if (tid == 0)
+        arrivals[slot] = 0;
+
+    const int kv_head = get_group_id(1) / MTILES, mtile = get_group_id(1) % MTILES;
+    const int head0 = kv_head * GROUP + mtile * 16, rows = min(GROUP - mtile * 16, 16);
+    volatile __global const float *pm = part_m, *pl = part_l, *pacc = part_acc;
+    /* one work-item per (head, 4 output dims): the splits' states, rescaled to their shared max */
+    for (int x = tid; x < rows * (HEAD_DV / 4); x += WG) {
+        const int head = head0 + x / (HEAD_DV / 4), c = x % (HEAD_DV / 4);
+        const ulong state0 = ((ulong)batch * h_q + head) * num_splits;
+        float m_all = -INFINITY;
+        for (int s = 0; s < num_splits; ++s)
+            m_all = fmax(m_all, pm[state0 + s]);
+        const float m_use = (m_all == -INFINITY) ? 0.0f : m_all;  /* every split empty */
+        float l_all = 0.0f;
+        float4 a = (float4)(0.0f);
+        for (int s = 0; s < num_splits; ++s) {
+            const float w = exp2(pm[state0 + s] - m_use);   /* empty split: exp2(-inf) = 0 */
+            l_all += pl[state0 + s] * w;
+            volatile __global const float *src = pacc + (state0 + s) * HEAD_DV + 4 * c;
+            a = fma((float4)(w), (float4)(src[0], src[1], src[2], src[3]), a);
+        }
+        const float inv_l = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
+        __global half *o_row = out + o_off + batch * o_sb + head * o_sh;
+        vstore_half4_rte(a * inv_l, c, o_row);
+        if (c == 0)
+            lse[(ulong)batch * h_q + head] = lse_of_state(m_all, l_all);
+    }
+}

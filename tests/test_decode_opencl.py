@@ -239,6 +239,33 @@ def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
           tensor_cores=mode)
 
 
+@pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
+def test_tensor_cores_fused_merge(cl_device, h_q, h_kv, dk, dv):
+    """flash_decode_fused (split-k in one launch: the last work-group of a head tile merges)
+    against the oracle, one kernel over several split counts and calls (its arrival counts must
+    go back to zero), with empty and 1-key sequences; emulated off NVIDIA, and not under Oclgrind
+    (OpenCL 1.2 orders nothing between work-groups: NVIDIA's membar.gl does)."""
+    h = get_device(cl_device)
+    prob = DecodeProblem(3, h_q, h_kv, dk, dv, True, "float16")
+    mode = True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+    kern = DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=mode, fused_merge=True)
+    rng = np.random.default_rng(h_q * dk + dv + 1)
+    q, k, v, table, lens = _paged(rng, 3, h_q, h_kv, dk, dv, [1, 0, 300], 16, "float16", logit_scale=4.0)
+    qd, kd, vd, td, ld = (cla.to_device(h.queue, x) for x in (q, k, v, table, lens))
+    ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens, return_lse=True)
+    for s in (2, 7, 2, 200):
+        out = cla.to_device(h.queue, np.full((3, h_q, dv), np.nan, np.float16))
+        lse = cla.to_device(h.queue, np.full((3, h_q), np.nan, np.float32))
+        events = kern(qd, kd, vd, out, lse, td, ld, dk ** -0.5, s)
+        assert len(events) == 1, "split-k in one launch"
+        events[-1].wait()
+        assert_close(out.get(), ref_out, "float16", f"fused merge, {s} splits")
+        got_lse = lse.get()
+        assert np.all(np.isneginf(got_lse[1])) and np.all(out.get()[1] == 0), "the empty sequence"
+        np.testing.assert_allclose(got_lse[[0, 2]], ref_lse[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert not kern._arrivals.get().any(), "arrival counts left non-zero"
+
+
 def test_tensor_cores_split_choice():
     """decode_mma.cl's split rule (2 resident work-groups per SM, >= 512 keys per split) on an
     H100 / H200 (132 SMs). Lengths on the host (equal here): the count that fills the device

@@ -220,6 +220,10 @@ MMA_WARPS = 4  # warps per work-group of decode_mma.cl
 # below); lengths on the host balance the splits, device tables split past 4096 keys a split:
 # docs/notes/opencl-decode-nvidia.md.
 MMA_WAVES = 2
+# decode_mma.cl's split-k in one launch (flash_decode_fused: the last work-group of a head tile
+# merges) instead of the split kernel and flash_decode_merge: 2-30% less time, most on short
+# decodes, where a launch is a large share (docs/notes/opencl-decode-nvidia.md)
+FUSED_MERGE = True
 MMA_KEYS_PER_SPLIT = 4096
 MMA_MIN_KEYS_PER_SPLIT = 512
 
@@ -438,7 +442,7 @@ class DecodeKernel:
     def __init__(self, handle: DeviceHandle, prob: DecodeProblem, params: dict, *,
                  verbose: bool = False, extra_options=(), row_shuffle: bool | None = None,
                  tensor_cores: bool | str | None = None, mma_warps: int = MMA_WARPS,
-                 variant_flags: dict | None = None):
+                 variant_flags: dict | None = None, fused_merge: bool | None = None):
         self.handle, self.prob, self.params = handle, prob, dict(params)
         self.variant_flags = dict(variant_flags or {})
         shuffle_ok = row_shuffle_ok(handle, params, prob.group, prob.dk, prob.dv, prob.dtype)
@@ -470,6 +474,14 @@ class DecodeKernel:
         self.kernels = {"flash_decode": self.built_decode.kernel("flash_decode"),
                         "flash_decode_split": self.built_decode.kernel("flash_decode_split"),
                         "flash_decode_merge": self.built.kernel("flash_decode_merge")}
+        if fused_merge and not self.tensor_cores:
+            raise ValueError("fused_merge: decode_mma.cl only (tensor_cores)")
+        # by default only with the real PTX (membar.gl orders the states before the arrival count):
+        # OpenCL 1.2 orders nothing between work-groups, so Oclgrind calls the emulated one racy
+        self.fused_merge = (FUSED_MERGE and self.tensor_cores is True) if fused_merge is None else bool(fused_merge)
+        if self.tensor_cores:
+            self.kernels["flash_decode_fused"] = self.built_decode.kernel("flash_decode_fused")
+        self._arrivals = None
         # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)
         self.head_tiles = mma_tiles(prob.group) if self.tensor_cores else 1
         for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"])):
@@ -578,6 +590,10 @@ class DecodeKernel:
         margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
+        if self.fused_merge:
+            if self._arrivals is None:  # zeros; each call's last work-groups put them back
+                self._arrivals = cla.to_device(self.handle.queue, np.zeros(p.b * p.h_kv * self.head_tiles, np.int32))
+            return [(KERNEL, self.kernels["flash_decode_fused"], gsize, lsize, args + [self._arrivals.data])]
         return [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
                 (KERNEL + "_merge", self.kernels["flash_decode_merge"], *merge_grid(p, mwg), margs)]
 

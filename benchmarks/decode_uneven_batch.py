@@ -4,8 +4,9 @@ on the host, device tables) and their power-of-two neighbours.
 
     python benchmarks/decode_uneven_batch.py --long 131072 --short 1024 [--device nvidia]
 
-Times are OpenCL profiling events (split kernel start to merge end), the median of 5 interleaved
-rounds of 10 calls. docs/notes/opencl-decode-nvidia.md cites its figures.
+Times are OpenCL profiling events (split kernel start to merge end: split-k as two launches, as
+the figures docs/notes/opencl-decode-nvidia.md cites were measured), the median of 5 interleaved
+rounds of 10 calls.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     lse = cla.empty(queue, (b, h_q), np.float32)
 
     prob = DecodeProblem(b, h_q, h_kv, d, d, True, "float16")
-    kern = DecodeKernel(handle, prob, choose_params(handle, prob, None, opt.long).params)
+    kern = DecodeKernel(handle, prob, choose_params(handle, prob, None, opt.long).params, fused_merge=False)
     device_rule = kern.auto_splits(opt.long)
     host_rule = kern.auto_splits(opt.long, mean_ctx=float(lens.mean()))
     counts = sorted({4, 8, 16, 32, 64, device_rule, host_rule})

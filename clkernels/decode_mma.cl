@@ -109,7 +109,7 @@ static inline raw_t load_kv_streamed(__global const raw_t *p)
 #endif
 
 #define WG (32 * MMA_WARPS)
-#define TILE 16                     // keys per warp per iteration: the k extent of O += P V
+#define TILE 16                     // keys per warp per iteration: the k extent of O^T += V^T P^T
 #define ROUND (TILE * MMA_WARPS)    // keys per work-group per iteration
 #define KSTEPS (HEAD_DK / 16)       // k-steps of S^T = K Q^T
 #define KQ (HEAD_DK / 4)            // dims of a K row per work-item (quarter c)
@@ -450,8 +450,8 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, c = lane & 3;
     const int split = get_group_id(0), batch = get_group_id(2);
     const int kv_head = get_group_id(1) / MTILES, mtile = get_group_id(1) % MTILES;
-    const int head0 = kv_head * GROUP + mtile * 16;       /* query head of MMA row 0 */
-    const int rows = min(GROUP - mtile * 16, 16);          /* MMA rows that are query heads */
+    const int head0 = kv_head * GROUP + mtile * 16;       /* query head of MMA column 0 */
+    const int rows = min(GROUP - mtile * 16, 16);          /* MMA columns that are query heads */
 #if MMA_EMULATE
     __local warp_scratch *ws = scratch + warp;
 #endif
@@ -499,7 +499,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
                 acc[d][h][r] = ctx_ok ? 0.0f : NAN;
     }
 
-    /* K: the quarter c of keys t0 + g (n-tile 0) and t0 + 8 + g (n-tile 1), as 32-bit words;
+    /* K: the quarter c of keys t0 + g (M row g) and t0 + 8 + g (row g + 8), as 32-bit words;
      * V: the eighth g of keys t0 + 2c, 2c + 1, 8 + 2c, 9 + 2c. Keys past k1 read key k1 - 1's
      * row (LAST_KEY: the loop runs only where k0 < k1). A row of an out-of-range block is not read:
      * K reads NaN (its key's P, then out and lse, are NaN), a plain V the head's first row. */
@@ -563,7 +563,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 
     /* A tile's K words are loaded one iteration ahead (into kw, copied to kc): the next tile's K
      * is in flight while this one is computed. Its V is loaded at the top of its own iteration
-     * and arrives during S = Q K^T and the softmax (V_AHEAD: an iteration earlier). (H100: no
+     * and arrives during S^T = K Q^T and the softmax (V_AHEAD: an iteration earlier). (H100: no
      * prefetch 184 registers and 6% slower at 32k; a plain V prefetched too, 255 registers with a
      * spill, no faster: docs/notes/opencl-decode-nvidia.md.) */
     if (rounds > 0) {   /* the same for the whole work-group; LAST_KEY needs a key */
@@ -775,8 +775,9 @@ DECODE_MMA_KERNEL(flash_decode_split, true)
 /* flash_decode_split, then flash_decode_merge's arithmetic for this work-group's heads, done by
  * the work-group of their (sequence, KV head, head tile) that finishes last: one launch instead
  * of two, where NVIDIA's OpenCL spends several microseconds per launch. `arrivals`: one int per
- * (sequence, grid row), zero before the first call; the last work-group puts it back to zero.
- * It reads the other work-groups' states through volatile loads (L2, not a stale L1). */
+ * (sequence, grid row), zero before the first call; the last work-group puts it back to zero
+ * (a launch that does not finish leaves it non-zero). It reads the other work-groups' states
+ * through volatile loads (L2, not a stale L1). */
 __kernel FLASHCL_REQD_WG(WG)
 void flash_decode_fused(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, __global int *arrivals)
 {
@@ -790,8 +791,10 @@ void flash_decode_fused(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, __global int 
     const int slot = batch * (int)get_num_groups(1) + (int)get_group_id(1);
     GLOBAL_FENCE();
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);  /* every work-item's states written */
-    if (tid == 0)
+    if (tid == 0) {
+        GLOBAL_FENCE();   /* in the counting work-item too, after the barrier */
         last = atomic_inc(arrivals + slot) == num_splits - 1;
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last)
         return;

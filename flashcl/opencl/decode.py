@@ -8,9 +8,11 @@ that ``flash_decode_merge`` combines exactly. The split count, when not forced, 
 
 On NVIDIA devices of compute capability 8.0+ with an fp16 cache (``tensor_cores_ok``) the two
 decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), keys as the
-MMAs' rows and query heads as their columns, ~27 warp instructions per key of an fp16 cache instead
-of ~115, so the SMs no longer run out of issue slots before HBM runs out of bandwidth. decode.cl serves every other device and fp32 caches. What was measured for
-both, and every variant that lost: docs/notes/opencl-decode-nvidia.md.
+MMAs' rows and query heads as their columns, ~26 warp instructions per key of an fp16 cache
+instead of ~115, so the SMs no longer run out of issue slots before HBM runs out of bandwidth;
+split-k runs there in one launch (flash_decode_fused: the last work-group merges). decode.cl
+serves every other device and fp32 caches. What was measured for both, and every variant that
+lost: docs/notes/opencl-decode-nvidia.md.
 
 Attention variants (window, softcap, sinks, ALiBi: :class:`DecodeVariants`) and quantized caches
 (q8_0, q4_0, int8 QuantizedTensors: ``DecodeProblem.k_fmt`` / ``v_fmt``) are -D flags of both
@@ -97,6 +99,15 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
+def _fullest_last_wave(slots: int, batch_heads: int, max_splits: int) -> int:
+    """The smallest power-of-two split count whose work-groups fill their last wave of ``slots``
+    within 85% of the best count's fill."""
+    counts = [1 << i for i in range(max(1, max_splits).bit_length())]
+    fill = {s: batch_heads * s / slots / math.ceil(batch_heads * s / slots) for s in counts}
+    best = max(fill.values())
+    return next(s for s in counts if fill[s] >= 0.85 * best)
+
+
 def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves: int = WAVES,
                       keys_per_split: int = KEYS_PER_SPLIT, min_keys: int = MIN_KEYS_PER_SPLIT,
                       max_splits: int = MAX_SPLITS, params: dict | None = None,
@@ -130,25 +141,30 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
 
     ``keys_per_split`` None (decode_mma.cl with the lengths on the host): the second bound
     balances instead of capping a split's keys. The longest sequence is split until its
-    work-groups hold about as many keys as the mean work-group of one full wave: the fill bound
-    times ``n_ctx / mean_ctx`` rounded to the nearest power of two. For a batch of equal lengths
-    that is the fill bound itself, the count that fills the device once, which the H100 and the
-    H200 measured best ((8, 32/8, 32k): 4 splits, 11% / 19% faster than the 8 that 4096 keys a
-    split gave); an uneven batch splits its long sequence further (H200, 8 x 32/8: one 128k and
-    seven 1k sequences, 32 splits, 154 us against 196 at 16; one 32k and seven 4k, 16 splits,
-    83 us against 89 at 32). ``mean_ctx`` None: the batch's lengths are taken as equal.
+    work-groups hold about as many keys as the mean work-group of a full wave: the split count
+    whose last wave is fullest (the smallest power of two within 85% of the best, FlashAttention's
+    rule) times ``n_ctx / mean_ctx`` rounded to the nearest power of two. For a batch of equal
+    lengths whose B·H_kv fits the device that is the fill bound, the count that fills it once,
+    which the H100 and the H200 measured best ((8, 32/8, 32k): 4 splits, 11% / 17% faster than
+    the 8 that 4096 keys a split gave); B·H_kv that fits unevenly splits further (not measured);
+    an uneven batch splits its long sequence further (H200, 8 x 32/8: one 128k and seven 1k
+    sequences, 32 splits, 154 us against 196 at 16; one 32k and seven 4k, 16 splits, 83 us
+    against 89 at 32). ``mean_ctx`` None: the batch's lengths are taken as equal.
 
     ``params``: the configuration in use; its SPLIT_WAVES and SPLIT_KEYS, where set (a tuned
-    entry, measured on the path that runs), replace ``waves`` and ``keys_per_split``.
+    entry, measured on the path that runs), replace ``waves`` and ``keys_per_split`` (SPLIT_KEYS
+    not in the balancing mode: the tuner times the capped rule).
     """
+    balance = keys_per_split is None
     if params:
         waves = params.get("SPLIT_WAVES", waves)
-        keys_per_split = params.get("SPLIT_KEYS", keys_per_split)
+        if not balance:
+            keys_per_split = params.get("SPLIT_KEYS", keys_per_split)
     slots = waves * max(1, compute_units)
     fill = _pow2_floor(slots // max(1, batch_heads)) if slots >= max(1, batch_heads) else 1
-    if keys_per_split is None:
+    if balance:
         uneven = max(1.0, n_ctx / max(1.0, float(mean_ctx if mean_ctx is not None else n_ctx)))
-        work = fill << round(math.log2(uneven))
+        work = _fullest_last_wave(slots, max(1, batch_heads), max_splits) << round(math.log2(uneven))
     else:
         work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
     cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
@@ -221,7 +237,7 @@ MMA_WARPS = 4  # warps per work-group of decode_mma.cl
 # docs/notes/opencl-decode-nvidia.md.
 MMA_WAVES = 2
 # decode_mma.cl's split-k in one launch (flash_decode_fused: the last work-group of a head tile
-# merges) instead of the split kernel and flash_decode_merge: 2-30% less time, most on short
+# merges) instead of the split kernel and flash_decode_merge: 1-33% less time, most on short
 # decodes, where a launch is a large share (docs/notes/opencl-decode-nvidia.md)
 FUSED_MERGE = True
 MMA_KEYS_PER_SPLIT = 4096
@@ -424,13 +440,16 @@ MERGE_ARGS = (
 
 
 class DecodeKernel:
-    """The three decode kernels built for one problem class and parameter set on one device.
+    """The decode kernels built for one problem class and parameter set on one device.
 
-    ``tensor_cores`` None: decode_mma.cl's two kernels wherever tensor_cores_ok, decode.cl's
-    elsewhere (the merge always comes from decode.cl); False forces decode.cl; "emulate" builds
-    decode_mma.cl with its PTX instructions emulated in local memory, on any device (tests of
-    the fragment bookkeeping, slow). ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever
-    row_shuffle_ok (False forces the local-memory sums, for comparisons).
+    ``tensor_cores`` None: decode_mma.cl's kernels wherever tensor_cores_ok, decode.cl's
+    elsewhere (the separate merge always comes from decode.cl); False forces decode.cl; "emulate"
+    builds decode_mma.cl with its PTX instructions emulated in local memory, on any device (tests
+    of the fragment bookkeeping, slow). decode_mma.cl's PTX (movmatrix: PTX ISA 7.8) needs an
+    NVIDIA driver of R520 or later. ``fused_merge`` None: split-k in one launch
+    (flash_decode_fused) with the real PTX, two launches elsewhere; True / False force it
+    (decode_mma.cl only). ``row_shuffle`` None: decode.cl's ROW_SHUFFLE wherever row_shuffle_ok
+    (False forces the local-memory sums, for comparisons).
 
     The kernels check the tables themselves (they may be device-resident, never read back): a
     sequence whose context length is outside [0, capacity] (max_blocks * block_size paged, N_max
@@ -481,10 +500,10 @@ class DecodeKernel:
         self.fused_merge = (FUSED_MERGE and self.tensor_cores is True) if fused_merge is None else bool(fused_merge)
         if self.tensor_cores:
             self.kernels["flash_decode_fused"] = self.built_decode.kernel("flash_decode_fused")
-        self._arrivals = None
         # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)
         self.head_tiles = mma_tiles(prob.group) if self.tensor_cores else 1
-        for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"])):
+        for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"]),
+                           *((("flash_decode_fused", self.wg),) if self.tensor_cores else ())):
             kwg = int(self.kernels[name].get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE,
                                                              handle.device))
             if kwg < need:
@@ -508,6 +527,16 @@ class DecodeKernel:
                                    self.handle)
                 for name, k in self.kernels.items()}
 
+    def arrivals(self) -> cla.Array:
+        """flash_decode_fused's arrival counts, one per (sequence, grid row): zeros, shared by the
+        calls on this device's queue (in order; each launch leaves them at zero). A launch that
+        did not finish would leave them non-zero for the next."""
+        n = self.prob.b * self.prob.h_kv * self.head_tiles
+        buf = self.handle.counters.get(n)
+        if buf is None:  # from host zeros: a fill command is not initialization to Oclgrind
+            buf = self.handle.counters.setdefault(n, cla.to_device(self.handle.queue, np.zeros(n, np.int32)))
+        return buf
+
     def workspace(self, num_splits: int):
         """Partial states (m, l, acc) for ``num_splits``, allocated once per split count."""
         ws = self._workspaces.get(num_splits)
@@ -519,7 +548,8 @@ class DecodeKernel:
 
     def __call__(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
                  wait_for=None, variants: DecodeVariants | None = None) -> list[cl.Event]:
-        """Enqueue on pyopencl Arrays; returns the events (decode, and merge when num_splits > 1).
+        """Enqueue on pyopencl Arrays; returns the events (decode, and merge when num_splits > 1
+        and the merge is not fused).
         The arguments as launches() takes them."""
         seq = self.launches(q, k, v, out, lse, block_table, context_lens, scale, num_splits, variants=variants)
         return launch_sequence(self.handle, seq, params=self.params)
@@ -527,7 +557,8 @@ class DecodeKernel:
     def launches(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
                  variants: DecodeVariants | None = None) -> list[tuple]:
         """The kernels one call enqueues, as (name, kernel, global size, local size, arguments):
-        the decode kernel, and the merge when num_splits > 1 (benchmarks/opencl_under_ncu.py
+        the decode kernel, and the merge when num_splits > 1 unless ``fused_merge`` (then one
+        kernel, flash_decode_fused, merges in its last work-groups; benchmarks/opencl_under_ncu.py
         launches the first through the CUDA driver).
 
         q (B, H_q, DK) and out (B, H_q, DV): head dim contiguous. k/v: contiguous (B, H_kv, N_max, D)
@@ -591,9 +622,7 @@ class DecodeKernel:
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
         if self.fused_merge:
-            if self._arrivals is None:  # zeros; each call's last work-groups put them back
-                self._arrivals = cla.to_device(self.handle.queue, np.zeros(p.b * p.h_kv * self.head_tiles, np.int32))
-            return [(KERNEL, self.kernels["flash_decode_fused"], gsize, lsize, args + [self._arrivals.data])]
+            return [(KERNEL, self.kernels["flash_decode_fused"], gsize, lsize, args + [self.arrivals().data])]
         return [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
                 (KERNEL + "_merge", self.kernels["flash_decode_merge"], *merge_grid(p, mwg), margs)]
 

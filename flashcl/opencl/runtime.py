@@ -41,6 +41,9 @@ class DeviceHandle:
     launch_lock: threading.Lock = field(default_factory=threading.Lock)
     # One build at a time per device: some compilers (PoCL) are not safe to enter concurrently.
     build_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Zeroed int32 buffers by length for kernels that count arrivals and leave the counts at zero
+    # (decode_mma.cl's flash_decode_fused): one per length serves every call on this queue.
+    counters: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:

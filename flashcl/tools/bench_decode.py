@@ -42,7 +42,8 @@ import pyopencl.array as cla
 from .. import quant, reference
 from . import shapes
 from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
-from ..opencl.decode import DecodeKernel, DecodeProblem, DecodeVariants, choose_params, quantized_to_device
+from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, mean_keys_seen,
+                             quantized_to_device)
 from ..variants import Variants
 from ..opencl.runtime import DeviceHandle, event_times
 
@@ -242,7 +243,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                                          for x in (var.sinks, var.alibi_slopes)))
             vkern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, variant_flags=var.flags(),
                                  tensor_cores=tensor_cores)
-            vauto = vkern.auto_splits(var.keys_seen(ctx), mean_ctx=var.keys_seen(mean_ctx))
+            vauto = vkern.auto_splits(var.keys_seen(ctx), mean_ctx=mean_keys_seen(lens, var))
 
             def run_var_splits(num_splits):
                 def go(i):
@@ -293,7 +294,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
                 qvkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
                                       verbose=verbose_build, variant_flags=var.flags(), tensor_cores=tensor_cores)
-                qvauto = qvkern.auto_splits(var.keys_seen(ctx), mean_ctx=var.keys_seen(mean_ctx))
+                qvauto = qvkern.auto_splits(var.keys_seen(ctx), mean_ctx=mean_keys_seen(lens, var))
 
                 def run_quant_var(i):
                     qd, _, _, td, ld = sets[i % copies]

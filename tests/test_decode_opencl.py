@@ -215,15 +215,21 @@ def test_row_shuffle(cl_device, dk):
 MMA_CASES = [(8, 2, 128, 128), (16, 1, 64, 64), (12, 1, 96, 128), (2, 2, 32, 64), (32, 1, 64, 64)]
 
 
+def _mma_mode(h, prob):
+    """decode_mma.cl's real PTX where it applies, its emulation elsewhere."""
+    return True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+
+
 @pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
 def test_tensor_cores(cl_device, h_q, h_kv, dk, dv):
     """decode_mma.cl against the oracle: on NVIDIA (sm_80+) with the real warp instructions
     (mma.sync, movmatrix, shfl.sync), on every other device with their emulation (the same
-    fragment bookkeeping, checked by PoCL in CI). Partial tiles, 1-key sequences, more splits than keys, a contiguous
+    fragment bookkeeping, checked by PoCL in CI). Partial tiles, 1-key sequences, more splits
+    than keys, a contiguous
     cache with an empty sequence, logits around +-200."""
     h = get_device(cl_device)
     prob = DecodeProblem(3, h_q, h_kv, dk, dv, True, "float16")
-    mode = True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+    mode = _mma_mode(h, prob)
     if mode == "emulate":
         with pytest.raises(ValueError, match="tensor_cores"):
             DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=True)
@@ -247,7 +253,7 @@ def test_tensor_cores_fused_merge(cl_device, h_q, h_kv, dk, dv):
     (OpenCL 1.2 orders nothing between work-groups: NVIDIA's membar.gl does)."""
     h = get_device(cl_device)
     prob = DecodeProblem(3, h_q, h_kv, dk, dv, True, "float16")
-    mode = True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+    mode = _mma_mode(h, prob)
     kern = DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=mode, fused_merge=True)
     rng = np.random.default_rng(h_q * dk + dv + 1)
     q, k, v, table, lens = _paged(rng, 3, h_q, h_kv, dk, dv, [1, 0, 300], 16, "float16", logit_scale=4.0)
@@ -272,7 +278,7 @@ def test_tensor_cores_fused_merge_variants(cl_device):
     h = get_device(cl_device)
     b, h_q, h_kv, d = 2, 8, 2, 64
     prob = DecodeProblem(b, h_q, h_kv, d, d, True, "float16")
-    mode = True if cl_decode.tensor_cores_ok(h, prob) else "emulate"
+    mode = _mma_mode(h, prob)
     rng = np.random.default_rng(11)
     q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [300, 90], 16, "float16", logit_scale=4.0)
     table = table.copy()

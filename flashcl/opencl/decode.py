@@ -161,14 +161,15 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
         if not balance:
             keys_per_split = params.get("SPLIT_KEYS", keys_per_split)
     slots = waves * max(1, compute_units)
-    fill = _pow2_floor(slots // max(1, batch_heads)) if slots >= max(1, batch_heads) else 1
-    if balance:
+    if balance:  # the fullest last wave is never below the fill bound
         uneven = max(1.0, n_ctx / max(1.0, float(mean_ctx if mean_ctx is not None else n_ctx)))
-        work = _fullest_last_wave(slots, max(1, batch_heads), max_splits) << round(math.log2(uneven))
+        want = _fullest_last_wave(slots, max(1, batch_heads), max_splits) << round(math.log2(uneven))
     else:
+        fill = _pow2_floor(slots // max(1, batch_heads)) if slots >= max(1, batch_heads) else 1
         work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
+        want = max(fill, work)
     cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
-    return int(max(1, min(max(fill, work), cap)))
+    return int(max(1, min(want, cap)))
 
 
 @dataclass(frozen=True)
@@ -497,7 +498,8 @@ class DecodeKernel:
             raise ValueError("fused_merge: decode_mma.cl only (tensor_cores)")
         # by default only with the real PTX (membar.gl orders the states before the arrival count):
         # OpenCL 1.2 orders nothing between work-groups, so Oclgrind calls the emulated one racy
-        self.fused_merge = (FUSED_MERGE and self.tensor_cores is True) if fused_merge is None else bool(fused_merge)
+        self.fused_merge = ((FUSED_MERGE and self.tensor_cores is True) if fused_merge is None
+                            else bool(fused_merge))
         if self.tensor_cores:
             self.kernels["flash_decode_fused"] = self.built_decode.kernel("flash_decode_fused")
         # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)

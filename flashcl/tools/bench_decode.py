@@ -202,7 +202,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             return go
 
         # the count flashcl.decode picks with the lengths on the host (numpy / torch tables)
-        mean_ctx = float(lens.mean())
+        mean_ctx = mean_keys_seen(lens, None)
         auto = kern.auto_splits(ctx, mean_ctx=mean_ctx)
         timed = {}
         for s in sorted({1, auto, *splits}):

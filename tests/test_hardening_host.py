@@ -98,6 +98,55 @@ def test_concurrent_calls_on_one_device_are_all_right(cpu_device):
     assert not wrong, f"{len(wrong)} of 120 results wrong: {wrong[:5]}"
 
 
+# --------------------------------------------------------------------------- repeated calls
+
+def test_repeated_calls_reuse_their_kernels_and_workspaces(cpu_device, monkeypatch):
+    """A call of a problem class seen before builds nothing (its wrapper is kept on the device),
+    and the kept decode workspaces serve calls of other lengths and split counts exactly."""
+    from flashcl.opencl import decode as cl_decode
+    from flashcl.opencl import prefill as cl_prefill
+
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((9, 8, 2, 32)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(9)[:8].reshape(2, 4).astype(np.int32)
+    pq = rng.standard_normal((2, 21, 32)).astype(np.float32)
+    calls = [(3, {"context_lens": np.array([29, 7], np.int32)}),
+             (2, {"context_lens": np.array([32, 30], np.int32)}),
+             (3, {"context_lens": np.array([5, 31], np.int32)}),
+             (None, {"context_lens": np.array([17, 1], np.int32), "sinks": rng.standard_normal(4).astype(np.float32)})]
+    for splits, kw in calls:  # the first round builds
+        flashcl.decode(q, k, v, block_table=table, num_splits=splits, device=cpu_device, **kw)
+    flashcl.prefill(pq, pq, pq, causal=True, device=cpu_device)
+    builds = []
+    for mod in (cl_decode, cl_prefill):
+        real = mod.build
+        monkeypatch.setattr(mod, "build", lambda *a, _real=real, **kw: builds.append(a[1]) or _real(*a, **kw))
+    for splits, kw in calls * 2:
+        out = flashcl.decode(q, k, v, block_table=table, num_splits=splits, device=cpu_device, **kw)
+        ref = reference.decode_attention(q, k, v, block_table=table, **kw)
+        assert rel_err(out, ref) <= TOL["float32"], kw
+    out = flashcl.prefill(pq, pq, pq, causal=True, device=cpu_device)
+    assert rel_err(out, reference.attention(pq, pq, pq, causal=True)) <= TOL["float32"]
+    assert builds == []
+
+
+def test_an_out_of_order_queue_is_refused(cpu_device):
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    props = cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
+    if not h.device.queue_properties & props:
+        pytest.skip("the device has no out-of-order queues")
+    queue = cl.CommandQueue(h.context, h.device, properties=props)
+    x = cla.to_device(queue, np.zeros((1, 4, 8, 32), np.float32))
+    with pytest.raises(ValueError, match="in-order command queue"):
+        flashcl.prefill(x, x, x)
+
+
 # --------------------------------------------------------------------------- byte order
 
 @pytest.mark.parametrize("dtype", [">f4", ">f2"])

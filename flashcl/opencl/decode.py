@@ -783,7 +783,9 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
                         "out": nbytes((b, h_q, geo["DV"]), dtype),
                         "partial states": nbytes((b, h_q, num_splits or 1, geo["DV"] + 2), np.float32)})
     choice = choose_params(handle, prob, params, n_ctx)
-    kern = DecodeKernel(handle, prob, choice.params, variant_flags=var.flags() if var else None)
+    flags = var.flags() if var else {}
+    kern = handle.reuse(("decode", prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items()))),
+                        lambda: DecodeKernel(handle, prob, choice.params, variant_flags=flags))
     if num_splits is None:
         num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx,
                                       mean_ctx=mean_keys_seen(context_lens, var))

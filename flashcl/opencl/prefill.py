@@ -359,8 +359,10 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
-    kern = PrefillKernel(handle, prob, choice.params, write_lse=return_lse,
-                         flags=variants.flags() if variants is not None else None)
+    flags = variants.flags() if variants is not None else {}
+    kern = handle.reuse(("prefill", prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items())),
+                         bool(return_lse)),
+                        lambda: PrefillKernel(handle, prob, choice.params, write_lse=return_lse, flags=flags))
 
     queue = handle.queue
     qd = to_device_4d(q, queue, rank)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import pyopencl as cl
 
 from .._resources import kernel_dir
@@ -44,6 +45,26 @@ class DeviceHandle:
     # Zeroed int32 buffers by length for kernels that count arrivals and leave the counts at zero
     # (decode_mma.cl's flash_decode_fused): one per length serves every call on this queue.
     counters: dict = field(default_factory=dict)
+    # Kernel wrappers (DecodeKernel, PrefillKernel) by problem class, parameters and variant
+    # flags, least recently used first, bounded by MAX_PROGRAMS: a flashcl.decode or prefill call
+    # of a class seen before builds nothing and allocates no workspace (reuse()).
+    wrappers: OrderedDict = field(default_factory=OrderedDict)
+
+    def reuse(self, key, make):
+        """The wrapper kept under ``key``, else ``make()``'s, kept. Wrappers are shared by the
+        calls on this queue: in order, each call's kernels enqueued together (launch_sequence)."""
+        with _lock:
+            kept = self.wrappers.get(key)
+            if kept is not None:
+                self.wrappers.move_to_end(key)
+                return kept
+        made = make()
+        with _lock:
+            kept = self.wrappers.setdefault(key, made)
+            self.wrappers.move_to_end(key)
+            while len(self.wrappers) > MAX_PROGRAMS:
+                self.wrappers.popitem(last=False)
+        return kept
 
     @property
     def name(self) -> str:
@@ -207,6 +228,9 @@ def _default_device():
 
 
 def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle:
+    if queue is not None and queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+        raise ValueError("flashcl needs an in-order command queue: a call's kernels (split-k, then its "
+                         "merge) and the workspaces its calls share run in queue order")
     key = (dev.int_ptr, None if context is None else context.int_ptr, None if queue is None else queue.int_ptr)
     with _lock:
         h = _handles.get(key)
@@ -271,9 +295,27 @@ def list_devices(include_oclgrind: bool = True) -> list[dict]:
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
+# _source_with_includes' results by (folder, name): (text, digest, the stat of every file read).
+# Every kernel construction asks for them; reading, scanning and hashing the files took ~0.4 ms a
+# call, a stat of each ~2 us, and an edited file still gives a new digest.
+_sources: dict = {}
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 def _source_with_includes(name: str) -> tuple[str, str]:
     """The kernel source and a digest covering it and (recursively) its quoted includes."""
     root = kernel_dir()
+    hit = _sources.get((root, name))
+    try:
+        if hit is not None and all(_stamp(f) == st for f, st in hit[2]):
+            return hit[0], hit[1]
+    except OSError:
+        pass
+    stamps = [(root / name, _stamp(root / name))]
     text = (root / name).read_text()
     digest = hashlib.sha256(text.encode())
     seen, todo = set(), _INCLUDE_RE.findall(text)
@@ -282,9 +324,11 @@ def _source_with_includes(name: str) -> tuple[str, str]:
         if inc in seen:
             continue
         seen.add(inc)
+        stamps.append((root / inc, _stamp(root / inc)))
         inc_text = (root / inc).read_text()
         digest.update(inc.encode() + inc_text.encode())
         todo.extend(_INCLUDE_RE.findall(inc_text))
+    _sources[(root, name)] = (text, digest.hexdigest(), stamps)
     return text, digest.hexdigest()
 
 
@@ -503,8 +547,8 @@ def launch_sequence(handle: DeviceHandle, launches, *, params: dict) -> list[cl.
     with handle.launch_lock:
         for name, kernel, _, _, args in launches:
             try:
-                kernel.set_args(*args)
-            except cl.Error as exc:
+                _set_args(kernel, args)
+            except (cl.Error, TypeError) as exc:
                 raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
         for name, kernel, global_size, local_size, _ in launches:
             try:
@@ -512,6 +556,17 @@ def launch_sequence(handle: DeviceHandle, launches, *, params: dict) -> list[cl.
             except cl.Error as exc:
                 raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
     return events
+
+
+def _set_args(kernel: cl.Kernel, args) -> None:
+    """kernel.set_args(*args), the scalars' types told to PyOpenCL at the Kernel object's first
+    launch (numpy scalars there; buffers, local memory and None untyped): its set_args is then
+    generated code, ~2 us for 30 arguments on PoCL instead of ~100 us through the generic
+    per-argument conversion (docs/notes/opencl-host.md)."""
+    if not getattr(kernel, "_flashcl_typed", False):
+        kernel.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None for a in args])
+        kernel._flashcl_typed = True
+    kernel.set_args(*args)
 
 
 def event_times(run, repeats: int, *, warmup: int = 1) -> list[float]:

@@ -1,0 +1,67 @@
+"""What a flashcl.decode / flashcl.prefill call on pyopencl arrays costs the host, and what the
+device spends per call when calls are enqueued back to back (as a model's decode loop does).
+
+    python benchmarks/opencl_call_overhead.py [--device nvidia] [--small]
+
+For each case: the host's time per call (the API call alone, no wait; 5 rounds of 200 calls,
+median) and the device's span per call over the same rounds (first kernel start to last kernel
+end, over the 200 calls, from OpenCL profiling events). Where the host's time is the larger,
+the device waits on the host. ``--small``: shapes a CPU device runs quickly. Run it from two
+trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md cites it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import pyopencl.array as cla
+
+import flashcl
+from flashcl.opencl.runtime import get_device
+from flashcl.tools.bench_decode import _inputs
+
+
+def per_call(queue, call, n: int = 200, rounds: int = 5) -> tuple[float, float]:
+    """(host us a call, device span us a call), medians over ``rounds`` of ``n`` calls."""
+    for _ in range(5):
+        call()
+    queue.finish()
+    host, span = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        outs = [call() for _ in range(n)]
+        host.append(1e6 * (time.perf_counter() - t) / n)
+        first, last = outs[0].events[0], outs[-1].events[-1]  # before finish() empties them
+        queue.finish()
+        span.append(1e-3 * (last.profile.end - first.profile.start) / n)
+    return statistics.median(host), statistics.median(span)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="as flashcl's device= (default: the first GPU)")
+    ap.add_argument("--small", action="store_true", help="small shapes (CPU devices)")
+    opt = ap.parse_args()
+    queue = get_device(opt.device).queue
+    rng = np.random.default_rng(0)
+    h_q, h_kv, d = (8, 2, 64) if opt.small else (32, 8, 128)
+    print(f"# {queue.device.name.strip()} ({queue.device.platform.name.strip()})")
+    for ctx in (256,) if opt.small else (1024, 4096):
+        q, k, v, table, lens = _inputs(rng, (1, h_q, h_kv, ctx), "float16", 16, "random", d)
+        qd, kd, vd, td, ld = (cla.to_device(queue, x) for x in (q, k, v, table, lens))
+        kq, vq = (flashcl.quantize(x, "q8_0") for x in (kd, vd))
+        for fmt, (kc, vc) in (("float16", (kd, vd)), ("q8_0", (kq, vq))):
+            host, span = per_call(queue, lambda: flashcl.decode(qd, kc, vc, block_table=td, context_lens=ld))
+            print(f"decode (1, {h_q}/{h_kv}, {ctx}) {fmt} paged 16: host {host:7.1f} us a call, "
+                  f"device span {span:7.1f} us a call")
+    n = 64 if opt.small else 256
+    x = cla.to_device(queue, rng.standard_normal((1, h_q, n, d)).astype(np.float16))
+    host, span = per_call(queue, lambda: flashcl.prefill(x, x, x, causal=True))
+    print(f"prefill (1, {h_q}, {n}, {d}) causal float16: host {host:7.1f} us a call, device span {span:7.1f} us a call")
+
+
+if __name__ == "__main__":
+    main()

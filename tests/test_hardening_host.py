@@ -131,6 +131,21 @@ def test_repeated_calls_reuse_their_kernels_and_workspaces(cpu_device, monkeypat
     assert builds == []
 
 
+def test_arrays_on_a_handles_queue_use_that_handle(cpu_device):
+    """Arrays made on get_device(...).queue run on that handle (its programs and wrappers), not on
+    a second handle of the same queue; another queue of the device gets its own."""
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    from flashcl.opencl.arrays import handle_for_inputs
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    x = cla.to_device(h.queue, np.zeros((1, 2, 8, 32), np.float32))
+    assert handle_for_inputs({"q": x}, None) is h
+    assert get_device(cl.CommandQueue(h.context, h.device)) is not h
+
+
 def test_an_out_of_order_queue_is_refused(cpu_device):
     import pyopencl as cl
     import pyopencl.array as cla

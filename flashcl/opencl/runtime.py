@@ -233,6 +233,13 @@ def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle
                          "merge) and the workspaces its calls share run in queue order")
     key = (dev.int_ptr, None if context is None else context.int_ptr, None if queue is None else queue.int_ptr)
     with _lock:
+        if key not in _handles and queue is not None:
+            # arrays made on get_device(...).queue: that handle, not a second one (programs,
+            # wrappers) on the same queue
+            for other, h in _handles.items():
+                if h.queue.int_ptr == queue.int_ptr:
+                    key = other
+                    break
         h = _handles.get(key)
         if h is None:
             ctx = context or (queue.context if queue is not None else cl.Context([dev]))

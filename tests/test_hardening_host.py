@@ -102,7 +102,7 @@ def test_concurrent_calls_on_one_device_are_all_right(cpu_device):
 
 def test_repeated_calls_reuse_their_kernels_and_workspaces(cpu_device, monkeypatch):
     """A call of a problem class seen before builds nothing (its wrapper is kept on the device),
-    and the kept decode workspaces serve calls of other lengths and split counts exactly."""
+    and the device's scratch serves decodes of other lengths, split counts and classes exactly."""
     from flashcl.opencl import decode as cl_decode
     from flashcl.opencl import prefill as cl_prefill
 

@@ -512,7 +512,6 @@ class DecodeKernel:
                 raise ValueError(f"params: {name} needs a work-group of {need} but the kernel allows "
                                  f"{kwg} on {handle.name} (too many registers per work-item); use a "
                                  f"smaller ROWS or HEAD_TILE")
-        self._workspaces: dict = {}
 
     @property
     def path(self) -> str:
@@ -539,14 +538,11 @@ class DecodeKernel:
             buf = self.handle.counters.setdefault(n, cla.to_device(self.handle.queue, np.zeros(n, np.int32)))
         return buf
 
-    def workspace(self, num_splits: int):
-        """Partial states (m, l, acc) for ``num_splits``, allocated once per split count."""
-        ws = self._workspaces.get(num_splits)
-        if ws is None:
-            ws = tuple(cla.empty(self.handle.queue, shape, np.float32)
-                       for shape in workspace_shapes(self.prob, num_splits))
-            self._workspaces[num_splits] = ws
-        return ws
+    def workspace(self, num_splits: int) -> tuple:
+        """The buffers of the partial states (m, l, acc) for ``num_splits``: the device handle's
+        scratch, shared by the decodes on its queue."""
+        return tuple(self.handle.scratch(name, 4 * math.prod(shape))
+                     for name, shape in zip(("part_m", "part_l", "part_acc"), workspace_shapes(self.prob, num_splits)))
 
     def __call__(self, q, k, v, out, lse, block_table, context_lens, scale: float, num_splits: int,
                  wait_for=None, variants: DecodeVariants | None = None) -> list[cl.Event]:
@@ -618,9 +614,9 @@ class DecodeKernel:
             return [(KERNEL, self.kernels["flash_decode"], gsize, lsize, args)]
         pm, pl, pacc = self.workspace(num_splits)
         args = [q.base_data, _buffer(k), _buffer(v), out.base_data, lse.data,
-                pm.data, pl.data, pacc.data, block_table.data, context_lens.data, *common]
+                pm, pl, pacc, block_table.data, context_lens.data, *common]
         mwg = self.params["MERGE_WG"]
-        margs = [pm.data, pl.data, pacc.data, out.base_data, lse.data, np.int32(p.h_q),
+        margs = [pm, pl, pacc, out.base_data, lse.data, np.int32(p.h_q),
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
         if self.fused_merge:

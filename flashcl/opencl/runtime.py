@@ -47,8 +47,11 @@ class DeviceHandle:
     counters: dict = field(default_factory=dict)
     # Kernel wrappers (DecodeKernel, PrefillKernel) by problem class, parameters and variant
     # flags, least recently used first, bounded by MAX_PROGRAMS: a flashcl.decode or prefill call
-    # of a class seen before builds nothing and allocates no workspace (reuse()).
+    # of a class seen before builds nothing (reuse()).
     wrappers: OrderedDict = field(default_factory=OrderedDict)
+    # Scratch buffers by name, each grown to the largest request (scratch()): the split-k partial
+    # states of every decode on this queue, so that kept wrappers hold no memory of their own.
+    scratch_buffers: dict = field(default_factory=dict)
 
     def reuse(self, key, make):
         """The wrapper kept under ``key``, else ``make()``'s, kept. Wrappers are shared by the
@@ -65,6 +68,17 @@ class DeviceHandle:
             while len(self.wrappers) > MAX_PROGRAMS:
                 self.wrappers.popitem(last=False)
         return kept
+
+    def scratch(self, name: str, nbytes: int) -> cl.Buffer:
+        """A buffer of at least ``nbytes`` for a call's intermediate values, shared by every call
+        on this queue: in order, each call's kernels enqueued together (launch_sequence), so a
+        call's kernels are done with it before the next call's write it. A larger request
+        replaces it (OpenCL frees the old one once the commands using it have finished)."""
+        with _lock:
+            buf = self.scratch_buffers.get(name)
+            if buf is None or buf.size < nbytes:
+                buf = self.scratch_buffers[name] = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(nbytes, 4))
+            return buf
 
     @property
     def name(self) -> str:

@@ -1,0 +1,64 @@
+"""Greedy generation of a small random-weight Llama through flashcl's transformers integration,
+against transformers' eager and SDPA attention in the same process: milliseconds per new token.
+
+    python benchmarks/generate_tokens.py [--device cpu|cuda] [--layers 8] [--prompt 256] [--new 32]
+
+cpu: torch CPU tensors, attention on flashcl's OpenCL device ($FLASHCL_DEVICE, else its
+default); cuda: the Triton kernels. float32 on the CPU, float16 on CUDA; nothing is downloaded.
+Each implementation generates once to warm up, then three times; the median is printed. Run it
+from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md cites it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+from flashcl.integrations import transformers as fcl_hf
+
+
+def model_for(layers: int, device: str) -> transformers.LlamaForCausalLM:
+    cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                   num_hidden_layers=layers, intermediate_size=1024, vocab_size=1000,
+                                   max_position_embeddings=4096)
+    torch.manual_seed(0)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def ms_per_token(model, ids, new: int, device: str) -> float:
+    def run():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t) / new
+
+    run()
+    return statistics.median(run() for _ in range(3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=32, help="new tokens")
+    opt = ap.parse_args()
+    model = model_for(opt.layers, opt.device)
+    ids = torch.randint(1, 1000, (1, opt.prompt), generator=torch.Generator().manual_seed(1)).to(opt.device)
+    print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}")
+    for name in (fcl_hf.register(), "sdpa", "eager"):
+        model.set_attn_implementation(name)
+        print(f"{name:6s} {ms_per_token(model, ids, opt.new, opt.device):8.2f} ms a token", flush=True)
+
+
+if __name__ == "__main__":
+    main()

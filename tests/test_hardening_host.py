@@ -131,6 +131,68 @@ def test_repeated_calls_reuse_their_kernels_and_workspaces(cpu_device, monkeypat
     assert builds == []
 
 
+def test_an_edited_kernel_source_is_rebuilt_for_a_kept_wrapper(cpu_device, monkeypatch, tmp_path):
+    import shutil
+
+    from flashcl.opencl import runtime
+
+    kernels = tmp_path / "clkernels"
+    shutil.copytree(runtime.kernel_dir(), kernels)
+    monkeypatch.setattr(runtime, "kernel_dir", lambda: kernels)
+    q = np.random.default_rng(12).standard_normal((2, 16, 32)).astype(np.float32)
+    flashcl.prefill(q, q, q, causal=True, device=cpu_device)
+    source = kernels / "prefill_common.h"   # an include: the wrapper's program must notice it too
+    source.write_text(source.read_text() + "\n#error edited\n")
+    with pytest.raises(flashcl.KernelBuildError, match="edited"):
+        flashcl.prefill(q, q, q, causal=True, device=cpu_device)
+
+
+def test_a_handle_dropped_from_the_cache_is_freed(cpu_device, monkeypatch):
+    """Its kept wrappers refer back to it: leaving the handle cache drops them, so that the handle
+    (its context, programs and scratch) goes with its last reference, not at a later collection."""
+    import gc
+    import weakref
+
+    import pyopencl as cl
+
+    from flashcl.opencl import runtime
+
+    monkeypatch.setattr(runtime, "MAX_HANDLES", 2)
+    dev = runtime.get_device(cpu_device).device
+    q = np.random.default_rng(13).standard_normal((1, 4, 32)).astype(np.float32)
+    k = np.random.default_rng(14).standard_normal((1, 2, 40, 32)).astype(np.float32)
+    refs = []
+    gc.disable()
+    try:
+        for _ in range(4):
+            ctx = cl.Context([dev])
+            flashcl.decode(q, k, k, device=ctx, num_splits=2)
+            refs.append(weakref.ref(runtime.get_device(ctx)))
+            del ctx
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert alive <= 2
+
+
+def test_split_states_over_the_kept_scratch_are_their_own(cpu_device, monkeypatch):
+    import pyopencl as cl
+
+    from flashcl.opencl import runtime
+
+    monkeypatch.setattr(runtime, "SCRATCH_KEPT", 256)  # part_m and part_l fit, part_acc does not
+    ctx = cl.Context([runtime.get_device(cpu_device).device])
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 40, 32)).astype(np.float32) for _ in range(2))
+    lens = np.array([40, 23], np.int32)
+    for splits in (3, 2, 3):
+        out = flashcl.decode(q, k, v, context_lens=lens, num_splits=splits, device=ctx)
+        assert rel_err(out, reference.decode_attention(q, k, v, context_lens=lens)) <= TOL["float32"]
+    kept = runtime.get_device(ctx).scratch_buffers
+    assert set(kept) == {"part_m", "part_l"} and all(b.size <= 256 for b in kept.values())
+
+
 def test_arrays_on_a_handles_queue_use_that_handle(cpu_device):
     """Arrays made on get_device(...).queue run on that handle (its programs and wrappers), not on
     a second handle of the same queue; another queue of the device gets its own."""

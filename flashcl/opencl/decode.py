@@ -317,16 +317,16 @@ class DecodeVariants:
         """Keys the query of a sequence of n_ctx keys sees (what the split count is chosen from)."""
         return n_ctx if self.window_left is None else min(n_ctx, self.window_left + 1)
 
-    def kernel_args(self, queue, dummy) -> tuple[list, list]:
+    def kernel_args(self, queue, dummy) -> list:
         """VARIANT_PARAMS (decode_common.h): window_left, softcap_log2, sinks, alibi_slopes (an
-        unused buffer argument gets ``dummy``, never read); and the device arrays, which the
-        caller keeps alive until the kernels have run."""
+        unused buffer argument gets ``dummy``, never read). Host arrays are copied to the device;
+        their buffers, held by the list until the launch, are then kept by OpenCL until the
+        kernels that use them have run."""
         left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
         arrays = [x if x is None or isinstance(x, cla.Array) else cla.to_device(queue, x)
                   for x in (self.sinks, self.alibi_slopes)]
-        bufs = [dummy if a is None else a.data for a in arrays]
-        return [np.int32(left), np.float32(cap), *bufs], [a for a in arrays if a is not None]
+        return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
 
 
 def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = False,
@@ -514,6 +514,10 @@ class DecodeKernel:
                                  f"smaller ROWS or HEAD_TILE")
 
     @property
+    def built_programs(self) -> tuple:
+        return (self.built, self.built_decode)
+
+    @property
     def path(self) -> str:
         """Which decode kernel runs, in words (benchmark tables)."""
         if self.tensor_cores == "emulate":
@@ -571,7 +575,7 @@ class DecodeKernel:
         if given != self.variant_flags:
             raise ValueError(f"variants: this kernel was built for {sorted(self.variant_flags) or 'none'}, "
                              f"the call has {sorted(given) or 'none'}")
-        extra, self._variant_arrays = variants.kernel_args(h.queue, lse.data) if variants else ([], [])
+        extra = variants.kernel_args(h.queue, lse.data) if variants else []
         w = chunk_elems(p.dtype)
         kv_args, scale_args = [], []
         for arr, fmt in ((k, p.k_fmt), (v, p.v_fmt)):
@@ -780,7 +784,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
                         "partial states": nbytes((b, h_q, num_splits or 1, geo["DV"] + 2), np.float32)})
     choice = choose_params(handle, prob, params, n_ctx)
     flags = var.flags() if var else {}
-    kern = handle.reuse(("decode", prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items()))),
+    kern = handle.reuse("decode", (prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items()))),
                         lambda: DecodeKernel(handle, prob, choice.params, variant_flags=flags))
     if num_splits is None:
         num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx,

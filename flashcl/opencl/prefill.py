@@ -216,6 +216,10 @@ class PrefillKernel:
                              f"work-group size {kwg} on {handle.name} (too many registers per "
                              f"work-item); use smaller tiles")
 
+    @property
+    def built_programs(self) -> tuple:
+        return (self.built,)
+
     def spills(self) -> dict:
         return spill_report(self.built, self.kernel, self.handle)
 
@@ -360,8 +364,8 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
     flags = variants.flags() if variants is not None else {}
-    kern = handle.reuse(("prefill", prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items())),
-                         bool(return_lse)),
+    kern = handle.reuse("prefill", (prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items())),
+                                    bool(return_lse)),
                         lambda: PrefillKernel(handle, prob, choice.params, write_lse=return_lse, flags=flags))
 
     queue = handle.queue

@@ -45,40 +45,53 @@ class DeviceHandle:
     # Zeroed int32 buffers by length for kernels that count arrivals and leave the counts at zero
     # (decode_mma.cl's flash_decode_fused): one per length serves every call on this queue.
     counters: dict = field(default_factory=dict)
-    # Kernel wrappers (DecodeKernel, PrefillKernel) by problem class, parameters and variant
-    # flags, least recently used first, bounded by MAX_PROGRAMS: a flashcl.decode or prefill call
-    # of a class seen before builds nothing (reuse()).
-    wrappers: OrderedDict = field(default_factory=OrderedDict)
-    # Scratch buffers by name, each grown to the largest request (scratch()): the split-k partial
-    # states of every decode on this queue, so that kept wrappers hold no memory of their own.
+    # Kernel wrappers (DecodeKernel, PrefillKernel) by kind, then by problem class, parameters and
+    # variant flags, least recently used first, MAX_PROGRAMS of each kind: a flashcl.decode or
+    # prefill call of a class seen before builds nothing (reuse()).
+    wrappers: dict = field(default_factory=dict)
+    # Scratch buffers by name, each grown to the largest request up to SCRATCH_KEPT (scratch()):
+    # the split-k partial states of every decode on this queue.
     scratch_buffers: dict = field(default_factory=dict)
 
-    def reuse(self, key, make):
-        """The wrapper kept under ``key``, else ``make()``'s, kept. Wrappers are shared by the
-        calls on this queue: in order, each call's kernels enqueued together (launch_sequence)."""
+    def reuse(self, kind: str, key, make):
+        """The ``kind`` wrapper kept under ``key``, else ``make()``'s, kept; a kept one whose kernel
+        sources changed since its build is made again. Wrappers are shared by the calls on this
+        queue: in order, each call's kernels enqueued together (launch_sequence)."""
         with _lock:
-            kept = self.wrappers.get(key)
+            kept = self.wrappers.setdefault(kind, OrderedDict()).get(key)
             if kept is not None:
-                self.wrappers.move_to_end(key)
-                return kept
+                self.wrappers[kind].move_to_end(key)
+        if kept is not None and all(b.current() for b in kept.built_programs):
+            return kept
         made = make()
         with _lock:
-            kept = self.wrappers.setdefault(key, made)
-            self.wrappers.move_to_end(key)
-            while len(self.wrappers) > MAX_PROGRAMS:
-                self.wrappers.popitem(last=False)
-        return kept
+            lru = self.wrappers.setdefault(kind, OrderedDict())
+            lru[key] = made
+            lru.move_to_end(key)
+            while len(lru) > MAX_PROGRAMS:
+                lru.popitem(last=False)
+        return made
 
     def scratch(self, name: str, nbytes: int) -> cl.Buffer:
         """A buffer of at least ``nbytes`` for a call's intermediate values, shared by every call
         on this queue: in order, each call's kernels enqueued together (launch_sequence), so a
         call's kernels are done with it before the next call's write it. A larger request
-        replaces it (OpenCL frees the old one once the commands using it have finished)."""
+        replaces it (OpenCL frees the old one once the commands using it have finished); one
+        over SCRATCH_KEPT gets a buffer of its own, released with the call."""
+        if nbytes > SCRATCH_KEPT:
+            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
         with _lock:
             buf = self.scratch_buffers.get(name)
             if buf is None or buf.size < nbytes:
                 buf = self.scratch_buffers[name] = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(nbytes, 4))
             return buf
+
+    def forget(self) -> None:
+        """Drop what the handle keeps (its wrappers refer back to it): called when it leaves the
+        handle cache, so that it is freed as soon as nothing else holds it."""
+        with _lock:
+            self.wrappers.clear()
+            self.scratch_buffers.clear()
 
     @property
     def name(self) -> str:
@@ -261,7 +274,7 @@ def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle
                 queue = cl.CommandQueue(ctx, dev, properties=cl.command_queue_properties.PROFILING_ENABLE)
             h = _handles[key] = DeviceHandle(dev, ctx, queue)
             while len(_handles) > MAX_HANDLES:
-                _handles.popitem(last=False)
+                _handles.popitem(last=False)[1].forget()
         else:
             _handles.move_to_end(key)
         return h
@@ -361,6 +374,13 @@ class BuiltProgram:
     kernels: dict = field(default_factory=dict)
     # "compiled" or "disk cache": where the binary came from (tests and timings read it)
     origin: str = "compiled"
+    # the clkernels/ file it was built from and the digest of it and its includes then
+    source: str = ""
+    digest: str = ""
+
+    def current(self) -> bool:
+        """Whether its source and includes are as they were when it was built."""
+        return not self.source or _source_with_includes(self.source)[1] == self.digest
 
     def kernel(self, name: str) -> cl.Kernel:
         """One Kernel object per name, reused (launches set all arguments every time, under the
@@ -385,8 +405,12 @@ def build_options(defines: dict, handle: DeviceHandle, verbose: bool = False, ex
 # tuner sweep, would otherwise hold every program it ever built (and its kernels' device code).
 # 64 covers the working set of a model (a few problem classes per layer type) many times over;
 # the least recently used program is dropped beyond it, and PyOpenCL releases it once no
-# PrefillKernel/DecodeKernel still holds it. Rebuilding an evicted one loads its binary from disk.
+# PrefillKernel/DecodeKernel still holds it (the wrappers a handle keeps, up to 64 of each kind,
+# hold theirs). Rebuilding an evicted one loads its binary from disk.
 MAX_PROGRAMS = 64
+# The largest scratch buffer a handle keeps between calls (64 MiB): a larger call's split-k
+# states are its own, released with it, so one huge decode does not pin its memory.
+SCRATCH_KEPT = 64 << 20
 
 
 def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
@@ -406,7 +430,9 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
             cached = handle.programs.get(key)  # built by another thread while this one waited
         if cached is not None:
             return cached
-        return _build_locked(handle, key, text, options, defines, kernel, verbose)
+        built = _build_locked(handle, key, text, options, defines, kernel, verbose)
+        built.source, built.digest = source, digest
+        return built
 
 
 def _build_locked(handle: DeviceHandle, key, text: str, options: list, defines: dict, kernel: str,
@@ -569,7 +595,7 @@ def launch_sequence(handle: DeviceHandle, launches, *, params: dict) -> list[cl.
         for name, kernel, _, _, args in launches:
             try:
                 _set_args(kernel, args)
-            except (cl.Error, TypeError) as exc:
+            except (cl.Error, TypeError, RuntimeError) as exc:  # RuntimeError: a bad value in a typed slot
                 raise KernelLaunchError(name, params, handle.describe(), str(exc)) from None
         for name, kernel, global_size, local_size, _ in launches:
             try:

@@ -11,11 +11,6 @@ from ..quant import BLOCK_BYTES, QK
 from .runtime import DeviceHandle, get_device
 
 
-def dtype_name(x) -> str:
-    """'float32' / 'float16' / 'int32' for numpy arrays, torch tensors and pyopencl Arrays."""
-    return np.dtype(str(x.dtype).replace("torch.", "")).name
-
-
 def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
     """pyopencl Array inputs run on their own queue (and must share a context); anything else on
     ``device`` (docs/design.md §1, device)."""

@@ -30,8 +30,8 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
-from ..quant import BLOCK_BYTES, QK, QuantizedTensor
-from .arrays import (attach_events, check_fits, dtype_name, elem_strides, handle_for_inputs, native_host,
+from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
+from .arrays import (attach_events, check_fits, elem_strides, handle_for_inputs, native_host,
                      nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, spill_report
 

@@ -19,21 +19,19 @@ import pyopencl.array as cla
 from flashcl import quant
 from flashcl.opencl.decode import DecodeKernel, DecodeProblem, DecodeVariants, choose_params, quantized_to_device
 from flashcl.opencl.runtime import event_times, get_device
-from flashcl.tools.bench_decode import _block_table, _inputs
+from flashcl.tools.bench_decode import _inputs, device_sets
 
 
 def run_case(handle, spec: str) -> None:
-    queue, cache = handle.queue, int(handle.device.global_mem_cache_size)
+    queue = handle.queue
     parts = spec.split(":")
     b, h_q, h_kv, ctx = (int(x) for x in parts[0].split(","))
     fmt = parts[1] if len(parts) > 1 and parts[1] else None
     var = DecodeVariants(int(parts[2]), None, None, None) if len(parts) > 2 else None
     rng = np.random.default_rng(0)
     q, k, v, table, lens = _inputs(rng, (b, h_q, h_kv, ctx), "float16", 16, "random", 128)
-    copies = int(max(1, min(-(-3 * cache // (k.nbytes + v.nbytes)), 8)))
-    sets = [[cla.to_device(queue, x) for x in
-             (q, k, v, table if c == 0 else _block_table(rng, k.shape[0], b, "random"), lens)]
-            for c in range(copies)]
+    sets = device_sets(handle, rng, q, k, v, table, lens)
+    copies = len(sets)
     if fmt:
         qk, qv = quant.quantize(k, fmt), quant.quantize(v, fmt)
         quantized = [[quantized_to_device(x, queue) for x in (qk, qv)] for _ in range(copies)]

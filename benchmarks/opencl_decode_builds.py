@@ -28,7 +28,7 @@ import pyopencl.array as cla
 from flashcl import quant
 from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_params, quantized_to_device
 from flashcl.opencl.runtime import event_times, get_device
-from flashcl.tools.bench_decode import _block_table, _inputs
+from flashcl.tools.bench_decode import _inputs, device_sets
 
 
 def parse_build(spec: str) -> tuple[list[str], int | None]:
@@ -49,16 +49,14 @@ def main() -> None:
     opt = ap.parse_args()
     opt.builds = opt.builds or ["default"]
     handle = get_device(opt.device)
-    queue, cache = handle.queue, int(handle.device.global_mem_cache_size)
+    queue = handle.queue
     fmts = opt.formats.split(",")
     print(f"# {handle.name} ({handle.driver})")
     for ctx in (int(c) for c in opt.ctx.split(",")):
         rng = np.random.default_rng(0)
         q, k, v, table, lens = _inputs(rng, (1, 32, 8, ctx), "float16", 16, "random", 128)
-        copies = int(max(1, min(-(-3 * cache // (k.nbytes + v.nbytes)), 8)))
-        sets = [[cla.to_device(queue, x) for x in
-                 (q, k, v, table if c == 0 else _block_table(rng, k.shape[0], 1, "random"), lens)]
-                for c in range(copies)]
+        sets = device_sets(handle, rng, q, k, v, table, lens)
+        copies = len(sets)
         stored = {f: [[quantized_to_device(quant.quantize(x, f), queue) for x in (k, v)] for _ in range(copies)]
                   for f in fmts if f != "fp16"}
         out = cla.empty(queue, (1, 32, 128), np.float16)

@@ -515,7 +515,7 @@ class DecodeKernel:
 
     @property
     def built_programs(self) -> tuple:
-        return (self.built, self.built_decode)
+        return (self.built,) if self.built_decode is self.built else (self.built, self.built_decode)
 
     @property
     def path(self) -> str:
@@ -532,15 +532,11 @@ class DecodeKernel:
                                    self.handle)
                 for name, k in self.kernels.items()}
 
-    def arrivals(self) -> cla.Array:
-        """flash_decode_fused's arrival counts, one per (sequence, grid row): zeros, shared by the
-        calls on this device's queue (in order; each launch leaves them at zero). A launch that
-        did not finish would leave them non-zero for the next."""
-        n = self.prob.b * self.prob.h_kv * self.head_tiles
-        buf = self.handle.counters.get(n)
-        if buf is None:  # from host zeros: a fill command is not initialization to Oclgrind
-            buf = self.handle.counters.setdefault(n, cla.to_device(self.handle.queue, np.zeros(n, np.int32)))
-        return buf
+    def arrivals(self) -> cl.Buffer:
+        """flash_decode_fused's int32 arrival counts, one per (sequence, grid row): zeros, the
+        device handle's scratch (each launch leaves them at zero). A launch that did not finish
+        would leave them non-zero for the next."""
+        return self.handle.scratch("arrivals", 4 * self.prob.b * self.prob.h_kv * self.head_tiles, zeroed=True)
 
     def workspace(self, num_splits: int) -> tuple:
         """The buffers of the partial states (m, l, acc) for ``num_splits``: the device handle's
@@ -624,7 +620,7 @@ class DecodeKernel:
                  np.int32(num_splits), np.uint64(out.offset // out.dtype.itemsize),
                  np.uint64(os_[0]), np.uint64(os_[1]), cl.LocalMemory(4 * num_splits)]
         if self.fused_merge:
-            return [(KERNEL, self.kernels["flash_decode_fused"], gsize, lsize, args + [self.arrivals().data])]
+            return [(KERNEL, self.kernels["flash_decode_fused"], gsize, lsize, args + [self.arrivals()])]
         return [(KERNEL, self.kernels["flash_decode_split"], gsize, lsize, args),
                 (KERNEL + "_merge", self.kernels["flash_decode_merge"], *merge_grid(p, mwg), margs)]
 

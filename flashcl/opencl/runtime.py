@@ -42,15 +42,13 @@ class DeviceHandle:
     launch_lock: threading.Lock = field(default_factory=threading.Lock)
     # One build at a time per device: some compilers (PoCL) are not safe to enter concurrently.
     build_lock: threading.Lock = field(default_factory=threading.Lock)
-    # Zeroed int32 buffers by length for kernels that count arrivals and leave the counts at zero
-    # (decode_mma.cl's flash_decode_fused): one per length serves every call on this queue.
-    counters: dict = field(default_factory=dict)
     # Kernel wrappers (DecodeKernel, PrefillKernel) by kind, then by problem class, parameters and
     # variant flags, least recently used first, MAX_PROGRAMS of each kind: a flashcl.decode or
     # prefill call of a class seen before builds nothing (reuse()).
     wrappers: dict = field(default_factory=dict)
     # Scratch buffers by name, each grown to the largest request up to SCRATCH_KEPT (scratch()):
-    # the split-k partial states of every decode on this queue.
+    # the split-k partial states of every decode on this queue, and flash_decode_fused's arrival
+    # counts (zeroed; each launch leaves them at zero).
     scratch_buffers: dict = field(default_factory=dict)
 
     def reuse(self, kind: str, key, make):
@@ -58,9 +56,10 @@ class DeviceHandle:
         sources changed since its build is made again. Wrappers are shared by the calls on this
         queue: in order, each call's kernels enqueued together (launch_sequence)."""
         with _lock:
-            kept = self.wrappers.setdefault(kind, OrderedDict()).get(key)
+            lru = self.wrappers.setdefault(kind, OrderedDict())
+            kept = lru.get(key)
             if kept is not None:
-                self.wrappers[kind].move_to_end(key)
+                lru.move_to_end(key)
         if kept is not None and all(b.current() for b in kept.built_programs):
             return kept
         made = make()
@@ -72,18 +71,26 @@ class DeviceHandle:
                 lru.popitem(last=False)
         return made
 
-    def scratch(self, name: str, nbytes: int) -> cl.Buffer:
+    def scratch(self, name: str, nbytes: int, *, zeroed: bool = False) -> cl.Buffer:
         """A buffer of at least ``nbytes`` for a call's intermediate values, shared by every call
         on this queue: in order, each call's kernels enqueued together (launch_sequence), so a
         call's kernels are done with it before the next call's write it. A larger request
         replaces it (OpenCL frees the old one once the commands using it have finished); one
-        over SCRATCH_KEPT gets a buffer of its own, released with the call."""
+        over SCRATCH_KEPT gets a buffer of its own, released with the call. ``zeroed``: created
+        from host zeros (a fill command is not initialization to Oclgrind), for kernels that
+        leave it as they found it."""
+        def new_buffer(size):
+            if zeroed:
+                return cl.Buffer(self.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                 hostbuf=np.zeros(size, np.uint8))
+            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size)
+
         if nbytes > SCRATCH_KEPT:
-            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
+            return new_buffer(nbytes)
         with _lock:
             buf = self.scratch_buffers.get(name)
             if buf is None or buf.size < nbytes:
-                buf = self.scratch_buffers[name] = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(nbytes, 4))
+                buf = self.scratch_buffers[name] = new_buffer(max(nbytes, 4))
             return buf
 
     def forget(self) -> None:

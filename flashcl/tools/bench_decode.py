@@ -131,6 +131,22 @@ def _block_table(rng, num_blocks: int, b: int, block_order: str) -> np.ndarray:
     return np.sort(table, axis=1) if block_order == "ascending" else table
 
 
+def copy_count(handle: DeviceHandle, nbytes: int) -> int:
+    """How many copies of ``nbytes`` of cache make the working set exceed 3x the device's cache
+    (at most 8, within a third of its memory)."""
+    cache, memory = int(handle.device.global_mem_cache_size), int(handle.device.global_mem_size) // 3
+    return int(max(1, min(-(-3 * cache // max(nbytes, 1)), memory // max(nbytes, 1), 8)))
+
+
+def device_sets(handle: DeviceHandle, rng, q, k, v, table, lens, block_order: str = "random") -> list:
+    """The inputs on the device, copy_count copies of them rotated through by the timed calls so
+    that every call reads its K/V from DRAM; each copy past the first with its own block table."""
+    b, copies = table.shape[0], copy_count(handle, k.nbytes + v.nbytes)
+    return [[cla.to_device(handle.queue, x) for x in
+             (q, k, v, table if c == 0 else _block_table(rng, k.shape[0], b, block_order), lens)]
+            for c in range(copies)]
+
+
 def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int = HEAD_DIM):
     """q and a paged cache holding every sequence ctx long, blocks in ``block_order``."""
     if block_order not in BLOCK_ORDERS:
@@ -173,9 +189,6 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
     ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring).
     ``tensor_cores``: DecodeKernel's (None: decode_mma.cl where it applies; False: decode.cl)."""
     rng = np.random.default_rng(0)
-    dev = handle.device
-    cache = int(dev.global_mem_cache_size)
-    mem_budget = int(dev.global_mem_size) // 3
     queue = handle.queue
     copy_gbps = copy_bandwidth(handle)
     rows = []
@@ -185,12 +198,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         choice = choose_params(handle, prob, params, ctx)
         kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, tensor_cores=tensor_cores)
         q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order, head_dim)
-        kv_bytes = k.nbytes + v.nbytes
-        copies = int(max(1, min(-(-3 * cache // kv_bytes), mem_budget // max(kv_bytes, 1), 8)))
-        sets = []
-        for c in range(copies):
-            perm = table if c == 0 else _block_table(rng, k.shape[0], b, block_order)
-            sets.append([cla.to_device(queue, x) for x in (q, k, v, perm, lens)])
+        sets = device_sets(handle, rng, q, k, v, table, lens, block_order)
+        copies = len(sets)
         out = cla.empty(queue, (b, h_q, head_dim), np.dtype(dtype))
         lse = cla.empty(queue, (b, h_q), np.float32)
         scale = head_dim ** -0.5
@@ -275,7 +284,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             stored = sum(x.nbytes for x in (qk.data, qv.data)) + (
                 qk.scales.nbytes + qv.scales.nbytes if kv_format == "int8" else 0)
             # the same bytes at other addresses, as many copies as the plain cache's rule gives
-            qcopies = int(max(1, min(-(-3 * cache // stored), mem_budget // max(stored, 1), 8)))
+            qcopies = copy_count(handle, stored)
             qsets = [[quantized_to_device(x, queue) for x in (qk, qv)] for _ in range(qcopies)]
             qauto = qkern.auto_splits(ctx, mean_ctx=mean_ctx)
 

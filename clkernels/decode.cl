@@ -202,18 +202,7 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
     const int batch = get_group_id(2);
     const int head0 = kv_head * GROUP + ht * HEAD_TILE;  /* first query head of this work-item */
 
-    int k0, k1;  /* this split's keys; none for a bad context length */
-    const int n_ctx = context_lens[batch];
-    const bool ctx_ok = context_ok(n_ctx, capacity);
-    const int n_used = ctx_ok ? n_ctx : 0;
-    split_range(FIRST_KEY(n_used), n_used, num_splits, split, BLOCK_N, &k0, &k1);
-
-    __global const int *bt_row = block_table + (ulong)batch * bt_stride;
-    __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
-    __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
-    /* quantized caches: the (batch, KV head) base in bytes, relative to k_off / v_off */
-    const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;
-    const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
+    DECODE_SPAN(BLOCK_N)  /* k0, k1, n_used, ctx_ok, bt_row, k_base, v_base, k_rel, v_rel */
 #if K_QUANT
 #define LOAD_K(j, part) load_quant(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, \
                                    (j), bt_row, block_shift, num_blocks, k_s0, k_s1, VW * (part))

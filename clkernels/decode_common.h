@@ -141,6 +141,23 @@ static inline void split_range(const int first, const int n, const int num_split
     *k1 = min(*k0 + chunk, n);
 }
 
+/* What decode.cl's and decode_cpu.cl's work-groups start with, for (batch, kv_head, split) in
+ * scope: the sequence's context length as used (n_used; 0 where it is outside [0, capacity],
+ * ctx_ok false, so no key is read), the split's keys [k0, k1) in whole tiles of `tile` keys, the
+ * block-table row, the plain rows' bases (kv_rows) and the quantized rows' byte offsets of
+ * (batch, KV head) relative to k_off / v_off. */
+#define DECODE_SPAN(tile)                                                                    \
+    int k0, k1;                                                                              \
+    const int n_ctx = context_lens[batch];                                                   \
+    const bool ctx_ok = context_ok(n_ctx, capacity);                                         \
+    const int n_used = ctx_ok ? n_ctx : 0;                                                   \
+    split_range(FIRST_KEY(n_used), n_used, num_splits, split, (tile), &k0, &k1);              \
+    __global const int *bt_row = block_table + (ulong)batch * bt_stride;                     \
+    __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);            \
+    __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);            \
+    const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;                         \
+    const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
+
 /* Where the K (or V) rows of (batch, KV head) start, row_offset being relative to it: a paged
  * cache's blocks are shared by every sequence, so there the base is the cache's plus the head. */
 static inline __global const raw_t *kv_rows(__global const raw_t *x, const ulong off, const ulong s0,

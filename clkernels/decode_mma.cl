@@ -456,18 +456,8 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     __local warp_scratch *ws = scratch + warp;
 #endif
 
-    int k0, k1;  /* this split's keys; every warp runs `rounds` iterations (uniform barriers) */
-    const int n_ctx = context_lens[batch];
-    const bool ctx_ok = context_ok(n_ctx, capacity);   /* else no key and a NaN state */
-    const int n_used = ctx_ok ? n_ctx : 0;
-    split_range(FIRST_KEY(n_used), n_used, num_splits, split, ROUND, &k0, &k1);
-    const int rounds = (k1 - k0 + ROUND - 1) / ROUND;
-
-    __global const int *bt_row = block_table + (ulong)batch * bt_stride;
-    __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);
-    __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);
-    const ulong k_rel = (PAGED ? 0 : batch * k_s0) + kv_head * k_sh;  /* quantized: bytes */
-    const ulong v_rel = (PAGED ? 0 : batch * v_s0) + kv_head * v_sh;
+    DECODE_SPAN(ROUND)  /* k0, k1, n_used, ctx_ok (else no key and a NaN state), bt_row, k_base, ... */
+    const int rounds = (k1 - k0 + ROUND - 1) / ROUND;  /* every warp runs them all (uniform barriers) */
 
     /* Q^T's B fragments, exact fp16 bits, n-tile h = heads 8h .. 8h + 7 of this work-group
      * (heads past G are zeros): word qb[h][s][e] holds dims c*KQ + 4s + 2e, +1 of head g + 8h */

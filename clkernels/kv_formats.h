@@ -42,5 +42,6 @@ static inline float##N as_stored##N(const float##N x)                           
 #endif
 FLASHCL_AS_STORED(4)
 FLASHCL_AS_STORED(8)
+FLASHCL_AS_STORED(16)
 
 #endif

@@ -479,9 +479,11 @@ def _knob_option(ctx, param, values) -> dict:
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
               help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored); "
                    "with variants, also timed with them on.")
-@click.option("--kernel", type=click.Choice(["auto", "decode.cl"]), default="auto", show_default=True,
-              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, else decode.cl) or decode.cl "
-                   "everywhere (the kernel Adreno and float32 calls run).")
+@click.option("--kernel", type=click.Choice(["auto", "decode.cl", "decode_cpu.cl"]), default="auto",
+              show_default=True,
+              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, decode_cpu.cl on CPUs, else "
+                   "decode.cl), decode.cl everywhere (the kernel Adreno and GPU float32 calls run) or "
+                   "decode_cpu.cl everywhere.")
 @click.option("--knob", "knobs", multiple=True, callback=_knob_option,
               help="Triton: a launch knob every flashcl call of the run takes, the float16 baseline included, "
                    "KEY=VALUE (repeatable; values are integers, true, false or none), e.g. "
@@ -563,7 +565,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         click.echo(f"# {len(shape_list)} decode shapes on {handle.describe()}", err=True)
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
                            block_order=block_order, head_dim=head_dim,
-                           tensor_cores=False if kernel == "decode.cl" else None, **extra)
+                           tensor_cores=False if kernel != "auto" else None,
+                           layout={"decode.cl": "lanes", "decode_cpu.cl": "rows"}.get(kernel), **extra)
     if as_json:
         _echo_report(cond, b.rows_as_dicts(rows))
     else:
@@ -821,7 +824,7 @@ def show_config(device, kernel, n, d, dv, causal, group, dtype, as_json):
     if decode:
         sr = info["split_rule"]
         click.echo(f"splits:  {sr['SPLIT_WAVES']} work-groups per compute unit, {sr['SPLIT_KEYS']} keys per split "
-                   f"({'tuned' if sr['tuned'] else 'the defaults of decode.cl; decode_mma.cl has its own'})")
+                   f"({'tuned' if sr['tuned'] else 'defaults of the layout; decode_mma.cl has its own'})")
     click.echo(f"model:   {model['floats']} floats per work-item (hard {model['regs_hard']}, budget "
                f"{model['regs_budget']}): {'spills' if model['spills'] else 'no spill predicted'}"
                f"{', over the occupancy budget' if model['over_budget'] and not model['spills'] else ''}")

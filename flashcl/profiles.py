@@ -27,6 +27,8 @@ class DeviceProfile:
                             # work-items of a work-group; 0 = the work-group size does not shrink
     # prefill layouts the tuner sweeps here (tuning.PREFILL_SPACE's layouts)
     prefill_variants: tuple[str, ...] = ("rows", "tiles")
+    # decode layouts the tuner sweeps and the defaults take (tuning.DECODE_SPACE's layouts)
+    decode_variants: tuple[str, ...] = ("lanes",)
     model_margin: int = 0   # registers a default leaves below regs_hard: the model's error where a
                             # compiler has shown it
 
@@ -123,6 +125,7 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile(
         "cpu", "cpu", regs_hard=4096, regs_budget=4096, local_mem=1024 * 1024, subgroup=8,
         max_work_group=4096, fp16=False, simd=16, prefill_variants=("rows",),
+        decode_variants=("rows",),
         sources=("PoCL pthread device: local memory is ordinary memory; private arrays live in the "
                  "work-group context, so there is no register cliff",),
         notes="PoCL / CPU drivers"),

@@ -211,10 +211,12 @@ class KernelSpace:
             out += partial
         return out
 
-    def param_values(self, name: str, dims: Dims, *, quick: bool = False, overrides: dict | None = None) -> list:
-        """The candidate values of a listed (not DERIVED) parameter of the first layout that has it."""
-        prm = next(lay.param(name) for lay in self.layouts if lay.param(name))
-        return self._values(prm, {}, dims, 4, quick, overrides or {})
+    def param_values(self, name: str, dims: Dims, *, quick: bool = False, overrides: dict | None = None,
+                     layout: str | None = None) -> list:
+        """The candidate values of a listed (not DERIVED) parameter of ``layout``, or of the first
+        layout that has it."""
+        lay = self.layout(layout) if layout else next(lay for lay in self.layouts if lay.param(name))
+        return self._values(lay.param(name), {}, dims, 4, quick, overrides or {})
 
     def _values(self, prm: Param, partial: dict, dims: Dims, simd: int, quick: bool, overrides: dict) -> list:
         if prm.name in overrides:
@@ -507,6 +509,7 @@ DECODE_DEFINES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")  # decode.cl's -D t
 SPLIT_WAVES = 4
 SPLIT_KEYS = 512
 DECODE_MERGE_WG = 256  # the merge kernel's work-group (see _decode_defaults)
+ROWS_SPLIT_KEYS = 16384  # decode_cpu.cl's default: split a context for the compute units, not its length
 
 
 def chunk_elems(dtype: str) -> int:
@@ -518,14 +521,25 @@ def lanes(dk: int, dv: int, dtype: str) -> int:
     return max(dk, dv) // chunk_elems(dtype)
 
 
+def _is_rows(p: dict) -> bool:
+    """The decode layout of a configuration: "rows" (decode_cpu.cl) or the default "lanes"."""
+    return p.get("VARIANT") == "rows"
+
+
 def _decode_work_group(p: dict, dims: Dims) -> int:
-    """LANES x ROWS x the G / HEAD_TILE head tiles."""
+    """lanes: LANES x ROWS x the G / HEAD_TILE head tiles; rows: one work-item."""
+    if _is_rows(p):
+        return 1
     return lanes(dims.dk, dims.dv, dims.dtype) * p["ROWS"] * (dims.group // p["HEAD_TILE"])
 
 
 def _decode_local_bytes(p: dict, dims: Dims) -> int:
     """Local memory of decode.cl's __local arrays: partial dots and scores of a tile per head, the
-    row-slot merge buffer (ROWS > 1), and the staged K/V tile when several head tiles share it."""
+    row-slot merge buffer (ROWS > 1), and the staged K/V tile when several head tiles share it;
+    rows: decode_cpu.cl has no local arrays; the merge kernel's (decode.cl's, MERGE_WG-wide)."""
+    if _is_rows(p):
+        cols = min(dims.dv // 4, p["MERGE_WG"])
+        return 4 * (p["MERGE_WG"] + p["MERGE_WG"] // cols * dims.dv)
     ln, rows, nht = lanes(dims.dk, dims.dv, dims.dtype), p["ROWS"], dims.group // p["HEAD_TILE"]
     block_n = rows * p["UNROLL"]
     floats = dims.group * block_n * (ln + 1) + dims.group * block_n + 2 * rows * dims.group
@@ -537,7 +551,12 @@ def _decode_local_bytes(p: dict, dims: Dims) -> int:
 def _decode_private_floats(p: dict, dims: Dims) -> int:
     """Register model per work-item: q and acc chunks of HEAD_TILE heads, m/l per head, per
     unrolled key the current and prefetched K/V chunks (raw, 4 registers each) and their float
-    conversions, ~24 scalars. It does not depend on the head dim: a work-item holds one chunk."""
+    conversions, ~24 scalars. It does not depend on the head dim: a work-item holds one chunk.
+    rows (decode_cpu.cl, CPUs): what stays in vector registers, a tile's scores and a dot product
+    per head, m and l per head, one K/V vector, ~24 scalars; q and acc of the group are arrays a
+    CPU keeps in L1 (PoCL: on the stack)."""
+    if _is_rows(p):
+        return dims.group * (p["BLOCK_N"] + p["VEC"] + 2) + p["VEC"] + 24
     w, ht, u = chunk_elems(dims.dtype), p["HEAD_TILE"], p["UNROLL"]
     return 2 * ht * w + 2 * ht + u * (4 * 4 + 2 * w) + 24
 
@@ -558,7 +577,14 @@ def _pow2_floor(x: int) -> int:
 
 
 def _decode_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
-    """Working parameters for an untuned device.
+    """Working parameters for an untuned device: the profile's first decode layout's."""
+    return decode_layout_defaults(profile.decode_variants[0], profile, dims, lim)
+
+
+def decode_layout_defaults(layout: str, profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
+    """Working parameters of one decode layout ("lanes" or "rows") for an untuned device.
+
+    rows: see _decode_rows_defaults. lanes:
 
     HEAD_TILE: the largest divisor of G up to 4 (8 where the profile has no register cliff, i.e.
     CPUs): q + acc chunks of 4 heads are 64 registers for half, within NVIDIA's 128-register
@@ -569,6 +595,8 @@ def _decode_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
     DV=128 (H100, (1, 32, 8, 32k) at 64 splits: the whole decode 0.0943 ms with a 64-work-item
     merge, 0.0907 with 256).
     """
+    if layout == "rows":
+        return _decode_rows_defaults(profile, dims, lim)
     g, room = dims.group, register_room(profile)
     divisors = [d for d in range(1, g + 1) if g % d == 0]
 
@@ -601,6 +629,22 @@ def _decode_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
     return p
 
 
+def _rows_vecs(d: Dims) -> list:
+    """decode_cpu.cl's vector widths for the head dims: 4, 8, 16 dividing both (8 at least for half)."""
+    return [w for w in (4, 8, 16) if d.dk % w == 0 and d.dv % w == 0 and not (d.dtype == "float16" and w < 8)]
+
+
+def _decode_rows_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
+    """decode_cpu.cl on an untuned CPU: 16 keys a softmax step, the widest vectors up to the
+    profile's SIMD width that divide the head dims, one split per compute unit at most (a CPU
+    core streams a long context as well as several splits do, and the merge is a second launch)
+    and a 64-work-item merge. `flashcl tune --device cpu --kernel decode` on a 2-core AMD EPYC
+    (PoCL 3.1, AVX-512), (1, 32/8, 1k, 128) float32: VEC 16 0.34 ms, 8 0.44-0.48, 4 0.73-0.81;
+    one split 0.34 ms, two 0.38-0.45 (docs/notes/pocl-decode.md)."""
+    vecs = [w for w in _rows_vecs(dims) if w <= max(4, profile.simd)] or _rows_vecs(dims)
+    return {"VARIANT": "rows", "BLOCK_N": 16, "VEC": max(vecs), "MERGE_WG": _pow2_floor(min(64, lim["max_work_group"]))}
+
+
 def _decode_rank(p: dict, dims: Dims, profile: DeviceProfile) -> tuple:
     """"Largest tile" for decode, which reads every K/V row once whatever the tile: within the
     occupancy budget (more work-groups in flight hide the latency of the loads), at least 8 keys
@@ -611,6 +655,8 @@ def _decode_rank(p: dict, dims: Dims, profile: DeviceProfile) -> tuple:
     wg = _decode_work_group(p, dims)
     split = (abs(math.log2(p.get("SPLIT_WAVES", SPLIT_WAVES) / SPLIT_WAVES))
              + abs(math.log2(p.get("SPLIT_KEYS", SPLIT_KEYS) / SPLIT_KEYS)))
+    if _is_rows(p):  # no registers to fit: 8 keys a step, then the widest vectors
+        return (True, min(p["BLOCK_N"], 8), p["VEC"], 0, p["MERGE_WG"], -floats, -split)
     return (floats <= profile.regs_budget, min(p["ROWS"] * p["UNROLL"], 8), p["HEAD_TILE"],
             -abs(math.log2(wg / _decode_wg_target(profile))), p["MERGE_WG"], -floats, -split)
 
@@ -641,6 +687,24 @@ _DECODE_CONSTRAINTS = (
                f"{_decode_local_bytes(p, d)} bytes of local memory for G={d.group}; the device has {lim['local_mem']}"),
 )
 
+_SPLIT_PARAMS = (
+    Param("SPLIT_WAVES", (1, 2, 4, 8), (2, 4), "split rule: work-groups per compute unit the split "
+          "count aims for", default=SPLIT_WAVES, host=True),
+    Param("SPLIT_KEYS", (256, 512, 1024, 2048, 4096), (512, 4096), "split rule: keys one split aims "
+          "to cover on long contexts", default=SPLIT_KEYS, host=True),
+)
+
+_MERGE_CONSTRAINTS = tuple(c for c in _DECODE_CONSTRAINTS if c.name in ("merge_pow2", "merge_fits"))
+
+_DECODE_ROWS_CONSTRAINTS = (
+    Constraint("vec_divides", "decode_cpu.cl reads rows VEC floats at a time: VEC divides DK and DV, and "
+               "half rows are read 8 values at a time at least",
+               lambda p, d, lim: None if p["VEC"] in _rows_vecs(d) else
+               f"VEC={p['VEC']} must divide DK={d.dk} and DV={d.dv}"
+               + (" and be at least 8 for float16" if d.dtype == "float16" else "")),
+    *_MERGE_CONSTRAINTS,
+)
+
 DECODE_SPACE = KernelSpace(
     kernel="decode",
     layouts=(
@@ -653,11 +717,20 @@ DECODE_SPACE = KernelSpace(
                    Param("HEAD_TILE", _head_tiles, lambda d: [max(t for t in _head_tiles(d) if t <= 4)],
                          "query heads whose q/acc chunks one work-item keeps in registers (divisors of G up to 8)"),
                    Param("MERGE_WG", (32, 64, 128, 256), (256,), "work-items of the merge kernel (power of two)"),
-                   Param("SPLIT_WAVES", (1, 2, 4, 8), (2, 4), "split rule: work-groups per compute unit the split "
-                         "count aims for", default=SPLIT_WAVES, host=True),
-                   Param("SPLIT_KEYS", (256, 512, 1024, 2048, 4096), (512, 4096), "split rule: keys one split aims "
-                         "to cover on long contexts", default=SPLIT_KEYS, host=True),
+                   *_SPLIT_PARAMS,
                ), _DECODE_CONSTRAINTS),
+        Layout("rows", "decode_cpu.cl", "CPUs (the only layout swept there): one work-item per (sequence, KV "
+               "head, split) reads whole rows in vector types; no local memory, no barriers", (
+                   Param("BLOCK_N", (4, 8, 16), (8, 16), "keys per online-softmax step (4, 8, 16: one vector exp2 "
+                         "a tile)"),
+                   Param("VEC", _rows_vecs, lambda d: [w for w in _rows_vecs(d) if w >= 8] or _rows_vecs(d),
+                         "floats per vector operation (divides DK and DV)"),
+                   Param("MERGE_WG", (64, 256), (64,), "work-items of decode.cl's merge kernel (power of two)"),
+                   Param("SPLIT_WAVES", (1, 2, 4), (1, 2), "split rule: work-groups per compute unit the split "
+                         "count aims for", default=1, host=True),
+                   Param("SPLIT_KEYS", (1024, 4096, ROWS_SPLIT_KEYS), (4096, ROWS_SPLIT_KEYS), "split rule: keys "
+                         "one split aims to cover on long contexts", default=ROWS_SPLIT_KEYS, host=True),
+               ), _DECODE_ROWS_CONSTRAINTS),
     ),
     problem="DecodeProblem(B, H_q, H_kv, DK = DV = d, paged, dtype), every sequence ctx keys long in a paged "
             "cache (block size 16, a random block table); entries are keyed by kernel, dtype, DK, DV, the GQA "
@@ -666,13 +739,16 @@ DECODE_SPACE = KernelSpace(
            "profiling events), lower is better; GB/s = (K and V read once per GQA group + q + out) / t",
     correctness="relative error against the float64 oracle on a small paged problem (B=2, contexts 261 and "
                  "100, a permuted block table), single pass and 3 splits, within the dtype's tolerance",
-    register_model="q and acc chunks of HEAD_TILE heads + m, l per head + UNROLL x (raw and converted K/V "
-                   "chunks) + 24 scalars",
+    register_model="lanes: q and acc chunks of HEAD_TILE heads + m, l per head + UNROLL x (raw and converted "
+                   "K/V chunks) + 24 scalars; rows: a tile's scores and dot products of the group + 24 "
+                   "scalars (q and acc in L1)",
     private_floats=_decode_private_floats,
     local_bytes=_decode_local_bytes,
     work_group_size=_decode_work_group,
     defaults=_decode_defaults,
     rank=_decode_rank,
+    modeled_layouts=("lanes",),
+    layouts_for=lambda profile: profile.decode_variants,
 )
 
 SPACES = {"prefill": PREFILL_SPACE, "decode": DECODE_SPACE}

@@ -49,14 +49,17 @@ def _contiguous(rng, b, h_q, h_kv, dk, dv, n_max, dtype, logit_scale=1.0):
 
 
 def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None, row_shuffle=None,
-                 tensor_cores=None):
+                 tensor_cores=None, layout=None):
     """Run the decode kernels on out/lse pre-filled with NaN; contiguous caches when table is None
-    (lens None: every sequence is N_max long)."""
+    (lens None: every sequence is N_max long). ``layout``: that layout's untuned parameters
+    (LAYOUTS) where ``params`` is None; neither: the device's choice."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
+    if params is None and layout is not None:
+        params = cl_decode.layout_params(h, prob, layout)
     choice = choose_params(h, prob, params)
     kern = DecodeKernel(h, prob, choice.params, row_shuffle=row_shuffle, tensor_cores=tensor_cores)
     if lens is None:
@@ -91,9 +94,9 @@ def _naive(q, k, v, table, lens, scale):
 
 
 def check(device, q, k, v, table, lens, num_splits, params=None, what="", row_shuffle=None,
-          tensor_cores=None):
+          tensor_cores=None, layout=None):
     out, lse, used = run_poisoned(device, q, k, v, table, lens, num_splits, params, row_shuffle=row_shuffle,
-                                  tensor_cores=tensor_cores)
+                                  tensor_cores=tensor_cores, layout=layout)
     scale = q.shape[-1] ** -0.5
     ref_out, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens,
                                                   return_lse=True)
@@ -111,30 +114,37 @@ def check(device, q, k, v, table, lens, num_splits, params=None, what="", row_sh
     return out, lse
 
 
+# decode.cl's work-items across a row (GPUs, Adreno) and decode_cpu.cl's whole rows (CPUs): both
+# run on every device, whichever it defaults to
+LAYOUTS = ["lanes", "rows"]
+
+
 # --------------------------------------------------------------------------- split counts, lengths
 
 SPLITS = [1, 2, 3, 7, 32, 200]  # 200 > every sequence's block count: surplus splits are empty
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_split_counts_and_context_lengths(cl_device, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_counts_and_context_lengths(cl_device, dtype, layout):
     """block_size 16: context 0, 1, bs-1, bs, bs+1 and 1000 in one batch, every split count."""
     rng = np.random.default_rng(10)
     lens = [1, 15, 16, 17, 1000, 0]
     q, k, v, table, lens = _paged(rng, len(lens), 8, 2, 64, 64, lens, 16, dtype)
     for s in SPLITS:
-        check(cl_device, q, k, v, table, lens, s)
+        check(cl_device, q, k, v, table, lens, s, layout=layout)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64, 256])
-def test_block_sizes(cl_device, block_size):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_sizes(cl_device, block_size, layout):
     """Partial last blocks (bs-1, bs+1), one-token blocks, 256-token blocks, permuted tables; GQA 8:1."""
     rng = np.random.default_rng(block_size)
     lens = [1, max(1, block_size - 1), block_size, block_size + 1, 300]
     q, k, v, table, lens = _paged(rng, len(lens), 16, 2, 128, 128, lens, block_size, "float16")
     for s in (1, 3, None):
         check(cl_device, q, k, v, table, lens, s or cl_decode.choose_num_splits(
-            int(get_device(cl_device).device.max_compute_units), len(lens) * 2, 300))
+            int(get_device(cl_device).device.max_compute_units), len(lens) * 2, 300), layout=layout)
 
 
 # (B, H_q, H_kv): MHA, GQA 4:1, GQA 8:1, MQA
@@ -143,23 +153,25 @@ GROUPS = [(2, 4, 4), (2, 8, 2), (1, 16, 2), (2, 16, 1)]
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("heads", GROUPS, ids=["MHA", "GQA4", "GQA8", "MQA"])
-def test_head_groups_contiguous(cl_device, heads, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_groups_contiguous(cl_device, heads, dtype, layout):
     b, h_q, h_kv = heads
     rng = np.random.default_rng(h_q * 10 + h_kv)
     q, k, v = _contiguous(rng, b, h_q, h_kv, 128, 128, 333, dtype)
-    check(cl_device, q, k, v, None, None, 1, what="N_max")
+    check(cl_device, q, k, v, None, None, 1, what="N_max", layout=layout)
     lens = np.array([333, 40][:b], dtype=np.int32)
     for s in (2, 5):
-        check(cl_device, q, k, v, None, lens, s)
+        check(cl_device, q, k, v, None, lens, s, layout=layout)
 
 
 @pytest.mark.parametrize("dk,dv", [(80, 80), (192, 128), (96, 64)], ids=["80", "192x128", "96x64"])
-def test_head_dims(cl_device, dk, dv):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_dims(cl_device, dk, dv, layout):
     """Non-power-of-two head dims and DK != DV (lanes past DK or DV idle)."""
     rng = np.random.default_rng(dk + dv)
     q, k, v, table, lens = _paged(rng, 2, 8, 2, dk, dv, [77, 16], 16, "float16")
     for s in (1, 4):
-        check(cl_device, q, k, v, table, lens, s)
+        check(cl_device, q, k, v, table, lens, s, layout=layout)
 
 
 # Tile configurations: direct loads (HEAD_TILE = G) and a staged K/V tile (HEAD_TILE < G), one
@@ -191,6 +203,29 @@ def test_tile_parameters(cl_device, params):
         pytest.skip(str(exc))
     for s in (1, 3, 40):
         check(cl_device, q, k, v, table, lens, s, params)
+
+
+# decode_cpu.cl: one key a softmax step, a tile that never divides the lengths, the widest; every
+# vector width (float32 head dim 40: VEC 16 does not divide it, and is refused)
+ROWS_CONFIGS = [
+    dict(VARIANT="rows", BLOCK_N=1, VEC=4, MERGE_WG=64),
+    dict(VARIANT="rows", BLOCK_N=5, VEC=8, MERGE_WG=32),
+    dict(VARIANT="rows", BLOCK_N=64, VEC=16, MERGE_WG=256),
+]
+
+
+@pytest.mark.parametrize("params", ROWS_CONFIGS, ids=lambda p: "B{BLOCK_N}V{VEC}".format(**p))
+def test_rows_parameters(cl_device, params):
+    h = get_device(cl_device)
+    rng = np.random.default_rng(params["BLOCK_N"])
+    q, k, v, table, lens = _paged(rng, 3, 8, 2, 64, 64, [1, 64, 203], 16, "float32")
+    for s in (1, 3, 32):
+        check(cl_device, q, k, v, table, lens, s, params)
+    errs = cl_decode.check_params(params, 4, 40, 40, "float32", local_mem=h.local_mem,
+                                  max_work_group=h.max_work_group)
+    assert bool(errs) == (params["VEC"] == 16), errs
+    if errs:
+        assert "VEC=16 must divide DK=40" in errs[0]
 
 
 @pytest.mark.parametrize("dk", [64, 128, 256])
@@ -328,7 +363,8 @@ def test_tensor_cores_split_choice():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_huge_logits(cl_device, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_huge_logits(cl_device, dtype, layout):
     """Logits around +-200: every split and the merge must subtract the max, not overflow."""
     rng = np.random.default_rng(6)
     q, k, v, table, lens = _paged(rng, 2, 8, 2, 64, 64, [300, 90], 16, "float64", logit_scale=60.0)
@@ -336,7 +372,7 @@ def test_huge_logits(cl_device, dtype):
     assert 150 < np.abs(s).max() < 400
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     for n in (1, 7):
-        check(cl_device, q, k, v, table, lens, n)
+        check(cl_device, q, k, v, table, lens, n, layout=layout)
 
 
 def test_automatic_split_choice():

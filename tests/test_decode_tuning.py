@@ -33,11 +33,17 @@ def test_decode_space_parameters():
     assert SPACE.param_values("HEAD_TILE", tuning.Dims(128, 128, 12)) == [1, 2, 3, 4, 6]
     assert SPACE.param_values("HEAD_TILE", tuning.Dims(128, 128, 8), quick=True) == [4]
     dims = tuning.Dims(128, 128, 4, "float16")
-    full = SPACE.candidates(dims)
+    full = SPACE.candidates(dims, layouts=("lanes",))
     assert len(full) == 5 * 3 * 3 * 4 * 4 * 5
-    tiles = SPACE.candidates(dims, skip=SPACE.host_params())
+    tiles = SPACE.candidates(dims, skip=SPACE.host_params(), layouts=("lanes",))
     assert len(tiles) == 5 * 3 * 3 * 4 and all("SPLIT_WAVES" not in p for p in tiles)
-    assert len(SPACE.candidates(dims, quick=True, skip=SPACE.host_params())) == 3 * 2 * 1 * 1
+    assert len(SPACE.candidates(dims, quick=True, skip=SPACE.host_params(), layouts=("lanes",))) == 3 * 2 * 1 * 1
+    # decode_cpu.cl: BLOCK_N x VEC (8 and 16 for half rows) x MERGE_WG, tagged with its layout
+    rows = SPACE.candidates(dims, skip=SPACE.host_params(), layouts=("rows",))
+    assert len(rows) == 3 * 2 * 2 and all(p["VARIANT"] == "rows" for p in rows)
+    assert SPACE.param_values("VEC", tuning.Dims(40, 40, 4, "float32")) == [4, 8]
+    assert profiles.PROFILES["cpu"].decode_variants == ("rows",)
+    assert all(p.decode_variants == ("lanes",) for n, p in profiles.PROFILES.items() if n != "cpu")
 
 
 def test_host_functions_read_the_space():

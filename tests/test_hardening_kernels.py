@@ -146,10 +146,12 @@ def test_prefill_nan_q_row(cl_device, layout, causal):
 
 # name -> (params, tensor_cores, dtype): decode.cl loading K/V rows directly (HEAD_TILE = G; warp
 # shuffles on NVIDIA) and through the staged local tile (HEAD_TILE < G), and decode_mma.cl ("mma":
-# its real PTX where tensor_cores_ok, else emulated).
+# its real PTX where tensor_cores_ok, else emulated), and decode_cpu.cl's whole rows ("rows").
 DECODE_PATHS = {
     "direct-f32": (dict(ROWS=4, UNROLL=2, HEAD_TILE=4, MERGE_WG=32), None, "float32"),
     "staged-f16": (dict(ROWS=2, UNROLL=2, HEAD_TILE=1, MERGE_WG=16), False, "float16"),
+    "rows-f32": (dict(VARIANT="rows", BLOCK_N=8, VEC=8, MERGE_WG=32), False, "float32"),
+    "rows-f16": (dict(VARIANT="rows", BLOCK_N=5, VEC=16, MERGE_WG=64), False, "float16"),
     "mma-f16": (None, "mma", "float16"),
 }
 DECODE_SPLITS = (1, 3, 16)

@@ -127,10 +127,11 @@ PREFILL_CASES = [
 
 
 def D(name, *, b, h_q, h_kv, dk=32, dv=32, lens, block_size=None, n_max=None, dtype, splits,
-      tensor_cores=None, **params):
+      tensor_cores=None, env=None, **params):
     return pytest.param({"kernel": "decode", "heads": (b, h_q, h_kv), "dims": (dk, dv),
                          "lens": lens, "block_size": block_size, "n_max": n_max, "dtype": dtype,
-                         "splits": splits, "tensor_cores": tensor_cores, "params": params}, id=name)
+                         "splits": splits, "tensor_cores": tensor_cores, "params": params, "env": env or {}},
+                        id=name)
 
 
 # Decode: WG = LANES x ROWS x (G / HEAD_TILE) with LANES = max(DK, DV) / (4 floats | 8 halves).
@@ -165,6 +166,18 @@ DECODE_CASES = [
     D("mma-emulated-gqa20-f16", b=2, h_q=20, h_kv=1, dk=32, dv=64, lens=[1, 40], block_size=16,
       dtype="float16", splits=[1, 3], tensor_cores="emulate", ROWS=2, UNROLL=1, HEAD_TILE=20,
       MERGE_WG=32),
+    # decode_cpu.cl (one work-item a work-group): block_size 1, GQA 4, contexts 0, 1 and a partial
+    # 4-key step, 16 splits > every sequence's steps
+    D("rows-paged-bs1-gqa4-f32", b=3, h_q=8, h_kv=2, lens=[0, 1, 9], block_size=1, dtype="float32",
+      splits=[1, 3, 16], VARIANT="rows", BLOCK_N=4, VEC=8, MERGE_WG=16),
+    # decode_cpu.cl in half, DK != DV, N_max 37 not a multiple of the 5-key step; 8-wide vectors,
+    # and 16-wide ones with the race and API checks only (NO_UNINIT_CHECK_VEC16: its float16
+    # products trip the false positive above, which the 8-wide build of the same case does not)
+    D("rows-contig-mha-vec8-f16", b=2, h_q=2, h_kv=2, dk=64, dv=32, n_max=37, lens=None,
+      dtype="float16", splits=[1, 5], VARIANT="rows", BLOCK_N=5, VEC=8, MERGE_WG=32),
+    D("rows-contig-mha-vec16-f16", b=2, h_q=2, h_kv=2, dk=64, dv=32, n_max=37, lens=None,
+      dtype="float16", splits=[1, 5], VARIANT="rows", BLOCK_N=5, VEC=16, MERGE_WG=32,
+      env=NO_UNINIT_CHECK_VEC16),
 ]
 
 
@@ -184,8 +197,11 @@ HARDENING_CASES = [
       dtype="float16", poison="inf", d=16, h_q=1, pad=2,
       params=dict(VARIANT="tiles", BLOCK_M=8, BLOCK_N=4, DV_TILE=8, TILE_M=2, TILE_N=2)),
     # decode on device tables holding every class of bad value: decode.cl direct loads (paged),
-    # the staged tile (contiguous: bad context lengths only), decode_mma.cl emulated (paged)
+    # decode_cpu.cl (paged), the staged tile (contiguous: bad context lengths only), decode_mma.cl
+    # emulated (paged)
     H("decode-bad-tables-direct-paged", "check_bad_device_tables", path="direct-f32", layout="paged",
+      splits=[1, 2], public_api=False, h_q=4, h_kv=1, d=32, block_size=4, n=10),
+    H("decode-bad-tables-rows-paged", "check_bad_device_tables", path="rows-f32", layout="paged",
       splits=[1, 2], public_api=False, h_q=4, h_kv=1, d=32, block_size=4, n=10),
     H("decode-bad-tables-staged-contig", "check_bad_device_tables", path="staged-f16",
       layout="contiguous", splits=[1, 2], public_api=False, h_q=4, h_kv=1, d=32, block_size=4, n=10),

@@ -22,10 +22,12 @@ import pytest
 
 import flashcl
 from flashcl import quant, reference
+from flashcl.opencl import decode as cl_decode
 from flashcl.opencl.decode import DecodeKernel, DecodeProblem, _mma_shape_ok, choose_params, quantized_to_device
 from flashcl.opencl.runtime import get_device
 
 from ._check import assert_close
+from .test_decode_opencl import LAYOUTS
 
 cla = pytest.importorskip("pyopencl.array")
 REPO = Path(__file__).resolve().parent.parent
@@ -71,8 +73,9 @@ def _inputs(rng, b, h_q, h_kv, dk, dv, lens, block_size, dtype, k_fmt, v_fmt):
     return q, k, v, table, lens
 
 
-def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_cores=None):
-    """The decode kernels on NaN-poisoned out/lse, K/V QuantizedTensors uploaded as stored."""
+def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_cores=None, layout=None):
+    """The decode kernels on NaN-poisoned out/lse, K/V QuantizedTensors uploaded as stored;
+    ``layout``: that layout's untuned parameters where ``params`` is None."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
@@ -80,6 +83,8 @@ def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_
     dv = v.shape[3]
     fmt = lambda x: x.fmt if isinstance(x, flashcl.QuantizedTensor) else None  # noqa: E731
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name, fmt(k), fmt(v))
+    if params is None and layout is not None:
+        params = cl_decode.layout_params(h, prob, layout)
     kern = DecodeKernel(h, prob, choose_params(h, prob, params).params, tensor_cores=tensor_cores)
     kd, vd = (quantized_to_device(x, h.queue) if fmt(x) else cla.to_device(h.queue, x) for x in (k, v))
     qd, lens_d = cla.to_device(h.queue, q), cla.to_device(h.queue, lens)
@@ -129,24 +134,26 @@ CASES = [
 
 @pytest.mark.parametrize("k_fmt,v_fmt,block_size,heads,d,dtype", CASES,
                          ids=lambda x: "plain" if x is None else str(x).replace(" ", ""))
-def test_quantized_caches(cl_device, k_fmt, v_fmt, block_size, heads, d, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantized_caches(cl_device, k_fmt, v_fmt, block_size, heads, d, dtype, layout):
     """Contexts of 1 key, a partial block and several tiles; single pass, split-k and more splits
     than tiles."""
     rng = np.random.default_rng(zlib.crc32(f"{k_fmt}{v_fmt}{block_size}{heads}{d}".encode()))
     h_q, h_kv = heads
     q, k, v, table, lens = _inputs(rng, 3, h_q, h_kv, d, d, [1, 37, 150], block_size, dtype, k_fmt, v_fmt)
     for splits in (1, 3, 40):
-        got = run_quantized(cl_device, q, k, v, table, lens, splits)
+        got = run_quantized(cl_device, q, k, v, table, lens, splits, layout=layout)
         check(got, q, k, v, table, lens, f"K {k_fmt} V {v_fmt} bs {block_size} splits {splits}")
 
 
 @pytest.mark.parametrize("dk, dv", [(40, 24), (8, 72)])
-def test_int8_head_dims_of_any_multiple_of_8_in_float16(cl_device, dk, dv):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int8_head_dims_of_any_multiple_of_8_in_float16(cl_device, dk, dv, layout):
     """A float16 lane reads 8 int8 values (one uint2): rows need 8-byte alignment, not 16."""
     rng = np.random.default_rng(dk * 1000 + dv)
     q, k, v, table, lens = _inputs(rng, 2, 4, 2, dk, dv, [1, 37], 16, "float16", "int8", "int8")
     for splits in (1, 3):
-        got = run_quantized(cl_device, q, k, v, table, lens, splits)
+        got = run_quantized(cl_device, q, k, v, table, lens, splits, layout=layout)
         check(got, q, k, v, table, lens, f"int8 DK {dk} DV {dv} splits {splits}")
 
 
@@ -262,7 +269,7 @@ def _oclgrind_worker(spec_json: str) -> None:
                                    spec["dtype"], spec["fmt"], spec["fmt"])
     for splits in (1, 3):
         got = run_quantized("oclgrind", q, k, v, table, lens, splits,
-                            params={"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16},
+                            params=spec.get("params", {"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16}),
                             tensor_cores=spec.get("tensor_cores"))
         check(got, q, k, v, table, lens, f"oclgrind {spec}")
     print("OCLGRIND-CASE-OK")
@@ -279,6 +286,16 @@ def _oclgrind_present() -> bool:
                                   {"fmt": "q4_0", "block_size": None, "dtype": "float32"},
                                   {"fmt": "int8", "block_size": 8, "dtype": "float16"},
                                   {"fmt": "int8", "block_size": 8, "dtype": "float16", "dk": 40, "dv": 24},
+                                  # decode_cpu.cl: two ggml pieces a 16-wide vector (race and API checks
+                                  # only: tests/test_oclgrind.py, NO_UNINIT_CHECK_VEC16), one piece an
+                                  # 8-wide one; int8 rows 8 at a time
+                                  {"fmt": "q4_0", "block_size": 4, "dtype": "float32", "dv": 32,
+                                   "params": {"VARIANT": "rows", "BLOCK_N": 3, "VEC": 16, "MERGE_WG": 16},
+                                   "env": {"OCLGRIND_UNINITIALIZED": "0"}},
+                                  {"fmt": "q8_0", "block_size": 4, "dtype": "float16", "dv": 32,
+                                   "params": {"VARIANT": "rows", "BLOCK_N": 3, "VEC": 8, "MERGE_WG": 16}},
+                                  {"fmt": "int8", "block_size": None, "dtype": "float32",
+                                   "params": {"VARIANT": "rows", "BLOCK_N": 8, "VEC": 8, "MERGE_WG": 16}},
                                   # decode_mma.cl's loads (its warp instructions emulated)
                                   {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dv": 64,
                                    "tensor_cores": "emulate"},
@@ -287,7 +304,8 @@ def _oclgrind_present() -> bool:
                                   # whole-block K spans (3 chunks for q8_0), loads ahead in the loop
                                   {"fmt": "q8_0", "block_size": 16, "dtype": "float16", "dk": 128, "dv": 128,
                                    "lens": [150, 3], "tensor_cores": "emulate"}],
-                         ids=lambda s: s["fmt"] + ("-mma-emulated" if s.get("tensor_cores") else ""))
+                         ids=lambda s: s["fmt"] + ("-mma-emulated" if s.get("tensor_cores") else
+                                                   "-rows" if s.get("params") else ""))
 def test_under_oclgrind(spec, tmp_path):
     """Races, out-of-bounds and uninitialized reads in the quantized loads (Oclgrind's checks,
     tests/test_oclgrind.py's settings); any report fails."""
@@ -295,4 +313,6 @@ def test_under_oclgrind(spec, tmp_path):
         pytest.skip("Oclgrind is not installed (pip install 'flashcl[oclgrind]')")
     from tests.test_oclgrind import run_under_oclgrind
 
-    run_under_oclgrind("tests.test_quant_decode_opencl:_oclgrind_worker", json.dumps(spec), str(spec), tmp_path)
+    run_under_oclgrind("tests.test_quant_decode_opencl:_oclgrind_worker", json.dumps(spec), str(spec), tmp_path,
+                       spec.get("env"))
+

@@ -165,10 +165,10 @@ def test_quick_plan_adds_nothing_where_nothing_fits():
 
 # --------------------------------------------------------------------------- profile defaults
 
-def _all_candidates(space, dims):
-    """Every configuration of the space's full candidate lists, plus the default ladder's smaller
-    prefill tiles (BLOCK_N 4, DV_TILE down to 4)."""
-    cands = space.candidates(dims, 4)
+def _all_candidates(space, dims, prof):
+    """Every configuration of the space's full candidate lists in the layouts the profile sweeps,
+    plus the default ladder's smaller prefill tiles (BLOCK_N 4, DV_TILE down to 4)."""
+    cands = space.candidates(dims, 4, layouts=space.layouts_for(prof))
     if space.kernel == "prefill":
         cands += [{"BLOCK_M": 64, "BLOCK_N": bn, "DV_TILE": t, "VEC": 4, "Q_IN_REGS": q}
                   for bn in (4, 8) for t in range(4, dims.dv + 1, 4) if dims.dv % t == 0 for q in (0, 1)]
@@ -190,7 +190,7 @@ def test_profile_defaults_do_not_spill(profile, kernel, dtype, group, d):
     p = space.default(prof, dims, local_mem=prof.local_mem, max_work_group=prof.max_work_group)
     assert space.check(p, dims, {"local_mem": prof.local_mem, "max_work_group": prof.max_work_group}) == []
     floats, room = space.private_floats(p, dims), tuning.register_room(prof)
-    fewest = min(space.private_floats(c, dims) for c in _all_candidates(space, dims))
+    fewest = min(space.private_floats(c, dims) for c in _all_candidates(space, dims, prof))
     assert floats <= room or floats == fewest > room, f"{profile} {kernel} d={d}: {p} models {floats} > {room}"
     assert space.work_group_size(p, dims) <= prof.kernel_max_work_group(floats)
 

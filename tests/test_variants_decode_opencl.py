@@ -22,6 +22,7 @@ from flashcl.opencl.runtime import get_device
 from flashcl.variants import Variants
 
 from ._check import assert_close
+from .test_decode_opencl import LAYOUTS
 
 cla = pytest.importorskip("pyopencl.array")
 
@@ -71,14 +72,17 @@ def _poison_outside_window(k, v, table, lens, left, block_size=None):
     return k, v
 
 
-def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None):
-    """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse."""
+def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None, layout=None):
+    """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse;
+    ``layout``: that layout's untuned parameters where ``params`` is None."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
     var = DecodeVariants.of(Variants(**kw), prob) if kw else None
+    if params is None and layout is not None:
+        params = cl_decode.layout_params(h, prob, layout)
     choice = choose_params(h, prob, params)
     kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
                         variant_flags=var.flags() if var else None)
@@ -108,7 +112,8 @@ def check(got, q, k, v, table, lens, kw, what):
 
 @pytest.mark.parametrize("names", [("window",), ("softcap",), ("sinks",), ("alibi",), ALL],
                          ids=lambda n: "+".join(n))
-def test_each_variant_and_all(cl_device, names):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_variant_and_all(cl_device, names, layout):
     """GQA 4:1, paged block 16, contexts of 1, a partial block and several tiles, left of the
     window poisoned; single pass, split-k, more splits than keys."""
     rng = np.random.default_rng(1)
@@ -119,12 +124,13 @@ def test_each_variant_and_all(cl_device, names):
     if "window" in names:
         k, v = _poison_outside_window(k, v, table, lens, kw["window"][0], bs)
     for splits in (1, 3, 64):
-        got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw, layout=layout)
         check(got, q, k, v, table, lens, kw, f"{names} splits={splits}")
 
 
 @pytest.mark.parametrize("d,heads", [(128, (16, 4)), (64, (8, 1))])
-def test_softcap_range_fp32(cl_device, d, heads):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_softcap_range_fp32(cl_device, d, heads, layout):
     """The softcap's hardware exp2 / reciprocal keep fp32's tolerance from a cap far below the
     logits (every score near +-cap) to one far above them (the cap inactive); on NVIDIA the fp32
     build spreads a row's caps over its lanes (d = 128: a 32-lane row, 64: two rows a warp)."""
@@ -133,33 +139,35 @@ def test_softcap_range_fp32(cl_device, d, heads):
     q, k, v, table, lens = _paged(rng, 2, h_q, h_kv, d, d, [333, 70], 16, np.float32, logit_scale=4.0)
     for cap in (0.05, 1.0, 30.0, 1e4):
         for splits in (1, 4):
-            got = run_variants(cl_device, q, k, v, table, lens, splits, {"softcap": cap})
+            got = run_variants(cl_device, q, k, v, table, lens, splits, {"softcap": cap}, layout=layout)
             check(got, q, k, v, table, lens, {"softcap": cap}, f"softcap {cap} splits={splits}")
 
 
-def test_all_variants_fp16_d128(cl_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_all_variants_fp16_d128(cl_device, layout):
     """Every variant on the path the device picks for an fp16 cache at d = 128 (decode_mma.cl on
-    NVIDIA tensor cores, decode.cl elsewhere), GQA 8:1, paged block 16, several split counts."""
+    NVIDIA tensor cores, elsewhere the layout's file), GQA 8:1, paged block 16, several split counts."""
     rng = np.random.default_rng(9)
     b, h_q, h_kv, d = 2, 16, 2, 128
     q, k, v, table, lens = _paged(rng, b, h_q, h_kv, d, d, [300, 81], 16, np.float16)
     kw = _variants(rng, ALL, b, h_q, window=(100, 0))
     k, v = _poison_outside_window(k, v, table, lens, 100, 16)
     for splits in (1, 2, 9):
-        got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        got = run_variants(cl_device, q, k, v, table, lens, splits, kw, layout=layout)
         check(got, q, k, v, table, lens, kw, f"fp16 d=128 splits={splits}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_window_edges(cl_device, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_window_edges(cl_device, dtype, layout):
     """Windows at and around the tile edges, wider than the context, right side > 0 (nothing for
     decode); a contiguous cache poisoned left of each window. One build: left is an argument."""
     rng = np.random.default_rng(2)
     b, h_q, h_kv, d, n_max = 2, 4, 1, 64, 150
     h = get_device(cl_device)
     prob = DecodeProblem(b, h_q, h_kv, d, d, False, dtype)
-    params = choose_params(h, prob).params
-    tile = params["ROWS"] * params["UNROLL"]
+    params = cl_decode.layout_params(h, prob, layout)
+    tile = params["BLOCK_N"] if cl_decode.is_rows(params) else params["ROWS"] * params["UNROLL"]
     lens = np.array([150, 2 * tile + 3], dtype=np.int32)
     q = (rng.standard_normal((b, h_q, d)) * 2).astype(dtype)
     k0 = rng.standard_normal((b, h_kv, n_max, d)).astype(dtype)
@@ -169,7 +177,7 @@ def test_window_edges(cl_device, dtype):
             k, v = _poison_outside_window(k0, v0, None, lens, left)
             kw = {"window": (left, right)}
             for splits in (1, 4):
-                got = run_variants(cl_device, q, k, v, None, lens, splits, kw)
+                got = run_variants(cl_device, q, k, v, None, lens, splits, kw, layout=layout)
                 check(got, q, k, v, None, lens, kw, f"window {(left, right)} splits={splits}")
 
 
@@ -203,7 +211,8 @@ def test_tensor_core_kernel_emulated(cl_device):
 
 # --------------------------------------------------------------------------- sinks, empty rows
 
-def test_sinks_split_k_and_empty_sequences(cl_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sinks_split_k_and_empty_sequences(cl_device, layout):
     """A sink counts once however many splits (and empty splits) there are; a sequence of 0 keys
     returns zeros with lse = the sink; huge sinks dominate the normalizer."""
     rng = np.random.default_rng(5)
@@ -212,13 +221,14 @@ def test_sinks_split_k_and_empty_sequences(cl_device):
     sinks = np.array([-3.0, 0.5, 30.0, -np.inf], dtype=np.float32)
     kw = {"sinks": sinks}
     for splits in (1, 2, 7, 128):
-        out, lse = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+        out, lse = run_variants(cl_device, q, k, v, table, lens, splits, kw, layout=layout)
         check((out, lse), q, k, v, table, lens, kw, f"sinks splits={splits}")
         assert np.all(out[0] == 0), out[0]
         np.testing.assert_allclose(lse[0], sinks, rtol=1e-6)  # through log2 units and back
 
 
-def test_alibi_slopes_per_batch_row(cl_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alibi_slopes_per_batch_row(cl_device, layout):
     """Per-batch slopes: swapping two sequences' slopes changes exactly their outputs."""
     rng = np.random.default_rng(6)
     b, h_q, h_kv, d = 2, 4, 4, 32
@@ -227,7 +237,7 @@ def test_alibi_slopes_per_batch_row(cl_device):
     for s in (slopes, slopes[::-1].copy()):
         kw = {"alibi_slopes": s}
         for splits in (1, 4):
-            got = run_variants(cl_device, q, k, v, table, lens, splits, kw)
+            got = run_variants(cl_device, q, k, v, table, lens, splits, kw, layout=layout)
             check(got, q, k, v, table, lens, kw, f"alibi {s.tolist()} splits={splits}")
 
 
@@ -265,13 +275,15 @@ def test_public_api_and_window_splits(cl_device, monkeypatch):
     assert seen[-1][1] == {}, "a window that hides no key must run the plain kernels"
 
 
-def test_plain_path_and_errors(cl_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plain_path_and_errors(cl_device, layout):
     """No variant: the defines and argument list are the plain kernels'; a kernel built for one
     flag set refuses calls with another; decode refuses a mask."""
     h = get_device(cl_device)
     prob = DecodeProblem(1, 2, 1, 32, 32, False, "float32")
-    params = choose_params(h, prob).params
-    plain = cl_decode.program_defines(prob, params)
+    params = cl_decode.layout_params(h, prob, layout)
+    defines = cl_decode.rows_defines if layout == "rows" else cl_decode.program_defines
+    plain = defines(prob, params)
     assert not {"WINDOW", "SOFTCAP", "SINKS", "ALIBI"} & set(plain)
     assert DecodeVariants.of(Variants(window=(-1, 3)), prob) is None
     with pytest.raises(ValueError, match="mask"):
@@ -287,5 +299,5 @@ def test_plain_path_and_errors(cl_device):
         out = cla.empty(h.queue, (1, 2, 32), np.float32)
         lse = cla.empty(h.queue, (1, 2), np.float32)
         kern(qd, kd, kd, out, lse, ld, ld, 1.0, 1)
-    got = run_variants(cl_device, q, k, k, None, lens, 2, {})
+    got = run_variants(cl_device, q, k, k, None, lens, 2, {}, layout=layout)
     check(got, q, k, k, None, lens, {}, "plain")

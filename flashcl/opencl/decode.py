@@ -95,6 +95,13 @@ def default_params(profile, group: int, dk: int, dv: int, dtype: str, *, local_m
                                 max_work_group=max_work_group)
 
 
+def layout_params(handle: DeviceHandle, prob: "DecodeProblem", layout: str) -> dict:
+    """The untuned parameters of one layout ("lanes": decode.cl, "rows": decode_cpu.cl) on this
+    device, whichever its profile defaults to (comparisons and tests of both)."""
+    return tuning.decode_layout_defaults(layout, handle.profile, _dims(prob.group, prob.dk, prob.dv, prob.dtype),
+                                         {"local_mem": handle.local_mem, "max_work_group": handle.max_work_group})
+
+
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
@@ -226,6 +233,8 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
     """Whether decode.cl's ROW_SHUFFLE path applies: NVIDIA (inline PTX shfl.sync in 32-wide
     warps), one head tile per work-group, the lanes of a K row a power of two <= 32 and the
     work-group whole warps. Measured against the local-memory sums: the module docstring."""
+    if is_rows(params):
+        return False
     ln = lanes(dk, dv, dtype)
     return (handle.is_nvidia and group // params["HEAD_TILE"] == 1 and ln <= 32 and ln & (ln - 1) == 0
             and work_group_size(params, group, dk, dv, dtype) % 32 == 0)
@@ -243,6 +252,24 @@ MMA_WAVES = 2
 FUSED_MERGE = True
 MMA_KEYS_PER_SPLIT = 4096
 MMA_MIN_KEYS_PER_SPLIT = 512
+
+
+# choose_num_splits for decode_cpu.cl (CPUs): one work-group per compute unit (a core streams a
+# long context as fast as several splits do; the merge is a second launch), split for the cores,
+# not for the length (tuning._decode_rows_defaults has the measurements)
+ROWS_WAVES = 1
+ROWS_KEYS_PER_SPLIT = tuning.ROWS_SPLIT_KEYS
+
+
+def split_defaults(params: dict, tensor_cores: bool) -> dict:
+    """The split rule's constants (choose_num_splits' keywords) for the decode kernel that runs
+    with ``params``: decode_mma.cl's, decode_cpu.cl's or decode.cl's; a configuration's
+    SPLIT_WAVES / SPLIT_KEYS replace them."""
+    if tensor_cores:
+        return {"waves": MMA_WAVES, "keys_per_split": MMA_KEYS_PER_SPLIT, "min_keys": MMA_MIN_KEYS_PER_SPLIT}
+    if is_rows(params):
+        return {"waves": ROWS_WAVES, "keys_per_split": ROWS_KEYS_PER_SPLIT, "min_keys": MIN_KEYS_PER_SPLIT}
+    return {"waves": WAVES, "keys_per_split": KEYS_PER_SPLIT, "min_keys": MIN_KEYS_PER_SPLIT}
 
 
 def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
@@ -329,6 +356,16 @@ class DecodeVariants:
         return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
 
 
+def quant_defines(prob: DecodeProblem) -> dict:
+    """K_QUANT / V_QUANT of a quantized side (kv_formats.h); none for plain caches."""
+    return {name: QUANT_CODES[fmt] for name, fmt in (("K_QUANT", prob.k_fmt), ("V_QUANT", prob.v_fmt)) if fmt}
+
+
+def is_rows(params: dict) -> bool:
+    """Whether a configuration is decode_cpu.cl's (the "rows" layout) rather than decode.cl's."""
+    return params.get("VARIANT") == "rows"
+
+
 def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = False,
                     unroll_merge: bool = True, merge_only: bool = False, variant_flags=None) -> dict:
     """The ``-D`` defines of decode.cl for one problem class and parameter set: what DecodeKernel
@@ -339,8 +376,24 @@ def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = Fa
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
         "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
         "ROW_SHUFFLE": row_shuffle, "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": merge_only,
-        **{k: params[k] for k in _PARAM_NAMES}, **(variant_flags or {}),
-        **{name: QUANT_CODES[fmt] for name, fmt in (("K_QUANT", prob.k_fmt), ("V_QUANT", prob.v_fmt)) if fmt},
+        **{k: params[k] for k in _PARAM_NAMES}, **(variant_flags or {}), **quant_defines(prob),
+    }
+
+
+def merge_defines(prob: DecodeProblem, params: dict, *, unroll_merge: bool = True) -> dict:
+    """The ``-D`` defines of decode.cl built for flash_decode_merge alone (MERGE_ONLY), where
+    decode_mma.cl or decode_cpu.cl runs the decode kernels: the merge depends on the output's
+    head dim and storage and on MERGE_WG only."""
+    return {"HEAD_DK": prob.dv, "HEAD_DV": prob.dv, "GROUP": 1, "STORE_HALF": prob.dtype == "float16",
+            "MERGE_WG": params["MERGE_WG"], "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": 1, "HEAD_TILE": 1}
+
+
+def rows_defines(prob: DecodeProblem, params: dict, variant_flags=None) -> dict:
+    """The ``-D`` defines of decode_cpu.cl (the "rows" layout)."""
+    return {
+        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
+        "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+        "BLOCK_N": params["BLOCK_N"], "VEC": params["VEC"], **(variant_flags or {}), **quant_defines(prob),
     }
 
 
@@ -476,9 +529,14 @@ class DecodeKernel:
         if tensor_cores is True and not mma_ok:
             raise ValueError(f"tensor_cores: needs an NVIDIA device of compute capability 8.0+, {_MMA_SHAPES}")
         self.tensor_cores = mma_ok if tensor_cores is None else tensor_cores
-        self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle,
-                                       unroll_merge=not handle.is_cpu, merge_only=bool(self.tensor_cores),
-                                       variant_flags=self.variant_flags)
+        # decode.cl runs every kernel, or only the merge where another file runs the decode kernels
+        self.rows = is_rows(params) and not self.tensor_cores
+        unroll_merge = not handle.is_cpu
+        if self.tensor_cores or self.rows:
+            self.defines = merge_defines(prob, params, unroll_merge=unroll_merge)
+        else:
+            self.defines = program_defines(prob, params, row_shuffle=self.row_shuffle, unroll_merge=unroll_merge,
+                                           variant_flags=self.variant_flags)
         self.built = build(handle, "decode.cl", self.defines, kernel=KERNEL, verbose=verbose,
                            extra_options=extra_options)
         self.built_decode = self.built  # the program of flash_decode and flash_decode_split
@@ -486,11 +544,13 @@ class DecodeKernel:
         if self.tensor_cores:
             mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "STORE_HALF": 1,
                            "PAGED": prob.paged, "MMA_WARPS": mma_warps,
-                           "MMA_EMULATE": self.tensor_cores == "emulate", **self.variant_flags,
-                           **{k_: v_ for k_, v_ in self.defines.items() if k_ in ("K_QUANT", "V_QUANT")}}
+                           "MMA_EMULATE": self.tensor_cores == "emulate", **self.variant_flags, **quant_defines(prob)}
             self.built_decode = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,
                                       extra_options=extra_options)
             self.wg = 32 * mma_warps
+        elif self.rows:
+            self.built_decode = build(handle, "decode_cpu.cl", rows_defines(prob, params, self.variant_flags),
+                                      kernel=KERNEL, verbose=verbose, extra_options=extra_options)
         self.kernels = {"flash_decode": self.built_decode.kernel("flash_decode"),
                         "flash_decode_split": self.built_decode.kernel("flash_decode_split"),
                         "flash_decode_merge": self.built.kernel("flash_decode_merge")}
@@ -524,7 +584,17 @@ class DecodeKernel:
             return "decode_mma.cl, emulated"
         if self.tensor_cores:
             return "decode_mma.cl (tensor cores)"
+        if self.rows:
+            return "decode_cpu.cl (whole rows)"
         return "decode.cl (" + ("warp shuffles" if self.row_shuffle else "local-memory sums") + ")"
+
+    @property
+    def quant_piece(self) -> int:
+        """The alignment in bytes an int8 row's loads need: 16 in decode_mma.cl, a chunk's values
+        (8 half, 4 float) in decode.cl, none in decode_cpu.cl (vloadn of chars)."""
+        if self.tensor_cores:
+            return 16
+        return 1 if self.rows else chunk_elems(self.prob.dtype)
 
     def spills(self) -> dict:
         """Spill signals per kernel (ptxas lines appear when built with verbose=True on NVIDIA)."""
@@ -576,7 +646,7 @@ class DecodeKernel:
         kv_args, scale_args = [], []
         for arr, fmt in ((k, p.k_fmt), (v, p.v_fmt)):
             if fmt is not None:
-                kv_args += _quantized_addressing(arr, fmt, p.paged, w, wide=bool(self.tensor_cores))
+                kv_args += _quantized_addressing(arr, fmt, p.paged, self.quant_piece)
                 scale_args.append(arr.scales if fmt == "int8" else None)
                 continue
             scale_args.append(None)
@@ -629,11 +699,11 @@ class DecodeKernel:
         keys (with a window: the windowed length, DecodeVariants.keys_seen); ``mean_ctx``, the
         mean of those lengths over the batch where the host knows them, balances decode_mma.cl's
         splits (None: device tables, 4096 keys a split at most)."""
-        tuned = dict(waves=MMA_WAVES, min_keys=MMA_MIN_KEYS_PER_SPLIT, mean_ctx=mean_ctx,
-                     keys_per_split=MMA_KEYS_PER_SPLIT if mean_ctx is None else None
-                     ) if self.tensor_cores else {}
+        rule = split_defaults(self.params, bool(self.tensor_cores))
+        if self.tensor_cores:
+            rule.update(mean_ctx=mean_ctx, keys_per_split=MMA_KEYS_PER_SPLIT if mean_ctx is None else None)
         return choose_num_splits(int(self.handle.device.max_compute_units),
-                                 self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **tuned,
+                                 self.prob.b * self.prob.h_kv * self.head_tiles, n_ctx, **rule,
                                  params=self.params)
 
 
@@ -660,18 +730,18 @@ def _buffer(x):
     return x.data.base_data if isinstance(x, QuantizedTensor) else x.base_data
 
 
-def _quantized_addressing(qt: QuantizedTensor, fmt: str, paged: bool, w: int, wide: bool = False) -> list:
+def _quantized_addressing(qt: QuantizedTensor, fmt: str, paged: bool, piece: int) -> list:
     """decode.cl's off, s0, sh, s1 of a quantized cache (pyopencl data), in bytes. Rows must be
-    contiguous and their pieces aligned as the kernels read them: 2 bytes in ggml blocks; int8 8
-    (fp16 q) or 4 (fp32 q), 16 for decode_mma.cl (``wide``), its scales one contiguous float32 per
-    row in the rows' order."""
+    contiguous and their pieces aligned as the kernels read them: 2 bytes in ggml blocks; int8
+    ``piece`` bytes (DecodeKernel.quant_piece), its scales one contiguous float32 per row in the
+    rows' order."""
     data = qt.data
     if not isinstance(data, cla.Array):
         raise TypeError(f"a quantized cache's data must be a pyopencl Array here, got {type(data).__name__}")
     st = data.strides
     row = qt.shape[-1] // QK * BLOCK_BYTES[fmt] if fmt in BLOCK_BYTES else qt.shape[-1]
     contiguous_row = (st[-1] == 1 and st[-2] == BLOCK_BYTES[fmt]) if fmt in BLOCK_BYTES else st[-1] == 1
-    align = 2 if fmt in BLOCK_BYTES else 16 if wide else w  # load_quant's uint2 (fp16) or uint (fp32)
+    align = 2 if fmt in BLOCK_BYTES else piece  # load_quant's uint, uint2 or decode_mma.cl's uint4
     if fmt == "int8" and not (data.flags.c_contiguous and qt.scales.flags.c_contiguous):
         raise ValueError("int8 k_cache/v_cache: data and scales must be C-contiguous (the row scale is "
                          "found at the row's byte offset / D)")

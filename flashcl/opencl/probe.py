@@ -38,8 +38,10 @@ VARIANTS = {
     "prefill-half": ("prefill", "float16", {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}),
     "prefill-tiles": ("prefill", "float32", {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 16,
                                              "DV_TILE": 32, "TILE_M": 8, "TILE_N": 2, "UNROLL_K": 4}),
-    "decode": ("decode", "float32", None),
-    "decode-half": ("decode", "float16", None),
+    "decode": ("decode", "float32", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
+    "decode-half": ("decode", "float16", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
+    "decode-rows": ("decode", "float32", {"VARIANT": "rows", "BLOCK_N": 8, "VEC": 8, "MERGE_WG": 64}),
+    "decode-rows-half": ("decode", "float16", {"VARIANT": "rows", "BLOCK_N": 8, "VEC": 8, "MERGE_WG": 64}),
 }
 BASELINE = "prefill-vec4"
 
@@ -47,7 +49,8 @@ BASELINE = "prefill-vec4"
 def variants_for(kernel: str, dtype: str, params: dict) -> list[str]:
     """The probed variants a launch of ``kernel`` with ``params`` depends on."""
     if kernel == "decode":
-        return ["decode-half" if dtype == "float16" else "decode"]
+        name = "decode-rows" if params.get("VARIANT") == "rows" else "decode"
+        return [name + "-half" if dtype == "float16" else name]
     if params.get("VARIANT", "rows") == "tiles":
         return ["prefill-tiles"]
     names = [f"prefill-vec{params.get('VEC', 4)}"]
@@ -257,7 +260,7 @@ def _run_variant(spec: str, name: str) -> str | None:
         geo = {"B": 2, "H_q": 4, "H_kv": 2, "DK": 32, "DV": 32, "paged": True, "block_size": 16,
                "num_blocks": 6, "N_max": 48}
         out = decode.decode(q, k, v, geo=geo, block_table=table, context_lens=lens, scale=32 ** -0.5,
-                            num_splits=2, device=spec, params=None, return_lse=False)
+                            num_splits=2, device=spec, params=params, return_lse=False)
         ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens)
     err, tol = reference.rel_err(out, ref), reference.TOLERANCE[dtype]
     return None if err <= tol else f"wrong result: relative error {err:.2e} against the oracle (> {tol:g})"

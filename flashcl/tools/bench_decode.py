@@ -33,6 +33,7 @@ and its ratio to the quantized call without them.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,8 +43,8 @@ import pyopencl.array as cla
 from .. import quant, reference
 from . import shapes
 from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
-from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, mean_keys_seen,
-                             quantized_to_device)
+from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, layout_params,
+                             mean_keys_seen, quantized_to_device)
 from ..variants import Variants
 from ..opencl.runtime import DeviceHandle, event_times
 
@@ -94,6 +95,9 @@ class DecodeRow:
     quant_tbps: float = float("nan")
     quant_ratio: float = float("nan")  # quant_ms / auto_ms
     quant_rel_err: float = float("nan")
+    peer: str = ""                     # CPU devices: torch's CPU SDPA on the same problem
+    peer_ms: float = float("nan")
+    peer_speedup: float = float("nan")  # peer_ms / auto_ms
     quant_var_ms: float = float("nan")     # the quantized cache with the variants on
     quant_var_ratio: float = float("nan")  # quant_var_ms / quant_ms
     quant_var_rel_err: float = float("nan")
@@ -161,6 +165,34 @@ def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int =
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
 
 
+def _cpu_peer(handle: DeviceHandle, q, k, v, table, ctx: int, scale: float, repeats: int, auto_ms: float) -> dict:
+    """torch's CPU SDPA on the same decode, the peer a CPU user would call: float32, GQA by
+    enable_gqa, the paged cache gathered into contiguous copies outside the timing and rotated
+    through as many as flashcl's run rotates (each call reads its K/V from DRAM, as flashcl's
+    do); {} without torch."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    b, h_q, d = q.shape
+    rows = lambda x: x[table].reshape(b, -1, *x.shape[2:])[:, :ctx].transpose(0, 2, 1, 3)  # noqa: E731
+    kc, vc = (np.ascontiguousarray(rows(x), dtype=np.float32) for x in (k, v))
+    copies = copy_count(handle, kc.nbytes + vc.nbytes)
+    sets = [[torch.from_numpy(x.copy()) for x in (kc, vc)] for _ in range(copies)]
+    qt = torch.from_numpy(np.ascontiguousarray(q[:, :, None], dtype=np.float32))
+    f = torch.nn.functional.scaled_dot_product_attention
+    kw = {"scale": scale, "enable_gqa": h_q != k.shape[2]}
+    f(qt, *sets[0], **kw)
+    times = []
+    for i in range(repeats * copies):
+        t0 = time.perf_counter()
+        f(qt, *sets[i % copies], **kw)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    return dict(peer=f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads)", peer_ms=ms,
+                peer_speedup=ms / auto_ms)
+
+
 def _bench_variants(variants: dict, b: int, h_q: int) -> dict:
     """Oracle keywords for ``variants``: window and softcap as given, sinks and ALiBi slopes
     (True) drawn as models use them (sinks ~ N(0, 1), slopes 2^(-8 (h + 1) / H_q))."""
@@ -184,18 +216,25 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                  check: bool = True, verbose_build: bool = False, progress=None,
                  block_order: str = "random", head_dim: int = HEAD_DIM,
                  variants: dict | None = None, kv_format: str | None = None,
-                 tensor_cores: bool | None = None) -> list[DecodeRow]:
+                 tensor_cores: bool | None = None, layout: str | None = None) -> list[DecodeRow]:
     """Time single pass, the automatic split count and every forced count of ``splits``, head dim
     ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring).
-    ``tensor_cores``: DecodeKernel's (None: decode_mma.cl where it applies; False: decode.cl)."""
+    ``tensor_cores``: DecodeKernel's (None: decode_mma.cl where it applies; False: the layout's
+    file); ``layout`` ("lanes": decode.cl, "rows": decode_cpu.cl): that layout's untuned
+    parameters where ``params`` is None (None: the device's choice)."""
     rng = np.random.default_rng(0)
+
+    def choose(prob, ctx):
+        given = params if params is not None or layout is None else layout_params(handle, prob, layout)
+        return choose_params(handle, prob, given, ctx)
+
     queue = handle.queue
     copy_gbps = copy_bandwidth(handle)
     rows = []
     for shape in shapes:
         b, h_q, h_kv, ctx = shape
         prob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype)
-        choice = choose_params(handle, prob, params, ctx)
+        choice = choose(prob, ctx)
         kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, tensor_cores=tensor_cores)
         q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order, head_dim)
         sets = device_sets(handle, rng, q, k, v, table, lens, block_order)
@@ -277,8 +316,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         quant_fields = {}
         if kv_format:
             qprob = DecodeProblem(b, h_q, h_kv, head_dim, head_dim, True, dtype, kv_format, kv_format)
-            qkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
-                                 verbose=verbose_build, tensor_cores=tensor_cores)
+            qchoice = choose(qprob, ctx)
+            qkern = DecodeKernel(handle, qprob, qchoice.params, verbose=verbose_build, tensor_cores=tensor_cores)
             qk, qv = quant.quantize(k, kv_format), quant.quantize(v, kv_format)
             qbytes = qprob.bytes_moved(b * ctx)
             stored = sum(x.nbytes for x in (qk.data, qv.data)) + (
@@ -301,8 +340,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                     ev.wait()
                 quant_err = rel_err_of_first({}, k_deq, v_deq)
             if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
-                qvkern = DecodeKernel(handle, qprob, choose_params(handle, qprob, params, ctx).params,
-                                      verbose=verbose_build, variant_flags=var.flags(), tensor_cores=tensor_cores)
+                qvkern = DecodeKernel(handle, qprob, qchoice.params, verbose=verbose_build,
+                                      variant_flags=var.flags(), tensor_cores=tensor_cores)
                 qvauto = qvkern.auto_splits(var.keys_seen(ctx), mean_ctx=mean_keys_seen(lens, var))
 
                 def run_quant_var(i):
@@ -322,6 +361,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                                 quant_tbps=qbytes / (quant_ms * 1e-3) / 1e12,
                                 quant_ratio=quant_ms / med[auto], quant_rel_err=quant_err)
             del qsets
+        peer_fields = _cpu_peer(handle, q, k, v, table, ctx, scale, repeats, med[auto]) if handle.is_cpu else {}
         row = DecodeRow(
             shape=f"({b},{h_q}/{h_kv},{ctx},{head_dim})", dtype=dtype, block_size=block_size,
             block_order=block_order,
@@ -331,7 +371,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             auto_min_ms=min(timed[auto]), auto_max_ms=max(timed[auto]), auto_gbps=gbps(med[auto]),
             copy_gbps=copy_gbps, pct_copy=100.0 * gbps(med[auto]) / copy_gbps, best_split=best, best_ms=forced[best],
             auto_ok=med[auto] <= AUTO_TOLERANCE * forced[best], rel_err=err, forced_ms=forced,
-            kernel=kern.path, **var_fields, **quant_fields)
+            kernel=kern.path, **var_fields, **quant_fields, **peer_fields)
         rows.append(row)
         if progress:
             progress(row)
@@ -378,6 +418,11 @@ def format_decode(rows, cond: dict) -> str:
             if r.variants and not np.isnan(r.quant_var_ms):
                 lines.append(f"#     with {r.variants}: {r.quant_var_ms:.3f} ms, ratio {r.quant_var_ratio:.3f} to "
                              f"{r.kv_format} without them, rel err {r.quant_var_rel_err:.1e}")
+    if any(r.peer for r in rows):
+        lines.append(f"# peer: {rows[0].peer} on contiguous float32 copies of the cache, rotated as flashcl's "
+                     f"(speedup = peer ms / auto ms):")
+        for r in rows:
+            lines.append(f"#   {r.shape:24} {r.peer_ms:.3f} ms vs {r.auto_ms:.3f} ms, speedup {r.peer_speedup:.2f}")
     lines.append("# decode kernel: " + "; ".join(sorted({r.kernel for r in rows})))
     sources = sorted({r.params_source for r in rows})
     lines.append("# params from: " + "; ".join(sources) + "; params: " + "; ".join(sorted({r.params for r in rows})))

@@ -30,8 +30,9 @@ K/V format holds for all of them, the manifest lists the arguments those builds 
 example.c runs every combination: the variants' values, K/V quantized on the host in C, and a
 reference in double with the same semantics. With none of them the export is the plain one.
 
-What is not exported: decode_mma.cl (NVIDIA tensor cores, inline PTX) and the contiguous-cache
-decode; decode.cl serves paged caches on every device.
+What is not exported: decode_mma.cl (NVIDIA tensor cores, inline PTX), decode_cpu.cl (the CPU
+decode layout: a CPU target exports decode.cl's "lanes" layout, tuned entries of it where they
+apply) and the contiguous-cache decode; decode.cl serves paged caches on every device.
 """
 
 from __future__ import annotations
@@ -166,19 +167,26 @@ def resolve(device: str | None, *, require_device: bool = False) -> Target:
 def choose(target: Target, kernel: str, prob, n: int) -> tuning.Choice:
     """The parameters a call of ``prob`` would use on the target: the library's own choice on an
     attached device; in model mode the database lookup and profile default of show-config."""
-    if target.handle is not None:
-        if kernel == "prefill":
-            return pre.choose_params(target.handle, prob)
-        return dec.choose_params(target.handle, prob, None, n)
     space = tuning.SPACES[kernel]
     group = prob.group if kernel == "decode" else None
     dims = tuning.Dims(prob.dk, prob.dv, group or 1, prob.dtype)
     limits = {"local_mem": target.local_mem, "max_work_group": target.max_work_group}
+    if target.handle is not None:
+        if kernel == "prefill":
+            return pre.choose_params(target.handle, prob)
+        choice = dec.choose_params(target.handle, prob, None, n)
+        if not dec.is_rows(choice.params):
+            return choice
+    # decode: decode.cl's layout only (the module docstring), on an attached CPU too
+    lanes_only = (lambda p: space.check(p, dims, limits) + (["decode_cpu.cl is not exported"] if dec.is_rows(p) else [])
+                  if kernel == "decode" else space.check(p, dims, limits))
     found = tuning.lookup(kernel, target.key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
-                          causal=kernel == "prefill" and prob.causal, n=n, group=group,
-                          validate=lambda p: space.check(p, dims, limits))
+                          causal=kernel == "prefill" and prob.causal, n=n, group=group, validate=lanes_only)
     if found is not None:
         return found
+    if kernel == "decode":
+        return tuning.default_choice(target.profile.name, tuning.decode_layout_defaults(
+            "lanes", target.profile, dims, limits))
     return tuning.default_choice(target.profile.name, space.default(
         target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group))
 

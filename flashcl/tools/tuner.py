@@ -186,6 +186,9 @@ class PrefillWorkload:
     rate_unit, rate_key = "GFLOP/s", "gflops"
     plot_axes = ("BLOCK_M", "DV_TILE", "BLOCK_N")   # x, y, one panel per value
 
+    def axes(self, results) -> tuple:
+        return self.plot_axes
+
     def dims(self, shape, dtype: str) -> tuning.Dims:
         return tuning.Dims(shape[4], shape[4], 1, dtype)
 
@@ -230,6 +233,12 @@ class DecodeWorkload:
     cpu_quick_problem = (1, 4, 2, 512, 64)
     rate_unit, rate_key = "GB/s", "gbps"
     plot_axes = ("ROWS", "UNROLL", "HEAD_TILE")
+    rows_plot_axes = ("BLOCK_N", "VEC", "MERGE_WG")  # decode_cpu.cl's sweeps (CPUs)
+
+    def axes(self, results) -> tuple:
+        """The plot axes of a sweep: decode_cpu.cl's where every configuration is of that layout."""
+        rows = results and all(r.params.get("VARIANT") == "rows" for r in results)
+        return self.rows_plot_axes if rows else self.plot_axes
 
     def dims(self, shape, dtype: str) -> tuning.Dims:
         return tuning.Dims(shape[4], shape[4], shape[1] // shape[2], dtype)
@@ -252,16 +261,22 @@ class DecodeWorkload:
         return _decode_problem(shape, dtype).bytes_moved(b * ctx) / (ms * 1e-3) / 1e9
 
     def header(self) -> str:
-        return f"{'ROWS':>4} {'UNROLL':>6} {'HEAD_TILE':>9} {'MERGE_WG':>8} {'waves':>5} {'keys':>5} {'splits':>6}  "
+        return f"{'layout':>6} {'tile':>14} {'MERGE_WG':>8} {'waves':>5} {'keys':>5} {'splits':>6}  "
 
     def columns(self, r) -> str:
         p = r.params
-        return (f"{p['ROWS']:4d} {p['UNROLL']:6d} {p['HEAD_TILE']:9d} {p['MERGE_WG']:8d} "
+        if p.get("VARIANT") == "rows":
+            layout, tile = "rows", f"B{p['BLOCK_N']} v{p['VEC']}"
+        else:
+            layout, tile = "lanes", f"R{p['ROWS']} U{p['UNROLL']} T{p['HEAD_TILE']}"
+        return (f"{layout:>6} {tile:>14} {p['MERGE_WG']:8d} "
                 f"{_fmt(p.get('SPLIT_WAVES'), '5d'):>5} {_fmt(p.get('SPLIT_KEYS'), '5d'):>5} "
                 f"{_fmt(r.info.get('num_splits'), '6d'):>6}  ")
 
     def label(self, p: dict) -> str:
         split = "".join(f" {k}={p[k]}" for k in ("SPLIT_WAVES", "SPLIT_KEYS") if k in p)
+        if p.get("VARIANT") == "rows":
+            return f"rows BLOCK_N={p['BLOCK_N']} VEC={p['VEC']} MERGE_WG={p['MERGE_WG']}{split}"
         return f"ROWS={p['ROWS']} UNROLL={p['UNROLL']} HEAD_TILE={p['HEAD_TILE']} MERGE_WG={p['MERGE_WG']}{split}"
 
 
@@ -292,22 +307,13 @@ def _decode_problem(shape, dtype: str, *, b: int | None = None, h_kv: int | None
     return DecodeProblem(b, h_kv * (h_q // h_kv0), h_kv, d, d, True, dtype)
 
 
-def _decode_path(tensor_cores: bool) -> dict:
-    """The split rule's defaults for the decode kernel that runs."""
-    from ..opencl import decode as cd
-
-    if tensor_cores:
-        return {"waves": cd.MMA_WAVES, "keys_per_split": cd.MMA_KEYS_PER_SPLIT, "min_keys": cd.MMA_MIN_KEYS_PER_SPLIT}
-    return {"waves": cd.WAVES, "keys_per_split": cd.KEYS_PER_SPLIT, "min_keys": cd.MIN_KEYS_PER_SPLIT}
-
-
 def decode_splits(compute_units: int, shape, params: dict, tensor_cores: bool) -> int:
     """The split count the split rule gives ``params`` on the tuning problem."""
     from ..opencl import decode as cd
 
     b, h_q, h_kv, ctx, d = shape
     heads = b * h_kv * (cd.mma_tiles(h_q // h_kv) if tensor_cores else 1)
-    return cd.choose_num_splits(compute_units, heads, ctx, params=params, **_decode_path(tensor_cores))
+    return cd.choose_num_splits(compute_units, heads, ctx, params=params, **cd.split_defaults(params, tensor_cores))
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -949,17 +955,20 @@ MMA_INERT = ("ROWS", "UNROLL", "HEAD_TILE")
 
 
 def _split_settings(space: tuning.KernelSpace, target: Target, shape, dims: tuning.Dims, *, quick: bool,
-                    overrides: dict, tensor_cores: bool) -> list[dict]:
-    """One (SPLIT_WAVES, SPLIT_KEYS) per distinct split count the candidates give on the tuning
-    problem, the one nearest the path's defaults (in log2 steps) standing for the others."""
-    waves = space.param_values("SPLIT_WAVES", dims, quick=quick, overrides=overrides)
-    keys = space.param_values("SPLIT_KEYS", dims, quick=quick, overrides=overrides)
-    path = _decode_path(tensor_cores)
+                    overrides: dict, tensor_cores: bool, layout: str) -> list[dict]:
+    """One (SPLIT_WAVES, SPLIT_KEYS) per distinct split count the layout's candidates give on the
+    tuning problem, the one nearest the path's defaults (in log2 steps) standing for the others."""
+    from ..opencl.decode import split_defaults
+
+    waves, keys = (space.param_values(n, dims, quick=quick, overrides=overrides, layout=layout)
+                   for n in ("SPLIT_WAVES", "SPLIT_KEYS"))
+    tag = {} if layout == space.layouts[0].name else {"VARIANT": layout}
+    path = split_defaults(tag, tensor_cores)
     best = {}
     for w in waves:
         for k in keys:
             p = {"SPLIT_WAVES": w, "SPLIT_KEYS": k}
-            n = decode_splits(target.compute_units, shape, p, tensor_cores)
+            n = decode_splits(target.compute_units, shape, {**tag, **p}, tensor_cores)
             dist = (abs(math.log2(w / path["waves"])) + abs(math.log2(k / path["keys_per_split"])), w, k)
             if n not in best or dist < best[n][0]:
                 best[n] = (dist, p)
@@ -1011,9 +1020,9 @@ def plan(target: Target, shape, *, kernel: str = "prefill", dtype: str = "float1
         if safe:
             keep.append(max(safe, key=lambda p: space.rank(p, dims, target.profile)))
     if host and target.mode == "measured":
-        settings = _split_settings(space, target, shape, dims, quick=quick, overrides=overrides,
-                                   tensor_cores=tensor_cores)
-        keep = [{**p, **s} for p in keep for s in settings]
+        settings = {lay: _split_settings(space, target, shape, dims, quick=quick, overrides=overrides,
+                                         tensor_cores=tensor_cores, layout=lay) for lay in layouts}
+        keep = [{**p, **s} for p in keep for s in settings[space.layout_of(p).name]]
     return keep, pruned
 
 
@@ -1319,11 +1328,15 @@ class Cell:
     largest: bool
 
 
+def _plot_axes(report: Report) -> tuple:
+    return report.workload.axes(report.results)
+
+
 def plot_cells(report: Report) -> dict:
     """{panel value: {(x value, y value): Cell}} over the kernel's plot axes."""
     space = tuning.SPACES[report.kernel]
     dims = report.workload.dims(report.shape, report.dtype)
-    xn, yn, pn = report.workload.plot_axes
+    xn, yn, pn = _plot_axes(report)
     modeled = report.target.mode == "modeled"
     groups: dict = {}
     for r in report.results:
@@ -1381,7 +1394,7 @@ def plot(report: Report, path: str):
     import numpy as np
 
     panels = plot_cells(report)
-    xn, yn, pn = report.workload.plot_axes
+    xn, yn, pn = _plot_axes(report)
     modeled = report.target.mode == "modeled"
     keys = sorted(panels)
     xs = sorted({x for p in panels.values() for x, _ in p})

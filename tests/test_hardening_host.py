@@ -361,3 +361,26 @@ def test_the_suite_collects_without_torch(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "tests collected" in last and "error" not in last, proc.stdout[-2000:]
+
+
+def test_host_transfers_round_trip(cl_device):
+    """Inputs go to the device in buffers filled at creation and results come back with one wait
+    (opencl/arrays.py): every dtype the kernels read, empty arrays, and a result that is a view at
+    an offset of its buffer come back bit for bit."""
+    import pyopencl.array as cla
+
+    from flashcl.opencl.arrays import device_to_host, host_to_device
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cl_device)
+    rng = np.random.default_rng(4)
+    hosts = [rng.standard_normal((3, 5, 7)).astype(np.float32), rng.standard_normal(17).astype(np.float16),
+             rng.integers(-9, 9, (4, 6), dtype=np.int32), rng.integers(0, 255, 33, dtype=np.uint8),
+             np.zeros((0, 4), np.float32)]
+    devs = [host_to_device(h.queue, x) for x in hosts]
+    for x, d, back in zip(hosts, devs, device_to_host(*devs)):
+        assert back.dtype == x.dtype and back.shape == x.shape and np.array_equal(back, x)
+        assert np.array_equal(d.get(), x)
+    whole = cla.to_device(h.queue, np.arange(24, dtype=np.float32))
+    (tail,) = device_to_host(whole[8:].reshape(4, 4))
+    assert np.array_equal(tail, np.arange(8, 24, dtype=np.float32).reshape(4, 4))

@@ -31,8 +31,8 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
-from .arrays import (attach_events, check_fits, elem_strides, handle_for_inputs, native_host,
-                     nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
+from .arrays import (attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs, host_to_device,
+                     native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, spill_report
 
 KERNEL = "decode"
@@ -351,7 +351,7 @@ class DecodeVariants:
         kernels that use them have run."""
         left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
-        arrays = [x if x is None or isinstance(x, cla.Array) else cla.to_device(queue, x)
+        arrays = [x if x is None or isinstance(x, cla.Array) else host_to_device(queue, x)
                   for x in (self.sinks, self.alibi_slopes)]
         return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
 
@@ -719,7 +719,7 @@ def _quant_format(x, name: str) -> str | None:
 def quantized_to_device(qt: QuantizedTensor, queue) -> QuantizedTensor:
     """The QuantizedTensor with data (and int8 scales) as pyopencl Arrays; pyopencl ones stay."""
     def dev(x):
-        return x if isinstance(x, cla.Array) else cla.to_device(queue, native_host(x))
+        return x if isinstance(x, cla.Array) else host_to_device(queue, native_host(x))
 
     scales = dev(qt.scales) if qt.fmt == "int8" else None  # ggml scales live inside data
     return QuantizedTensor(dev(qt.data), scales, qt.fmt, tuple(qt.shape), qt.dtype)
@@ -796,7 +796,7 @@ def _host(x) -> np.ndarray:
 
 def _int_to_device(x, queue, fill=None, shape=None):
     if x is None:
-        return cla.to_device(queue, np.full(shape, fill, dtype=np.int32))
+        return host_to_device(queue, np.full(shape, fill, dtype=np.int32))
     if isinstance(x, cla.Array):
         if not x.flags.c_contiguous:
             raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
@@ -804,7 +804,7 @@ def _int_to_device(x, queue, fill=None, shape=None):
             raise TypeError(f"block_table/context_lens: a pyopencl Array of dtype {x.dtype.str} is not "
                             "in the device's byte order")
         return x
-    return cla.to_device(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
+    return host_to_device(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
 
 
 def max_context(geo: dict, context_lens) -> int:
@@ -864,7 +864,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
             raise TypeError(f"q: a pyopencl Array of dtype {q.dtype.str} is not in the device's byte order")
         qd = q
     else:
-        qd = cla.to_device(queue, native_host(q))
+        qd = host_to_device(queue, native_host(q))
     kd, vd = (quantized_to_device(t, queue) if isinstance(t, QuantizedTensor) else to_device_4d(t, queue, 4)
               for t in (k_cache, v_cache))
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
@@ -877,7 +877,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     if is_cl:
         attach_events((out, lse), events[-1:])
         return (out, lse) if return_lse else out
-    out_h, lse_h = out.get(), lse.get()
+    out_h, lse_h = device_to_host(out, lse)
     if hasattr(q, "detach"):  # torch CPU in, torch out
         import torch
 

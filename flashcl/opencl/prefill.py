@@ -12,8 +12,8 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..variants import Variants, mask_block_map
-from .arrays import (attach_events, check_fits, elem_strides, handle_for_inputs, native_host,
-                     nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
+from .arrays import (attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs, host_to_device,
+                     native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
@@ -264,7 +264,7 @@ class PrefillKernel:
         softcap = variants.softcap if variants is not None and variants.softcap is not None else 1.0
 
         def upload(x):
-            return dummy if x is None else cla.to_device(queue, np.ascontiguousarray(x)).base_data
+            return dummy if x is None else host_to_device(queue, np.ascontiguousarray(x)).base_data
 
         sinks = upload(None if variants is None else variants.sinks)
         alibi = upload(None if variants is None else variants.alibi_slopes)
@@ -332,7 +332,7 @@ def _quantized_to_device(qt: QuantizedTensor, queue, rank: int) -> QuantizedTens
                 x = x.reshape(1, *x.shape)
             return x
         host = native_host(x)
-        return cla.to_device(queue, host[None] if rank == 3 else host)
+        return host_to_device(queue, host[None] if rank == 3 else host)
 
     shape = (1, *qt.shape) if rank == 3 else tuple(qt.shape)
     return QuantizedTensor(dev(qt.data), dev(qt.scales) if qt.fmt == "int8" else None, qt.fmt, shape, qt.dtype)
@@ -383,8 +383,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     if is_cl:
         attach_events((out, lse), [event])
         return (out, lse) if return_lse else out
-    out_h = out.get()
-    lse_h = lse.get() if lse is not None else None
+    out_h, lse_h = device_to_host(out, lse) if lse is not None else (*device_to_host(out), None)
     if hasattr(q, "detach"):  # torch CPU in, torch out
         import torch
 

@@ -364,9 +364,9 @@ def test_the_suite_collects_without_torch(tmp_path):
 
 
 def test_host_transfers_round_trip(cl_device):
-    """Inputs go to the device in buffers filled at creation and results come back with one wait
-    (opencl/arrays.py): every dtype the kernels read, empty arrays, and a result that is a view at
-    an offset of its buffer come back bit for bit."""
+    """Host inputs reach the device and results come back (opencl/arrays.py; on a CPU device
+    through buffers filled at creation and one wait): every dtype the kernels read, empty arrays,
+    and a result that is a view at an offset of its buffer come back bit for bit."""
     import pyopencl.array as cla
 
     from flashcl.opencl.arrays import device_to_host, host_to_device

@@ -54,19 +54,30 @@ def to_device_4d(x, queue, rank: int) -> cla.Array:
     return host_to_device(queue, host)
 
 
+def _host_memory(queue) -> bool:
+    """Whether the queue's device is a CPU, whose buffers are host memory: there a queue command
+    costs a round trip through the driver's threads (~60 us on PoCL whatever its size), so
+    transfers avoid them; NVIDIA's driver was slower that way (docs/notes/opencl-host.md)."""
+    return bool(queue.device.type & cl.device_type.CPU)
+
+
 def host_to_device(queue, host: np.ndarray) -> cla.Array:
-    """A C-contiguous host array in a new device buffer filled at its creation (COPY_HOST_PTR):
-    no command on the queue, so no round trip through the driver's threads, which on PoCL cost
-    ~60 us a transfer whatever its size (docs/notes/opencl-host.md)."""
+    """A C-contiguous host array on the device: on a CPU device a buffer filled at its creation
+    (COPY_HOST_PTR, no queue command), elsewhere a write on the queue."""
     if host.nbytes == 0:
         return cla.empty(queue, host.shape, host.dtype)
+    if not _host_memory(queue):
+        return cla.to_device(queue, host)
     buf = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
     return cla.Array(queue, host.shape, host.dtype, data=buf)
 
 
 def device_to_host(*arrays: cla.Array) -> list[np.ndarray]:
-    """Contiguous device arrays read back with one wait: every read enqueued without blocking on
-    the (in-order) queue, then all waited for together, one round trip instead of one each."""
+    """Contiguous device arrays on one in-order queue, read back: on a CPU device every read
+    enqueued without blocking and all waited for together (one round trip, not one each),
+    elsewhere blocking reads."""
+    if not arrays or not _host_memory(arrays[0].queue):
+        return [a.get() for a in arrays]
     outs = [np.empty(a.shape, a.dtype) for a in arrays]
     events = [cl.enqueue_copy(a.queue, o, a.base_data, src_offset=a.offset, is_blocking=False)
               for a, o in zip(arrays, outs) if o.nbytes]

@@ -137,6 +137,29 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
 #define V_VEC(row, c) ((row) ? LOADV((row), (c)) : (floatV)(NAN))
 #endif
 
+/* A whole tile of scores as one vector where BLOCK_N is a vector width: exp2 and the softcap on
+ * it are one vector libm call each, not one call a score (docs/notes/pocl-decode.md) */
+#define TILE_VECTOR (BLOCK_N == 4 || BLOCK_N == 8 || BLOCK_N == 16)
+#if TILE_VECTOR
+#define floatT FLASHCL_CAT(float, BLOCK_N)
+#define LOAD_TILE(p) FLASHCL_CAT(vload, BLOCK_N)(0, (p))
+#define STORE_TILE(x, p) FLASHCL_CAT(vstore, BLOCK_N)((x), 0, (p))
+#if SOFTCAP
+/* softcap_score (decode_common.h) on a tile's scores: the same formula, lane by lane */
+static inline floatT softcap_tile(const floatT s, const float cap_log2, const float inv_cap)
+{
+    const floatT x = s * inv_cap;
+    const floatT tanh_far = fma((floatT)(-2.0f), native_recip((floatT)(1.0f) + native_exp2(x * (2.0f * M_LOG2E_F))),
+                                (floatT)(1.0f));
+    const floatT x2 = x * x;
+    const floatT p = fma(fma(fma((floatT)(0.017424671f), x2, (floatT)(-0.053210378f)), x2, (floatT)(0.133293122f)),
+                         x2, (floatT)(-0.333333105f));
+    const floatT tanh_near = fma(x * x2, p, x);
+    return cap_log2 * select(tanh_far, tanh_near, isless(fabs(x), (floatT)(0.55f)));
+}
+#endif
+#endif
+
 static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial)
 {
     const int split = get_group_id(0);
@@ -175,8 +198,22 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                     dot[h] = fma(qv[h][c], kf, dot[h]);
             }
             for (int h = 0; h < GROUP; ++h)
-                s[h][u] = SCORE_VARIANTS(HSUM_V(dot[h]), slope[h], n_used - 1 - key);
+                s[h][u] = HSUM_V(dot[h]);
         }
+#if SOFTCAP || ALIBI
+        /* the variants that change a score, in SCORE_VARIANTS' order: softcap, then ALiBi */
+        for (int h = 0; h < GROUP; ++h) {
+#if SOFTCAP && TILE_VECTOR
+            if (nt == BLOCK_N)
+                STORE_TILE(softcap_tile(LOAD_TILE(s[h]), SOFTCAP_ARGS), s[h]);
+            else
+#endif
+                for (int u = 0; u < nt; ++u)
+                    s[h][u] = SOFTCAP_SCORE(s[h][u]);
+            for (int u = 0; u < nt; ++u)
+                s[h][u] = ALIBI_SCORE(s[h][u], slope[h], n_used - 1 - (t0 + u));
+        }
+#endif
         /* one online-softmax step per head: the rescale of acc to the tile's max (alpha), then
          * p = 2^(s - m) in place of the scores */
         float alpha[GROUP];
@@ -188,10 +225,10 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
             const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  /* nothing seen: no inf - inf */
             alpha[h] = exp2(m[h] - m_use);
             l[h] *= alpha[h];
-#if BLOCK_N == 4 || BLOCK_N == 8 || BLOCK_N == 16
-            if (nt == BLOCK_N) {  /* a whole tile: one vector exp2 (a CPU's libm call per score is dear) */
-                FLASHCL_CAT(vstore, BLOCK_N)(exp2(FLASHCL_CAT(vload, BLOCK_N)(0, s[h]) - m_use), 0, s[h]);
-            } else
+#if TILE_VECTOR
+            if (nt == BLOCK_N)
+                STORE_TILE(exp2(LOAD_TILE(s[h]) - m_use), s[h]);
+            else
 #endif
             for (int u = 0; u < nt; ++u)
                 s[h][u] = exp2(s[h][u] - m_use);

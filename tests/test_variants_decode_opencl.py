@@ -301,3 +301,39 @@ def test_plain_path_and_errors(cl_device, layout):
         kern(qd, kd, kd, out, lse, ld, ld, 1.0, 1)
     got = run_variants(cl_device, q, k, k, None, lens, 2, {}, layout=layout)
     check(got, q, k, k, None, lens, {}, "plain")
+
+
+# --------------------------------------------------------------------------- Oclgrind
+
+# Every variant at once, GQA 4, paged blocks of 4, contexts of 1 key, a partial tile and several:
+# decode.cl at small tiles, decode_cpu.cl at 4-key tiles (the whole-tile vector softcap and exp2
+# and the partial last tile), single pass and split-k with its sink on split 0.
+OCLGRIND_PARAMS = {"lanes": {"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16},
+                   "rows": {"VARIANT": "rows", "BLOCK_N": 4, "VEC": 8, "MERGE_WG": 16}}
+
+
+def _oclgrind_worker(layout: str) -> None:
+    """One case on the Oclgrind device (in a subprocess started by test_under_oclgrind)."""
+    import pyopencl.characterize
+
+    pyopencl.characterize.nv_compute_capability = lambda dev: None  # see tests/test_oclgrind.py
+    rng = np.random.default_rng(12)
+    q, k, v, table, lens = _paged(rng, 3, 8, 2, 32, 32, [1, 7, 30], 4, np.float32)
+    kw = _variants(rng, ALL, 3, 8, window=(9, 0))
+    for splits in (1, 3):
+        got = run_variants("oclgrind", q, k, v, table, lens, splits, kw, params=OCLGRIND_PARAMS[layout])
+        check(got, q, k, v, table, lens, kw, f"oclgrind {layout} splits={splits}")
+    print("OCLGRIND-CASE-OK")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_under_oclgrind(layout, tmp_path):
+    """Races, out-of-bounds and uninitialized reads in the variants' code of both decode layouts
+    (Oclgrind's checks, tests/test_oclgrind.py's settings); any report fails."""
+    from tests.test_oclgrind import _oclgrind_present, run_under_oclgrind
+
+    if not _oclgrind_present():
+        pytest.skip("Oclgrind is not installed (pip install 'flashcl[oclgrind]')")
+    run_under_oclgrind("tests.test_variants_decode_opencl:_oclgrind_worker", layout, f"decode variants {layout}",
+                       tmp_path)

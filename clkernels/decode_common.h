@@ -1,5 +1,5 @@
-/* What the two decode kernel files (decode.cl: portable, decode_mma.cl: NVIDIA tensor cores)
- * share, so that the host launches either with one argument list: the parameters, the split's
+/* What the decode kernel files (decode.cl: GPUs, decode_cpu.cl: CPUs, decode_mma.cl: NVIDIA
+ * tensor cores) share, so that the host launches any of them with one argument list: the parameters, the split's
  * key range, the address of a K/V row and the checks of the tables. Include after raw_t (one
  * 16-byte chunk) and store_t. */
 #ifndef FLASHCL_DECODE_COMMON_H
@@ -141,7 +141,7 @@ static inline void split_range(const int first, const int n, const int num_split
     *k1 = min(*k0 + chunk, n);
 }
 
-/* What decode.cl's and decode_cpu.cl's work-groups start with, for (batch, kv_head, split) in
+/* What every decode kernel's work-group starts with, for (batch, kv_head, split) in
  * scope: the sequence's context length as used (n_used; 0 where it is outside [0, capacity],
  * ctx_ok false, so no key is read), the split's keys [k0, k1) in whole tiles of `tile` keys, the
  * block-table row, the plain rows' bases (kv_rows) and the quantized rows' byte offsets of

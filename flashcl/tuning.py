@@ -193,7 +193,7 @@ class KernelSpace:
         replaces a parameter's list in every layout that has it; ``skip`` leaves parameters out
         (their defaults apply). Not yet filtered by the constraints: see ``violations``."""
         overrides = overrides or {}
-        chosen = [n for n in (layouts or self.layout_names) if n in self.layout_names]
+        chosen = [n for n in (self.layout_names if layouts is None else layouts) if n in self.layout_names]
         if "VARIANT" in overrides:
             chosen = [n for n in chosen if n in overrides["VARIANT"]]
         out = []
@@ -509,7 +509,7 @@ DECODE_DEFINES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")  # decode.cl's -D t
 SPLIT_WAVES = 4
 SPLIT_KEYS = 512
 DECODE_MERGE_WG = 256  # the merge kernel's work-group (see _decode_defaults)
-ROWS_SPLIT_KEYS = 16384  # decode_cpu.cl's default: split a context for the compute units, not its length
+ROWS_SPLIT_KEYS = 16384  # decode_cpu.cl's default: a split takes up to 16384 keys (a core streams a long context well)
 
 
 def chunk_elems(dtype: str) -> int:
@@ -636,12 +636,13 @@ def _rows_vecs(d: Dims) -> list:
 
 def _decode_rows_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
     """decode_cpu.cl on an untuned CPU: 16 keys a softmax step, the widest vectors up to the
-    profile's SIMD width that divide the head dims, one split per compute unit at most (a CPU
-    core streams a long context as well as several splits do, and the merge is a second launch)
-    and a 64-work-item merge. `flashcl tune --device cpu --kernel decode` on a 2-core AMD EPYC
+    profile's SIMD width that divide the head dims, and a 64-work-item merge; its split rule
+    (the layout's SPLIT_WAVES / SPLIT_KEYS defaults) aims for one work-group per compute unit and
+    a split every 16384 keys (a CPU core streams a long context as well as several splits do,
+    and the merge is a second launch). `flashcl tune --device cpu --kernel decode` on a 2-core AMD EPYC
     (PoCL 3.1, AVX-512), (1, 32/8, 1k, 128) float32: VEC 16 0.34 ms, 8 0.44-0.48, 4 0.73-0.81;
     one split 0.34 ms, two 0.38-0.45 (docs/notes/pocl-decode.md)."""
-    vecs = [w for w in _rows_vecs(dims) if w <= max(4, profile.simd)] or _rows_vecs(dims)
+    vecs = [w for w in _rows_vecs(dims) if w <= max(4, profile.simd)] or _rows_vecs(dims)[:1]
     return {"VARIANT": "rows", "BLOCK_N": 16, "VEC": max(vecs), "MERGE_WG": _pow2_floor(min(64, lim["max_work_group"]))}
 
 
@@ -655,7 +656,9 @@ def _decode_rank(p: dict, dims: Dims, profile: DeviceProfile) -> tuple:
     wg = _decode_work_group(p, dims)
     split = (abs(math.log2(p.get("SPLIT_WAVES", SPLIT_WAVES) / SPLIT_WAVES))
              + abs(math.log2(p.get("SPLIT_KEYS", SPLIT_KEYS) / SPLIT_KEYS)))
-    if _is_rows(p):  # no registers to fit: 8 keys a step, then the widest vectors
+    if _is_rows(p):  # no registers to fit: 8 keys a step, the widest vectors, its own split defaults
+        split = (abs(math.log2(p.get("SPLIT_WAVES", 1) / 1))
+                 + abs(math.log2(p.get("SPLIT_KEYS", ROWS_SPLIT_KEYS) / ROWS_SPLIT_KEYS)))
         return (True, min(p["BLOCK_N"], 8), p["VEC"], 0, p["MERGE_WG"], -floats, -split)
     return (floats <= profile.regs_budget, min(p["ROWS"] * p["UNROLL"], 8), p["HEAD_TILE"],
             -abs(math.log2(wg / _decode_wg_target(profile))), p["MERGE_WG"], -floats, -split)
@@ -697,6 +700,8 @@ _SPLIT_PARAMS = (
 _MERGE_CONSTRAINTS = tuple(c for c in _DECODE_CONSTRAINTS if c.name in ("merge_pow2", "merge_fits"))
 
 _DECODE_ROWS_CONSTRAINTS = (
+    Constraint("block_n_range", "decode_cpu.cl keeps a tile's scores in a private array of 1..64 keys per head",
+               lambda p, d, lim: None if 1 <= p["BLOCK_N"] <= 64 else f"BLOCK_N={p['BLOCK_N']} must be in 1..64"),
     Constraint("vec_divides", "decode_cpu.cl reads rows VEC floats at a time: VEC divides DK and DV, and "
                "half rows are read 8 values at a time at least",
                lambda p, d, lim: None if p["VEC"] in _rows_vecs(d) else
@@ -747,7 +752,8 @@ DECODE_SPACE = KernelSpace(
     work_group_size=_decode_work_group,
     defaults=_decode_defaults,
     rank=_decode_rank,
-    modeled_layouts=("lanes",),
+    # rows runs on CPUs, where nothing spills: its model has no cliff to miss
+    modeled_layouts=("lanes", "rows"),
     layouts_for=lambda profile: profile.decode_variants,
 )
 

@@ -4,6 +4,7 @@ on the PoCL CPU device whose winner flashcl.decode picks up."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -191,3 +192,41 @@ def test_measured_decode_tune_on_cpu_is_picked_up(cpu_device, tuning_dir):
             "--group", "2", "--dtype", "float32")
     assert s.exit_code == 0 and "tuned for" in s.stdout and "(tuned)" in s.stdout, s.output
     assert "warning" not in s.stderr  # measured with this device's driver
+
+
+def test_rows_layout_space_checks():
+    """decode_cpu.cl's space: BLOCK_N within the kernel's 1..64, VEC dividing the head dims; an
+    untuned CPU whose SIMD width the probe narrowed takes the narrowest vectors a half row allows;
+    model mode for the cpu profile plans decode_cpu.cl only (its layout), ranked by its own split
+    defaults."""
+    dims = tuning.Dims(128, 128, 4, "float16")
+    lim = {"local_mem": 1 << 20, "max_work_group": 4096}
+    rows = {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}
+    assert SPACE.check(rows, dims, lim) == []
+    assert SPACE.check(dict(rows, BLOCK_N=100), dims, lim) == ["BLOCK_N=100 must be in 1..64"]
+    narrow = dataclasses.replace(profiles.PROFILES["cpu"], simd=4)
+    assert tuning.decode_layout_defaults("rows", narrow, dims, lim)["VEC"] == 8
+    configs, _ = tuner.plan(_target("cpu"), (1, 8, 2, 512, 64), kernel="decode", dtype="float32")
+    assert configs and all(p["VARIANT"] == "rows" for p in configs)
+    one, two = dict(rows, SPLIT_WAVES=1), dict(rows, SPLIT_WAVES=2)
+    assert SPACE.rank(one, dims, profiles.PROFILES["cpu"]) > SPACE.rank(two, dims, profiles.PROFILES["cpu"])
+
+
+def test_a_failed_rows_probe_defaults_to_decode_cl(cpu_device, monkeypatch):
+    """Where the probe found that the device's compiler fails decode_cpu.cl, the untuned choice is
+    decode.cl's layout (a forced rows configuration raises the probe's error); where decode.cl's
+    fails, the rows default still runs."""
+    from flashcl.errors import KernelBuildError
+    from flashcl.opencl import probe, runtime
+    from flashcl.opencl.decode import DecodeProblem, choose_params
+
+    h = runtime.get_device(cpu_device)
+    real = probe.capabilities(h.device)
+    prob = DecodeProblem(1, 8, 2, 64, 64, True, "float32")
+    for failing in ("decode-rows", "decode"):
+        caps = probe.Capabilities({**real.verdicts, failing: probe.Verdict(False, "error: simulated " + failing)})
+        monkeypatch.setattr(runtime, "capabilities", lambda dev, caps=caps: caps)
+        params = choose_params(h, prob, None, 256).params
+        assert cl_decode.is_rows(params) == (failing == "decode"), (failing, params)
+    with pytest.raises(KernelBuildError, match="simulated decode"):
+        choose_params(h, prob, {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 4, "MERGE_WG": 64}, 256)

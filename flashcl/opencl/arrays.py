@@ -130,7 +130,7 @@ def attach_events(arrays, events) -> None:
                 arr.add_event(e)
 
 
-# Quantized cache formats the kernels read (their K_QUANT / V_QUANT codes: decode.cl, decode_mma.cl and both prefill layouts); flashcl.quant has the bytes.
+# Quantized cache formats the kernels read (their K_QUANT / V_QUANT codes: the three decode files and both prefill layouts); flashcl.quant has the bytes.
 QUANT_CODES = {"q8_0": 1, "q4_0": 2, "int8": 3}
 
 

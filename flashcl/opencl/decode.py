@@ -1,5 +1,6 @@
-"""Host side of the OpenCL flash-decoding kernels: clkernels/decode.cl (every device) and
-clkernels/decode_mma.cl (NVIDIA tensor cores).
+"""Host side of the OpenCL flash-decoding kernels: clkernels/decode.cl (GPUs, the "lanes"
+layout), clkernels/decode_cpu.cl (CPUs, the "rows" layout) and clkernels/decode_mma.cl (NVIDIA
+tensor cores); decode.cl's merge combines the split states of all three.
 
 One work-group per (sequence, KV head, split) serves the whole GQA group; ``num_splits == 1`` is a
 single pass that writes the normalized output itself, more splits write float32 partial states
@@ -11,7 +12,8 @@ decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), 
 MMAs' rows and query heads as their columns, ~26 warp instructions per key of an fp16 cache
 instead of ~115, so the SMs no longer run out of issue slots before HBM runs out of bandwidth;
 split-k runs there in one launch (flash_decode_fused: the last work-group merges). decode.cl
-serves every other device and fp32 caches. What was measured for both, and every variant that
+serves the other GPUs and fp32 caches; decode_cpu.cl, one work-item reading whole rows in SIMD
+vectors, serves CPUs (docs/notes/pocl-decode.md). What was measured for both, and every variant that
 lost: docs/notes/opencl-decode-nvidia.md.
 
 Attention variants (window, softcap, sinks, ALiBi: :class:`DecodeVariants`) and quantized caches
@@ -33,7 +35,7 @@ from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
 from .arrays import (attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs, host_to_device,
                      native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
-from .runtime import DeviceHandle, build, check_variant, launch_sequence, spill_report
+from .runtime import DeviceHandle, build, check_variant, launch_sequence, probe_errors, spill_report
 
 KERNEL = "decode"
 _LOG2E = 1.0 / math.log(2.0)
@@ -218,15 +220,26 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
     """User override, else the tuning database (kernel "decode"), else the default; validated."""
     def errors(p):
         return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
-                            max_work_group=handle.max_work_group)
+                            max_work_group=handle.max_work_group) or probe_errors(handle, KERNEL, prob.dtype, p)
 
-    check_variant(handle, KERNEL, prob.dtype, params or {})
-
-    return tuning.resolve(
+    if params is not None:
+        check_variant(handle, KERNEL, prob.dtype, params)
+    choice = tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
         causal=False, n=max(n_ctx, 1), group=prob.group,
-        default=lambda: default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
-                                       local_mem=handle.local_mem, max_work_group=handle.max_work_group))
+        default=lambda: _untuned(handle, prob))
+    check_variant(handle, KERNEL, prob.dtype, choice.params)  # the layout that runs (a default too)
+    return choice
+
+
+def _untuned(handle: DeviceHandle, prob: DecodeProblem) -> dict:
+    """The profile's default, or decode.cl's layout where the probe found that the device's
+    compiler fails decode_cpu.cl (as a failed 16-wide prefill narrows the profile's SIMD width)."""
+    p = default_params(handle.profile, prob.group, prob.dk, prob.dv, prob.dtype,
+                       local_mem=handle.local_mem, max_work_group=handle.max_work_group)
+    if is_rows(p) and probe_errors(handle, KERNEL, prob.dtype, p):
+        return layout_params(handle, prob, "lanes")
+    return p
 
 
 def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: int, dtype: str) -> bool:
@@ -254,9 +267,9 @@ MMA_KEYS_PER_SPLIT = 4096
 MMA_MIN_KEYS_PER_SPLIT = 512
 
 
-# choose_num_splits for decode_cpu.cl (CPUs): one work-group per compute unit (a core streams a
-# long context as fast as several splits do; the merge is a second launch), split for the cores,
-# not for the length (tuning._decode_rows_defaults has the measurements)
+# choose_num_splits for decode_cpu.cl (CPUs): one work-group per compute unit and a split every
+# 16384 keys (a core streams a long context as fast as several splits do; the merge is a second
+# launch; tuning._decode_rows_defaults has the measurements)
 ROWS_WAVES = 1
 ROWS_KEYS_PER_SPLIT = tuning.ROWS_SPLIT_KEYS
 
@@ -496,8 +509,9 @@ MERGE_ARGS = (
 class DecodeKernel:
     """The decode kernels built for one problem class and parameter set on one device.
 
-    ``tensor_cores`` None: decode_mma.cl's kernels wherever tensor_cores_ok, decode.cl's
-    elsewhere (the separate merge always comes from decode.cl); False forces decode.cl; "emulate"
+    ``tensor_cores`` None: decode_mma.cl's kernels wherever tensor_cores_ok, elsewhere those of
+    the parameters' layout (decode.cl, or decode_cpu.cl for VARIANT="rows"; the separate merge
+    always comes from decode.cl); False forces the layout's file; "emulate"
     builds decode_mma.cl with its PTX instructions emulated in local memory, on any device (tests
     of the fragment bookkeeping, slow). decode_mma.cl's PTX (movmatrix: PTX ISA 7.8) needs an
     NVIDIA driver of R520 or later. ``fused_merge`` None: split-k in one launch

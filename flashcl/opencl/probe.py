@@ -40,8 +40,9 @@ VARIANTS = {
                                              "DV_TILE": 32, "TILE_M": 8, "TILE_N": 2, "UNROLL_K": 4}),
     "decode": ("decode", "float32", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
     "decode-half": ("decode", "float16", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
-    "decode-rows": ("decode", "float32", {"VARIANT": "rows", "BLOCK_N": 8, "VEC": 8, "MERGE_WG": 64}),
-    "decode-rows-half": ("decode", "float16", {"VARIANT": "rows", "BLOCK_N": 8, "VEC": 8, "MERGE_WG": 64}),
+    # decode_cpu.cl at its widest: 16-wide vectors and a 16-key tile (the 16-wide exp2 and fma)
+    "decode-rows": ("decode", "float32", {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}),
+    "decode-rows-half": ("decode", "float16", {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}),
 }
 BASELINE = "prefill-vec4"
 

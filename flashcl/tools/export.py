@@ -185,8 +185,9 @@ def choose(target: Target, kernel: str, prob, n: int) -> tuning.Choice:
     if found is not None:
         return found
     if kernel == "decode":
-        return tuning.default_choice(target.profile.name, tuning.decode_layout_defaults(
-            "lanes", target.profile, dims, limits))
+        params = tuning.decode_layout_defaults("lanes", target.profile, dims, limits)
+        return tuning.Choice(params, f"decode.cl's default ({target.profile.name} profile)",
+                             reason="no tuning entry of decode.cl's layout applies; its default for the profile")
     return tuning.default_choice(target.profile.name, space.default(
         target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group))
 

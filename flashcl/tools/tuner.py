@@ -1396,9 +1396,10 @@ def plot(report: Report, path: str):
     panels = plot_cells(report)
     xn, yn, pn = _plot_axes(report)
     modeled = report.target.mode == "modeled"
-    keys = sorted(panels)
-    xs = sorted({x for p in panels.values() for x, _ in p})
-    ys = sorted({y for p in panels.values() for _, y in p})
+    order = lambda v: (v is None, 0 if v is None else v)  # noqa: E731  (a layout without the axis: None)
+    keys = sorted(panels, key=order)
+    xs = sorted({x for p in panels.values() for x, _ in p}, key=order)
+    ys = sorted({y for p in panels.values() for _, y in p}, key=order)
     vmin, vmax = color_limits([c.value for p in panels.values() for c in p.values()])
     all_vals = [c.value for p in panels.values() for c in p.values() if c.value == c.value]
     extend = ("both" if all_vals and min(all_vals) < vmin and max(all_vals) > vmax else

@@ -43,6 +43,7 @@ Writing (``save_entry``) is a locked read-modify-write through a temporary file 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -831,6 +832,13 @@ def user_tuning_dir() -> Path:
     env = os.environ.get("FLASHCL_TUNING_DIR")
     if env:
         return Path(env)
+    return _platform_tuning_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def _platform_tuning_dir() -> Path:
+    """The platform's user cache folder for the database (it does not move while a process runs;
+    asking platformdirs took ~8 us of every call's lookup)."""
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("flashcl")) / "tuning"
@@ -1005,9 +1013,13 @@ def load_file(path: Path) -> list[dict]:
 
 
 def _files(folder: Path) -> list[_DbFile]:
-    if not folder.is_dir():
+    """The folder's database files (every ``*.json`` name, in order; one that is not a regular
+    file is _load's error); none where the folder does not exist or cannot be listed."""
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".json"))
+    except OSError:
         return []
-    found = (_load(f) for f in sorted(folder.glob("*.json")))
+    found = (_load(folder / n) for n in names)
     return [db for db in found if db is not None]  # None: removed since the listing
 
 

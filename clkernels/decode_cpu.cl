@@ -11,7 +11,7 @@
  *
  * Per tile of BLOCK_N keys: the scores of every head of the group for each key (one pass over the
  * key's row), the variants' changes, one online-softmax step per head (one rescale a tile), then
- * acc += p v one V row at a time. Numerics, tables, variants and quantized rows as decode.cl
+ * acc = alpha acc + p v one vector column at a time. Numerics, tables, variants and quantized rows as decode.cl
  * (decode_common.h): scores in log2 units, fp32 accumulation, keys past the split's end never
  * read, a bad context length or block id gives NaN out and lse, a sink joins the single pass or
  * split 0's state.
@@ -145,18 +145,7 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
 #define LOAD_TILE(p) FLASHCL_CAT(vload, BLOCK_N)(0, (p))
 #define STORE_TILE(x, p) FLASHCL_CAT(vstore, BLOCK_N)((x), 0, (p))
 #if SOFTCAP
-/* softcap_score (decode_common.h) on a tile's scores: the same formula, lane by lane */
-static inline floatT softcap_tile(const floatT s, const float cap_log2, const float inv_cap)
-{
-    const floatT x = s * inv_cap;
-    const floatT tanh_far = fma((floatT)(-2.0f), native_recip((floatT)(1.0f) + native_exp2(x * (2.0f * M_LOG2E_F))),
-                                (floatT)(1.0f));
-    const floatT x2 = x * x;
-    const floatT p = fma(fma(fma((floatT)(0.017424671f), x2, (floatT)(-0.053210378f)), x2, (floatT)(0.133293122f)),
-                         x2, (floatT)(-0.333333105f));
-    const floatT tanh_near = fma(x * x2, p, x);
-    return cap_log2 * select(tanh_far, tanh_near, isless(fabs(x), (floatT)(0.55f)));
-}
+FLASHCL_SOFTCAP_FN(floatT, softcap_tile, native_exp2, native_recip)  /* softcap_score, lane by lane */
 #endif
 #endif
 
@@ -261,8 +250,9 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         const int head = head0 + h;
         const float sink = SINK_LOG2(head, !partial || split == 0);
         const float m_all = fmax(m[h], sink);
-        const float w = exp2(m[h] - ((m_all == -INFINITY) ? 0.0f : m_all));  /* no key: w = 0 */
-        const float l_all = l[h] * w + (SINKS ? exp2(sink - ((m_all == -INFINITY) ? 0.0f : m_all)) : 0.0f);
+        const float m_use = (m_all == -INFINITY) ? 0.0f : m_all;
+        const float w = exp2(m[h] - m_use);  /* no key: w = 0 */
+        const float l_all = l[h] * w + (SINKS ? exp2(sink - m_use) : 0.0f);
         if (partial) {
             const ulong state = ((ulong)batch * h_q + head) * num_splits + split;
             for (int c = 0; c < CV; ++c)

@@ -510,7 +510,10 @@ DECODE_DEFINES = ("ROWS", "UNROLL", "HEAD_TILE", "MERGE_WG")  # decode.cl's -D t
 SPLIT_WAVES = 4
 SPLIT_KEYS = 512
 DECODE_MERGE_WG = 256  # the merge kernel's work-group (see _decode_defaults)
-ROWS_SPLIT_KEYS = 16384  # decode_cpu.cl's default: a split takes up to 16384 keys (a core streams a long context well)
+# decode_cpu.cl's split rule defaults: one work-group per compute unit, a split every 16384 keys
+# (a CPU core streams a long context as well as several splits do: _decode_rows_defaults)
+ROWS_SPLIT_WAVES = 1
+ROWS_SPLIT_KEYS = 16384
 
 
 def chunk_elems(dtype: str) -> int:
@@ -522,14 +525,14 @@ def lanes(dk: int, dv: int, dtype: str) -> int:
     return max(dk, dv) // chunk_elems(dtype)
 
 
-def _is_rows(p: dict) -> bool:
-    """The decode layout of a configuration: "rows" (decode_cpu.cl) or the default "lanes"."""
+def is_rows(p: dict) -> bool:
+    """Whether a decode configuration is decode_cpu.cl's ("rows") rather than decode.cl's ("lanes")."""
     return p.get("VARIANT") == "rows"
 
 
 def _decode_work_group(p: dict, dims: Dims) -> int:
     """lanes: LANES x ROWS x the G / HEAD_TILE head tiles; rows: one work-item."""
-    if _is_rows(p):
+    if is_rows(p):
         return 1
     return lanes(dims.dk, dims.dv, dims.dtype) * p["ROWS"] * (dims.group // p["HEAD_TILE"])
 
@@ -538,7 +541,7 @@ def _decode_local_bytes(p: dict, dims: Dims) -> int:
     """Local memory of decode.cl's __local arrays: partial dots and scores of a tile per head, the
     row-slot merge buffer (ROWS > 1), and the staged K/V tile when several head tiles share it;
     rows: decode_cpu.cl has no local arrays; the merge kernel's (decode.cl's, MERGE_WG-wide)."""
-    if _is_rows(p):
+    if is_rows(p):
         cols = min(dims.dv // 4, p["MERGE_WG"])
         return 4 * (p["MERGE_WG"] + p["MERGE_WG"] // cols * dims.dv)
     ln, rows, nht = lanes(dims.dk, dims.dv, dims.dtype), p["ROWS"], dims.group // p["HEAD_TILE"]
@@ -556,7 +559,7 @@ def _decode_private_floats(p: dict, dims: Dims) -> int:
     rows (decode_cpu.cl, CPUs): what stays in vector registers, a tile's scores and a dot product
     per head, m and l per head, one K/V vector, ~24 scalars; q and acc of the group are arrays a
     CPU keeps in L1 (PoCL: on the stack)."""
-    if _is_rows(p):
+    if is_rows(p):
         return dims.group * (p["BLOCK_N"] + p["VEC"] + 2) + p["VEC"] + 24
     w, ht, u = chunk_elems(dims.dtype), p["HEAD_TILE"], p["UNROLL"]
     return 2 * ht * w + 2 * ht + u * (4 * 4 + 2 * w) + 24
@@ -655,11 +658,9 @@ def _decode_rank(p: dict, dims: Dims, profile: DeviceProfile) -> tuple:
     among equal tiles the split rule nearest its defaults."""
     floats = _decode_private_floats(p, dims)
     wg = _decode_work_group(p, dims)
-    split = (abs(math.log2(p.get("SPLIT_WAVES", SPLIT_WAVES) / SPLIT_WAVES))
-             + abs(math.log2(p.get("SPLIT_KEYS", SPLIT_KEYS) / SPLIT_KEYS)))
-    if _is_rows(p):  # no registers to fit: 8 keys a step, the widest vectors, its own split defaults
-        split = (abs(math.log2(p.get("SPLIT_WAVES", 1) / 1))
-                 + abs(math.log2(p.get("SPLIT_KEYS", ROWS_SPLIT_KEYS) / ROWS_SPLIT_KEYS)))
+    lay = DECODE_SPACE.layout_of(p)  # the split rule nearest the layout's own defaults
+    split = sum(abs(math.log2(DECODE_SPACE.value(p, n) / lay.param(n).default)) for n in ("SPLIT_WAVES", "SPLIT_KEYS"))
+    if is_rows(p):  # no registers to fit: 8 keys a step, then the widest vectors
         return (True, min(p["BLOCK_N"], 8), p["VEC"], 0, p["MERGE_WG"], -floats, -split)
     return (floats <= profile.regs_budget, min(p["ROWS"] * p["UNROLL"], 8), p["HEAD_TILE"],
             -abs(math.log2(wg / _decode_wg_target(profile))), p["MERGE_WG"], -floats, -split)
@@ -733,7 +734,7 @@ DECODE_SPACE = KernelSpace(
                          "floats per vector operation (divides DK and DV)"),
                    Param("MERGE_WG", (64, 256), (64,), "work-items of decode.cl's merge kernel (power of two)"),
                    Param("SPLIT_WAVES", (1, 2, 4), (1, 2), "split rule: work-groups per compute unit the split "
-                         "count aims for", default=1, host=True),
+                         "count aims for", default=ROWS_SPLIT_WAVES, host=True),
                    Param("SPLIT_KEYS", (1024, 4096, ROWS_SPLIT_KEYS), (4096, ROWS_SPLIT_KEYS), "split rule: keys "
                          "one split aims to cover on long contexts", default=ROWS_SPLIT_KEYS, host=True),
                ), _DECODE_ROWS_CONSTRAINTS),

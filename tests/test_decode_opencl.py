@@ -48,6 +48,11 @@ def _contiguous(rng, b, h_q, h_kv, dk, dv, n_max, dtype, logit_scale=1.0):
     return q, k, v
 
 
+def params_for(h, prob, params, layout):
+    """``params``, or where they are None and ``layout`` is given, that layout's untuned ones."""
+    return cl_decode.layout_params(h, prob, layout) if params is None and layout is not None else params
+
+
 def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=None, row_shuffle=None,
                  tensor_cores=None, layout=None):
     """Run the decode kernels on out/lse pre-filled with NaN; contiguous caches when table is None
@@ -58,9 +63,7 @@ def run_poisoned(device, q, k, v, table, lens, num_splits, params=None, scale=No
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
-    if params is None and layout is not None:
-        params = cl_decode.layout_params(h, prob, layout)
-    choice = choose_params(h, prob, params)
+    choice = choose_params(h, prob, params_for(h, prob, params, layout))
     kern = DecodeKernel(h, prob, choice.params, row_shuffle=row_shuffle, tensor_cores=tensor_cores)
     if lens is None:
         lens = np.full(b, k.shape[2], dtype=np.int32)

@@ -22,12 +22,11 @@ import pytest
 
 import flashcl
 from flashcl import quant, reference
-from flashcl.opencl import decode as cl_decode
 from flashcl.opencl.decode import DecodeKernel, DecodeProblem, _mma_shape_ok, choose_params, quantized_to_device
 from flashcl.opencl.runtime import get_device
 
 from ._check import assert_close
-from .test_decode_opencl import LAYOUTS
+from .test_decode_opencl import LAYOUTS, params_for
 
 cla = pytest.importorskip("pyopencl.array")
 REPO = Path(__file__).resolve().parent.parent
@@ -83,9 +82,8 @@ def run_quantized(device, q, k, v, table, lens, num_splits, params=None, tensor_
     dv = v.shape[3]
     fmt = lambda x: x.fmt if isinstance(x, flashcl.QuantizedTensor) else None  # noqa: E731
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name, fmt(k), fmt(v))
-    if params is None and layout is not None:
-        params = cl_decode.layout_params(h, prob, layout)
-    kern = DecodeKernel(h, prob, choose_params(h, prob, params).params, tensor_cores=tensor_cores)
+    kern = DecodeKernel(h, prob, choose_params(h, prob, params_for(h, prob, params, layout)).params,
+                        tensor_cores=tensor_cores)
     kd, vd = (quantized_to_device(x, h.queue) if fmt(x) else cla.to_device(h.queue, x) for x in (k, v))
     qd, lens_d = cla.to_device(h.queue, q), cla.to_device(h.queue, lens)
     table_d = cla.to_device(h.queue, table) if paged else lens_d

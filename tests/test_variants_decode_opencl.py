@@ -22,7 +22,7 @@ from flashcl.opencl.runtime import get_device
 from flashcl.variants import Variants
 
 from ._check import assert_close
-from .test_decode_opencl import LAYOUTS
+from .test_decode_opencl import LAYOUTS, params_for
 
 cla = pytest.importorskip("pyopencl.array")
 
@@ -81,9 +81,7 @@ def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, t
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
     var = DecodeVariants.of(Variants(**kw), prob) if kw else None
-    if params is None and layout is not None:
-        params = cl_decode.layout_params(h, prob, layout)
-    choice = choose_params(h, prob, params)
+    choice = choose_params(h, prob, params_for(h, prob, params, layout))
     kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
                         variant_flags=var.flags() if var else None)
     qd, kd, vd, lens_d = (cla.to_device(h.queue, x) for x in (q, k, v, lens))

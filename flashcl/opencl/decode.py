@@ -222,13 +222,14 @@ def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None
         return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
                             max_work_group=handle.max_work_group) or probe_errors(handle, KERNEL, prob.dtype, p)
 
-    if params is not None:
+    if params is not None:  # the probe's own error, before resolve's validation of them
         check_variant(handle, KERNEL, prob.dtype, params)
     choice = tuning.resolve(
         KERNEL, handle, params, errors=errors, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
         causal=False, n=max(n_ctx, 1), group=prob.group,
         default=lambda: _untuned(handle, prob))
-    check_variant(handle, KERNEL, prob.dtype, choice.params)  # the layout that runs (a default too)
+    if params is None:  # the layout that runs, a default too (tuned entries passed `errors`)
+        check_variant(handle, KERNEL, prob.dtype, choice.params)
     return choice
 
 
@@ -270,7 +271,7 @@ MMA_MIN_KEYS_PER_SPLIT = 512
 # choose_num_splits for decode_cpu.cl (CPUs): one work-group per compute unit and a split every
 # 16384 keys (a core streams a long context as fast as several splits do; the merge is a second
 # launch; tuning._decode_rows_defaults has the measurements)
-ROWS_WAVES = 1
+ROWS_WAVES = tuning.ROWS_SPLIT_WAVES
 ROWS_KEYS_PER_SPLIT = tuning.ROWS_SPLIT_KEYS
 
 
@@ -374,9 +375,7 @@ def quant_defines(prob: DecodeProblem) -> dict:
     return {name: QUANT_CODES[fmt] for name, fmt in (("K_QUANT", prob.k_fmt), ("V_QUANT", prob.v_fmt)) if fmt}
 
 
-def is_rows(params: dict) -> bool:
-    """Whether a configuration is decode_cpu.cl's (the "rows" layout) rather than decode.cl's."""
-    return params.get("VARIANT") == "rows"
+is_rows = tuning.is_rows  # decode_cpu.cl's configuration ("rows") rather than decode.cl's
 
 
 def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = False,

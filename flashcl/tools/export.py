@@ -177,19 +177,21 @@ def choose(target: Target, kernel: str, prob, n: int) -> tuning.Choice:
         choice = dec.choose_params(target.handle, prob, None, n)
         if not dec.is_rows(choice.params):
             return choice
-    # decode: decode.cl's layout only (the module docstring), on an attached CPU too
-    lanes_only = (lambda p: space.check(p, dims, limits) + (["decode_cpu.cl is not exported"] if dec.is_rows(p) else [])
-                  if kernel == "decode" else space.check(p, dims, limits))
+
+    def export_errors(p):  # decode: decode.cl's layout only (the module docstring), on an attached CPU too
+        rows = kernel == "decode" and tuning.is_rows(p)
+        return space.check(p, dims, limits) + (["decode_cpu.cl is not exported"] if rows else [])
+
     found = tuning.lookup(kernel, target.key, dtype=prob.dtype, dk=prob.dk, dv=prob.dv,
-                          causal=kernel == "prefill" and prob.causal, n=n, group=group, validate=lanes_only)
+                          causal=kernel == "prefill" and prob.causal, n=n, group=group, validate=export_errors)
     if found is not None:
         return found
-    if kernel == "decode":
+    default = space.default(target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group)
+    if export_errors(default):  # the cpu profile's decode_cpu.cl
         params = tuning.decode_layout_defaults("lanes", target.profile, dims, limits)
         return tuning.Choice(params, f"decode.cl's default ({target.profile.name} profile)",
                              reason="no tuning entry of decode.cl's layout applies; its default for the profile")
-    return tuning.default_choice(target.profile.name, space.default(
-        target.profile, dims, local_mem=target.local_mem, max_work_group=target.max_work_group))
+    return tuning.default_choice(target.profile.name, default)
 
 
 # --------------------------------------------------------------------------- sources

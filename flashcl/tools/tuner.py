@@ -237,7 +237,7 @@ class DecodeWorkload:
 
     def axes(self, results) -> tuple:
         """The plot axes of a sweep: decode_cpu.cl's where every configuration is of that layout."""
-        rows = results and all(r.params.get("VARIANT") == "rows" for r in results)
+        rows = results and all(tuning.is_rows(r.params) for r in results)
         return self.rows_plot_axes if rows else self.plot_axes
 
     def dims(self, shape, dtype: str) -> tuning.Dims:
@@ -265,7 +265,7 @@ class DecodeWorkload:
 
     def columns(self, r) -> str:
         p = r.params
-        if p.get("VARIANT") == "rows":
+        if tuning.is_rows(p):
             layout, tile = "rows", f"B{p['BLOCK_N']} v{p['VEC']}"
         else:
             layout, tile = "lanes", f"R{p['ROWS']} U{p['UNROLL']} T{p['HEAD_TILE']}"
@@ -275,7 +275,7 @@ class DecodeWorkload:
 
     def label(self, p: dict) -> str:
         split = "".join(f" {k}={p[k]}" for k in ("SPLIT_WAVES", "SPLIT_KEYS") if k in p)
-        if p.get("VARIANT") == "rows":
+        if tuning.is_rows(p):
             return f"rows BLOCK_N={p['BLOCK_N']} VEC={p['VEC']} MERGE_WG={p['MERGE_WG']}{split}"
         return f"ROWS={p['ROWS']} UNROLL={p['UNROLL']} HEAD_TILE={p['HEAD_TILE']} MERGE_WG={p['MERGE_WG']}{split}"
 

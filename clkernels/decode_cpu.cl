@@ -59,17 +59,22 @@ typedef float store_t;
 #error "half rows are read 8 values at a time at least (16-byte chunks)"
 #endif
 
+/* The group's loops and a row's unrolled: PoCL's LLVM leaves them rolled, and rolled, dot[] and
+ * a[] live in memory, each FMA waiting on the previous one's store (docs/notes/pocl-decode.md) */
+#define FLASHCL_UNROLL _Pragma("unroll")
+
 #define QPIECE 8          // decode_common.h's load_quant piece (unused here: quant_vec reads rows)
 #include "decode_common.h"
 
 /* The first element of key j's plain row, or NULL where its block id is out of range */
-static inline __global const store_t *row_at(__global const raw_t *rows, const int j, __global const int *bt_row,
-                                            const int block_shift, const int num_blocks, const ulong s0,
-                                            const ulong s1)
+typedef __global const store_t *plain_row_t;
+
+static inline plain_row_t row_at(__global const raw_t *rows, const int j, __global const int *bt_row,
+                                 const int block_shift, const int num_blocks, const ulong s0, const ulong s1)
 {
     bool ok;
     const ulong off = row_offset(j, bt_row, block_shift, num_blocks, s0, s1, &ok);
-    return ok ? (__global const store_t *)(rows + off) : (__global const store_t *)0;
+    return ok ? (plain_row_t)(rows + off) : (plain_row_t)0;
 }
 
 /* A quantized row of key j: its first byte (NULL where its block id is out of range) and, int8,
@@ -103,8 +108,8 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
     if (fmt == QUANT_INT8)
         return AS_STORED_V(FLASHCL_CAT(convert_float, VEC)(FLASHCL_CAT(vload, VEC)(0, (__global const char *)(r.p + e)))
                            * r.scale);
-    __global const uchar *blk = r.p + (e / QUANT_BLOCK) * (fmt == QUANT_Q8_0 ? 34 : 18);
-    const float d = vload_half(0, (__global const half *)blk);
+    __global const uchar *blk = r.p + (e / QUANT_BLOCK) * QUANT_BLOCK_BYTES(fmt);
+    const float d = ggml_block_d(blk);
     const int at = e % QUANT_BLOCK;
     if (fmt == QUANT_Q8_0)
         return AS_STORED_V(FLASHCL_CAT(convert_float, VEC)(FLASHCL_CAT(vload, VEC)(0, (__global const char *)(blk + 2 + at)))
@@ -122,7 +127,7 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
                          block_shift, num_blocks, k_s0, k_s1)
 #define K_VEC(row, c) quant_vec(K_QUANT, (row), VEC * (c))
 #else
-#define K_ROW_T __global const store_t *
+#define K_ROW_T plain_row_t
 #define K_ROW(j) row_at(k_base, (j), bt_row, block_shift, num_blocks, k_s0, k_s1)
 #define K_VEC(row, c) ((row) ? LOADV((row), (c)) : (floatV)(NAN))
 #endif
@@ -132,9 +137,44 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
                          block_shift, num_blocks, v_s0, v_s1)
 #define V_VEC(row, c) quant_vec(V_QUANT, (row), VEC * (c))
 #else
-#define V_ROW_T __global const store_t *
+#define V_ROW_T plain_row_t
 #define V_ROW(j) row_at(v_base, (j), bt_row, block_shift, num_blocks, v_s0, v_s1)
 #define V_VEC(row, c) ((row) ? LOADV((row), (c)) : (floatV)(NAN))
+#endif
+
+/* PREFETCH: how many tiles ahead rows are prefetched, where the compiler lowers a prefetch to an
+ * instruction (a CPU's clang); 0 elsewhere (compiled out). 1, 2 and 4 timed alike on PoCL. */
+#ifndef PREFETCH
+#if defined(__x86_64__) || defined(__aarch64__)
+#define PREFETCH 1
+#else
+#define PREFETCH 0
+#endif
+#endif
+#if PREFETCH
+#define QROW_BYTES(fmt, dim) ((fmt) == QUANT_INT8 ? (dim) : (dim) / QUANT_BLOCK * QUANT_BLOCK_BYTES(fmt))
+#if K_QUANT
+#define K_ROW_PTR(row) ((row).p)
+#define K_ROW_BYTES QROW_BYTES(K_QUANT, HEAD_DK)
+#else
+#define K_ROW_PTR(row) ((__global const uchar *)(row))
+#define K_ROW_BYTES (HEAD_DK * (int)sizeof(store_t))
+#endif
+#if V_QUANT
+#define V_ROW_PTR(row) ((row).p)
+#define V_ROW_BYTES QROW_BYTES(V_QUANT, HEAD_DV)
+#else
+#define V_ROW_PTR(row) ((__global const uchar *)(row))
+#define V_ROW_BYTES (HEAD_DV * (int)sizeof(store_t))
+#endif
+/* every 64-byte line of a row (none for a bad block id's NULL) */
+#define PREFETCH_ROW(ptr, bytes)                                        \
+    do {                                                                \
+        __global const uchar *p_ = (ptr);                               \
+        if (p_)                                                         \
+            for (int b_ = 0; b_ < (bytes); b_ += 64)                    \
+                __builtin_prefetch(p_ + b_);                            \
+    } while (0)
 #endif
 
 /* A whole tile of scores as one vector where BLOCK_N is a vector width: exp2 and the softcap on
@@ -178,15 +218,23 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         for (int u = 0; u < nt; ++u) {
             const int key = t0 + u;
             floatV dot[GROUP];
-            for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                 dot[h] = (floatV)(0.0f);
             const K_ROW_T row = K_ROW(key);
-            for (int c = 0; c < CK; ++c) {
+#if PREFETCH
+            /* the rows a tile ahead on their way, one key's at a time between the FMAs: a paged
+             * head's rows lie kilobytes apart, where the CPU's own prefetchers do not follow */
+            if (key + BLOCK_N * PREFETCH < k1) {
+                PREFETCH_ROW(K_ROW_PTR(K_ROW(key + BLOCK_N * PREFETCH)), K_ROW_BYTES);
+                PREFETCH_ROW(V_ROW_PTR(V_ROW(key + BLOCK_N * PREFETCH)), V_ROW_BYTES);
+            }
+#endif
+            FLASHCL_UNROLL for (int c = 0; c < CK; ++c) {
                 const floatV kf = K_VEC(row, c);
-                for (int h = 0; h < GROUP; ++h)
+                FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                     dot[h] = fma(qv[h][c], kf, dot[h]);
             }
-            for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                 s[h][u] = HSUM_V(dot[h]);
         }
 #if SOFTCAP || ALIBI
@@ -233,14 +281,14 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
             vrow[u] = V_ROW(t0 + u);
         for (int c = 0; c < CV; ++c) {
             floatV a[GROUP];
-            for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                 a[h] = acc[h][c] * alpha[h];
             for (int u = 0; u < nt; ++u) {
                 const floatV vf = V_VEC(vrow[u], c);
-                for (int h = 0; h < GROUP; ++h)
+                FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                     a[h] = fma((floatV)(s[h][u]), vf, a[h]);
             }
-            for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                 acc[h][c] = a[h];
         }
     }

@@ -14,6 +14,7 @@
 #define QUANT_Q4_0 2
 #define QUANT_INT8 3
 #define QUANT_BLOCK 32    // values per ggml block (q8_0, q4_0)
+#define QUANT_BLOCK_BYTES(fmt) ((fmt) == QUANT_Q8_0 ? 2 + QUANT_BLOCK : 2 + QUANT_BLOCK / 2)  // d + quants
 
 #if K_QUANT < 0 || K_QUANT > 3 || V_QUANT < 0 || V_QUANT > 3
 #error "K_QUANT and V_QUANT must be 0 (plain), 1 (q8_0), 2 (q4_0) or 3 (int8)"
@@ -29,6 +30,30 @@
  * rounded to fp16, as the oracle and the tensor-core kernels attend them (left in float32, large
  * logits made the half-ulp differences errors past the float16 tolerance). Through a private
  * array: OpenCL 1.2 has no half arithmetic without cl_khr_fp16. */
+#if STORE_HALF && defined(__F16C__)
+/* x86 (a CPU driver's clang): the F16C conversions themselves, one instruction each way; PoCL's
+ * vstore_half16_rte takes 8-wide halves and moves between them (docs/notes/pocl-decode.md) */
+static inline float4 as_stored4(const float4 x)
+{
+    return __builtin_ia32_vcvtph2ps(__builtin_ia32_vcvtps2ph(x, 0));  /* 0: round to nearest even */
+}
+static inline float8 as_stored8(const float8 x)
+{
+    return __builtin_ia32_vcvtph2ps256(__builtin_ia32_vcvtps2ph256(x, 0));
+}
+#if defined(__AVX512F__)
+static inline float16 as_stored16(const float16 x)
+{
+    const short16 h = __builtin_ia32_vcvtps2ph512_mask(x, 0, (short16)(0), (ushort)0xFFFF);
+    return __builtin_ia32_vcvtph2ps512_mask(h, (float16)(0.0f), (ushort)0xFFFF, 4);  /* 4: exact */
+}
+#else
+static inline float16 as_stored16(const float16 x)
+{
+    return (float16)(as_stored8(x.lo), as_stored8(x.hi));
+}
+#endif
+#else
 #if STORE_HALF
 #define FLASHCL_AS_STORED(N)                                                                 \
 static inline float##N as_stored##N(const float##N x)                                        \
@@ -43,5 +68,14 @@ static inline float##N as_stored##N(const float##N x)                           
 FLASHCL_AS_STORED(4)
 FLASHCL_AS_STORED(8)
 FLASHCL_AS_STORED(16)
+#endif
+
+/* A ggml block's d (its first two bytes, fp16) as float32, through a vector conversion: PoCL's
+ * scalar vload_half is a routine of some 20 instructions, its vector form one F16C instruction */
+static inline float ggml_block_d(__global const uchar *blk)
+{
+    ushort4 bits = (ushort4)(*(__global const ushort *)blk);
+    return vload_half4(0, (const __private half *)&bits).s0;
+}
 
 #endif

@@ -17,8 +17,6 @@
 
 #include "kv_formats.h"
 
-#define QUANT_BLOCK_BYTES(fmt) ((fmt) == QUANT_Q8_0 ? 2 + QUANT_BLOCK : 2 + QUANT_BLOCK / 2)
-
 /* Dims [e, e + 4) of the ggml block at blk (e a multiple of 4), whose fp16 d is `d` */
 static inline float4 ggml_values4(const int fmt, __global const uchar *blk, const int e, const float d)
 {
@@ -30,12 +28,6 @@ static inline float4 ggml_values4(const int fmt, __global const uchar *blk, cons
     return as_stored4((convert_float4(q) - 8.0f) * d);
 }
 
-/* A ggml block's d: its first two bytes, little-endian fp16 (byte offsets are even) */
-static inline float block_d(__global const uchar *blk)
-{
-    return vload_half(0, (__global const half *)blk);
-}
-
 /* Dims [4c, 4c + 4) of a quantized row as float32; row_scale is the int8 row's scale (unused by
  * the ggml formats, whose d sits in each block). fmt is a compile-time constant at every call. */
 static inline float4 dequant4(const int fmt, __global const uchar *row, const int c, const float row_scale)
@@ -43,14 +35,14 @@ static inline float4 dequant4(const int fmt, __global const uchar *row, const in
     if (fmt == QUANT_INT8)
         return as_stored4(convert_float4(vload4(c, (__global const char *)row)) * row_scale);
     __global const uchar *blk = row + (c / (QUANT_BLOCK / 4)) * QUANT_BLOCK_BYTES(fmt);
-    return ggml_values4(fmt, blk, 4 * (c % (QUANT_BLOCK / 4)), block_d(blk));
+    return ggml_values4(fmt, blk, 4 * (c % (QUANT_BLOCK / 4)), ggml_block_d(blk));
 }
 
 /* The 32 values of block `blk` of a ggml row (q8_0, q4_0) as float32 into x, reading d once */
 static inline void dequant_block(const int fmt, __global const uchar *row, const int blk, float *x)
 {
     __global const uchar *p = row + blk * QUANT_BLOCK_BYTES(fmt);
-    const float d = block_d(p);
+    const float d = ggml_block_d(p);
     for (int c = 0; c < QUANT_BLOCK / 4; ++c)
         vstore4(ggml_values4(fmt, p, 4 * c, d), c, x);
 }

@@ -464,7 +464,8 @@ def _knob_option(ctx, param, values) -> dict:
 @click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
               help="Timed runs per shape (median reported).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
-              help="Triton: interleaved rounds, each timing every variant once.")
+              help="Interleaved rounds: Triton, each timing every variant once; OpenCL, the float16 and "
+                   "the --kv-format cache in turns.")
 @click.option("--splits", "splits", default=None,
               help="Triton: forced split counts to compare, comma-separated (default: powers of two; "
                    "'none': no comparison).")
@@ -566,7 +567,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
     rows = bd.bench_decode(handle, shape_list, dtype=dtype, block_size=block_size, repeats=repeats,
                            block_order=block_order, head_dim=head_dim,
                            tensor_cores=False if kernel != "auto" else None,
-                           layout={"decode.cl": "lanes", "decode_cpu.cl": "rows"}.get(kernel), **extra)
+                           layout={"decode.cl": "lanes", "decode_cpu.cl": "rows"}.get(kernel), rounds=rounds,
+                           **extra)
     if as_json:
         _echo_report(cond, b.rows_as_dicts(rows))
     else:

@@ -169,11 +169,13 @@ def test_bench_decode_head_dim(cpu_device):
 def test_bench_decode_kernel_option(cpu_device):
     """--kernel decode.cl reaches the kernel (the row names it) with a quantized cache timed beside."""
     r = run("bench", "decode", "--device", "cpu", "--shape", "1,4,2,64", "--head-dim", "64", "--repeats", "1",
-            "--kernel", "decode.cl", "--kv-format", "q4_0", "--json")
+            "--kernel", "decode.cl", "--kv-format", "q4_0", "--rounds", "2", "--json")
     assert r.exit_code == 0, r.output
     (row,) = json.loads(r.stdout)["rows"]
     assert row["kernel"].startswith("decode.cl") and row["quant_kernel"].startswith("decode.cl")
     assert row["quant_rel_err"] < 1e-2
+    # the ratio is against the plain call timed in turns with the quantized one
+    assert row["quant_plain_ms"] > 0 and row["quant_ratio"] == pytest.approx(row["quant_ms"] / row["quant_plain_ms"])
 
 
 

@@ -93,7 +93,8 @@ class DecodeRow:
     quant_bytes: int = 0               # as stored
     quant_ms: float = float("nan")     # median at quant_auto_splits
     quant_tbps: float = float("nan")
-    quant_ratio: float = float("nan")  # quant_ms / auto_ms
+    quant_plain_ms: float = float("nan")  # the plain call at auto splits, timed in turns with the quantized one
+    quant_ratio: float = float("nan")  # quant_ms / quant_plain_ms
     quant_rel_err: float = float("nan")
     peer: str = ""                     # CPU devices: torch's CPU SDPA on the same problem
     peer_ms: float = float("nan")
@@ -219,12 +220,15 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                  check: bool = True, verbose_build: bool = False, progress=None,
                  block_order: str = "random", head_dim: int = HEAD_DIM,
                  variants: dict | None = None, kv_format: str | None = None,
-                 tensor_cores: bool | None = None, layout: str | None = None) -> list[DecodeRow]:
+                 tensor_cores: bool | None = None, layout: str | None = None, rounds: int = 1) -> list[DecodeRow]:
     """Time single pass, the automatic split count and every forced count of ``splits``, head dim
     ``head_dim`` for q, K and V; with ``variants``, also the call with them on (module docstring).
     ``tensor_cores``: DecodeKernel's (None: decode_mma.cl where it applies; False: the layout's
     file); ``layout`` ("lanes": decode.cl, "rows": decode_cpu.cl): that layout's untuned
-    parameters where ``params`` is None (None: the device's choice)."""
+    parameters where ``params`` is None (None: the device's choice). ``rounds``: with
+    ``kv_format``, the plain call and the quantized one take turns this many times, ``repeats``
+    runs each, and the ratio is of their medians over the rounds (a CPU shared with the host moves
+    one call's time between runs)."""
     rng = np.random.default_rng(0)
 
     def choose(prob, ctx):
@@ -339,7 +343,11 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 kd, vd = qsets[i % qcopies]
                 return qkern(qd, kd, vd, out, lse, td, ld, scale, qauto)
 
-            quant_ms = statistics.median(event_times(run_quant, repeats))
+            plain_turns, quant_turns = [], []
+            for _ in range(rounds):
+                plain_turns += event_times(lambda i, go=run(auto): go(i % copies), repeats)
+                quant_turns += event_times(run_quant, repeats)
+            quant_ms, plain_turn_ms = statistics.median(quant_turns), statistics.median(plain_turns)
             quant_err = float("nan")
             if check:
                 k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv))  # the oracle reads KV head 0
@@ -366,7 +374,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             quant_fields.update(kv_format=kv_format, quant_kernel=qkern.path, quant_auto_splits=qauto,
                                 quant_bytes=qbytes, quant_ms=quant_ms,
                                 quant_tbps=qbytes / (quant_ms * 1e-3) / 1e12,
-                                quant_ratio=quant_ms / med[auto], quant_rel_err=quant_err)
+                                quant_plain_ms=plain_turn_ms, quant_ratio=quant_ms / plain_turn_ms,
+                                quant_rel_err=quant_err)
             del qsets
         peer_fields = {}
         if handle.is_cpu:  # the peer's time is wall clock: so is flashcl's here, launch to wait
@@ -423,11 +432,12 @@ def format_decode(rows, cond: dict) -> str:
                          f"{r.var_gbps:.1f} GB/s, rel err {r.var_rel_err:.1e}; forced splits (ms): "
                          + " ".join(f"{s}:{t:.3f}" for s, t in r.var_forced_ms.items()))
     if any(r.kv_format for r in rows):
-        lines.append("# quantized cache (bytes as stored; ratio = quantized ms / plain auto ms):")
+        lines.append("# quantized cache (bytes as stored; ratio = quantized ms / plain ms, both at auto splits, "
+                     "timed in turns over the rounds):")
         for r in rows:
             lines.append(f"#   {r.shape:24} {r.kv_format}: {r.quant_bytes / 1e6:.1f} MB, splits {r.quant_auto_splits}, "
-                         f"{r.quant_ms:.3f} ms vs {r.auto_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
-                         f"{r.quant_tbps:.3g} TB/s vs {r.auto_gbps / 1e3:.3g}, rel err {r.quant_rel_err:.1e} "
+                         f"{r.quant_ms:.3f} ms vs {r.quant_plain_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
+                         f"{r.quant_tbps:.3g} TB/s vs {r.bytes_moved / (r.quant_plain_ms * 1e-3) / 1e12:.3g}, rel err {r.quant_rel_err:.1e} "
                          f"[{r.quant_kernel}]")
             if r.variants and not np.isnan(r.quant_var_ms):
                 lines.append(f"#     with {r.variants}: {r.quant_var_ms:.3f} ms, ratio {r.quant_var_ratio:.3f} to "

@@ -290,7 +290,7 @@ static inline qpiece_t load_quant(const int fmt, const int dim, __global const u
             r.x = *(__global const uint *)(p + e);
 #endif
         } else {
-            __global const uchar *blk = p + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18);
+            __global const uchar *blk = p + (e / QUANT_BLOCK) * QUANT_BLOCK_BYTES(fmt);
             int at = e % 32;
             q.d = *(__global const ushort *)blk;
             if (fmt == QUANT_Q4_0) {  /* dims 16..31 of a block are the high nibbles of bytes 0..15 */

@@ -59,16 +59,17 @@ typedef float store_t;
 #error "half rows are read 8 values at a time at least (16-byte chunks)"
 #endif
 
-/* The group's loops and a row's unrolled: PoCL's LLVM leaves them rolled, and rolled, dot[] and
- * a[] live in memory, each FMA waiting on the previous one's store (docs/notes/pocl-decode.md) */
+/* The loops over the group's heads and over a row's vectors are unrolled here: PoCL's LLVM left
+ * them rolled, which kept dot[] and a[] in memory, each FMA waiting on the previous one's store
+ * (docs/notes/pocl-decode.md) */
 #define FLASHCL_UNROLL _Pragma("unroll")
 
 #define QPIECE 8          // decode_common.h's load_quant piece (unused here: quant_vec reads rows)
 #include "decode_common.h"
 
-/* The first element of key j's plain row, or NULL where its block id is out of range */
 typedef __global const store_t *plain_row_t;
 
+/* The first element of key j's plain row, or NULL where its block id is out of range */
 static inline plain_row_t row_at(__global const raw_t *rows, const int j, __global const int *bt_row,
                                  const int block_shift, const int num_blocks, const ulong s0, const ulong s1)
 {
@@ -167,12 +168,13 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
 #define V_ROW_PTR(row) ((__global const uchar *)(row))
 #define V_ROW_BYTES (HEAD_DV * (int)sizeof(store_t))
 #endif
-/* every 64-byte line of a row (none for a bad block id's NULL) */
+/* every 64-byte line a row touches, from the line its first byte is in (quantized rows are not
+ * line-aligned); none for a bad block id's NULL */
 #define PREFETCH_ROW(ptr, bytes)                                        \
     do {                                                                \
         __global const uchar *p_ = (ptr);                               \
         if (p_)                                                         \
-            for (int b_ = 0; b_ < (bytes); b_ += 64)                    \
+            for (int b_ = -(int)((ulong)p_ & 63); b_ < (bytes); b_ += 64) \
                 __builtin_prefetch(p_ + b_);                            \
     } while (0)
 #endif

@@ -331,7 +331,7 @@ static inline void load_pieces(const int fmt, const int dim, __global const ucha
     }
     for (int b0 = 0; b0 < np; b0 += 4) {
         const int e = e0 + 8 * b0, npb = min(np - b0, 4);
-        spans[b0 / 4] = load_span(r + (e / 32) * (fmt == QUANT_Q8_0 ? 34 : 18), SPAN_AT(fmt, e, npb),
+        spans[b0 / 4] = load_span(r + (e / QUANT_BLOCK) * QUANT_BLOCK_BYTES(fmt), SPAN_AT(fmt, e, npb),
                                   SPAN_LEN(fmt, npb));
         if (!ok)
             spans[b0 / 4].d = 0x7e00u;   /* fp16 NaN */

@@ -28,11 +28,24 @@
 
 /* Dequantized values as flashcl.dequantize gives them: a float16 cache's (STORE_HALF, common.h)
  * rounded to fp16, as the oracle and the tensor-core kernels attend them (left in float32, large
- * logits made the half-ulp differences errors past the float16 tolerance). Through a private
- * array: OpenCL 1.2 has no half arithmetic without cl_khr_fp16. */
-#if STORE_HALF && defined(__F16C__)
-/* x86 (a CPU driver's clang): the F16C conversions themselves, one instruction each way; PoCL's
- * vstore_half16_rte takes 8-wide halves and moves between them (docs/notes/pocl-decode.md) */
+ * logits made the half-ulp differences errors past the float16 tolerance). */
+#if STORE_HALF
+#define FLASHCL_AS_STORED(N)                                                                 \
+static inline float##N as_stored##N(const float##N x)                                        \
+{                                                                                            \
+    ushort h[N];  /* through a private array: no half arithmetic without cl_khr_fp16 */     \
+    vstore_half##N##_rte(x, 0, (__private half *)h);                                         \
+    return vload_half##N(0, (const __private half *)h);                                      \
+}
+#else
+#define FLASHCL_AS_STORED(N) static inline float##N as_stored##N(const float##N x) { return x; }
+#endif
+
+/* x86 (a CPU driver's clang): the F16C conversions themselves, one instruction each way. PoCL's
+ * vstore_half16_rte takes 256-bit halves with moves between them (docs/notes/pocl-decode.md);
+ * FLASHCL_NO_F16C builds the OpenCL form instead (the tests run both). */
+#if STORE_HALF && defined(__F16C__) && !defined(FLASHCL_NO_F16C)
+#define FLASHCL_F16C 1
 static inline float4 as_stored4(const float4 x)
 {
     return __builtin_ia32_vcvtph2ps(__builtin_ia32_vcvtps2ph(x, 0));  /* 0: round to nearest even */
@@ -41,41 +54,32 @@ static inline float8 as_stored8(const float8 x)
 {
     return __builtin_ia32_vcvtph2ps256(__builtin_ia32_vcvtps2ph256(x, 0));
 }
-#if defined(__AVX512F__)
+#else
+#define FLASHCL_F16C 0
+FLASHCL_AS_STORED(4)
+FLASHCL_AS_STORED(8)
+#endif
+#if FLASHCL_F16C && defined(__AVX512F__)
 static inline float16 as_stored16(const float16 x)
 {
     const short16 h = __builtin_ia32_vcvtps2ph512_mask(x, 0, (short16)(0), (ushort)0xFFFF);
-    return __builtin_ia32_vcvtph2ps512_mask(h, (float16)(0.0f), (ushort)0xFFFF, 4);  /* 4: exact */
+    return __builtin_ia32_vcvtph2ps512_mask(h, (float16)(0.0f), (ushort)0xFFFF, 4);  /* 4: current mode */
 }
 #else
-static inline float16 as_stored16(const float16 x)
-{
-    return (float16)(as_stored8(x.lo), as_stored8(x.hi));
-}
-#endif
-#else
-#if STORE_HALF
-#define FLASHCL_AS_STORED(N)                                                                 \
-static inline float##N as_stored##N(const float##N x)                                        \
-{                                                                                            \
-    ushort h[N];                                                                             \
-    vstore_half##N##_rte(x, 0, (__private half *)h);                                         \
-    return vload_half##N(0, (const __private half *)h);                                      \
-}
-#else
-#define FLASHCL_AS_STORED(N) static inline float##N as_stored##N(const float##N x) { return x; }
-#endif
-FLASHCL_AS_STORED(4)
-FLASHCL_AS_STORED(8)
 FLASHCL_AS_STORED(16)
 #endif
 
-/* A ggml block's d (its first two bytes, fp16) as float32, through a vector conversion: PoCL's
- * scalar vload_half is a routine of some 20 instructions, its vector form one F16C instruction */
+/* A ggml block's d: its first two bytes, fp16 (block offsets are even, so the ushort read is
+ * aligned). On CPUs through a vector conversion: PoCL's scalar vload_half is a routine of some
+ * 20 instructions, its vector form one instruction. */
 static inline float ggml_block_d(__global const uchar *blk)
 {
+#if defined(__x86_64__) || defined(__aarch64__)
     ushort4 bits = (ushort4)(*(__global const ushort *)blk);
     return vload_half4(0, (const __private half *)&bits).s0;
+#else
+    return vload_half(0, (__global const half *)blk);
+#endif
 }
 
 #endif

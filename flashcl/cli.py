@@ -464,7 +464,7 @@ def _knob_option(ctx, param, values) -> dict:
 @click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
               help="Timed runs per shape (median reported).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
-              help="Interleaved rounds: Triton, each timing every variant once; OpenCL, the float16 and "
+              help="Interleaved rounds: Triton, each timing every variant once; OpenCL, the plain and "
                    "the --kv-format cache in turns.")
 @click.option("--splits", "splits", default=None,
               help="Triton: forced split counts to compare, comma-separated (default: powers of two; "

@@ -1,9 +1,11 @@
 """The fp16 helpers of clkernels/kv_formats.h, bit for bit against numpy, on every OpenCL device.
 
 A quantized value reaches the kernels' arithmetic rounded to fp16 (as_stored4/8/16) and a ggml
-block's d is read as fp16 (ggml_block_d). On x86 CPU drivers both take the F16C instructions
-through clang builtins, elsewhere OpenCL's vload_half/vstore_half: each device here runs the
-path its compiler picks, on values where a rounding can go wrong (ties, subnormals, overflow).
+block's d is read as fp16 (ggml_block_d). On x86 CPU drivers the rounding takes the F16C
+instructions through clang builtins and d a vector vload_half; elsewhere, and with
+FLASHCL_NO_F16C, OpenCL's vstore_half_rte / vload_half. Both forms run here on values where a
+rounding goes wrong easily (ties, subnormals, overflow), and the build must take F16C wherever
+its compiler has it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ SOURCE = """
 #include "kv_formats.h"
 
 __kernel void round_trip(__global const float *x, __global float *y4, __global float *y8,
-                         __global float *y16)
+                         __global float *y16, __global int *path)
 {
     const int i = get_global_id(0);
+    if (i == 0) {
+#if defined(__F16C__)
+        path[0] = 1;
+#else
+        path[0] = 0;
+#endif
+        path[1] = FLASHCL_F16C;
+    }
     vstore4(as_stored4(vload4(i, x)), i, y4);
     if (i % 2 == 0)
         vstore8(as_stored8(vload8(i / 2, x)), i / 2, y8);
@@ -30,7 +40,7 @@ __kernel void round_trip(__global const float *x, __global float *y4, __global f
         vstore16(as_stored16(vload16(i / 4, x)), i / 4, y16);
 }
 
-/* every fp16 bit pattern as a ggml block's d, at odd and even 2-byte offsets of 4 */
+/* every fp16 bit pattern as a ggml block's d, read at consecutive even byte offsets */
 __kernel void block_d(__global const uchar *blocks, __global float *d)
 {
     const int i = get_global_id(0);
@@ -57,15 +67,22 @@ def _hard_values() -> np.ndarray:
     return np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
 
 
-@pytest.mark.parametrize("store_half", [1, 0])
-def test_as_stored_is_numpy_fp16_rounding(cl_device, store_half):
+@pytest.mark.parametrize("store_half, no_f16c", [(1, False), (1, True), (0, False)],
+                         ids=["half", "half-opencl-form", "float"])
+def test_as_stored_is_numpy_fp16_rounding(cl_device, store_half, no_f16c):
     handle = get_device(cl_device)
-    prg = cl.Program(handle.context, SOURCE).build(options=[f"-I{kernel_dir()}", f"-DSTORE_HALF={store_half}"])
+    options = [f"-I{kernel_dir()}", f"-DSTORE_HALF={store_half}"] + (["-DFLASHCL_NO_F16C"] if no_f16c else [])
+    prg = cl.Program(handle.context, SOURCE).build(options=options)
     x = _hard_values()
     mf = cl.mem_flags
     xb = cl.Buffer(handle.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
     outs = [cl.Buffer(handle.context, mf.WRITE_ONLY, x.nbytes) for _ in range(3)]
-    prg.round_trip(handle.queue, (len(x) // 4,), None, xb, *outs)
+    path = np.zeros(2, np.int32)
+    path_buf = cl.Buffer(handle.context, mf.WRITE_ONLY, path.nbytes)
+    prg.round_trip(handle.queue, (len(x) // 4,), None, xb, *outs, path_buf)
+    cl.enqueue_copy(handle.queue, path, path_buf)
+    has_f16c, took_f16c = path
+    assert took_f16c == (has_f16c and store_half and not no_f16c), (has_f16c, took_f16c)
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).astype(np.float32) if store_half else x
     for width, buf in zip((4, 8, 16), outs):

@@ -25,9 +25,10 @@ count the keys its query sees.
 ``kv_format`` ("q8_0", "q4_0", "int8"): the same K/V values quantized (flashcl.quantize) are timed
 at the automatic split count next to the plain cache, in copies that rotate past the cache like
 the plain ones; bytes are counted as stored (DecodeProblem.bytes_moved), and the row gives the
-quantized time, its TB/s and its ratio to the plain time. With ``variants`` too, the quantized
-cache is also timed with the variants on (what a model with both runs), and the row gives that time
-and its ratio to the quantized call without them.
+quantized time, its TB/s and its ratio to the plain time (``quant_plain_ms``: the plain call timed
+in turns with the quantized one, ``rounds`` times). With ``variants`` too, the quantized cache is
+also timed with the variants on (what a model with both runs), in the same turns, and the row
+gives that time and its ratio to the quantized call without them.
 """
 
 from __future__ import annotations
@@ -343,17 +344,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 kd, vd = qsets[i % qcopies]
                 return qkern(qd, kd, vd, out, lse, td, ld, scale, qauto)
 
-            plain_turns, quant_turns = [], []
-            for _ in range(rounds):
-                plain_turns += event_times(lambda i, go=run(auto): go(i % copies), repeats)
-                quant_turns += event_times(run_quant, repeats)
-            quant_ms, plain_turn_ms = statistics.median(quant_turns), statistics.median(plain_turns)
-            quant_err = float("nan")
-            if check:
-                k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv))  # the oracle reads KV head 0
-                for ev in run_quant(0):
-                    ev.wait()
-                quant_err = rel_err_of_first({}, k_deq, v_deq)
+            run_quant_var = None
             if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
                 qvkern = DecodeKernel(handle, qprob, qchoice.params, verbose=verbose_build,
                                       variant_flags=var.flags(), tensor_cores=tensor_cores)
@@ -364,7 +355,23 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                     kd, vd = qsets[i % qcopies]
                     return qvkern(qd, kd, vd, out, lse, td, ld, scale, qvauto, variants=on_device)
 
-                qv_ms = statistics.median(event_times(run_quant_var, repeats))
+            # the plain call, the quantized one (and with the variants) in turns, so that a
+            # shared machine's slower stretches fall on each of them alike
+            plain_turns, quant_turns, qv_turns = [], [], []
+            for _ in range(rounds):
+                plain_turns += event_times(lambda i, go=run(auto): go(i % copies), repeats)
+                quant_turns += event_times(run_quant, repeats)
+                if run_quant_var is not None:
+                    qv_turns += event_times(run_quant_var, repeats)
+            quant_ms, plain_turn_ms = statistics.median(quant_turns), statistics.median(plain_turns)
+            quant_err = float("nan")
+            if check:
+                k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv))  # the oracle reads KV head 0
+                for ev in run_quant(0):
+                    ev.wait()
+                quant_err = rel_err_of_first({}, k_deq, v_deq)
+            if run_quant_var is not None:
+                qv_ms = statistics.median(qv_turns)
                 qv_err = float("nan")
                 if check:
                     for ev in run_quant_var(0):

@@ -88,11 +88,11 @@
 /* acc += p[j] * v_tile[j] over the keys j of the tile for which `sees` holds */
 #define PV_PRODUCT(sees)                                                                     \
     UNROLL                                                                                   \
-    for (int j = 0; j < BLOCK_N; ++j) {                                                      \
+    for (int j = 0; j < PER_ITEM(BLOCK_N); ++j) {                                           \
         if (sees) {                                                                          \
             const floatV pj = (floatV)(p[j]);                                                \
-            UNROLL                                                                           \
-            for (int c = 0; c < PER_ITEM(DVV); ++c)                                          \
+            UNROLL_VEC                                                                       \
+            for (int c = 0; c < DVV; ++c)                                                    \
                 acc[c] = fma(pj, LDS_LOADV(c, v_tile + j * DV_TILE), acc[c]);                \
         }                                                                                    \
     }
@@ -193,7 +193,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
     float m_i = -INFINITY;  /* running max (log2 domain) */
     float l_i = 0.0f;       /* running sum of exp2(s - m_i) */
     floatV acc[DVV];
-    UNROLL
+    UNROLL_VEC
     for (int c = 0; c < DVV; ++c)
         acc[c] = (floatV)(0.0f);
 
@@ -214,15 +214,15 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 
         /* scores of this row against the tile, VEC keys per vector: sv[jv] = q . k[VEC*jv ..] */
         floatV sv[BNV];
-        UNROLL
-        for (int jv = 0; jv < PER_ITEM(BNV); ++jv)
+        UNROLL_VEC
+        for (int jv = 0; jv < BNV; ++jv)
             sv[jv] = (floatV)(0.0f);
         UNROLL
-        for (int c = 0; c < DK4; ++c) {
+        for (int c = 0; c < PER_ITEM(DK4); ++c) {
             const float4 qc = Q_CHUNK(c);
             __local const float *kc = k_tile + 4 * c * BLOCK_N;
-            UNROLL
-            for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
+            UNROLL_VEC
+            for (int jv = 0; jv < BNV; ++jv) {
                 floatV acc_s = sv[jv];
                 acc_s = fma((floatV)(qc.x), LDS_LOADV(jv, kc), acc_s);
                 acc_s = fma((floatV)(qc.y), LDS_LOADV(jv, kc + BLOCK_N), acc_s);
@@ -235,8 +235,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         /* the variants' scores, then mask the tile edge, the diagonal, the window and the mask;
          * then the tile max */
         floatV maxv = (floatV)(-INFINITY);
-        UNROLL
-        for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
+        UNROLL_VEC
+        for (int jv = 0; jv < BNV; ++jv) {
             const intV col = (intV)(n0 + VEC * jv) + IOTA_V;
             intV visible = col < (intV)(n_kv);
 #if IS_CAUSAL
@@ -271,15 +271,15 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
         const float alpha = exp2(m_i - m_use);
         l_i *= alpha;
-        UNROLL
-        for (int c = 0; c < PER_ITEM(DVV); ++c)
+        UNROLL_VEC
+        for (int c = 0; c < DVV; ++c)
             acc[c] *= alpha;
 
         /* p = exp2(s - m), then acc += p @ v_tile */
         float p[BLOCK_N];
         floatV lv = (floatV)(0.0f);
-        UNROLL
-        for (int jv = 0; jv < PER_ITEM(BNV); ++jv) {
+        UNROLL_VEC
+        for (int jv = 0; jv < BNV; ++jv) {
             floatV pv = exp2(sv[jv] - (floatV)(m_use));
 #if MASK_KIND
             pv = select(pv, (floatV)(-0.0f), sv[jv] == (floatV)(-INFINITY));  /* hidden: -0 */

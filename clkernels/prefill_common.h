@@ -26,13 +26,17 @@
 
 /* On GPUs every loop over a private array is fully unrolled so that the array lives in
  * registers: a loop left rolled indexes the array dynamically, which puts it in (off-chip)
- * private memory -- CL_KERNEL_PRIVATE_MEM_SIZE > 0 with no spill reported by the compiler. CPU
- * drivers keep private arrays in cache anyway, and unrolling there multiplies build time ~10x. */
+ * private memory -- CL_KERNEL_PRIVATE_MEM_SIZE > 0 with no spill reported by the compiler. On
+ * CPUs only the loops over a row's vectors (UNROLL_VEC, a few iterations) are: rolled, their
+ * accumulators stayed in memory, a load and a store per FMA (docs/notes/pocl-prefill.md);
+ * unrolling every loop there multiplied build time ~10x. */
 #if UNROLL_LOOPS
 #define UNROLL _Pragma("unroll")
+#define UNROLL_VEC UNROLL
 #define PER_ITEM(n) (n)
 #else
 #define UNROLL
+#define UNROLL_VEC _Pragma("unroll")
 /* PoCL (CPUs) turns each innermost loop whose trip count it can prove uniform across the
  * work-group into a "horizontal" loop: one iteration for every work-item, then the next, with
  * each work-item's accumulators and loop counter in memory (~12 instructions per vector FMA,

@@ -291,7 +291,7 @@ static inline qpiece_t load_quant(const int fmt, const int dim, __global const u
 #endif
         } else {
             __global const uchar *blk = p + (e / QUANT_BLOCK) * QUANT_BLOCK_BYTES(fmt);
-            int at = e % 32;
+            int at = e % QUANT_BLOCK;
             q.d = *(__global const ushort *)blk;
             if (fmt == QUANT_Q4_0) {  /* dims 16..31 of a block are the high nibbles of bytes 0..15 */
                 q.shift = (at >= 16) ? 4u : 0u;

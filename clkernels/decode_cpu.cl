@@ -120,27 +120,37 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
     return AS_STORED_V((FLASHCL_CAT(convert_float, VEC)(b) - 8.0f) * d);
 }
 
-/* key j's K (V) row, found once a key (ROW_T its type), and its vector c as floats: a plain
- * row's (NaN for a bad block id) or a quantized row's, dequantized */
+/* key j's K (V) row, found once a key (ROW_T its type), its vector c as floats (a plain row's,
+ * NaN for a bad block id, or a quantized row's, dequantized), and its first byte and size (the
+ * prefetch's) */
+#define QROW_BYTES(fmt, dim) ((fmt) == QUANT_INT8 ? (dim) : (dim) / QUANT_BLOCK * QUANT_BLOCK_BYTES(fmt))
 #if K_QUANT
 #define K_ROW_T qrow_t
 #define K_ROW(j) qrow_at(K_QUANT, HEAD_DK, (__global const uchar *)k, k_off, k_rel, K_SCALES, (j), bt_row, \
                          block_shift, num_blocks, k_s0, k_s1)
 #define K_VEC(row, c) quant_vec(K_QUANT, (row), VEC * (c))
+#define K_ROW_PTR(row) ((row).p)
+#define K_ROW_BYTES QROW_BYTES(K_QUANT, HEAD_DK)
 #else
 #define K_ROW_T plain_row_t
 #define K_ROW(j) row_at(k_base, (j), bt_row, block_shift, num_blocks, k_s0, k_s1)
 #define K_VEC(row, c) ((row) ? LOADV((row), (c)) : (floatV)(NAN))
+#define K_ROW_PTR(row) ((__global const uchar *)(row))
+#define K_ROW_BYTES (HEAD_DK * (int)sizeof(store_t))
 #endif
 #if V_QUANT
 #define V_ROW_T qrow_t
 #define V_ROW(j) qrow_at(V_QUANT, HEAD_DV, (__global const uchar *)v, v_off, v_rel, V_SCALES, (j), bt_row, \
                          block_shift, num_blocks, v_s0, v_s1)
 #define V_VEC(row, c) quant_vec(V_QUANT, (row), VEC * (c))
+#define V_ROW_PTR(row) ((row).p)
+#define V_ROW_BYTES QROW_BYTES(V_QUANT, HEAD_DV)
 #else
 #define V_ROW_T plain_row_t
 #define V_ROW(j) row_at(v_base, (j), bt_row, block_shift, num_blocks, v_s0, v_s1)
 #define V_VEC(row, c) ((row) ? LOADV((row), (c)) : (floatV)(NAN))
+#define V_ROW_PTR(row) ((__global const uchar *)(row))
+#define V_ROW_BYTES (HEAD_DV * (int)sizeof(store_t))
 #endif
 
 /* PREFETCH: how many tiles ahead rows are prefetched, where the compiler lowers a prefetch to an
@@ -153,21 +163,6 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
 #endif
 #endif
 #if PREFETCH
-#define QROW_BYTES(fmt, dim) ((fmt) == QUANT_INT8 ? (dim) : (dim) / QUANT_BLOCK * QUANT_BLOCK_BYTES(fmt))
-#if K_QUANT
-#define K_ROW_PTR(row) ((row).p)
-#define K_ROW_BYTES QROW_BYTES(K_QUANT, HEAD_DK)
-#else
-#define K_ROW_PTR(row) ((__global const uchar *)(row))
-#define K_ROW_BYTES (HEAD_DK * (int)sizeof(store_t))
-#endif
-#if V_QUANT
-#define V_ROW_PTR(row) ((row).p)
-#define V_ROW_BYTES QROW_BYTES(V_QUANT, HEAD_DV)
-#else
-#define V_ROW_PTR(row) ((__global const uchar *)(row))
-#define V_ROW_BYTES (HEAD_DV * (int)sizeof(store_t))
-#endif
 /* every 64-byte line a row touches, from the line its first byte is in (quantized rows are not
  * line-aligned); none for a bad block id's NULL */
 #define PREFETCH_ROW(ptr, bytes)                                        \

@@ -175,7 +175,7 @@ def choose(target: Target, kernel: str, prob, n: int) -> tuning.Choice:
         if kernel == "prefill":
             return pre.choose_params(target.handle, prob)
         choice = dec.choose_params(target.handle, prob, None, n)
-        if not dec.is_rows(choice.params):
+        if not tuning.is_rows(choice.params):
             return choice
 
     def export_errors(p):  # decode: decode.cl's layout only (the module docstring), on an attached CPU too

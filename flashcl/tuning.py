@@ -365,9 +365,16 @@ def _prefill_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
     block_m = min(64, lim["max_work_group"])
     room = register_room(profile)
 
+    def in_cache(p):
+        # CPUs: each work-item re-reads the K/V tiles, best from L1 (d=128: BLOCK_N 32 1.14-1.25x
+        # faster than 64). Not where the row's q and accumulator overflow the vector registers
+        # (d=256): then the largest tile amortizes their reloads (docs/notes/pocl-prefill.md)
+        return (not profile.tile_cache or dims.dk + p["DV_TILE"] > 3 * profile.vector_floats // 4
+                or _rows_local_bytes(p, dims.dk) <= profile.tile_cache)
+
     def fits(p):
         return (_prefill_private_floats(p, dims) <= room
-                and _rows_local_bytes(p, dims.dk) <= lim["local_mem"])
+                and _rows_local_bytes(p, dims.dk) <= lim["local_mem"] and in_cache(p))
 
     for t in sorted(dv_tile_candidates(dims.dv), reverse=True):
         for block_n in (64, 32, 16, 8, 4):

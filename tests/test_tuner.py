@@ -216,11 +216,22 @@ def test_defaults_that_fit_are_unchanged():
     assert tuning.default_params("prefill", adreno, 64, 64, local_mem=32768, max_work_group=1024) == {
         "BLOCK_M": 64, "BLOCK_N": 8, "DV_TILE": 64, "VEC": 4}
     cpu = profiles.PROFILES["cpu"]
-    assert tuning.default_params("prefill", cpu, 128, 128, local_mem=1 << 20, max_work_group=4096) == {
-        "BLOCK_M": 64, "BLOCK_N": 64, "DV_TILE": 128, "VEC": 16}
+    assert tuning.default_params("prefill", cpu, 64, 64, local_mem=1 << 20, max_work_group=4096) == {
+        "BLOCK_M": 64, "BLOCK_N": 64, "DV_TILE": 64, "VEC": 16}
     # d=256: q alone exceeds Adreno's 192 registers, so q is re-read per KV tile
     d256 = tuning.default_params("prefill", adreno, 256, 256, local_mem=32768, max_work_group=1024)
     assert d256["Q_IN_REGS"] == 0 and tuning.private_floats("prefill", d256, 256, 256) <= 192
+
+
+@pytest.mark.parametrize("d, block_n", [(64, 64), (96, 64), (128, 32), (192, 32), (256, 64)])
+def test_cpu_prefill_tiles_stay_in_l1(d, block_n):
+    """CPU defaults keep the K/V tiles every work-item re-reads within the core's L1, except where
+    the row's q and accumulator overflow the vector registers (d=256: the largest tile)."""
+    cpu = profiles.PROFILES["cpu"]
+    p = tuning.default_params("prefill", cpu, d, d, local_mem=1 << 20, max_work_group=4096)
+    assert (p["BLOCK_N"], p["DV_TILE"]) == (block_n, d)
+    in_l1 = 4 * p["BLOCK_N"] * (d + p["DV_TILE"]) <= cpu.tile_cache
+    assert in_l1 == (2 * d <= 3 * cpu.vector_floats // 4)
 
 
 # --------------------------------------------------------------------------- plot

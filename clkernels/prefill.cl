@@ -84,6 +84,15 @@
 
 #include "storage.h"
 #include "vec.h"
+/* Chains of dependent FMAs each score vector is summed in (1 or 4): 4 on CPUs, whose two FMA units
+ * idle on one chain's latency (d=128: 1.48x, docs/notes/pocl-prefill.md); 1 on GPUs, where other
+ * work-items hide it and registers are scarce */
+#ifndef SCORE_CHAINS
+#define SCORE_CHAINS (UNROLL_LOOPS ? 1 : 4)
+#endif
+#if SCORE_CHAINS != 1 && SCORE_CHAINS != 4
+#error "SCORE_CHAINS must be 1 or 4"
+#endif
 
 /* acc += p[j] * v_tile[j] over the keys j of the tile for which `sees` holds */
 #define PV_PRODUCT(sees)                                                                     \
@@ -217,20 +226,37 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
         UNROLL_VEC
         for (int jv = 0; jv < BNV; ++jv)
             sv[jv] = (floatV)(0.0f);
+#if SCORE_CHAINS == 4
+        floatV s1[BNV], s2[BNV], s3[BNV];
+        UNROLL_VEC
+        for (int jv = 0; jv < BNV; ++jv)
+            s1[jv] = s2[jv] = s3[jv] = (floatV)(0.0f);
+#else  /* one chain: the four FMAs a chunk in sequence */
+#define s1 sv
+#define s2 sv
+#define s3 sv
+#endif
         UNROLL
         for (int c = 0; c < PER_ITEM(DK4); ++c) {
             const float4 qc = Q_CHUNK(c);
             __local const float *kc = k_tile + 4 * c * BLOCK_N;
             UNROLL_VEC
             for (int jv = 0; jv < BNV; ++jv) {
-                floatV acc_s = sv[jv];
-                acc_s = fma((floatV)(qc.x), LDS_LOADV(jv, kc), acc_s);
-                acc_s = fma((floatV)(qc.y), LDS_LOADV(jv, kc + BLOCK_N), acc_s);
-                acc_s = fma((floatV)(qc.z), LDS_LOADV(jv, kc + 2 * BLOCK_N), acc_s);
-                acc_s = fma((floatV)(qc.w), LDS_LOADV(jv, kc + 3 * BLOCK_N), acc_s);
-                sv[jv] = acc_s;
+                sv[jv] = fma((floatV)(qc.x), LDS_LOADV(jv, kc), sv[jv]);
+                s1[jv] = fma((floatV)(qc.y), LDS_LOADV(jv, kc + BLOCK_N), s1[jv]);
+                s2[jv] = fma((floatV)(qc.z), LDS_LOADV(jv, kc + 2 * BLOCK_N), s2[jv]);
+                s3[jv] = fma((floatV)(qc.w), LDS_LOADV(jv, kc + 3 * BLOCK_N), s3[jv]);
             }
         }
+#if SCORE_CHAINS == 4
+        UNROLL_VEC
+        for (int jv = 0; jv < BNV; ++jv)
+            sv[jv] = (sv[jv] + s1[jv]) + (s2[jv] + s3[jv]);
+#else
+#undef s1
+#undef s2
+#undef s3
+#endif
 
         /* the variants' scores, then mask the tile edge, the diagonal, the window and the mask;
          * then the tile max */

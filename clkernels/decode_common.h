@@ -97,26 +97,9 @@ static inline float recip_approx(const float x)
 #endif
 
 #if SOFTCAP
-/* The softcap of a score s in log2 units: c2 tanh(s / c2), c2 = c log2(e), within ~2.5e-7 of
- * tanh relative. |x| >= 0.55: tanh(x) = 1 - 2 / (1 + 2^(2 log2(e) x)) from the hardware's exp2 and
- * reciprocal approximations (a precise division or libm tanh per score made an fp32 decode.cl
- * 1.6x slower on an H200); below, where 1 - 2 / (...) cancels (an absolute error of c2 2^-23: 1e-3
- * at a cap of 1e4), x (1 + x^2 P(x^2)), P a least-squares fit of (tanh(x) / x - 1) / x^2 on
- * [0, 0.55]. `inv_cap` is 1 / c2, loop-invariant. */
+#include "softcap.h"
+/* `inv_cap` is 1 / c2, loop-invariant */
 #define SOFTCAP_ARGS softcap_log2, 1.0f / softcap_log2
-/* The function for scores of type T (float, or a vector of a tile's scores: decode_cpu.cl) with
- * the given 2^x and 1/x */
-#define FLASHCL_SOFTCAP_FN(T, NAME, EXP2, RECIP)                                                \
-static inline T NAME(const T s, const float cap_log2, const float inv_cap)                        \
-{                                                                                                \
-    const T x = s * inv_cap;                                                                     \
-    const T tanh_far = fma((T)(-2.0f), RECIP((T)(1.0f) + EXP2(x * (2.0f * M_LOG2E_F))), (T)(1.0f)); \
-    const T x2 = x * x;                                                                          \
-    const T p = fma(fma(fma((T)(0.017424671f), x2, (T)(-0.053210378f)), x2, (T)(0.133293122f)), x2, \
-                    (T)(-0.333333105f));                                                         \
-    const T tanh_near = fma(x * x2, p, x);                                                       \
-    return cap_log2 * (fabs(x) < 0.55f ? tanh_near : tanh_far);                                  \
-}
 FLASHCL_SOFTCAP_FN(float, softcap_score, exp2_approx, recip_approx)
 #define SOFTCAP_SCORE(s) softcap_score((s), SOFTCAP_ARGS)
 #else

@@ -84,6 +84,11 @@
 
 #include "storage.h"
 #include "vec.h"
+#if HAS_SOFTCAP
+#include "softcap.h"
+FLASHCL_SOFTCAP_FN(floatV, softcap_vec, native_exp2, native_recip)
+#endif
+
 /* Chains of dependent FMAs each score vector is summed in (1 or 4): 4 on CPUs, whose two FMA units
  * idle on one chain's latency (d=128: 1.48x, docs/notes/pocl-prefill.md); 1 on GPUs, where other
  * work-items hide it and registers are scarce */
@@ -272,7 +277,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
             visible = visible & (col >= (intV)(key_lo)) & (col <= (intV)(key_hi));
 #endif
 #if HAS_SOFTCAP
-            sv[jv] = (floatV)(softcap_log2) * tanh(sv[jv] * inv_softcap);
+            sv[jv] = softcap_vec(sv[jv], softcap_log2, inv_softcap);
 #endif
 #if HAS_ALIBI
             sv[jv] -= slope_log2 * FLASHCL_CAT(convert_float, VEC)(abs(col - (intV)(pos)));

@@ -80,6 +80,10 @@
 #endif
 
 #include "storage.h"
+#if HAS_SOFTCAP
+#include "softcap.h"
+FLASHCL_SOFTCAP_FN(float, softcap_score, native_exp2, native_recip)
+#endif
 
 #define floatTM FLASHCL_CAT(float, TILE_M)
 #define floatTN FLASHCL_CAT(float, TILE_N)
@@ -262,7 +266,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                 visible = visible && col >= pos - win_left && col <= pos + right_bound;
 #endif
 #if HAS_SOFTCAP
-                s[a][b] = softcap_log2 * tanh(s[a][b] * inv_softcap);
+                s[a][b] = softcap_score(s[a][b], softcap_log2, inv_softcap);
 #endif
 #if HAS_ALIBI
                 s[a][b] -= slope_log2 * (float)abs(col - pos);

@@ -153,6 +153,24 @@ def test_variant_matches_oracle(cl_device, layout, case):
     check_variants(cl_device, layout, case[0], case[1], "float32")
 
 
+@pytest.mark.parametrize("params", [LAYOUTS["rows"], dict(LAYOUTS["rows"], BLOCK_N=32, VEC=16), LAYOUTS["tiles"]],
+                         ids=["rows", "rows-vec16", "tiles"])
+def test_softcap_range_fp32(cl_device, params):
+    """The softcap without libm's tanh (softcap.h: a polynomial near 0, the exp2 / reciprocal
+    form beyond) keeps fp32's tolerance from a cap far below the logits (every score near +-cap)
+    to one far above them (the cap inactive), scores on both sides of its 0.55 switch."""
+    b, h_q, h_kv, n_q, n_kv, dk, dv = SHAPE
+    rng = _rng("softcap range", sorted(params.items()))
+    q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, np.float32)
+    q *= 2.0  # logits of +-30 and more
+    for cap in (0.05, 1.0, 30.0, 1e4):
+        var = Variants(softcap=cap)
+        run = Runner(cl_device, q, k, v, n_kv, True, params, var)
+        out, lse = run(q, k, v, var)
+        ref_out, ref_lse = oracle(q, k[:, :, :n_kv], v[:, :, :n_kv], True, var)
+        assert_matches(out, lse, ref_out, ref_lse, "float32", f"softcap {cap} {params}")
+
+
 @pytest.mark.parametrize("case", [ALL_BOOL, ALL_ADD], ids=["all-bool-causal", "all-add"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_variants_half_storage(cl_device, layout, case):

@@ -89,9 +89,9 @@
 FLASHCL_SOFTCAP_FN(floatV, softcap_vec, native_exp2, native_recip)
 #endif
 
-/* Chains of dependent FMAs each score vector is summed in (1 or 4): 4 on CPUs, whose two FMA units
- * idle on one chain's latency (d=128: 1.48x, docs/notes/pocl-prefill.md); 1 on GPUs, where other
- * work-items hide it and registers are scarce */
+/* Chains of dependent FMAs each score vector is summed in (1 or 4): 4 where the loops stay rolled
+ * (CPUs; any PoCL device), whose FMA units idle on one chain's latency (d=128: 1.48x,
+ * docs/notes/pocl-prefill.md); 1 on GPUs, where other work-items hide it and registers are scarce */
 #ifndef SCORE_CHAINS
 #define SCORE_CHAINS (UNROLL_LOOPS ? 1 : 4)
 #endif

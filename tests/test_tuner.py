@@ -223,15 +223,16 @@ def test_defaults_that_fit_are_unchanged():
     assert d256["Q_IN_REGS"] == 0 and tuning.private_floats("prefill", d256, 256, 256) <= 192
 
 
-@pytest.mark.parametrize("d, block_n", [(64, 64), (96, 64), (128, 32), (192, 32), (256, 64)])
-def test_cpu_prefill_tiles_stay_in_l1(d, block_n):
+@pytest.mark.parametrize("dk, dv, block_n", [(64, 64, 64), (96, 96, 64), (128, 128, 32), (192, 192, 32),
+                                              (256, 256, 64), (192, 128, 32), (64, 128, 64)])
+def test_cpu_prefill_tiles_stay_in_l1(dk, dv, block_n):
     """CPU defaults keep the K/V tiles every work-item re-reads within the core's L1, except where
     the row's q and accumulator overflow the vector registers (d=256: the largest tile)."""
     cpu = profiles.PROFILES["cpu"]
-    p = tuning.default_params("prefill", cpu, d, d, local_mem=1 << 20, max_work_group=4096)
-    assert (p["BLOCK_N"], p["DV_TILE"]) == (block_n, d)
-    in_l1 = 4 * p["BLOCK_N"] * (d + p["DV_TILE"]) <= cpu.tile_cache
-    assert in_l1 == (2 * d <= 3 * cpu.vector_floats // 4)
+    p = tuning.default_params("prefill", cpu, dk, dv, local_mem=1 << 20, max_work_group=4096)
+    assert (p["BLOCK_N"], p["DV_TILE"]) == (block_n, dv)
+    in_l1 = 4 * p["BLOCK_N"] * (dk + p["DV_TILE"]) <= cpu.tile_cache
+    assert in_l1 == (dk + dv <= 3 * cpu.vector_floats // 4)
 
 
 # --------------------------------------------------------------------------- plot

@@ -33,7 +33,6 @@ class DeviceProfile:
                             # compiler has shown it
     tile_cache: int = 0     # CPUs: the L1 data cache of a core, which the K/V tiles every work-item
                             # re-reads should fit (local memory is ordinary memory); 0 = no bound
-    vector_floats: int = 0  # CPUs: floats the vector registers hold (a row's q and accumulator live there)
 
     sources: tuple[str, ...] = field(default=())
     notes: str = ""
@@ -128,12 +127,11 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile(
         "cpu", "cpu", regs_hard=4096, regs_budget=4096, local_mem=1024 * 1024, subgroup=8,
         max_work_group=4096, fp16=False, simd=16, prefill_variants=("rows",),
-        decode_variants=("rows",), tile_cache=48 * 1024, vector_floats=32 * 16,
+        decode_variants=("rows",), tile_cache=48 * 1024,
         sources=("PoCL pthread device: local memory is ordinary memory; private arrays live in the "
                  "work-group context, so there is no register cliff",
                  "AMD Zen 5 and Intel cores since Sunny Cove: 48 KiB L1 data cache per core (32 KiB on "
-                 "Zen 4 and older x86, 64-128 KiB on recent Arm and Apple cores)",
-                 "AVX-512: 32 vector registers of 16 floats"),
+                 "Zen 4 and older x86, 64-128 KiB on recent Arm and Apple cores)"),
         notes="PoCL / CPU drivers"),
 )}
 

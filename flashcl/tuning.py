@@ -362,17 +362,14 @@ def _prefill_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
     for scores and accumulators (4 on GPUs: one float4 per work-item). Where q in registers leaves
     no room (d=256 on every GPU profile), q is re-read per KV tile, and below that the output
     passes narrow to 4 columns; where nothing fits, the fewest registers. On CPUs (a profile with
-    ``tile_cache``) the K/V tiles also stay within the core's L1, unless the row's q and
-    accumulator already overflow the vector registers (DK + DV_TILE above 3/4 of ``vector_floats``)."""
+    ``tile_cache``) the K/V tiles also stay within the core's L1."""
     block_m = min(64, lim["max_work_group"])
     room = register_room(profile)
 
     def in_cache(p):
-        # CPUs: each work-item re-reads the K/V tiles, best from L1 (d=128: BLOCK_N 32 1.07-1.14x
-        # faster than 64 on one thread). Not where the row's q and accumulator overflow the vector registers
-        # (d=256): then the largest tile amortizes their reloads (docs/notes/pocl-prefill.md)
-        return (not profile.tile_cache or dims.dk + p["DV_TILE"] > 3 * profile.vector_floats // 4
-                or _rows_local_bytes(p, dims.dk) <= profile.tile_cache)
+        # CPUs: each work-item re-reads the K/V tiles, best from L1 (BLOCK_N 32 against 64 at d=128
+        # 1.07-1.14x faster on one thread, 16 at d=256 1.2x: docs/notes/pocl-prefill.md)
+        return not profile.tile_cache or _rows_local_bytes(p, dims.dk) <= profile.tile_cache
 
     def fits(p):
         return (_prefill_private_floats(p, dims) <= room

@@ -155,12 +155,9 @@ static inline floatV quant_vec(const int fmt, const qrow_t r, const int e)
 
 /* PREFETCH: how many tiles ahead rows are prefetched, where the compiler lowers a prefetch to an
  * instruction (a CPU's clang); 0 elsewhere (compiled out). 1, 2 and 4 timed alike on PoCL. */
+#include "target.h"
 #ifndef PREFETCH
-#if defined(__x86_64__) || defined(__aarch64__)
-#define PREFETCH 1
-#else
-#define PREFETCH 0
-#endif
+#define PREFETCH FLASHCL_CPU_BUILD
 #endif
 #if PREFETCH
 /* every 64-byte line a row touches, from the line its first byte is in (quantized rows are not

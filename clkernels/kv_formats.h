@@ -4,6 +4,8 @@
 #ifndef FLASHCL_KV_FORMATS_H
 #define FLASHCL_KV_FORMATS_H
 
+#include "target.h"
+
 #ifndef K_QUANT
 #define K_QUANT 0         // K cache format: 0 store_t rows, 1 q8_0, 2 q4_0, 3 int8
 #endif
@@ -74,7 +76,7 @@ FLASHCL_AS_STORED(16)
  * 20 instructions, its vector form one instruction. */
 static inline float ggml_block_d(__global const uchar *blk)
 {
-#if defined(__x86_64__) || defined(__aarch64__)
+#if FLASHCL_CPU_BUILD
     ushort4 bits = (ushort4)(*(__global const ushort *)blk);
     return vload_half4(0, (const __private half *)&bits).s0;
 #else

@@ -14,7 +14,9 @@
 #ifndef FLASHCL_SOFTCAP_H
 #define FLASHCL_SOFTCAP_H
 
-#if defined(__x86_64__) || defined(__aarch64__)
+#include "target.h"
+
+#if FLASHCL_CPU_BUILD
 /* NAME(s, cap_log2, inv_cap) for scores of type T (a float or a vector of them: the ternary
  * selects lane by lane) with the given 2^x (unused here) and 1/x; inv_cap = 1 / cap_log2 */
 #define FLASHCL_SOFTCAP_FN(T, NAME, EXP2, RECIP)                                                \

@@ -983,14 +983,13 @@ _parsed: dict[str, tuple] = {}
 _parsed_lock = threading.Lock()
 
 
-def _load(path: Path) -> _DbFile | None:
+def _load(path: "str | Path") -> _DbFile | None:
     """The parsed file, None if it does not exist."""
-    path = Path(path)
     # Stat before reading: a write racing the read leaves a stamp newer than the one cached, so
     # the next call parses again. os.replace gives every save a new inode, so two saves of the
     # same size within one clock tick still differ.
     try:
-        st = path.stat()
+        st = os.stat(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -1000,7 +999,7 @@ def _load(path: Path) -> _DbFile | None:
         hit = _parsed.get(str(path))
         if hit is None or hit[0] != stamp:
             try:
-                hit = (stamp, _parse(path))
+                hit = (stamp, _parse(Path(path)))
             except TuningDatabaseError as exc:
                 hit = (stamp, exc)
             _parsed[str(path)] = hit
@@ -1023,11 +1022,19 @@ def _files(folder: Path) -> list[_DbFile]:
     """The folder's database files (every ``*.json`` name, in order; one that is not a regular
     file is _load's error); none where the folder does not exist or cannot be listed."""
     try:
-        names = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".json"))
+        with os.scandir(folder) as listing:
+            paths = sorted(e.path for e in listing if e.name.endswith(".json"))
     except OSError:
         return []
-    found = (_load(folder / n) for n in names)
+    found = (_load(p) for p in paths)
     return [db for db in found if db is not None]  # None: removed since the listing
+
+
+def database_files() -> tuple:
+    """The parsed files a lookup reads now: the user folder's, then the shipped folder's. Each
+    version of a file is parsed once and kept (``_load``), so the same objects mean the same
+    database, and a result computed from them still holds (DeviceHandle.chosen)."""
+    return tuple(tuple(_files(folder)) for folder in (user_tuning_dir(), shipped_tuning_dir()))
 
 
 def _copy_entry(e: dict) -> dict:
@@ -1139,7 +1146,7 @@ def lookup(kernel: str, dev: DeviceKey, *, dtype: str, dk: int, dv: int, causal:
     device) is skipped with a warning naming the file; the next match or the defaults are used.
     """
     problem = _problem_key(kernel, dtype, dk, dv, causal)
-    files_by_folder = [_files(folder) for folder in (user_tuning_dir(), shipped_tuning_dir())]
+    files_by_folder = database_files()
     bucket = seq_bucket(n)
     for level, match in _LEVELS:
         for files in files_by_folder:

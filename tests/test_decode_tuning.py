@@ -223,9 +223,13 @@ def test_a_failed_rows_probe_defaults_to_decode_cl(cpu_device, monkeypatch):
     h = runtime.get_device(cpu_device)
     real = probe.capabilities(h.device)
     prob = DecodeProblem(1, 8, 2, 64, 64, True, "float32")
+    # choices are kept per handle, and a real device's probe verdicts never change in a process:
+    # the simulated ones get choices of their own, dropped with the test
+    monkeypatch.setattr(h, "choices", type(h.choices)())
     for failing in ("decode-rows", "decode"):
         caps = probe.Capabilities({**real.verdicts, failing: probe.Verdict(False, "error: simulated " + failing)})
         monkeypatch.setattr(runtime, "capabilities", lambda dev, caps=caps: caps)
+        h.choices.clear()
         params = choose_params(h, prob, None, 256).params
         assert cl_decode.is_rows(params) == (failing == "decode"), (failing, params)
     with pytest.raises(KernelBuildError, match="simulated decode"):

@@ -71,8 +71,7 @@ def test_bad_prefill_entry_falls_back_to_defaults(cpu_device, tuning_dir, params
     assert got.params == default.params and got.source.startswith("profile default")
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((4, 100, 64), (2, 100, 64), (2, 100, 64)))
-    with pytest.warns(UserWarning, match=r"hand\.json"):
-        out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)
+    out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)  # the same choice, warned about once
     assert_close(out, reference.attention(q, k, v, causal=True), "float32", f"prefill with {params}")
 
 
@@ -94,8 +93,7 @@ def test_bad_decode_entry_falls_back_to_defaults(cpu_device, tuning_dir, params,
     k = rng.standard_normal((12, 16, 2, 64)).astype(np.float16)
     v = rng.standard_normal((12, 16, 2, 64)).astype(np.float16)
     table = rng.permutation(12)[:10].reshape(2, 5).astype(np.int32)
-    with pytest.warns(UserWarning, match=r"hand\.json"):
-        out = flashcl.decode(q, k, v, block_table=table, context_lens=lens, num_splits=3, device=cpu_device)
+    out = flashcl.decode(q, k, v, block_table=table, context_lens=lens, num_splits=3, device=cpu_device)
     ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens)
     assert_close(out, ref, "float16", f"decode with {params}")
 
@@ -113,6 +111,34 @@ def test_valid_decode_entry_is_used(cpu_device, tuning_dir):
     _write(tuning_dir, "decode", h, params, dtype="float16", dk=64, dv=64, causal=False, n=70)
     got = choose_params(h, prob, n_ctx=70)
     assert got.params == params and "hand.json" in got.source
+
+
+def test_a_handle_keeps_its_choices_while_the_database_is_unchanged(cpu_device, tuning_dir, monkeypatch):
+    """A call looks the database up once per problem class and length bucket while its files are
+    the same versions (the lookup and its checks cost more than the rest of a small PoCL call);
+    a file written since, in place or by the tuner's save, is seen at the next call."""
+    from flashcl.opencl.decode import DecodeProblem, choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    prob = DecodeProblem(2, 8, 2, 64, 64, True, "float16")
+    lookups = []
+    real = tuning.lookup
+    monkeypatch.setattr(tuning, "lookup", lambda *a, **kw: lookups.append(kw["n"]) or real(*a, **kw))
+    first = choose_params(h, prob, n_ctx=70)
+    assert all(choose_params(h, prob, n_ctx=n) is first for n in (70, 65, 128))  # one bucket
+    assert lookups == [70]
+    choose_params(h, prob, n_ctx=5000)
+    assert lookups == [70, 5000]
+    written = {"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 32}
+    _write(tuning_dir, "decode", h, written, dtype="float16", dk=64, dv=64, causal=False, n=70)
+    assert choose_params(h, prob, n_ctx=70).params == written
+    saved = {"ROWS": 4, "UNROLL": 1, "HEAD_TILE": 1, "MERGE_WG": 64}
+    key = tuning.DeviceKey.of(h.name, h.device.opencl_c_version, h.device.vendor, h.profile.name)
+    tuning.save_entry(tuning.make_entry("decode", key, dtype="float16", dk=64, dv=64, causal=False, n=70,
+                                        params=saved, provenance={"mode": "measured"}), tuning_dir / "hand.json")
+    assert choose_params(h, prob, n_ctx=70).params == saved
+    assert len(lookups) == 4
 
 
 # --------------------------------------------------------------------------- the database files

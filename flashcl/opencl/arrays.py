@@ -3,6 +3,8 @@ numpy / torch CPU / pyopencl inputs to device arrays the kernels can address."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -31,8 +33,36 @@ def elem_strides(arr: cla.Array) -> tuple[int, ...]:
     return tuple(s // arr.dtype.itemsize for s in arr.strides)
 
 
-def to_device_4d(x, queue, rank: int) -> cla.Array:
-    """numpy / torch CPU / pyopencl Array -> 4-D pyopencl Array with a contiguous head dim."""
+class HostCopy:
+    """A call's own device buffer, C-contiguous: a host input's copy, or a result to read back.
+    It has the attributes the launches read of a pyopencl Array (base_data, data, offset, shape,
+    strides, dtype, queue), for a fraction of the cost: pyopencl's Array constructor checks the
+    shape through numpy (~10 us), and a call on host arrays made six."""
+
+    __slots__ = ("queue", "base_data", "shape", "dtype", "strides")
+    offset = 0
+
+    def __init__(self, queue, buf, shape, dtype):
+        self.queue, self.base_data, self.shape, self.dtype = queue, buf, tuple(shape), np.dtype(dtype)
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= n
+        self.strides = tuple(reversed(strides))
+
+    @property
+    def data(self) -> cl.Buffer:
+        return self.base_data
+
+    @classmethod
+    def empty(cls, queue, shape, dtype) -> "HostCopy":
+        return cls(queue, cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes(shape, dtype), 1)),
+                   shape, dtype)
+
+
+def to_device_4d(x, queue, rank: int):
+    """numpy / torch CPU / pyopencl Array -> 4-D device array with a contiguous head dim: the
+    pyopencl Array itself, or a HostCopy of the host array."""
     if isinstance(x, cla.Array):
         if rank == 3:
             if not x.flags.c_contiguous:
@@ -51,7 +81,7 @@ def to_device_4d(x, queue, rank: int) -> cla.Array:
     host = native_host(x)
     if rank == 3:
         host = host[None]
-    return host_to_device(queue, host)
+    return host_copy(queue, host)
 
 
 def _host_memory(queue) -> bool:
@@ -61,15 +91,23 @@ def _host_memory(queue) -> bool:
     return bool(queue.device.type & cl.device_type.CPU)
 
 
-def host_to_device(queue, host: np.ndarray) -> cla.Array:
+def host_copy(queue, host: np.ndarray) -> HostCopy:
     """A C-contiguous host array on the device: on a CPU device a buffer filled at its creation
-    (COPY_HOST_PTR, no queue command), elsewhere a write on the queue."""
+    (COPY_HOST_PTR, no queue command), elsewhere a blocking write on the queue."""
     if host.nbytes == 0:
-        return cla.empty(queue, host.shape, host.dtype)
+        return HostCopy.empty(queue, host.shape, host.dtype)
     if not _host_memory(queue):
-        return cla.to_device(queue, host)
+        copy = HostCopy.empty(queue, host.shape, host.dtype)
+        cl.enqueue_copy(queue, copy.base_data, host, is_blocking=True)
+        return copy
     buf = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
-    return cla.Array(queue, host.shape, host.dtype, data=buf)
+    return HostCopy(queue, buf, host.shape, host.dtype)
+
+
+def host_to_device(queue, host: np.ndarray) -> cla.Array:
+    """host_copy as a pyopencl Array (what a QuantizedTensor on the device holds)."""
+    copy = host_copy(queue, host)
+    return cla.Array(queue, host.shape, host.dtype, data=copy.base_data)
 
 
 def device_to_host(*arrays: cla.Array) -> list[np.ndarray]:
@@ -111,7 +149,7 @@ def check_fits(handle: DeviceHandle, buffers: dict) -> None:
 
 
 def nbytes(shape, dtype) -> int:
-    return int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+    return math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
 
 
 def wait_for_inputs(queue, tensors) -> None:

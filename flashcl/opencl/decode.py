@@ -33,8 +33,9 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
-from .arrays import (attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs, host_to_device,
-                     native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
+from .arrays import (HostCopy, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
+                     host_copy, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
+                     QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, probe_errors, spill_report
 
 KERNEL = "decode"
@@ -217,7 +218,15 @@ class DecodeProblem:
 
 def choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None = None,
                   n_ctx: int = 0) -> tuning.Choice:
-    """User override, else the tuning database (kernel "decode"), else the default; validated."""
+    """User override, else the tuning database (kernel "decode"), else the default; validated.
+    Without an override the choice is kept on the handle per problem class and length bucket."""
+    if params is None:
+        return handle.chosen((KERNEL, prob, tuning.seq_bucket(max(n_ctx, 1))),
+                             lambda: _choose_params(handle, prob, None, n_ctx))
+    return _choose_params(handle, prob, params, n_ctx)
+
+
+def _choose_params(handle: DeviceHandle, prob: DecodeProblem, params: dict | None, n_ctx: int) -> tuning.Choice:
     def errors(p):
         return check_params(p, prob.group, prob.dk, prob.dv, prob.dtype, local_mem=handle.local_mem,
                             max_work_group=handle.max_work_group) or probe_errors(handle, KERNEL, prob.dtype, p)
@@ -365,7 +374,7 @@ class DecodeVariants:
         kernels that use them have run."""
         left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
-        arrays = [x if x is None or isinstance(x, cla.Array) else host_to_device(queue, x)
+        arrays = [x if x is None or isinstance(x, cla.Array) else host_copy(queue, x)
                   for x in (self.sinks, self.alibi_slopes)]
         return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
 
@@ -809,7 +818,7 @@ def _host(x) -> np.ndarray:
 
 def _int_to_device(x, queue, fill=None, shape=None):
     if x is None:
-        return host_to_device(queue, np.full(shape, fill, dtype=np.int32))
+        return host_copy(queue, np.full(shape, fill, dtype=np.int32))
     if isinstance(x, cla.Array):
         if not x.flags.c_contiguous:
             raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
@@ -817,7 +826,7 @@ def _int_to_device(x, queue, fill=None, shape=None):
             raise TypeError(f"block_table/context_lens: a pyopencl Array of dtype {x.dtype.str} is not "
                             "in the device's byte order")
         return x
-    return host_to_device(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
+    return host_copy(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
 
 
 def max_context(geo: dict, context_lens) -> int:
@@ -877,13 +886,14 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
             raise TypeError(f"q: a pyopencl Array of dtype {q.dtype.str} is not in the device's byte order")
         qd = q
     else:
-        qd = host_to_device(queue, native_host(q))
+        qd = host_copy(queue, native_host(q))
     kd, vd = (quantized_to_device(t, queue) if isinstance(t, QuantizedTensor) else to_device_4d(t, queue, 4)
               for t in (k_cache, v_cache))
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,)) if geo["paged"] else lens_d
-    out = cla.empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
-    lse = cla.empty(queue, (b, h_q), np.float32)
+    empty = cla.empty if is_cl else HostCopy.empty
+    out = empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
+    lse = empty(queue, (b, h_q), np.float32)
     wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens))
     events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits, variants=var)
 

@@ -12,8 +12,9 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..variants import Variants, mask_block_map
-from .arrays import (attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs, host_to_device,
-                     native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs, QUANT_CODES)
+from .arrays import (HostCopy, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
+                     host_copy, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
+                     QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
@@ -48,7 +49,14 @@ class PrefillProblem:
 
 
 def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | None = None) -> tuning.Choice:
-    """User override, else the tuning database, else the profile default; always validated."""
+    """User override, else the tuning database, else the profile default; always validated.
+    Without an override the choice is kept on the handle per problem (DeviceHandle.chosen)."""
+    if params is None:
+        return handle.chosen((KERNEL, prob), lambda: _choose_params(handle, prob, None))
+    return _choose_params(handle, prob, params)
+
+
+def _choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | None) -> tuning.Choice:
     def errors(p):
         return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
                                    max_work_group=handle.max_work_group) or probe_errors(handle, KERNEL, prob.dtype, p)
@@ -264,7 +272,7 @@ class PrefillKernel:
         softcap = variants.softcap if variants is not None and variants.softcap is not None else 1.0
 
         def upload(x):
-            return dummy if x is None else host_to_device(queue, np.ascontiguousarray(x)).base_data
+            return dummy if x is None else host_copy(queue, np.ascontiguousarray(x)).base_data
 
         sinks = upload(None if variants is None else variants.sinks)
         alibi = upload(None if variants is None else variants.alibi_slopes)
@@ -372,18 +380,22 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     qd = to_device_4d(q, queue, rank)
     kd, vd = (to_device_4d(t, queue, rank) if fmt is None else _quantized_to_device(t, queue, rank)
               for t, fmt in ((k, k_fmt), (v, v_fmt)))
-    out = cla.empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
-    lse = cla.empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
+    empty = cla.empty if is_cl else HostCopy.empty
+    out = empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
+    lse = empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, list(inputs.values()))
     event = kern(qd, kd, vd, out, lse, scale, variants=variants)
 
-    if rank == 3:
-        out = out.reshape(h_q, n_q, dv)
-        lse = lse.reshape(h_q, n_q) if lse is not None else None
     if is_cl:
+        if rank == 3:
+            out = out.reshape(h_q, n_q, dv)
+            lse = lse.reshape(h_q, n_q) if lse is not None else None
         attach_events((out, lse), [event])
         return (out, lse) if return_lse else out
     out_h, lse_h = device_to_host(out, lse) if lse is not None else (*device_to_host(out), None)
+    if rank == 3:
+        out_h = out_h.reshape(h_q, n_q, dv)
+        lse_h = lse_h.reshape(h_q, n_q) if lse_h is not None else None
     if hasattr(q, "detach"):  # torch CPU in, torch out
         import torch
 

@@ -50,6 +50,9 @@ class DeviceHandle:
     # the split-k partial states of every decode on this queue, and flash_decode_fused's arrival
     # counts (zeroed; each launch leaves them at zero).
     scratch_buffers: dict = field(default_factory=dict)
+    # Tile choices by (kernel, problem class, sequence bucket), with the tuning database files
+    # they were chosen from (chosen()): the lookup and its validation cost ~70 us a call on PoCL.
+    choices: OrderedDict = field(default_factory=OrderedDict)
 
     def reuse(self, kind: str, key, make):
         """The ``kind`` wrapper kept under ``key``, else ``make()``'s, kept; a kept one whose kernel
@@ -70,6 +73,26 @@ class DeviceHandle:
             while len(lru) > MAX_PROGRAMS:
                 lru.popitem(last=False)
         return made
+
+    def chosen(self, key, choose):
+        """``choose()``'s tuning.Choice for ``key``, kept while the tuning database's files are the
+        ones it was chosen from (a file the tuner rewrites is a new version, seen at the next call)."""
+        from .. import tuning
+
+        files = tuning.database_files()
+        with _lock:
+            held = self.choices.get(key)
+            if held is not None and held[0] == tuple(map(id, _flat(files))):
+                self.choices.move_to_end(key)
+                return held[2]
+        choice = choose()
+        with _lock:
+            # the files themselves are held, so that their ids are not reused while the entry lives
+            self.choices[key] = (tuple(map(id, _flat(files))), files, choice)
+            self.choices.move_to_end(key)
+            while len(self.choices) > MAX_CHOICES:
+                self.choices.popitem(last=False)
+        return choice
 
     def scratch(self, name: str, nbytes: int, *, zeroed: bool = False) -> cl.Buffer:
         """A buffer of at least ``nbytes`` for a call's intermediate values, shared by every call
@@ -99,6 +122,7 @@ class DeviceHandle:
         with _lock:
             self.wrappers.clear()
             self.scratch_buffers.clear()
+            self.choices.clear()
 
     @property
     def name(self) -> str:
@@ -150,7 +174,13 @@ class DeviceHandle:
 # used dropped first (a later call with that queue simply builds a new handle).
 _handles: OrderedDict = OrderedDict()
 MAX_HANDLES = 16
+# Tile choices a handle keeps (DeviceHandle.chosen): problem classes times sequence buckets.
+MAX_CHOICES = 256
 _lock = threading.RLock()
+
+
+def _flat(files) -> list:
+    return [db for folder in files for db in folder]
 
 
 def _all_devices():
@@ -261,6 +291,21 @@ def _default_device():
     return _first_usable(gpus + [d for d in devices if d not in gpus])
 
 
+# Devices by the string that named them (None: the default): the platforms a process sees do not
+# change, and matching a name lists them all and probes the candidates (~15 us a call).
+_named: dict = {}
+
+
+def _named_device(spec: str | None) -> cl.Device:
+    with _lock:
+        dev = _named.get(spec)
+    if dev is None:
+        dev = _match(spec) if spec is not None else _default_device()
+        with _lock:
+            _named[spec] = dev
+    return dev
+
+
 def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle:
     if queue is not None and queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
         raise ValueError("flashcl needs an in-order command queue: a call's kernels (split-k, then its "
@@ -303,11 +348,9 @@ def get_device(spec=None) -> DeviceHandle:
     if isinstance(spec, cl.Device):
         return _handle_for_device(spec)
     if spec is None:
-        env = os.environ.get("FLASHCL_DEVICE")
-        dev = _match(env) if env else _default_device()
-        return _handle_for_device(dev)
-    if isinstance(spec, str):
-        return _handle_for_device(_match(spec))
+        spec = os.environ.get("FLASHCL_DEVICE") or None
+    if spec is None or isinstance(spec, str):
+        return _handle_for_device(_named_device(spec))
     raise TypeError(f"device: expected None, a string, or a pyopencl Device/Context/CommandQueue; "
                     f"got {type(spec).__name__}")
 
@@ -342,8 +385,8 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _sources: dict = {}
 
 
-def _stamp(path: Path) -> tuple:
-    st = path.stat()
+def _stamp(path: "str | Path") -> tuple:
+    st = os.stat(path)
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
@@ -356,7 +399,7 @@ def _source_with_includes(name: str) -> tuple[str, str]:
             return hit[0], hit[1]
     except OSError:
         pass
-    stamps = [(root / name, _stamp(root / name))]
+    stamps = [(str(root / name), _stamp(root / name))]
     text = (root / name).read_text()
     digest = hashlib.sha256(text.encode())
     seen, todo = set(), _INCLUDE_RE.findall(text)
@@ -365,7 +408,7 @@ def _source_with_includes(name: str) -> tuple[str, str]:
         if inc in seen:
             continue
         seen.add(inc)
-        stamps.append((root / inc, _stamp(root / inc)))
+        stamps.append((str(root / inc), _stamp(root / inc)))
         inc_text = (root / inc).read_text()
         digest.update(inc.encode() + inc_text.encode())
         todo.extend(_INCLUDE_RE.findall(inc_text))

@@ -377,10 +377,34 @@ def test_host_transfers_round_trip(cl_device):
     hosts = [rng.standard_normal((3, 5, 7)).astype(np.float32), rng.standard_normal(17).astype(np.float16),
              rng.integers(-9, 9, (4, 6), dtype=np.int32), rng.integers(0, 255, 33, dtype=np.uint8),
              np.zeros((0, 4), np.float32)]
-    devs = [host_to_device(h.queue, x) for x in hosts]
-    for x, d, back in zip(hosts, devs, device_to_host(*devs)):
-        assert back.dtype == x.dtype and back.shape == x.shape and np.array_equal(back, x)
-        assert np.array_equal(d.get(), x)
+    for borrow in (False, True):  # filled at creation, or (a waiting call's inputs) the host memory itself
+        devs = [host_to_device(h.queue, x, borrow=borrow) for x in hosts]
+        for x, d, back in zip(hosts, devs, device_to_host(*devs)):
+            assert back.dtype == x.dtype and back.shape == x.shape and np.array_equal(back, x)
+            assert np.array_equal(d.get(), x)
     whole = cla.to_device(h.queue, np.arange(24, dtype=np.float32))
     (tail,) = device_to_host(whole[8:].reshape(4, 4))
     assert np.array_equal(tail, np.arange(8, 24, dtype=np.float32).reshape(4, 4))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_host_inputs_at_any_address_are_read_right(cpu_device, dtype):
+    """A call on host arrays reads them in place on a CPU device (USE_HOST_PTR): arrays that start
+    at any element of a larger allocation, so at every alignment, give the oracle's result."""
+    rng = np.random.default_rng(21)
+
+    def at(offset, shape):
+        whole = rng.standard_normal(int(np.prod(shape)) + 8).astype(dtype)
+        return whole[offset:offset + int(np.prod(shape))].reshape(shape)
+
+    for offset in (0, 1, 3, 5):
+        q, k, v = at(offset, (1, 4, 37, 32)), at(offset + 1, (1, 2, 37, 32)), at(offset + 2, (1, 2, 37, 32))
+        out = flashcl.prefill(q, k, v, causal=True, device=cpu_device)
+        assert rel_err(out, reference.attention(q, k, v, causal=True)) <= TOL[dtype], offset
+        qd = at(offset, (2, 4, 32))
+        kc, vc = at(offset + 3, (5, 8, 2, 32)), at(offset, (5, 8, 2, 32))
+        table = rng.permutation(5)[:4].reshape(2, 2).astype(np.int32)
+        lens = np.array([16, 9], np.int32)
+        out = flashcl.decode(qd, kc, vc, block_table=table, context_lens=lens, device=cpu_device)
+        ref = reference.decode_attention(qd, kc, vc, block_table=table, context_lens=lens)
+        assert rel_err(out, ref) <= TOL[dtype], offset

@@ -33,11 +33,12 @@ def elem_strides(arr: cla.Array) -> tuple[int, ...]:
     return tuple(s // arr.dtype.itemsize for s in arr.strides)
 
 
-class HostCopy:
-    """A call's own device buffer, C-contiguous: a host input's copy, or a result to read back.
-    It has the attributes the launches read of a pyopencl Array (base_data, data, offset, shape,
-    strides, dtype, queue), for a fraction of the cost: pyopencl's Array constructor checks the
-    shape through numpy (~10 us), and a call on host arrays made six."""
+class HostBuffer:
+    """A call's own device buffer, C-contiguous: a host input (on a CPU device its memory itself,
+    elsewhere a copy), or a result to read back. It has the attributes the launches read of a
+    pyopencl Array (base_data, data, offset, shape, strides, dtype, queue), for a fraction of the
+    cost: pyopencl's Array constructor checks the shape through numpy (~10 us), and a call on host
+    arrays made six."""
 
     __slots__ = ("queue", "base_data", "shape", "dtype", "strides")
     offset = 0
@@ -55,14 +56,14 @@ class HostCopy:
         return self.base_data
 
     @classmethod
-    def empty(cls, queue, shape, dtype) -> "HostCopy":
+    def empty(cls, queue, shape, dtype) -> "HostBuffer":
         return cls(queue, cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes(shape, dtype), 1)),
                    shape, dtype)
 
 
-def to_device_4d(x, queue, rank: int):
+def to_device_4d(x, queue, rank: int, *, borrow: bool = False):
     """numpy / torch CPU / pyopencl Array -> 4-D device array with a contiguous head dim: the
-    pyopencl Array itself, or a HostCopy of the host array."""
+    pyopencl Array itself, or a HostBuffer of the host array (``borrow``: host_buffer's)."""
     if isinstance(x, cla.Array):
         if rank == 3:
             if not x.flags.c_contiguous:
@@ -81,7 +82,7 @@ def to_device_4d(x, queue, rank: int):
     host = native_host(x)
     if rank == 3:
         host = host[None]
-    return host_copy(queue, host)
+    return host_buffer(queue, host, borrow=borrow)
 
 
 def _host_memory(queue) -> bool:
@@ -91,23 +92,27 @@ def _host_memory(queue) -> bool:
     return bool(queue.device.type & cl.device_type.CPU)
 
 
-def host_copy(queue, host: np.ndarray) -> HostCopy:
-    """A C-contiguous host array on the device: on a CPU device a buffer filled at its creation
-    (COPY_HOST_PTR, no queue command), elsewhere a blocking write on the queue."""
+def host_buffer(queue, host: np.ndarray, *, borrow: bool = False) -> HostBuffer:
+    """A C-contiguous host array as the kernels' read-only input: on a CPU device a buffer filled
+    at its creation (COPY_HOST_PTR, no queue command), or with ``borrow`` the array's memory itself
+    (USE_HOST_PTR: PoCL took 14 ms to copy a 32 MB cache into fresh pages, more than the decode
+    that reads it); elsewhere a blocking write on the queue. ``borrow`` only where the call waits
+    for its kernels before it returns, as calls on host arrays do: ``host`` must outlive them."""
     if host.nbytes == 0:
-        return HostCopy.empty(queue, host.shape, host.dtype)
+        return HostBuffer.empty(queue, host.shape, host.dtype)
     if not _host_memory(queue):
-        copy = HostCopy.empty(queue, host.shape, host.dtype)
+        copy = HostBuffer.empty(queue, host.shape, host.dtype)
         cl.enqueue_copy(queue, copy.base_data, host, is_blocking=True)
         return copy
-    buf = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
-    return HostCopy(queue, buf, host.shape, host.dtype)
+    # Oclgrind (a CPU device too) counts a USE_HOST_PTR buffer's contents as never written
+    borrow = borrow and "oclgrind" not in queue.device.platform.name.lower()
+    flags = cl.mem_flags.READ_ONLY | (cl.mem_flags.USE_HOST_PTR if borrow else cl.mem_flags.COPY_HOST_PTR)
+    return HostBuffer(queue, cl.Buffer(queue.context, flags, hostbuf=host), host.shape, host.dtype)
 
 
-def host_to_device(queue, host: np.ndarray) -> cla.Array:
-    """host_copy as a pyopencl Array (what a QuantizedTensor on the device holds)."""
-    copy = host_copy(queue, host)
-    return cla.Array(queue, host.shape, host.dtype, data=copy.base_data)
+def host_to_device(queue, host: np.ndarray, *, borrow: bool = False) -> cla.Array:
+    """host_buffer as a pyopencl Array (what a QuantizedTensor on the device holds)."""
+    return cla.Array(queue, host.shape, host.dtype, data=host_buffer(queue, host, borrow=borrow).base_data)
 
 
 def device_to_host(*arrays: cla.Array) -> list[np.ndarray]:

@@ -33,8 +33,8 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
-from .arrays import (HostCopy, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
-                     host_copy, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
+from .arrays import (HostBuffer, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
+                     host_buffer, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
                      QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, probe_errors, spill_report
 
@@ -374,7 +374,7 @@ class DecodeVariants:
         kernels that use them have run."""
         left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
-        arrays = [x if x is None or isinstance(x, cla.Array) else host_copy(queue, x)
+        arrays = [x if x is None or isinstance(x, cla.Array) else host_buffer(queue, x)
                   for x in (self.sinks, self.alibi_slopes)]
         return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
 
@@ -738,10 +738,11 @@ def _quant_format(x, name: str) -> str | None:
     return x.fmt
 
 
-def quantized_to_device(qt: QuantizedTensor, queue) -> QuantizedTensor:
-    """The QuantizedTensor with data (and int8 scales) as pyopencl Arrays; pyopencl ones stay."""
+def quantized_to_device(qt: QuantizedTensor, queue, *, borrow: bool = False) -> QuantizedTensor:
+    """The QuantizedTensor with data (and int8 scales) as pyopencl Arrays; pyopencl ones stay
+    (``borrow``: host_buffer's)."""
     def dev(x):
-        return x if isinstance(x, cla.Array) else host_to_device(queue, native_host(x))
+        return x if isinstance(x, cla.Array) else host_to_device(queue, native_host(x), borrow=borrow)
 
     scales = dev(qt.scales) if qt.fmt == "int8" else None  # ggml scales live inside data
     return QuantizedTensor(dev(qt.data), scales, qt.fmt, tuple(qt.shape), qt.dtype)
@@ -816,9 +817,9 @@ def _host(x) -> np.ndarray:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
-def _int_to_device(x, queue, fill=None, shape=None):
+def _int_to_device(x, queue, fill=None, shape=None, *, borrow: bool = False):
     if x is None:
-        return host_copy(queue, np.full(shape, fill, dtype=np.int32))
+        return host_buffer(queue, np.full(shape, fill, dtype=np.int32))
     if isinstance(x, cla.Array):
         if not x.flags.c_contiguous:
             raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
@@ -826,7 +827,7 @@ def _int_to_device(x, queue, fill=None, shape=None):
             raise TypeError(f"block_table/context_lens: a pyopencl Array of dtype {x.dtype.str} is not "
                             "in the device's byte order")
         return x
-    return host_copy(queue, np.ascontiguousarray(_host(x), dtype=np.int32))
+    return host_buffer(queue, np.ascontiguousarray(_host(x), dtype=np.int32), borrow=borrow)
 
 
 def max_context(geo: dict, context_lens) -> int:
@@ -886,12 +887,13 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
             raise TypeError(f"q: a pyopencl Array of dtype {q.dtype.str} is not in the device's byte order")
         qd = q
     else:
-        qd = host_copy(queue, native_host(q))
-    kd, vd = (quantized_to_device(t, queue) if isinstance(t, QuantizedTensor) else to_device_4d(t, queue, 4)
+        qd = host_buffer(queue, native_host(q), borrow=True)  # a call on host arrays waits for its results
+    kd, vd = (quantized_to_device(t, queue, borrow=not is_cl) if isinstance(t, QuantizedTensor)
+              else to_device_4d(t, queue, 4, borrow=not is_cl)
               for t in (k_cache, v_cache))
-    lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,))
-    table_d = _int_to_device(block_table, queue, fill=0, shape=(1,)) if geo["paged"] else lens_d
-    empty = cla.empty if is_cl else HostCopy.empty
+    lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,), borrow=not is_cl)
+    table_d = _int_to_device(block_table, queue, fill=0, shape=(1,), borrow=not is_cl) if geo["paged"] else lens_d
+    empty = cla.empty if is_cl else HostBuffer.empty
     out = empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
     lse = empty(queue, (b, h_q), np.float32)
     wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens))

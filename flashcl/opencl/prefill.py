@@ -12,8 +12,8 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..variants import Variants, mask_block_map
-from .arrays import (HostCopy, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
-                     host_copy, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
+from .arrays import (HostBuffer, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
+                     host_buffer, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
                      QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
@@ -272,7 +272,7 @@ class PrefillKernel:
         softcap = variants.softcap if variants is not None and variants.softcap is not None else 1.0
 
         def upload(x):
-            return dummy if x is None else host_copy(queue, np.ascontiguousarray(x)).base_data
+            return dummy if x is None else host_buffer(queue, np.ascontiguousarray(x)).base_data
 
         sinks = upload(None if variants is None else variants.sinks)
         alibi = upload(None if variants is None else variants.alibi_slopes)
@@ -328,7 +328,7 @@ def _kv_operand(name: str, x, fmt: str | None, d: int) -> tuple:
     return data.base_data, _addressing(data), scales.base_data
 
 
-def _quantized_to_device(qt: QuantizedTensor, queue, rank: int) -> QuantizedTensor:
+def _quantized_to_device(qt: QuantizedTensor, queue, rank: int, *, borrow: bool = False) -> QuantizedTensor:
     """``qt`` with 4-D (B, H_kv, N, ...) data and int8 scales as pyopencl Arrays on ``queue``;
     pyopencl ones stay where they are. ggml scales live inside the data: not carried."""
     def dev(x):
@@ -340,7 +340,7 @@ def _quantized_to_device(qt: QuantizedTensor, queue, rank: int) -> QuantizedTens
                 x = x.reshape(1, *x.shape)
             return x
         host = native_host(x)
-        return host_to_device(queue, host[None] if rank == 3 else host)
+        return host_to_device(queue, host[None] if rank == 3 else host, borrow=borrow)
 
     shape = (1, *qt.shape) if rank == 3 else tuple(qt.shape)
     return QuantizedTensor(dev(qt.data), dev(qt.scales) if qt.fmt == "int8" else None, qt.fmt, shape, qt.dtype)
@@ -377,10 +377,12 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         lambda: PrefillKernel(handle, prob, choice.params, write_lse=return_lse, flags=flags))
 
     queue = handle.queue
-    qd = to_device_4d(q, queue, rank)
-    kd, vd = (to_device_4d(t, queue, rank) if fmt is None else _quantized_to_device(t, queue, rank)
+    # a call on host arrays waits for its results: its inputs' buffers may be their memory
+    qd = to_device_4d(q, queue, rank, borrow=not is_cl)
+    kd, vd = (to_device_4d(t, queue, rank, borrow=not is_cl) if fmt is None
+              else _quantized_to_device(t, queue, rank, borrow=not is_cl)
               for t, fmt in ((k, k_fmt), (v, v_fmt)))
-    empty = cla.empty if is_cl else HostCopy.empty
+    empty = cla.empty if is_cl else HostBuffer.empty
     out = empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, list(inputs.values()))

@@ -8,8 +8,9 @@ median) and the device's span per call over the same rounds (first kernel start 
 end, over the 200 calls, from OpenCL profiling events). Where the host's time is the larger,
 the device waits on the host. ``--small``: shapes a CPU device runs quickly. ``--host-inputs``:
 float32 torch CPU tensors in and out instead (what the transformers integration passes): the
-whole call, its copies to the device and its read-back included (5 rounds of 200 calls, median).
-Run it from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md cites it.
+whole call, its copies to the device and its read-back included (5 rounds of 200 calls, median),
+then contiguous float32 and float16 caches with torch's SDPA on the same tensors beside them
+(5 rounds of 20). Run it from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md cites it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def host_inputs(opt, h_q: int, h_kv: int, d: int, contexts, n: int) -> None:
                                 _inputs(rng, (1, h_q, h_kv, ctx), "float32", 16, "random", d))
         us = whole_call(lambda: flashcl.decode(q, k, v, block_table=table, context_lens=lens, device=opt.device))
         print(f"decode (1, {h_q}/{h_kv}, {ctx}) float32 paged 16, torch CPU in and out: {us:7.1f} us a call")
+    # a contiguous (B, H_kv, N, D) cache, as transformers passes it, with torch's SDPA on the same tensors
+    for ctx in contexts:
+        for dtype in (torch.float32, torch.float16):
+            q = torch.randn(1, h_q, d, dtype=dtype)
+            k, v = (torch.randn(1, h_kv, ctx, d, dtype=dtype) for _ in range(2))
+            us = whole_call(lambda: flashcl.decode(q, k, v, device=opt.device), n=20)
+            sdpa = whole_call(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], k, v, enable_gqa=True), n=20)
+            print(f"decode (1, {h_q}/{h_kv}, {ctx}) {str(dtype)[6:]} contiguous, torch CPU in and out: "
+                  f"{us:7.1f} us a call; torch SDPA {sdpa:7.1f} us")
     x = torch.from_numpy(rng.standard_normal((1, h_q, n, d)).astype(np.float32))
     us = whole_call(lambda: flashcl.prefill(x, x, x, causal=True, device=opt.device))
     print(f"prefill (1, {h_q}, {n}, {d}) causal float32, torch CPU in and out: {us:7.1f} us a call")
@@ -80,7 +91,7 @@ def main() -> None:
     h_q, h_kv, d = (8, 2, 64) if opt.small else (32, 8, 128)
     print(f"# {queue.device.name.strip()} ({queue.device.platform.name.strip()})")
     if opt.host_inputs:
-        host_inputs(opt, h_q, h_kv, d, (256,) if opt.small else (1024, 4096), 64 if opt.small else 256)
+        host_inputs(opt, h_q, h_kv, d, (256,) if opt.small else (1024, 4096, 8192), 64 if opt.small else 256)
         return
     for ctx in (256,) if opt.small else (1024, 4096):
         q, k, v, table, lens = _inputs(rng, (1, h_q, h_kv, ctx), "float16", 16, "random", d)

@@ -150,6 +150,32 @@ def test_an_edited_kernel_source_is_rebuilt_for_a_kept_wrapper(cpu_device, monke
         flashcl.prefill(q, q, q, causal=True, device=cpu_device)
 
 
+def test_an_edited_include_changes_the_build_options(cpu_device, monkeypatch, tmp_path):
+    """Drivers cache binaries by the source text and options they are given (PoCL 5 served a
+    kernel built from an older header): the options carry a digest of the kernel and its includes,
+    so that an edited include, as a flashcl upgrade brings, is never answered from such a cache."""
+    import shutil
+
+    from flashcl.opencl import runtime
+
+    kernels = tmp_path / "clkernels"
+    shutil.copytree(runtime.kernel_dir(), kernels)
+    monkeypatch.setattr(runtime, "kernel_dir", lambda: kernels)
+    h = runtime.get_device(cpu_device)
+    q = np.random.default_rng(15).standard_normal((2, 16, 32)).astype(np.float32)
+
+    def digests():
+        return {o for b in h.programs.values() for o in b.options if o.startswith("-DFLASHCL_SOURCES=")}
+
+    flashcl.prefill(q, q, q, causal=True, device=cpu_device)
+    before = digests()
+    header = kernels / "softcap.h"   # an include of the prefill kernels
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    out = flashcl.prefill(q, q, q, causal=True, device=cpu_device)
+    assert rel_err(out, reference.attention(q, q, q, causal=True)) <= TOL["float32"]
+    assert before and digests() - before
+
+
 def test_a_handle_dropped_from_the_cache_is_freed(cpu_device, monkeypatch):
     """Its kept wrappers refer back to it: leaving the handle cache drops them, so that the handle
     (its context, programs and scratch) goes with its last reference, not at a later collection."""
@@ -369,7 +395,7 @@ def test_host_transfers_round_trip(cl_device):
     and a result that is a view at an offset of its buffer come back bit for bit."""
     import pyopencl.array as cla
 
-    from flashcl.opencl.arrays import device_to_host, host_to_device
+    from flashcl.opencl.arrays import device_to_host, host_buffer, host_to_device
     from flashcl.opencl.runtime import get_device
 
     h = get_device(cl_device)
@@ -382,6 +408,9 @@ def test_host_transfers_round_trip(cl_device):
         for x, d, back in zip(hosts, devs, device_to_host(*devs)):
             assert back.dtype == x.dtype and back.shape == x.shape and np.array_equal(back, x)
             assert np.array_equal(d.get(), x)
+        # HostBuffers, what calls on host arrays make and read back on every device
+        for x, back in zip(hosts, device_to_host(*(host_buffer(h.queue, x, borrow=borrow) for x in hosts))):
+            assert back.dtype == x.dtype and back.shape == x.shape and np.array_equal(back, x)
     whole = cla.to_device(h.queue, np.arange(24, dtype=np.float32))
     (tail,) = device_to_host(whole[8:].reshape(4, 4))
     assert np.array_equal(tail, np.arange(8, 24, dtype=np.float32).reshape(4, 4))

@@ -115,16 +115,17 @@ def host_to_device(queue, host: np.ndarray, *, borrow: bool = False) -> cla.Arra
     return cla.Array(queue, host.shape, host.dtype, data=host_buffer(queue, host, borrow=borrow).base_data)
 
 
-def device_to_host(*arrays: cla.Array) -> list[np.ndarray]:
-    """Contiguous device arrays on one in-order queue, read back: on a CPU device every read
-    enqueued without blocking and all waited for together (one round trip, not one each),
-    elsewhere blocking reads."""
-    if not arrays or not _host_memory(arrays[0].queue):
-        return [a.get() for a in arrays]
+def device_to_host(*arrays) -> list[np.ndarray]:
+    """Contiguous device arrays (pyopencl Arrays or HostBuffers) on one in-order queue, read back:
+    on a CPU device every read enqueued without blocking and all waited for together (one round
+    trip, not one each), elsewhere blocking reads."""
+    if not arrays:
+        return []
+    blocking = not _host_memory(arrays[0].queue)
     outs = [np.empty(a.shape, a.dtype) for a in arrays]
-    events = [cl.enqueue_copy(a.queue, o, a.base_data, src_offset=a.offset, is_blocking=False)
+    events = [cl.enqueue_copy(a.queue, o, a.base_data, src_offset=a.offset, is_blocking=blocking)
               for a, o in zip(arrays, outs) if o.nbytes]
-    if events:
+    if events and not blocking:
         cl.wait_for_events(events)
     return outs
 

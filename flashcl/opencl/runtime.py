@@ -467,7 +467,9 @@ def build(handle: DeviceHandle, source: str, defines: dict, *, kernel: str,
           verbose: bool = False, extra_options=()) -> BuiltProgram:
     """Build (or fetch from the cache) ``source`` from clkernels/ with ``-D`` defines."""
     text, digest = _source_with_includes(source)
-    options = build_options(defines, handle, verbose, extra_options)
+    # Drivers cache binaries by the source text and options they are given, blind to the files it
+    # includes (PoCL 5 served a kernel built from an older header): the digest makes them differ.
+    options = build_options(defines, handle, verbose, extra_options) + [f"-DFLASHCL_SOURCES={digest[:16]}"]
     key = (digest, tuple(options), handle.name, handle.driver, __version__)
     with _lock:
         cached = handle.programs.get(key)

@@ -437,3 +437,39 @@ def test_host_inputs_at_any_address_are_read_right(cpu_device, dtype):
         out = flashcl.decode(qd, kc, vc, block_table=table, context_lens=lens, device=cpu_device)
         ref = reference.decode_attention(qd, kc, vc, block_table=table, context_lens=lens)
         assert rel_err(out, ref) <= TOL[dtype], offset
+
+
+_FAILING_MERGE = """
+import sys, numpy as np, pyopencl as cl, flashcl
+from flashcl.opencl import runtime
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+kv = rng.standard_normal((1, 8, 8192, 256), dtype=np.float32)
+k, v = kv[..., :128], kv[..., 128:]   # strided views: the call borrows contiguous temporaries
+flashcl.decode(q, k, v, device=sys.argv[1], num_splits=4)
+real, calls = cl.enqueue_nd_range_kernel, []
+def enqueue(queue, kernel, *args, **kw):
+    calls.append(1)
+    if len(calls) == 2:
+        raise RuntimeError("the merge could not be enqueued")
+    return real(queue, kernel, *args, **kw)
+runtime.cl.enqueue_nd_range_kernel = enqueue
+try:
+    flashcl.decode(q, k, v, device=sys.argv[1], num_splits=4)
+except Exception as exc:
+    print("raised", type(exc).__name__)
+runtime.cl.enqueue_nd_range_kernel = real
+print("alive")
+"""
+
+
+def test_an_error_after_a_launch_drains_the_queue_before_unwinding(cpu_device):
+    """A call on host arrays reads them in place; an error once its kernels are enqueued (here the
+    merge's enqueue, after the split kernel's) waits for those kernels before the frames holding
+    the borrowed 33 MB temporaries unwind. Without it the split kernel read freed memory (a
+    segfault). In a child process, so that a crash fails this test only."""
+    proc = subprocess.run([sys.executable, "-c", _FAILING_MERGE, cpu_device], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "raised RuntimeError" in proc.stdout and "alive" in proc.stdout, proc.stdout

@@ -34,8 +34,8 @@ def elem_strides(arr: cla.Array) -> tuple[int, ...]:
 
 
 class HostBuffer:
-    """A call's own device buffer, C-contiguous: a host input (on a CPU device its memory itself,
-    elsewhere a copy), or a result to read back. It has the attributes the launches read of a
+    """A call's own device buffer, C-contiguous: a host input (a copy, or on a CPU device its
+    memory itself: host_buffer), or a result to read back. It has the attributes the launches read of a
     pyopencl Array (base_data, data, offset, shape, strides, dtype, queue), for a fraction of the
     cost: pyopencl's Array constructor checks the shape through numpy (~10 us), and a call on host
     arrays made six."""
@@ -93,11 +93,12 @@ def _host_memory(queue) -> bool:
 
 
 def host_buffer(queue, host: np.ndarray, *, borrow: bool = False) -> HostBuffer:
-    """A C-contiguous host array as the kernels' read-only input: on a CPU device a buffer filled
-    at its creation (COPY_HOST_PTR, no queue command), or with ``borrow`` the array's memory itself
+    """A C-contiguous host array on the device: on a CPU device a buffer filled at its creation
+    (COPY_HOST_PTR, no queue command), or with ``borrow`` the array's memory itself, read-only
     (USE_HOST_PTR: PoCL took 14 ms to copy a 32 MB cache into fresh pages, more than the decode
     that reads it); elsewhere a blocking write on the queue. ``borrow`` only where the call waits
-    for its kernels before it returns, as calls on host arrays do: ``host`` must outlive them."""
+    for its kernels, as calls on host arrays do (launch_and_read): ``host`` must outlive them, and
+    a thread writing to it meanwhile changes what they read."""
     if host.nbytes == 0:
         return HostBuffer.empty(queue, host.shape, host.dtype)
     if not _host_memory(queue):
@@ -106,7 +107,8 @@ def host_buffer(queue, host: np.ndarray, *, borrow: bool = False) -> HostBuffer:
         return copy
     # Oclgrind (a CPU device too) counts a USE_HOST_PTR buffer's contents as never written
     borrow = borrow and "oclgrind" not in queue.device.platform.name.lower()
-    flags = cl.mem_flags.READ_ONLY | (cl.mem_flags.USE_HOST_PTR if borrow else cl.mem_flags.COPY_HOST_PTR)
+    flags = (cl.mem_flags.READ_ONLY | cl.mem_flags.USE_HOST_PTR if borrow
+             else cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR)
     return HostBuffer(queue, cl.Buffer(queue.context, flags, hostbuf=host), host.shape, host.dtype)
 
 
@@ -128,6 +130,18 @@ def device_to_host(*arrays) -> list[np.ndarray]:
     if events and not blocking:
         cl.wait_for_events(events)
     return outs
+
+
+def launch_and_read(queue, enqueue, *arrays) -> list[np.ndarray]:
+    """A call on host arrays: ``enqueue()`` its kernels, then read ``arrays`` back (device_to_host).
+    Whatever fails once a kernel may be enqueued, the queue is drained before the error unwinds
+    the frames that hold the borrowed host memory (host_buffer) those kernels read."""
+    try:
+        enqueue()
+        return device_to_host(*arrays)
+    except BaseException:
+        queue.finish()
+        raise
 
 
 def native_host(x) -> np.ndarray:

@@ -33,9 +33,9 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
-from .arrays import (HostBuffer, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
-                     host_buffer, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
-                     QUANT_CODES)
+from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
+                     host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
+                     wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, probe_errors, spill_report
 
 KERNEL = "decode"
@@ -888,21 +888,24 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
         qd = q
     else:
         qd = host_buffer(queue, native_host(q), borrow=True)  # a call on host arrays waits for its results
-    kd, vd = (quantized_to_device(t, queue, borrow=not is_cl) if isinstance(t, QuantizedTensor)
-              else to_device_4d(t, queue, 4, borrow=not is_cl)
-              for t in (k_cache, v_cache))
+    def operand(t):
+        return (quantized_to_device(t, queue, borrow=not is_cl) if isinstance(t, QuantizedTensor)
+                else to_device_4d(t, queue, 4, borrow=not is_cl))
+
+    kd = operand(k_cache)
+    vd = kd if v_cache is k_cache else operand(v_cache)  # two buffers over one array: undefined in OpenCL
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,), borrow=not is_cl)
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,), borrow=not is_cl) if geo["paged"] else lens_d
     empty = cla.empty if is_cl else HostBuffer.empty
     out = empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
     lse = empty(queue, (b, h_q), np.float32)
     wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens))
-    events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits, variants=var)
-
     if is_cl:
+        events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits, variants=var)
         attach_events((out, lse), events[-1:])
         return (out, lse) if return_lse else out
-    out_h, lse_h = device_to_host(out, lse)
+    out_h, lse_h = launch_and_read(queue, lambda: kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits,
+                                                       variants=var), out, lse)
     if hasattr(q, "detach"):  # torch CPU in, torch out
         import torch
 

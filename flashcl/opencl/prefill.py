@@ -12,9 +12,9 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..variants import Variants, mask_block_map
-from .arrays import (HostBuffer, attach_events, check_fits, device_to_host, elem_strides, handle_for_inputs,
-                     host_buffer, host_to_device, native_host, nbytes, row_bytes, to_device_4d, wait_for_inputs,
-                     QUANT_CODES)
+from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
+                     host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
+                     wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
@@ -377,24 +377,29 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         lambda: PrefillKernel(handle, prob, choice.params, write_lse=return_lse, flags=flags))
 
     queue = handle.queue
-    # a call on host arrays waits for its results: its inputs' buffers may be their memory
-    qd = to_device_4d(q, queue, rank, borrow=not is_cl)
-    kd, vd = (to_device_4d(t, queue, rank, borrow=not is_cl) if fmt is None
-              else _quantized_to_device(t, queue, rank, borrow=not is_cl)
-              for t, fmt in ((k, k_fmt), (v, v_fmt)))
+    # a call on host arrays waits for its results (launch_and_read): its inputs' buffers may be
+    # their memory, one buffer per array (two buffers over one array are undefined in OpenCL)
+    def operand(t, fmt):
+        return (to_device_4d(t, queue, rank, borrow=not is_cl) if fmt is None
+                else _quantized_to_device(t, queue, rank, borrow=not is_cl))
+
+    qd = operand(q, None)
+    kd = qd if k is q else operand(k, k_fmt)
+    vd = qd if v is q else kd if v is k else operand(v, v_fmt)
     empty = cla.empty if is_cl else HostBuffer.empty
     out = empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
     lse = empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, list(inputs.values()))
-    event = kern(qd, kd, vd, out, lse, scale, variants=variants)
-
     if is_cl:
+        event = kern(qd, kd, vd, out, lse, scale, variants=variants)
         if rank == 3:
             out = out.reshape(h_q, n_q, dv)
             lse = lse.reshape(h_q, n_q) if lse is not None else None
         attach_events((out, lse), [event])
         return (out, lse) if return_lse else out
-    out_h, lse_h = device_to_host(out, lse) if lse is not None else (*device_to_host(out), None)
+    out_h, *rest = launch_and_read(queue, lambda: kern(qd, kd, vd, out, lse, scale, variants=variants),
+                                   *(x for x in (out, lse) if x is not None))
+    lse_h = rest[0] if rest else None
     if rank == 3:
         out_h = out_h.reshape(h_q, n_q, dv)
         lse_h = lse_h.reshape(h_q, n_q) if lse_h is not None else None

@@ -117,22 +117,21 @@ def host_to_device(queue, host: np.ndarray, *, borrow: bool = False) -> cla.Arra
     return cla.Array(queue, host.shape, host.dtype, data=host_buffer(queue, host, borrow=borrow).base_data)
 
 
-def device_to_host(*arrays) -> list[np.ndarray]:
-    """Contiguous device arrays (pyopencl Arrays or HostBuffers) on one in-order queue, read back:
-    on a CPU device every read enqueued without blocking and all waited for together (one round
-    trip, not one each), elsewhere blocking reads."""
-    if not arrays:
-        return []
-    blocking = not _host_memory(arrays[0].queue)
-    outs = [np.empty(a.shape, a.dtype) for a in arrays]
+def device_to_host(*arrays) -> list:
+    """Contiguous device arrays (pyopencl Arrays or HostBuffers; None gives None) on one in-order
+    queue, read back: on a CPU device every read enqueued without blocking and all waited for
+    together (one round trip, not one each), elsewhere blocking reads."""
+    present = [a for a in arrays if a is not None]
+    blocking = bool(present) and not _host_memory(present[0].queue)
+    outs = [None if a is None else np.empty(a.shape, a.dtype) for a in arrays]
     events = [cl.enqueue_copy(a.queue, o, a.base_data, src_offset=a.offset, is_blocking=blocking)
-              for a, o in zip(arrays, outs) if o.nbytes]
+              for a, o in zip(arrays, outs) if o is not None and o.nbytes]
     if events and not blocking:
         cl.wait_for_events(events)
     return outs
 
 
-def launch_and_read(queue, enqueue, *arrays) -> list[np.ndarray]:
+def launch_and_read(queue, enqueue, *arrays) -> list:
     """A call on host arrays: ``enqueue()`` its kernels, then read ``arrays`` back (device_to_host).
     Whatever fails once a kernel may be enqueued, the queue is drained before the error unwinds
     the frames that hold the borrowed host memory (host_buffer) those kernels read."""

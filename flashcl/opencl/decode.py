@@ -888,6 +888,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
         qd = q
     else:
         qd = host_buffer(queue, native_host(q), borrow=True)  # a call on host arrays waits for its results
+
     def operand(t):
         return (quantized_to_device(t, queue, borrow=not is_cl) if isinstance(t, QuantizedTensor)
                 else to_device_4d(t, queue, 4, borrow=not is_cl))

@@ -397,9 +397,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
             lse = lse.reshape(h_q, n_q) if lse is not None else None
         attach_events((out, lse), [event])
         return (out, lse) if return_lse else out
-    out_h, *rest = launch_and_read(queue, lambda: kern(qd, kd, vd, out, lse, scale, variants=variants),
-                                   *(x for x in (out, lse) if x is not None))
-    lse_h = rest[0] if rest else None
+    out_h, lse_h = launch_and_read(queue, lambda: kern(qd, kd, vd, out, lse, scale, variants=variants), out, lse)
     if rank == 3:
         out_h = out_h.reshape(h_q, n_q, dv)
         lse_h = lse_h.reshape(h_q, n_q) if lse_h is not None else None

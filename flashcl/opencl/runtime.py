@@ -82,13 +82,12 @@ class DeviceHandle:
         files = tuning.database_files()
         with _lock:
             held = self.choices.get(key)
-            if held is not None and held[0] == tuple(map(id, _flat(files))):
+            if held is not None and _same_objects(held[0], files):
                 self.choices.move_to_end(key)
-                return held[2]
+                return held[1]
         choice = choose()
         with _lock:
-            # the files themselves are held, so that their ids are not reused while the entry lives
-            self.choices[key] = (tuple(map(id, _flat(files))), files, choice)
+            self.choices[key] = (files, choice)
             self.choices.move_to_end(key)
             while len(self.choices) > MAX_CHOICES:
                 self.choices.popitem(last=False)
@@ -179,8 +178,11 @@ MAX_CHOICES = 256
 _lock = threading.RLock()
 
 
-def _flat(files) -> list:
-    return [db for folder in files for db in folder]
+def _same_objects(a, b) -> bool:
+    """Whether two database_files() results hold the very same parsed files (each version of a
+    file is its own object)."""
+    a, b = [db for folder in a for db in folder], [db for folder in b for db in folder]
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _all_devices():

@@ -141,6 +141,31 @@ def test_a_handle_keeps_its_choices_while_the_database_is_unchanged(cpu_device, 
     assert len(lookups) == 4
 
 
+def test_prefill_keeps_its_choice_per_length_bucket(cpu_device, tuning_dir, monkeypatch):
+    """Prefill's choice depends on the dtype, head dims, causality and length bucket only: calls
+    that differ in batch, heads or lengths within a bucket look the database up once; another
+    bucket or dtype looks it up again, and an entry written since is seen."""
+    from flashcl.opencl.prefill import PrefillProblem, choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    lookups = []
+    real = tuning.lookup
+    monkeypatch.setattr(tuning, "lookup", lambda *a, **kw: lookups.append(kw["n"]) or real(*a, **kw))
+    first = choose_params(h, PrefillProblem(1, 8, 2, 300, 300, 64, 64, True, "float16"))
+    for prob in (PrefillProblem(4, 32, 8, 511, 511, 64, 64, True, "float16"),
+                 PrefillProblem(1, 8, 8, 1, 400, 64, 64, True, "float16")):
+        assert choose_params(h, prob) is first
+    assert lookups == [300]
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}
+    _write(tuning_dir, "prefill", h, tiles, dtype="float16", dk=64, dv=64, causal=True, n=4096)
+    long_prob = PrefillProblem(1, 8, 2, 4000, 4000, 64, 64, True, "float16")
+    assert choose_params(h, long_prob).params == tiles
+    assert choose_params(h, PrefillProblem(2, 8, 2, 3000, 3000, 64, 64, True, "float16")).params == tiles
+    choose_params(h, PrefillProblem(1, 8, 2, 4000, 4000, 64, 64, True, "float32"))
+    assert lookups == [300, 4000, 4000]
+
+
 # --------------------------------------------------------------------------- the database files
 
 KEY = tuning.DeviceKey("Some GPU", None, "nvidia", "nvidia")

@@ -50,9 +50,12 @@ class PrefillProblem:
 
 def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | None = None) -> tuning.Choice:
     """User override, else the tuning database, else the profile default; always validated.
-    Without an override the choice is kept on the handle per problem (DeviceHandle.chosen)."""
+    Without an override the choice is kept on the handle (DeviceHandle.chosen) under what it
+    depends on: the database's problem fields and length bucket, not the batch, heads or exact
+    lengths (a server's prompts of every length hit it)."""
     if params is None:
-        return handle.chosen((KERNEL, prob), lambda: _choose_params(handle, prob, None))
+        key = (KERNEL, prob.dtype, prob.dk, prob.dv, prob.causal, tuning.seq_bucket(max(prob.n_q, prob.n_kv)))
+        return handle.chosen(key, lambda: _choose_params(handle, prob, None))
     return _choose_params(handle, prob, params)
 
 

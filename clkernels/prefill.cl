@@ -183,8 +183,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 #endif
 
     const int row_base = m_block * BLOCK_M;
-    const int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
-    const int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
+    int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
+    int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
     const int pos = row + n_kv - n_q;  /* bottom-right aligned position of this row */
 #if IS_CAUSAL
     const int row_limit = pos;  /* this row sees keys j <= row_limit */
@@ -202,6 +202,7 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
 #if MASK_KIND
     __global const mask_t *mask_row = mask + batch * mask_sb + head * mask_sh + (ulong)min(row, n_q - 1) * mask_sn;
     __global const uchar *block_map = TILE_MAP_ROW(batch, head, m_block);
+    mask_kv_range(block_map, &kv_begin, &kv_end);
 #endif
 
     float m_i = -INFINITY;  /* running max (log2 domain) */

@@ -188,8 +188,8 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
     stage_transposed(q_t, q_base, q_sn, row_base, n_q, BLOCK_M, HEAD_DK, scale_log2, lid, WG);
 
     const int offset = n_kv - n_q;
-    const int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
-    const int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
+    int kv_begin = block_kv_begin(row_base, n_q, n_kv, win_left);
+    int kv_end = block_kv_end(row_base, n_q, n_kv, win_right);
 #if HAS_WINDOW
     const int right_bound = IS_CAUSAL ? 0 : win_right;  /* keys j <= p + right_bound; win_right >= 0 */
 #endif
@@ -202,6 +202,7 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
 #if MASK_KIND
     __global const mask_t *mask_base = mask + batch * mask_sb + head * mask_sh;
     __global const uchar *block_map = TILE_MAP_ROW(batch, head, m_block);
+    mask_kv_range(block_map, &kv_begin, &kv_end);
 #endif
 
     float m_i[TILE_M], l_i[TILE_M], acc[TILE_M][RD];

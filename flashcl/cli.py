@@ -341,15 +341,16 @@ def _triton_conditions(command: str) -> dict:
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
               help="Quantized K/V format, timed next to the plain call (bytes counted as stored).")
 @click.option("--mask", default=None, type=click.Choice(["causal", "padding"]),
-              help="Triton: a bool mask, timed next to the plain call: 'causal' (the causal rule as a "
-                   "mask, against causal=True; causal shapes only) or 'padding' (a left-padded batch).")
+              help="A bool mask, timed next to the plain call: 'causal' (the causal rule as a mask with "
+                   "causal off, against causal=True; causal shapes only) or, Triton only, 'padding' (a "
+                   "left-padded batch).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_check, rounds, window, softcap,
                   kv_format, mask, as_json):
     """Prefill throughput (GFLOP/s; causal counts half) and error vs the float64 oracle."""
     command = "flashcl " + " ".join(sys.argv[1:])
-    if mask is not None and backend != "triton":
-        _fail("--mask: the mask benchmark runs with --backend triton", EXIT_USAGE)
+    if mask == "padding" and backend != "triton":
+        _fail("--mask padding: the padded-batch benchmark runs with --backend triton", EXIT_USAGE)
     if mask == "causal" and not all(s[5] for s in shapes):
         _fail("--mask causal: it stands in for causal=True, so every --shape must be causal (last field 1)",
               EXIT_USAGE)

@@ -1,5 +1,6 @@
 """``flashcl bench prefill --backend triton --mask KIND``: its refusals and the masks it times
-(the timing itself needs a CUDA GPU)."""
+(the timing itself needs a CUDA GPU; the OpenCL causal mask is timed in
+test_variants_prefill_opencl.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def _usage_error(*args) -> str:
     return r.stderr
 
 
-def test_mask_needs_the_triton_backend():
-    assert "--backend triton" in _usage_error("--mask", "causal", "--shape", "1,2,1,64,32,1")
+def test_padding_mask_needs_the_triton_backend():
+    assert "--backend triton" in _usage_error("--mask", "padding", "--shape", "1,2,1,64,32,1")
 
 
 def test_causal_mask_needs_causal_shapes():

@@ -289,6 +289,57 @@ def test_mask_tile_map_levels():
     assert np.array_equal(cl_prefill.mask_tile_map(add, 4, 4), cl_prefill.mask_tile_map(mask, 4, 4))
 
 
+def _band_mask(n_q, n_kv, kind):
+    """Query block j sees keys [8 j + 13, 8 j + 30) (BLOCK_N 8): hidden tiles before (one, then
+    three) and after its band, whose edges cut tiles; query block 1 sees nothing at all."""
+    rows = np.arange(n_q)[:, None] // BLOCK_M
+    keys = np.arange(n_kv)[None, :]
+    visible = (keys >= BLOCK_N * rows + 13) & (keys < BLOCK_N * rows + 30) & (rows != 1)
+    visible = np.broadcast_to(visible, (1, 1, n_q, n_kv))
+    return visible.copy() if kind == "bool" else np.where(visible, 0.25, -np.inf).astype(np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", ["bool", "add"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mask_hidden_tiles_at_a_blocks_ends(cl_device, layout, kind, causal):
+    """The kernels narrow a block's key range to its first and last tiles the mask does not wholly
+    hide (mask_kv_range): hidden tiles at either end, NaN in their K and V, a block that sees
+    nothing (its loop empty: out 0, lse -inf), with and without causal."""
+    b, h_q, h_kv, n_q, n_kv, dk, dv = SHAPE
+    rng = _rng("band", layout, kind, causal)
+    q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, "float32")
+    var = Variants(mask=_band_mask(n_q, n_kv, kind))
+    tiles = cl_prefill.mask_tile_map(var.mask, BLOCK_M, BLOCK_N)[0, 0]
+    assert tiles[0, 0] == 0 and (tiles[0, 4:] == 0).all() and (tiles[2, :3] == 0).all() and (tiles[1] == 0).all()
+    visible = visibility(q, k[:, :, :n_kv], causal, var)
+    hidden = ~visible.any(axis=(0, 1, 2))
+    kp, vp = k.copy(), v.copy()
+    kp[:, :, :n_kv][:, :, hidden] = np.nan
+    vp[:, :, :n_kv][:, :, hidden] = np.nan
+    out, lse = Runner(cl_device, q, kp, vp, n_kv, causal, LAYOUTS[layout], var)(q, kp, vp, var)
+    ref_out, ref_lse = oracle(q, k[:, :, :n_kv], v[:, :, :n_kv], causal, var)
+    assert_matches(out, lse, ref_out, ref_lse, "float32", f"{layout} band {kind} mask causal={causal}")
+
+
+@pytest.mark.parametrize("block_m,block_n", [(1, 8), (16, 8), (64, 32), (8, 64), (16, 4)])
+def test_mask_tile_map_matches_its_definition(block_m, block_n):
+    """The tile map from the mask's bits equals its definition from the boolean block map: 0 where
+    no key of the tile is visible to a row of the block, 2 where none is hidden (keys past N_kv and
+    rows past N_q count as neither), else 1."""
+    rng = np.random.default_rng(block_m * 100 + block_n)
+    for shape in [(2, 3, 100, 77), (1, 1, 63, 129), (1, 2, 1, 5), (2, 1, 64, 64)]:
+        for p_visible in (0.0, 0.02, 0.5, 0.995, 1.0):
+            mask = rng.random(shape) < p_visible
+            mask[..., : shape[2] // 2, : shape[3] // 3] = True  # wholly visible tiles too
+            some_visible = cl_prefill.mask_block_map(mask, block_m, block_n)
+            some_hidden = cl_prefill.mask_block_map(~mask, block_m, block_n)
+            want = np.where(some_visible == 1, np.where(some_hidden == 1, 1, 2), 0)
+            np.testing.assert_array_equal(cl_prefill.mask_tile_map(mask, block_m, block_n), want)
+            add = np.where(mask, 0.0, -np.inf).astype(np.float32)
+            np.testing.assert_array_equal(cl_prefill.mask_tile_map(add, block_m, block_n), want)
+
+
 # --------------------------------------------------------------------------- hidden NaN / inf
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
@@ -433,8 +484,12 @@ def _oclgrind_worker(name: str) -> None:
     rng = _rng("oclgrind", name)
     q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, "float32")
     var = make_variants(rng, spec, b, h_q, n_q, n_kv)
-    if var.mask is not None:  # whole tiles hidden, so that the tile map skips some
-        var.mask[:, :, :, : 2 * params["BLOCK_N"]] = False if var.mask.dtype == np.bool_ else -np.inf
+    if var.mask is not None:  # whole tiles hidden, so that the tile map skips some (the last too
+        # where there are enough: the blocks' key ranges narrow at both ends)
+        hidden = False if var.mask.dtype == np.bool_ else -np.inf
+        var.mask[:, :, :, : 2 * params["BLOCK_N"]] = hidden
+        if n_kv > 3 * params["BLOCK_N"]:
+            var.mask[:, :, :, (n_kv - 1) // params["BLOCK_N"] * params["BLOCK_N"]:] = hidden
     out, lse = Runner("oclgrind", q, k, v, n_kv, causal, params, var)(q, k, v, var)
     ref_out, ref_lse = oracle(q, k[:, :, :n_kv], v[:, :, :n_kv], causal, var)
     assert_matches(out, lse, ref_out, ref_lse, "float32", f"oclgrind {name}")
@@ -467,3 +522,20 @@ def test_bench_times_and_checks_the_variants(cl_device):
     assert bench.visible_pairs(100, 100, True, (20, 0)) == sum(min(i, 20) + 1 for i in range(100))
     with pytest.raises(ValueError, match="the benchmark takes"):
         bench.bench_prefill(get_device(cl_device), [(1, 2, 1, 100, 32, True)], variants={"sinks": True})
+
+
+def test_bench_times_the_causal_rule_as_a_mask(cl_device):
+    """bench_prefill's "causal" mask: the causal rule as a bool mask with causal off, timed against
+    causal=True on the same pairs, checked against the oracle with that mask; causal shapes only."""
+    from flashcl.tools import bench_prefill as bench
+
+    h = get_device(cl_device)
+    plain, masked = bench.bench_prefill(h, [(1, 2, 1, 100, 32, True)], dtype="float32", repeats=2, peer=False,
+                                        variants={"mask": "causal"})
+    assert masked.variants == "mask=causal rule (causal off)" and not masked.causal and plain.causal
+    assert masked.rel_err <= 1e-5 and masked.vs_plain == plain.median_ms / masked.median_ms
+    assert masked.gflops == pytest.approx(plain.gflops * plain.median_ms / masked.median_ms)
+    with pytest.raises(ValueError, match="causal shapes only"):
+        bench.bench_prefill(h, [(1, 2, 1, 100, 32, False)], variants={"mask": "causal"})
+    with pytest.raises(ValueError, match="masks are"):
+        bench.bench_prefill(h, [(1, 2, 1, 100, 32, True)], variants={"mask": "padding"})

@@ -191,9 +191,25 @@ def mask_tile_map(mask: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     """The kernels' tile_map of a 4-D mask: uint8 per (query block, key tile), 0 when every key
     is hidden (the tile is skipped), 1 when some is (guarded per key), 2 when none is."""
     visible = mask if mask.dtype == np.bool_ else (mask != -np.inf)
-    some_visible = mask_block_map(visible, block_m, block_n)
-    some_hidden = mask_block_map(~visible, block_m, block_n)  # padding counts as not hidden
-    return (some_visible * (2 - some_hidden)).astype(np.uint8)
+    if block_n % 8:
+        some_visible = mask_block_map(visible, block_m, block_n)
+        some_hidden = mask_block_map(~visible, block_m, block_n)  # padding counts as not hidden
+        return (some_visible * (2 - some_hidden)).astype(np.uint8)
+    # each row's keys as bits (block_n / 8 bytes a tile), OR-ed and AND-ed over a block's rows:
+    # ~0.3 ms for a 2048 x 2048 mask, where the boolean reductions above take ~4.5
+    bm, hm, n_q, n_kv = visible.shape
+    tq, tk, nb = -(-n_q // block_m), -(-n_kv // block_n), block_n // 8
+    bits = np.packbits(visible, axis=3)
+    bits = np.pad(bits, ((0, 0), (0, 0), (0, 0), (0, tk * nb - bits.shape[3])))
+
+    def over_rows(reduce, pad):  # rows past n_q: no key visible (OR), none hidden (AND)
+        rows = np.pad(bits, ((0, 0), (0, 0), (0, tq * block_m - n_q), (0, 0)), constant_values=pad)
+        return reduce(rows.reshape(bm, hm, tq, block_m, tk, nb), axis=3)
+
+    full = np.packbits(np.arange(tk * block_n) < n_kv).reshape(tk, nb)  # keys past n_kv: not hidden
+    some_visible = (over_rows(np.bitwise_or.reduce, 0) != 0).any(axis=4)
+    none_hidden = (over_rows(np.bitwise_and.reduce, 0xFF) == full).all(axis=4)
+    return np.where(some_visible, np.where(none_hidden, 2, 1), 0).astype(np.uint8)
 
 
 def _broadcast_strides(shape: tuple) -> tuple[int, int]:

@@ -12,7 +12,8 @@ same inputs, and the ratio is printed.
 With ``variants`` (e.g. ``{"window": (1023, 0), "softcap": 30.0}``) every shape is timed without
 them and with them in the same run, on the same inputs, the two calls taking turns: the variant
 row gives both times and their ratio (> 1: the variant run is faster, as a window should be;
-< 1: its overhead).
+< 1: its overhead). ``{"mask": "causal"}`` times the causal rule as a bool mask with causal off
+against causal=True (causal shapes only): the cost of a mask that skips what causal skips.
 
 With ``kv_format`` ("q8_0", "q4_0", "int8": api.QUANTIZED_KV_FORMATS, the CLI's --kv-format) every
 shape is also timed with K and V quantized to it (flashcl.quantize of the same values), the two
@@ -45,7 +46,8 @@ from ..variants import Variants
 
 PREFILL_PRESETS = shapes.PREFILL_PRESETS  # (B, H_q, H_kv, N, d, causal)
 CHECK_ROWS = 1024  # query rows checked against the oracle (the last ones)
-BENCH_VARIANTS = ("window", "softcap")  # what a benchmark can turn on: no per-head arrays to invent
+BENCH_VARIANTS = ("window", "softcap", "mask")  # what a benchmark can turn on: no per-head arrays to invent
+BENCH_MASKS = ("causal",)  # the causal rule as a (1, 1, N, N) bool mask, against causal=True
 
 
 @dataclass
@@ -99,10 +101,23 @@ def _bench_variants(variants: dict | None) -> Variants | None:
     unknown = set(variants) - set(BENCH_VARIANTS)
     if unknown:
         raise ValueError(f"variants: the benchmark takes {', '.join(BENCH_VARIANTS)}, got {sorted(unknown)}")
+    if variants.get("mask") not in (None,) + BENCH_MASKS:
+        raise ValueError(f"variants: the benchmark's masks are {', '.join(BENCH_MASKS)}, got {variants['mask']!r}")
     window = variants.get("window")
     softcap = variants.get("softcap")
     return Variants(window=tuple(int(w) for w in window) if window is not None else None,
                     softcap=float(softcap) if softcap is not None else None)
+
+
+def _shape_variants(var: Variants, mask: str | None, n: int, causal: bool) -> tuple[Variants, bool]:
+    """The variants of one shape's variant call and its causal flag: with the "causal" mask, the
+    causal rule as a bool mask and causal off."""
+    if mask is None:
+        return var, causal
+    if not causal:
+        raise ValueError("the causal mask stands in for causal=True: causal shapes only")
+    rule = np.tril(np.ones((n, n), dtype=bool))[None, None]
+    return Variants(window=var.window, softcap=var.softcap, mask=rule), False
 
 
 def kv_bytes(b: int, h_kv: int, n: int, d: int, dtype: str, kv_format: str | None = None) -> int:
@@ -111,7 +126,9 @@ def kv_bytes(b: int, h_kv: int, n: int, d: int, dtype: str, kv_format: str | Non
 
 
 def _describe(var: Variants) -> str:
-    return " ".join(f"{k}={v}" for k, v in (("window", var.window), ("softcap", var.softcap)) if v is not None)
+    mask = "causal rule (causal off)" if var.mask is not None else None
+    return " ".join(f"{k}={v}" for k, v in (("window", var.window), ("softcap", var.softcap), ("mask", mask))
+                    if v is not None)
 
 
 def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
@@ -120,6 +137,8 @@ def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
     g = q.shape[1] // k.shape[1]
     rows = min(CHECK_ROWS, q.shape[2])
     kw = {} if var is None else {"window": var.window, "softcap": var.softcap}
+    if var is not None and var.mask is not None:
+        kw["mask"] = var.mask[:1, :1, -rows:]
     ref = reference.attention(q[:1, :g, -rows:], k[:1, :1], v[:1, :1], causal=causal, scale=scale, **kw)
     return reference.rel_err(out.get()[:1, :g, -rows:], ref)
 
@@ -190,10 +209,12 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         # the calls of this shape, timed taking turns: plain first, then each extra one
         runs = {"plain": lambda i: kern(qd, kd, vd, out, None, scale)}
         if var is not None:
-            vkern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia,
-                                  flags=var.flags())
+            vvar, vcausal = _shape_variants(var, variants.get("mask"), n, causal)
+            vchoice = choose_params(handle, PrefillProblem(b, h_q, h_kv, n, n, d, d, vcausal, dtype), params)
+            vkern = PrefillKernel(handle, PrefillProblem(b, h_q, h_kv, n, n, d, d, vcausal, dtype), vchoice.params,
+                                  write_lse=False, verbose=handle.is_nvidia, flags=vvar.flags())
             vout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
-            runs["variants"] = lambda i: vkern(qd, kd, vd, vout, None, scale, variants=var)
+            runs["variants"] = lambda i: vkern(qd, kd, vd, vout, None, scale, variants=vvar)
         if kv_format is not None:
             qprob = PrefillProblem(b, h_q, h_kv, n, n, d, d, causal, dtype, kv_format, kv_format)
             qchoice = choose_params(handle, qprob, params)
@@ -242,13 +263,15 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         if var is not None:
             vtimes = timed["variants"]
             vmed = statistics.median(vtimes)
-            # FLOPs of the pairs the window leaves visible (softcap adds no pair)
+            # FLOPs of the pairs the window leaves visible (softcap adds no pair; the causal mask
+            # leaves causal's)
             vflops = prob.flops * visible_pairs(n, n, causal, var.window) / visible_pairs(n, n, causal, None)
             vrow = PrefillRow(
-                shape=row.shape, dtype=dtype, causal=causal, params=row.params, params_source=row.params_source,
+                shape=row.shape, dtype=dtype, causal=vcausal,
+                params=" ".join(f"{k_}={v_}" for k_, v_ in vchoice.params.items()), params_source=vchoice.source,
                 median_ms=vmed, min_ms=min(vtimes), max_ms=max(vtimes), gflops=vflops / (vmed * 1e-3) / 1e9,
-                rel_err=_check(q, k, v, vout, causal, scale, var) if check else float("nan"),
-                spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(var), plain_ms=med,
+                rel_err=_check(q, k, v, vout, vcausal, scale, vvar) if check else float("nan"),
+                spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(vvar), plain_ms=med,
                 vs_plain=med / vmed, kv_bytes=row.kv_bytes)
             rows.append(vrow)
             if progress:

@@ -2,11 +2,14 @@
 against transformers' eager and SDPA attention in the same process: milliseconds per new token.
 
     python benchmarks/generate_tokens.py [--device cpu|cuda] [--layers 8] [--prompt 256] [--new 32]
+        [--padded-batch B]
 
 cpu: torch CPU tensors, attention on flashcl's OpenCL device ($FLASHCL_DEVICE, else its
 default); cuda: the Triton kernels. float32 on the CPU, float16 on CUDA; nothing is downloaded.
-Each implementation generates once to warm up, then three times; the median is printed. Run it
-from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md cites it.
+Each implementation generates once to warm up, then three times; the median is printed.
+``--padded-batch B``: B prompts at once, sequence i left-padded by i * prompt / (2 B) tokens (its
+attention mask hides them: what batched generation of prompts of unequal lengths does). Run it
+from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md and pocl-prefill.md cite it.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ def model_for(layers: int, device: str) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def ms_per_token(model, ids, new: int, device: str) -> float:
+def ms_per_token(model, ids, new: int, device: str, attention_mask=None) -> float:
     def run():
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            model.generate(ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
         if device == "cuda":
             torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t) / new
@@ -51,13 +55,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new", type=int, default=32, help="new tokens")
+    ap.add_argument("--padded-batch", type=int, default=0, help="B left-padded prompts at once (0: one prompt)")
     opt = ap.parse_args()
     model = model_for(opt.layers, opt.device)
-    ids = torch.randint(1, 1000, (1, opt.prompt), generator=torch.Generator().manual_seed(1)).to(opt.device)
-    print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}")
+    batch = max(opt.padded_batch, 1)
+    ids = torch.randint(1, 1000, (batch, opt.prompt), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for i in range(batch if opt.padded_batch else 0):
+        pad = i * opt.prompt // (2 * batch)
+        ids[i, :pad], mask[i, :pad] = 0, 0
+    ids, mask = ids.to(opt.device), mask.to(opt.device)
+    print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}"
+          + (f", {batch} left-padded prompts" if opt.padded_batch else ""))
     for name in (fcl_hf.register(), "sdpa", "eager"):
         model.set_attn_implementation(name)
-        print(f"{name:6s} {ms_per_token(model, ids, opt.new, opt.device):8.2f} ms a token", flush=True)
+        ms = ms_per_token(model, ids, opt.new, opt.device, mask if opt.padded_batch else None)
+        print(f"{name:6s} {ms:8.2f} ms a token", flush=True)
 
 
 if __name__ == "__main__":

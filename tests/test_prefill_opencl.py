@@ -207,3 +207,30 @@ def test_random_shapes_and_parameters(cl_device, problem):
         hypothesis.reject()
     rng = np.random.default_rng(seed)
     check(cl_device, *_inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype), causal, params)
+
+
+@pytest.mark.parametrize("n_q", [1, 2, 3, 5, 17, 33])
+def test_short_queries_on_cpus_run_a_block_of_their_size(cpu_device, n_q):
+    """On a CPU device a call with N_q below the block's rows runs BLOCK_M = N_q's next power of
+    two (rows_for_short_queries: the work-items run one after another, so idle rows cost as much
+    as real ones); those builds match the oracle on NaN-poisoned outputs, causal (N_q < N_kv)
+    or not, and through flashcl.prefill with a padding mask."""
+    import flashcl
+    from flashcl.opencl.prefill import rows_for_short_queries
+
+    h = get_device(cpu_device)
+    rng = np.random.default_rng(n_q)
+    for causal in (False, True):
+        q, k, v = _inputs(rng, 2, 4, 2, n_q, 100, 64, 64, "float32")
+        prob = PrefillProblem(2, 4, 2, n_q, 100, 64, 64, causal, "float32")
+        params = rows_for_short_queries(h, prob, choose_params(h, prob).params)
+        assert params["BLOCK_M"] == 1 << (n_q - 1).bit_length()
+        check(cpu_device, q, k, v, causal, params)
+    mask = np.ones((2, 1, n_q, 100), bool)
+    mask[1, :, :, :37] = False  # the second sequence left-padded by 37 keys
+    out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+    assert_close(out, reference.attention(q, k, v, mask=mask), "float32", f"n_q={n_q} padding mask")
+    wide = PrefillProblem(1, 4, 2, 200, 200, 64, 64, True, "float32")
+    tiled = {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 64, "TILE_M": 4, "TILE_N": 2}
+    assert rows_for_short_queries(h, wide, choose_params(h, wide).params) == choose_params(h, wide).params
+    assert rows_for_short_queries(h, prob, tiled) == tiled

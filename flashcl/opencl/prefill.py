@@ -59,6 +59,16 @@ def choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | Non
     return _choose_params(handle, prob, params)
 
 
+def rows_for_short_queries(handle: DeviceHandle, prob: PrefillProblem, params: dict) -> dict:
+    """The tiles a call runs: ``params``, but on a CPU device the rows layout's block shrunk to
+    N_q's next power of two where N_q < BLOCK_M. A CPU runs the work-items one after another, each
+    a query row, so a block computes all BLOCK_M rows whatever N_q is: a padded batch's decode
+    step (N_q = 1 with a mask) took 13x a decode call (docs/notes/pocl-prefill.md)."""
+    if not handle.is_cpu or params.get("VARIANT", "rows") != "rows" or prob.n_q >= params["BLOCK_M"]:
+        return params
+    return dict(params, BLOCK_M=1 << (prob.n_q - 1).bit_length())
+
+
 def _choose_params(handle: DeviceHandle, prob: PrefillProblem, params: dict | None) -> tuning.Choice:
     def errors(p):
         return tuning.check_params(KERNEL, p, prob.dk, prob.dv, local_mem=handle.local_mem,
@@ -390,10 +400,11 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
+    tiles = choice.params if params is not None else rows_for_short_queries(handle, prob, choice.params)
     flags = variants.flags() if variants is not None else {}
-    kern = handle.reuse("prefill", (prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items())),
+    kern = handle.reuse("prefill", (prob, tuple(sorted(tiles.items())), tuple(sorted(flags.items())),
                                     bool(return_lse)),
-                        lambda: PrefillKernel(handle, prob, choice.params, write_lse=return_lse, flags=flags))
+                        lambda: PrefillKernel(handle, prob, tiles, write_lse=return_lse, flags=flags))
 
     queue = handle.queue
     # a call on host arrays waits for its results (launch_and_read): its inputs' buffers may be

@@ -234,3 +234,42 @@ def test_short_queries_on_cpus_run_a_block_of_their_size(cpu_device, n_q):
     tiled = {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 32, "DV_TILE": 64, "TILE_M": 4, "TILE_N": 2}
     assert rows_for_short_queries(h, wide, choose_params(h, wide).params) == choose_params(h, wide).params
     assert rows_for_short_queries(h, prob, tiled) == tiled
+
+
+def test_one_query_row_runs_its_gqa_group_as_rows(cpu_device, monkeypatch):
+    """On a CPU device a call with one query row and GQA runs each group's heads as the rows of
+    its KV head (_prefill_group_as_rows): masks per head or broadcast, bool or additive, causal or
+    not, rank 3, lse, softcap and quantized K/V match the oracle; a window, sinks or ALiBi (whose
+    results depend on a row's position or head) run unpacked."""
+    import flashcl
+    from flashcl.opencl import prefill as cl_prefill
+
+    packed = []
+    real = cl_prefill._prefill_group_as_rows
+    monkeypatch.setattr(cl_prefill, "_prefill_group_as_rows", lambda *a, **kw: packed.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(7)
+    b, h_q, h_kv, n_kv, d = 2, 8, 2, 150, 64
+    q, k, v = _inputs(rng, b, h_q, h_kv, 1, n_kv, d, d, "float32")
+    per_head = rng.random((b, h_q, 1, n_kv)) < 0.7
+    padding = np.ones((b, 1, 1, n_kv), bool)
+    padding[1, ..., :61] = False
+    additive = np.where(padding, rng.standard_normal(padding.shape), -np.inf).astype(np.float32)
+    cases = [dict(mask=per_head), dict(mask=padding), dict(mask=additive), dict(mask=padding[:1]),
+             dict(causal=True), dict(), dict(mask=padding, softcap=3.0)]
+    for kw in cases:
+        out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cpu_device, **kw)
+        ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+        assert_close(out, ref_out, "float32", f"packed {sorted(kw)}")
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert len(packed) == len(cases)
+    out3 = flashcl.prefill(q[0], k[0], v[0], device=cpu_device)
+    assert_close(out3, reference.attention(q[:1], k[:1], v[:1])[0], "float32", "packed rank 3")
+    qk, qv = flashcl.quantize(k, "q8_0"), flashcl.quantize(v, "q8_0")
+    out = flashcl.prefill(q, qk, qv, mask=padding, device=cpu_device)
+    ref = reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), mask=padding)
+    assert_close(out, ref, "float32", "packed q8_0")
+    assert len(packed) == len(cases) + 2
+    for kw in (dict(window=(20, 0)), dict(sinks=np.ones(h_q, np.float32)), dict(alibi_slopes=np.ones(h_q, np.float32))):
+        out = flashcl.prefill(q, k, v, mask=padding, device=cpu_device, **kw)
+        assert_close(out, reference.attention(q, k, v, mask=padding, **kw), "float32", f"unpacked {sorted(kw)}")
+    assert len(packed) == len(cases) + 2

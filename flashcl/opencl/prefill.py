@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyopencl as cl
@@ -382,6 +383,37 @@ def _arrays_of(name: str, x) -> dict:
     return {f"{name}.data": x.data, **({f"{name}.scales": x.scales} if x.fmt == "int8" else {})}
 
 
+def _packs_group(handle: DeviceHandle, n_q: int, h_q: int, h_kv: int, is_cl: bool, params, variants) -> bool:
+    """Whether a call runs its GQA group's query heads as the rows of one head (a decode step of
+    a padded batch: N_q = 1 with a mask). On a CPU each query head's work-group staged its KV
+    head's tiles again; as rows of one block the group stages them once. Only where the rows'
+    results do not depend on their positions or heads: one query row, no window, sinks or ALiBi
+    (per head), host arrays, the tiles chosen by flashcl."""
+    return (handle.is_cpu and n_q == 1 and h_q > h_kv and not is_cl and params is None
+            and (variants is None or (variants.window is None and variants.sinks is None
+                                      and variants.alibi_slopes is None)))
+
+
+def _prefill_group_as_rows(q, k, v, *, rank: int, shapes, scale: float, device, return_lse: bool, variants):
+    """prefill of one query row per head with each GQA group's heads as the rows of its KV head:
+    q (.., H_q, 1, DK) viewed as (.., H_kv, group, DK), a mask's (Bm, H_q or 1, 1, N_kv) as
+    (Bm, H_kv or 1, group, N_kv); causal off (one row at the bottom sees every key either way)."""
+    (b, h_q, _, dk), (_, h_kv, n_kv, _), vs = shapes
+    group = h_q // h_kv
+    packed = (b, h_kv, group, dk)
+    if variants is not None and variants.mask is not None:
+        m = variants.mask
+        m = (np.broadcast_to(m, (m.shape[0], 1, group, n_kv)) if m.shape[1] == 1
+             else m.reshape(m.shape[0], h_kv, group, n_kv))
+        variants = replace(variants, mask=m)
+    res = prefill(q.reshape(packed[1:] if rank == 3 else packed), k, v, rank=rank, shapes=(packed, shapes[1], vs),
+                  causal=False, scale=scale, device=device, params=None, return_lse=return_lse, variants=variants)
+    out, lse = res if return_lse else (res, None)
+    lead = () if rank == 3 else (b,)
+    out = out.reshape(*lead, h_q, 1, vs[3])
+    return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
+
+
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
             return_lse: bool, variants=None):
     """OpenCL path of flashcl.prefill: inputs already validated by flashcl.api. k and/or v may be
@@ -395,6 +427,9 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     for name, fmt in (("k", k_fmt), ("v", v_fmt)):
         if fmt is not None and fmt not in QUANT_CODES:
             raise TypeError(f"{name}: the OpenCL prefill kernels read {', '.join(QUANT_CODES)} caches, got {fmt!r}")
+    if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):
+        return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
+                                      return_lse=return_lse, variants=variants)
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
     check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": b * h_kv * n_kv * row_bytes(k_fmt, dk, dtype),
                         "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),

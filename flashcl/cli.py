@@ -379,6 +379,8 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
     else:
         shape_list = b.PREFILL_PRESETS["cpu" if preset == "auto" and handle.is_cpu else
                                        "reference" if preset == "auto" else preset]
+        if mask == "causal":  # the causal rule as a mask stands in for causal=True: the causal shapes
+            shape_list = [s for s in shape_list if s[5]]
     cond = b.conditions(handle, command)
     if not as_json:
         click.echo(f"# {len(shape_list)} shapes on {handle.describe()}", err=True)

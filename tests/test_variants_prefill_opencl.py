@@ -539,3 +539,20 @@ def test_bench_times_the_causal_rule_as_a_mask(cl_device):
         bench.bench_prefill(h, [(1, 2, 1, 100, 32, False)], variants={"mask": "causal"})
     with pytest.raises(ValueError, match="masks are"):
         bench.bench_prefill(h, [(1, 2, 1, 100, 32, True)], variants={"mask": "padding"})
+
+
+def test_bench_cli_causal_mask_times_the_presets_causal_shapes(cpu_device, monkeypatch):
+    """`flashcl bench prefill --mask causal` without --shape takes the preset's causal shapes only
+    (its non-causal ones would stop the run halfway)."""
+    from click.testing import CliRunner
+
+    from flashcl import cli
+    from flashcl.tools import bench_prefill as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "bench_prefill", lambda handle, shapes, **kw: seen.extend(shapes) or [])
+    monkeypatch.setattr(bench, "format_prefill", lambda rows, cond: "")
+    r = CliRunner().invoke(cli.main, ["bench", "prefill", "--device", cpu_device, "--mask", "causal"])
+    assert r.exit_code == 0, r.output
+    preset = bench.PREFILL_PRESETS["cpu"]
+    assert seen and all(s[5] for s in seen) and len(seen) == sum(1 for s in preset if s[5]) < len(preset)

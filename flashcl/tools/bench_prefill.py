@@ -125,6 +125,10 @@ def kv_bytes(b: int, h_kv: int, n: int, d: int, dtype: str, kv_format: str | Non
     return 2 * b * h_kv * n * row_bytes(kv_format, d, dtype)
 
 
+def _params_text(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
 def _describe(var: Variants) -> str:
     mask = "causal rule (causal off)" if var.mask is not None else None
     return " ".join(f"{k}={v}" for k, v in (("window", var.window), ("softcap", var.softcap), ("mask", mask))
@@ -210,9 +214,10 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         runs = {"plain": lambda i: kern(qd, kd, vd, out, None, scale)}
         if var is not None:
             vvar, vcausal = _shape_variants(var, variants.get("mask"), n, causal)
-            vchoice = choose_params(handle, PrefillProblem(b, h_q, h_kv, n, n, d, d, vcausal, dtype), params)
-            vkern = PrefillKernel(handle, PrefillProblem(b, h_q, h_kv, n, n, d, d, vcausal, dtype), vchoice.params,
-                                  write_lse=False, verbose=handle.is_nvidia, flags=vvar.flags())
+            vprob = PrefillProblem(b, h_q, h_kv, n, n, d, d, vcausal, dtype)
+            vchoice = choose_params(handle, vprob, params)
+            vkern = PrefillKernel(handle, vprob, vchoice.params, write_lse=False, verbose=handle.is_nvidia,
+                                  flags=vvar.flags())
             vout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
             runs["variants"] = lambda i: vkern(qd, kd, vd, vout, None, scale, variants=vvar)
         if kv_format is not None:
@@ -232,7 +237,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         err = _check(q, k, v, out, causal, scale, None) if check else float("nan")
         row = PrefillRow(
             shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
-            params=" ".join(f"{k_}={v_}" for k_, v_ in choice.params.items()),
+            params=_params_text(choice.params),
             params_source=choice.source, median_ms=med, min_ms=min(times), max_ms=max(times),
             gflops=prob.flops / (med * 1e-3) / 1e9, rel_err=err, spill=_spill_text(kern.spills(), handle.is_cpu),
             kv_bytes=kv_bytes(b, h_kv, n, d, dtype))
@@ -242,7 +247,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             qerr = (_check(q, quant.dequantize(qk), quant.dequantize(qv), qout, causal, scale, None)
                     if check else float("nan"))
             row.kv_format, row.quant_kv_bytes = kv_format, kv_bytes(b, h_kv, n, d, dtype, kv_format)
-            row.quant_params = " ".join(f"{k_}={v_}" for k_, v_ in qchoice.params.items())
+            row.quant_params = _params_text(qchoice.params)
             row.quant_ms, row.quant_min_ms, row.quant_max_ms = qmed, min(qtimes), max(qtimes)
             row.quant_gflops = prob.flops / (qmed * 1e-3) / 1e9
             row.quant_ratio, row.quant_rel_err = qmed / med, qerr
@@ -268,7 +273,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             vflops = prob.flops * visible_pairs(n, n, causal, var.window) / visible_pairs(n, n, causal, None)
             vrow = PrefillRow(
                 shape=row.shape, dtype=dtype, causal=vcausal,
-                params=" ".join(f"{k_}={v_}" for k_, v_ in vchoice.params.items()), params_source=vchoice.source,
+                params=_params_text(vchoice.params), params_source=vchoice.source,
                 median_ms=vmed, min_ms=min(vtimes), max_ms=max(vtimes), gflops=vflops / (vmed * 1e-3) / 1e9,
                 rel_err=_check(q, k, v, vout, vcausal, scale, vvar) if check else float("nan"),
                 spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(vvar), plain_ms=med,

@@ -119,7 +119,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ..quant import QuantizedTensor
-from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words
+from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words, skips_dispatcher
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
 
@@ -863,7 +863,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
     ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
     ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic).
-    Variants and quantized caches as the op takes them (see ``decode_op``)."""
+    Variants and quantized caches as the op takes them (see ``_decode_impl``)."""
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
@@ -890,8 +890,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table = q  # never read (PAGED=False); any pointer will do
         num_blocks = 1
     if plan is None:
-        plan = decode_plan.plan(problem, facts if facts is not None else facts_of(q.device), config,
-                                max(0, num_splits))
+        facts = facts if facts is not None else facts_of(q.device)
+        plan = (decode_plan.planned(problem, facts, max(0, num_splits)) if config is None
+                else decode_plan.plan(problem, facts, config, max(0, num_splits)))
     elif not plan.serves(problem):
         raise ValueError(f"the decode plan was made for {plan.problem}, not {problem}")
     group = h_q // h_kv
@@ -1019,13 +1020,12 @@ def _scale_operand(scales: Optional[torch.Tensor], fmt: str, paged: bool, stand_
     return stand_in, (0, 0, 0)
 
 
-@torch.library.custom_op("flashcl::decode", mutates_args=())
-def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
-              scale: float, num_splits: int, window_left: int = -1, softcap: float = 0.0,
-              sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-              k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
-              k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: Optional[torch.Tensor], context_lens: Optional[torch.Tensor],
+                 scale: float, num_splits: int, window_left: int = -1, softcap: float = 0.0,
+                 sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                 k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
+                 k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """flashcl::decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table,
     Tensor? context_lens, float scale, int num_splits, int window_left=-1, float softcap=0.,
     Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? k_scales=None, Tensor? v_scales=None,
@@ -1044,6 +1044,10 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits,
                        window_left=window_left, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
                        k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format)
+
+
+# the op, for torch.compile, tracing and dispatch modes; eager calls may skip it (skips_dispatcher)
+decode_op = torch.library.custom_op("flashcl::decode", mutates_args=())(_decode_impl)
 
 
 @decode_op.register_fake
@@ -1075,8 +1079,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             quant.update({f"{name}_format": cache.fmt,
                           f"{name}_scales": cache.scales if cache.fmt in ("int8", "fp8_e4m3") else None})
     k_cache, v_cache = (c.data if isinstance(c, QuantizedTensor) else c for c in (k_cache, v_cache))
-    out, lse = torch.ops.flashcl.decode(q, k_cache, v_cache, block_table, context_lens,
-                                        float(scale), 0 if num_splits is None else int(num_splits), **var, **quant)
+    tensors = (q, k_cache, v_cache, block_table, context_lens, var.get("sinks"), var.get("alibi_slopes"),
+               quant.get("k_scales"), quant.get("v_scales"))
+    op = _decode_impl if skips_dispatcher(*tensors) else torch.ops.flashcl.decode
+    out, lse = op(q, k_cache, v_cache, block_table, context_lens, float(scale),
+                  0 if num_splits is None else int(num_splits), **var, **quant)
     return (out, lse) if return_lse else out
 
 

@@ -522,6 +522,13 @@ def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, pro
 # --------------------------------------------------------------------------- the plan
 
 
+@functools.lru_cache(maxsize=1024)
+def planned(problem: DecodeProblem, facts: DeviceFacts, num_splits: int = 0) -> DecodePlan:
+    """``plan`` without a config, kept: a serving loop's problem (a paged cache of fixed size)
+    repeats every step, and planning costs the host ~12 us a call."""
+    return plan(problem, facts, None, num_splits)
+
+
 def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] = None,
          num_splits: int = 0) -> DecodePlan:
     """The launch plan of ``problem`` on a device of ``facts``. ``config`` keys override the

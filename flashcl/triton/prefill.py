@@ -83,7 +83,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
-from . import interpreting, mask_tiles, on_device_of, quant_words
+from . import interpreting, mask_tiles, on_device_of, quant_words, skips_dispatcher
 from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
@@ -1235,13 +1235,12 @@ _SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return
            "Tensor? v_scales=None, str k_format=\"\", str v_format=\"\") -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("flashcl::prefill", mutates_args=(), schema=_SCHEMA)
-def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                return_lse: bool, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
-                num_stages: int = 0, use_tma: bool = False, maxnreg: int = 0,
-                softmax_overlap: bool = False, window=None, softcap=None, sinks=None,
-                alibi_slopes=None, mask=None, k_scales=None, v_scales=None, k_format: str = "",
-                v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  return_lse: bool, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
+                  num_stages: int = 0, use_tma: bool = False, maxnreg: int = 0,
+                  softmax_overlap: bool = False, window=None, softcap=None, sinks=None,
+                  alibi_slopes=None, mask=None, k_scales=None, v_scales=None, k_format: str = "",
+                  v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """``flashcl::prefill(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse,
     int block_m=0, int block_n=0, int num_warps=0, int num_stages=0, bool use_tma=False,
     int maxnreg=0, bool softmax_overlap=False, int[]? window=None, float? softcap=None,
@@ -1275,6 +1274,10 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
                            v_format=v_format, k_scales=k_scales, v_scales=v_scales)
     return out, (lse if return_lse else lse.new_empty((0,)))
+
+
+# the op, for torch.compile, tracing and dispatch modes; eager calls may skip it (skips_dispatcher)
+_prefill_op = torch.library.custom_op("flashcl::prefill", mutates_args=(), schema=_SCHEMA)(_prefill_impl)
 
 
 @_prefill_op.register_fake
@@ -1397,8 +1400,10 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
                               for s in (k_scales, v_scales))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _prefill_op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params),
-                           *_variant_op_args(variants, q, k), k_scales, v_scales, k_format, v_format)
+    var = _variant_op_args(variants, q, k)
+    op = _prefill_impl if skips_dispatcher(q, k, v, *var[2:], k_scales, v_scales) else _prefill_op
+    out, lse = op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params), *var,
+                  k_scales, v_scales, k_format, v_format)
     if squeeze:
         out = out.squeeze(0)
         lse = lse.squeeze(0) if return_lse else lse

@@ -39,14 +39,24 @@
 #ifndef ALIBI
 #define ALIBI 0           // 1: s -= slope[b, h] (p - j) (alibi_slopes[B][h_q])
 #endif
-#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI)
+#ifndef KEY_START
+#define KEY_START 0       // 1: sequence b's keys start at key_start[b] (prefill's one-row route, not exported)
+#endif
+#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START)
+#if KEY_START
+#define KEY_START_PARAM , __global const int *key_start
+#define KEY_START_ARG , key_start
+#else
+#define KEY_START_PARAM
+#define KEY_START_ARG
+#endif
 
 /* The variants' run-time values follow DECODE_PARAMS only in builds with a variant on, so the
  * plain kernels keep their argument list. */
 #if DECODE_VARIANTS
 #define VARIANT_PARAMS , const int window_left, const float softcap_log2,                    \
-                         __global const float *sinks, __global const float *alibi_slopes
-#define VARIANT_ARGS , window_left, softcap_log2, sinks, alibi_slopes
+                         __global const float *sinks, __global const float *alibi_slopes KEY_START_PARAM
+#define VARIANT_ARGS , window_left, softcap_log2, sinks, alibi_slopes KEY_START_ARG
 #else
 #define VARIANT_PARAMS
 #define VARIANT_ARGS
@@ -58,6 +68,12 @@
 #define FIRST_KEY(n) max(0, (n) - 1 - window_left)
 #else
 #define FIRST_KEY(n) 0
+#endif
+/* ... and of sequence `batch`, whose keys before key_start[batch] are hidden (a left-padded row) */
+#if KEY_START
+#define SEQ_FIRST_KEY(n, batch) max(FIRST_KEY(n), min(key_start[batch], (n)))
+#else
+#define SEQ_FIRST_KEY(n, batch) FIRST_KEY(n)
 #endif
 
 /* ALiBi slope of query head `head` in log2 units; 0 when ALiBi is off */
@@ -139,7 +155,7 @@ static inline void split_range(const int first, const int n, const int num_split
     const int n_ctx = context_lens[batch];                                                   \
     const bool ctx_ok = context_ok(n_ctx, capacity);                                         \
     const int n_used = ctx_ok ? n_ctx : 0;                                                   \
-    split_range(FIRST_KEY(n_used), n_used, num_splits, split, (tile), &k0, &k1);              \
+    split_range(SEQ_FIRST_KEY(n_used, batch), n_used, num_splits, split, (tile), &k0, &k1);   \
     __global const int *bt_row = block_table + (ulong)batch * bt_stride;                     \
     __global const raw_t *k_base = kv_rows(k, k_off, k_s0, k_sh, batch, kv_head);            \
     __global const raw_t *v_base = kv_rows(v, v_off, v_s0, v_sh, batch, kv_head);            \

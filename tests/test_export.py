@@ -107,6 +107,7 @@ def _signature(text: str, name: str, problem: dict) -> list[tuple[str, str]]:
                           ("QUANT_PARAMS", problem.get("kv_format") == "int8")):
             if on:  # its first definition, the one with parameters (the #else one is empty)
                 body += "," + re.search(rf"#define {macro} ,([^\n]*)", text).group(1)
+        body = body.replace("KEY_START_PARAM", "")  # empty: KEY_START is never exported (decode_common.h)
     else:
         body = re.search(rf"void\s+{name}\s*\((.*?)\)\s*{{", text, re.DOTALL).group(1)
     params = []

@@ -213,6 +213,26 @@ HARDENING_CASES = [
 
 # --------------------------------------------------------------------------- subprocess worker
 
+def keep_decode_workspaces() -> None:
+    """Never release a split-k workspace in this (short-lived, Oclgrind) process. Oclgrind 21.10's
+    uninitialized-value tracking goes stale when a buffer is released and a new one reuses its
+    slot: in a process that already ran a split-k decode, the next decode's merge reports
+    "Controlflow depends on uninitialized value" on every part_m / part_acc read, although the
+    split kernel wrote them (each split count alone is clean; the same sequence on PoCL with the
+    workspace NaN-poisoned is exact; filling the new workspace first does not help; keeping the
+    old one alive does)."""
+    from flashcl.opencl.decode import DecodeKernel
+
+    workspace, kept = DecodeKernel.workspace, []
+
+    def workspace_kept_alive(self, num_splits):
+        ws = workspace(self, num_splits)
+        kept.append(ws)
+        return ws
+
+    DecodeKernel.workspace = workspace_kept_alive
+
+
 def _worker(spec_json: str) -> None:
     """Run one case on the Oclgrind device (in a subprocess started by ``_run_case``)."""
     import numpy as np
@@ -223,26 +243,10 @@ def _worker(spec_json: str) -> None:
     # as CL_INVALID_VALUE. Answer it here so that every API report left is flashcl's own.
     pyopencl.characterize.nv_compute_capability = lambda dev: None
 
-    from flashcl.opencl.decode import DecodeKernel
     from tests import test_decode_opencl as dec
     from tests import test_prefill_opencl as pre
 
-    # Oclgrind 21.10's uninitialized-value tracking goes stale when a buffer is released and a
-    # new one reuses its slot: in a process that already ran a split-k decode, the next
-    # decode's merge reports "Controlflow depends on uninitialized value" on every part_m /
-    # part_acc read, although the split kernel wrote them (each split count alone is clean; the
-    # same sequence on PoCL with the workspace NaN-poisoned is exact; filling the new workspace
-    # first does not help; keeping the old one alive does). So the split-k workspaces of this
-    # short-lived process are never released.
-    workspace, kept = DecodeKernel.workspace, []
-
-    def workspace_kept_alive(self, num_splits):
-        ws = workspace(self, num_splits)
-        kept.append(ws)
-        return ws
-
-    DecodeKernel.workspace = workspace_kept_alive
-
+    keep_decode_workspaces()
     spec = json.loads(spec_json)
     rng = np.random.default_rng(zlib.crc32(spec_json.encode()))  # same data every run
     if spec["kernel"] == "hardening":

@@ -236,40 +236,81 @@ def test_short_queries_on_cpus_run_a_block_of_their_size(cpu_device, n_q):
     assert rows_for_short_queries(h, prob, tiled) == tiled
 
 
-def test_one_query_row_runs_its_gqa_group_as_rows(cpu_device, monkeypatch):
-    """On a CPU device a call with one query row and GQA runs each group's heads as the rows of
-    its KV head (_prefill_group_as_rows): masks per head or broadcast, bool or additive, causal or
-    not, rank 3, lse, softcap and quantized K/V match the oracle; a window, sinks or ALiBi (whose
-    results depend on a row's position or head) run unpacked."""
+def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monkeypatch):
+    """On a CPU device a call with one query row runs as a decode where its mask, if any, shows
+    each sequence a suffix of its keys (_prefill_row_as_decode: no mask, causal, padding masks
+    bool or additive, broadcast or not, rank 3, lse, softcap, window, sinks, ALiBi, q8_0 K/V); any
+    other mask runs each GQA group's heads as the rows of its KV head (_prefill_group_as_rows)
+    unless a window, sinks or ALiBi (per row position or head) keep it unpacked. All match the
+    oracle, with NaN in the keys a padding mask hides."""
     import flashcl
     from flashcl.opencl import prefill as cl_prefill
 
-    packed = []
-    real = cl_prefill._prefill_group_as_rows
-    monkeypatch.setattr(cl_prefill, "_prefill_group_as_rows", lambda *a, **kw: packed.append(1) or real(*a, **kw))
+    routes = []
+    for name, tag in (("_prefill_group_as_rows", "packed"), ("_prefill_row_as_decode", "decode")):
+        real = getattr(cl_prefill, name)
+        monkeypatch.setattr(cl_prefill, name, lambda *a, _real=real, _tag=tag, **kw: routes.append(_tag) or _real(*a, **kw))
     rng = np.random.default_rng(7)
-    b, h_q, h_kv, n_kv, d = 2, 8, 2, 150, 64
+    b, h_q, h_kv, n_kv, d = 3, 8, 2, 150, 64
     q, k, v = _inputs(rng, b, h_q, h_kv, 1, n_kv, d, d, "float32")
-    per_head = rng.random((b, h_q, 1, n_kv)) < 0.7
     padding = np.ones((b, 1, 1, n_kv), bool)
     padding[1, ..., :61] = False
-    additive = np.where(padding, rng.standard_normal(padding.shape), -np.inf).astype(np.float32)
-    cases = [dict(mask=per_head), dict(mask=padding), dict(mask=additive), dict(mask=padding[:1]),
-             dict(causal=True), dict(), dict(mask=padding, softcap=3.0)]
-    for kw in cases:
-        out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cpu_device, **kw)
-        ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
-        assert_close(out, ref_out, "float32", f"packed {sorted(kw)}")
+    padding[2] = False  # every key hidden
+    kn, vn = k.copy(), v.copy()  # for the masks that hide them
+    kn[1, :, :61] = np.nan
+    vn[1, :, :61] = np.nan
+    per_head = (rng.random((b, h_q, 1, n_kv)) < 0.7) & padding
+    biased = np.where(padding, rng.standard_normal(padding.shape), -np.inf).astype(np.float32)
+    additive = np.where(padding, 0.0, -np.inf).astype(np.float32)
+    sinks, slopes = rng.standard_normal(h_q).astype(np.float32), rng.random(h_q).astype(np.float32)
+    cases = [(dict(mask=per_head), "packed"), (dict(mask=biased), "packed"), (dict(mask=padding), "decode"),
+             (dict(mask=additive), "decode"), (dict(mask=np.broadcast_to(padding, (b, h_q, 1, n_kv))), "decode"),
+             (dict(mask=padding[:1]), "decode"), (dict(causal=True), "decode"), (dict(), "decode"),
+             (dict(mask=padding, softcap=3.0), "decode"), (dict(mask=padding, window=(20, 0)), "decode"),
+             (dict(mask=padding, sinks=sinks, alibi_slopes=slopes), "decode"),
+             (dict(mask=per_head, window=(20, 0)), None), (dict(mask=per_head, sinks=sinks), None)]
+    for kw, route in cases:
+        routes.clear()
+        hides = kw.get("mask") is not None and kw["mask"].shape[0] == b
+        kk, vv = (kn, vn) if hides else (k, v)
+        out, lse = flashcl.prefill(q, kk, vv, return_lse=True, device=cpu_device, **kw)
+        ref_out, ref_lse = reference.attention(q, kk, vv, return_lse=True, **kw)
+        assert routes == ([route] if route else []), (sorted(kw), routes)
+        assert_close(out, ref_out, "float32", f"{route} {sorted(kw)}")
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    assert len(packed) == len(cases)
+    routes.clear()
     out3 = flashcl.prefill(q[0], k[0], v[0], device=cpu_device)
-    assert_close(out3, reference.attention(q[:1], k[:1], v[:1])[0], "float32", "packed rank 3")
+    assert_close(out3, reference.attention(q[:1], k[:1], v[:1])[0], "float32", "decode rank 3")
     qk, qv = flashcl.quantize(k, "q8_0"), flashcl.quantize(v, "q8_0")
     out = flashcl.prefill(q, qk, qv, mask=padding, device=cpu_device)
     ref = reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), mask=padding)
-    assert_close(out, ref, "float32", "packed q8_0")
-    assert len(packed) == len(cases) + 2
-    for kw in (dict(window=(20, 0)), dict(sinks=np.ones(h_q, np.float32)), dict(alibi_slopes=np.ones(h_q, np.float32))):
-        out = flashcl.prefill(q, k, v, mask=padding, device=cpu_device, **kw)
-        assert_close(out, reference.attention(q, k, v, mask=padding, **kw), "float32", f"unpacked {sorted(kw)}")
-    assert len(packed) == len(cases) + 2
+    assert_close(out, ref, "float32", "decode q8_0")
+    assert routes == ["decode", "decode"]
+
+
+def test_mask_key_start_matches_its_definition():
+    """mask_key_start: each sequence's first visible key where every row of it sees a suffix of
+    its keys, the same for every head; None otherwise."""
+    from flashcl.opencl.prefill import mask_key_start
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        bm, hm, n = rng.choice([1, 3]), rng.choice([1, 2]), int(rng.integers(1, 40))
+        starts = rng.integers(0, n + 1, size=(bm, 1))
+        if rng.random() < 0.3:
+            starts = np.broadcast_to(starts, (bm, hm)).copy()
+            starts[rng.integers(bm), rng.integers(hm)] = rng.integers(0, n + 1)
+        mask = np.arange(n) >= np.broadcast_to(starts, (bm, hm))[:, :, None, None]
+        if rng.random() < 0.2:
+            mask[rng.integers(bm), rng.integers(hm), 0, rng.integers(n)] ^= True
+        per_row = [np.flatnonzero(r) for r in mask[:, :, 0].reshape(-1, n)]
+        suffix = all(len(r) == 0 or (r[-1] == n - 1 and len(r) == n - r[0]) for r in per_row)
+        firsts = np.array([r[0] if len(r) else n for r in per_row]).reshape(bm, hm)
+        want = (np.broadcast_to(firsts[:, 0], (3,)) if suffix and (firsts == firsts[:, :1]).all() else None)
+        for m in (mask, np.where(mask, 0.0, -np.inf).astype(np.float32)):
+            got = mask_key_start(m, 3)
+            if want is None:
+                assert got is None
+            else:
+                assert got is not None and got.dtype == np.int32 and (got == want).all()
+    assert mask_key_start(np.where(mask, 0.5, -np.inf).astype(np.float32), 3) is None

@@ -72,15 +72,17 @@ def _poison_outside_window(k, v, table, lens, left, block_size=None):
     return k, v
 
 
-def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None, layout=None):
+def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None, layout=None,
+                 key_start=None):
     """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse;
-    ``layout``: that layout's untuned parameters where ``params`` is None."""
+    ``layout``: that layout's untuned parameters where ``params`` is None; ``key_start``: each
+    sequence's first key (DecodeVariants.key_start, prefill's one-row route)."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
-    var = DecodeVariants.of(Variants(**kw), prob) if kw else None
+    var = DecodeVariants.of(Variants(**kw) if kw else None, prob, key_start)
     choice = choose_params(h, prob, params_for(h, prob, params, layout))
     kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
                         variant_flags=var.flags() if var else None)
@@ -301,6 +303,47 @@ def test_plain_path_and_errors(cl_device, layout):
     check(got, q, k, k, None, lens, {}, "plain")
 
 
+# --------------------------------------------------------------------------- key_start
+
+def check_key_start(got, q, k, v, lens, starts, kw, what):
+    """Each sequence against the oracle's decode of its keys [start, ctx) alone: a key's distance
+    to the query, and so ALiBi and a window, are the same there."""
+    out, lse = got
+    for i, (n, s) in enumerate(zip(lens, starts)):
+        s = min(int(s), int(n))
+        sub = {**kw, **({"alibi_slopes": kw["alibi_slopes"][i:i + 1]} if "alibi_slopes" in kw else {})}
+        one = (out[i:i + 1], lse[i:i + 1])
+        check(one, q[i:i + 1], k[i:i + 1, :, s:n], v[i:i + 1, :, s:n], None, np.array([n - s], np.int32), sub,
+              f"{what} b={i}")
+
+
+def _key_start_case(rng, dtype=np.float32):
+    """Contiguous GQA 4 cache, NaN/inf in every key before each sequence's start: starts 0, inside,
+    at a tile edge, at the context's end (no key) and past it."""
+    b, h_q, h_kv, d, n_max = 5, 8, 2, 32, 40
+    q, k, v = (x.astype(dtype) for x in (rng.standard_normal((b, h_q, d)) * 2,
+                                           rng.standard_normal((b, h_kv, n_max, d)),
+                                           rng.standard_normal((b, h_kv, n_max, d))))
+    lens = np.array([40, 33, 40, 17, 9], np.int32)
+    starts = np.array([0, 13, 16, 17, 30], np.int32)
+    for i, s in enumerate(starts):
+        k[i, :, :s], v[i, :, :s] = np.nan, np.inf
+    return q, k, v, lens, starts
+
+
+@pytest.mark.parametrize("names", [(), ALL], ids=["plain", "all"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_key_start_hides_each_sequences_first_keys(cl_device, names, layout):
+    """DecodeVariants.key_start (a left-padded row of prefill run as a decode): no key before a
+    sequence's start is read, alone and with every variant, single pass and split-k."""
+    rng = np.random.default_rng(31)
+    q, k, v, lens, starts = _key_start_case(rng)
+    kw = _variants(rng, names, 5, 8, window=(20, 0))
+    for splits in (1, 3, 64):
+        got = run_variants(cl_device, q, k, v, None, lens, splits, kw, layout=layout, key_start=starts)
+        check_key_start(got, q, k, v, lens, starts, kw, f"{names} splits={splits}")
+
+
 # --------------------------------------------------------------------------- Oclgrind
 
 # Every variant at once, GQA 4, paged blocks of 4, contexts of 1 key, a partial tile and several:
@@ -314,13 +357,22 @@ def _oclgrind_worker(layout: str) -> None:
     """One case on the Oclgrind device (in a subprocess started by test_under_oclgrind)."""
     import pyopencl.characterize
 
+    from tests.test_oclgrind import keep_decode_workspaces
+
     pyopencl.characterize.nv_compute_capability = lambda dev: None  # see tests/test_oclgrind.py
+    keep_decode_workspaces()  # two split-k cases in one process
     rng = np.random.default_rng(12)
     q, k, v, table, lens = _paged(rng, 3, 8, 2, 32, 32, [1, 7, 30], 4, np.float32)
     kw = _variants(rng, ALL, 3, 8, window=(9, 0))
     for splits in (1, 3):
         got = run_variants("oclgrind", q, k, v, table, lens, splits, kw, params=OCLGRIND_PARAMS[layout])
         check(got, q, k, v, table, lens, kw, f"oclgrind {layout} splits={splits}")
+    q, k, v, lens, starts = _key_start_case(rng)
+    kw = _variants(rng, ALL, 5, 8, window=(20, 0))
+    for splits in (1, 3):
+        got = run_variants("oclgrind", q, k, v, None, lens, splits, kw, params=OCLGRIND_PARAMS[layout],
+                           key_start=starts)
+        check_key_start(got, q, k, v, lens, starts, kw, f"oclgrind {layout} key_start splits={splits}")
     print("OCLGRIND-CASE-OK")
 
 

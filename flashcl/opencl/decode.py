@@ -25,7 +25,7 @@ the ones the query sees, and the split count is chosen from that length.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyopencl as cl
@@ -336,10 +336,16 @@ class DecodeVariants:
     softcap: float | None = None
     sinks: np.ndarray | None = None          # float32 (H_q,): numpy, or a pyopencl Array
     alibi_slopes: np.ndarray | None = None   # float32 (B, H_q): numpy, or a pyopencl Array
+    # int32 (B,): sequence b's first key (keys before it hidden); prefill's route for one
+    # left-padded row (opencl.prefill._prefill_row_as_decode), not a public variant
+    key_start: np.ndarray | None = None
 
     @classmethod
-    def of(cls, variants, prob: "DecodeProblem") -> "DecodeVariants | None":
+    def of(cls, variants, prob: "DecodeProblem", key_start=None) -> "DecodeVariants | None":
         """None when nothing changes the plain kernels' answer (they then run unchanged)."""
+        if key_start is not None:
+            base = cls.of(variants, prob)
+            return replace(base or cls(), key_start=np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b))
         if variants is None:
             return None
         if getattr(variants, "mask", None) is not None:
@@ -360,7 +366,8 @@ class DecodeVariants:
     def flags(self) -> dict:
         """The -D defines of the variants that are on (the plain build has none of them)."""
         on = {"WINDOW": self.window_left is not None, "SOFTCAP": self.softcap is not None,
-              "SINKS": self.sinks is not None, "ALIBI": self.alibi_slopes is not None}
+              "SINKS": self.sinks is not None, "ALIBI": self.alibi_slopes is not None,
+              "KEY_START": self.key_start is not None}
         return {k: 1 for k, v in on.items() if v}
 
     def keys_seen(self, n_ctx: int) -> int:
@@ -369,14 +376,15 @@ class DecodeVariants:
 
     def kernel_args(self, queue, dummy) -> list:
         """VARIANT_PARAMS (decode_common.h): window_left, softcap_log2, sinks, alibi_slopes (an
-        unused buffer argument gets ``dummy``, never read). Host arrays are copied to the device;
-        their buffers, held by the list until the launch, are then kept by OpenCL until the
-        kernels that use them have run."""
+        unused buffer argument gets ``dummy``, never read), then key_start where it is on. Host
+        arrays are copied to the device; their buffers, held by the list until the launch, are
+        then kept by OpenCL until the kernels that use them have run."""
         left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
         arrays = [x if x is None or isinstance(x, cla.Array) else host_buffer(queue, x)
-                  for x in (self.sinks, self.alibi_slopes)]
-        return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays)]
+                  for x in (self.sinks, self.alibi_slopes, self.key_start)]
+        starts = [] if arrays[2] is None else [arrays[2].data]
+        return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays[:2]), *starts]
 
 
 def quant_defines(prob: DecodeProblem) -> dict:
@@ -851,8 +859,9 @@ def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
 
 
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
-           device, params, return_lse: bool, variants=None):
-    """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api."""
+           device, params, return_lse: bool, variants=None, key_start=None):
+    """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api.
+    ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), for prefill's one-row route."""
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
@@ -865,7 +874,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     b, h_q, h_kv = geo["B"], geo["H_q"], geo["H_kv"]
     k_fmt, v_fmt = (_quant_format(t, name) for name, t in (("k_cache", k_cache), ("v_cache", v_cache)))
     prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype, k_fmt, v_fmt)
-    var = DecodeVariants.of(variants, prob)
+    var = DecodeVariants.of(variants, prob, key_start)
     n_ctx = max_context(geo, context_lens)
     check_fits(handle, {"q": nbytes(q.shape, dtype),
                         **{name: nbytes(t.shape, dtype_name(t)) for name, t in stored.items()},

@@ -382,12 +382,59 @@ def _arrays_of(name: str, x) -> dict:
     return {f"{name}.data": x.data, **({f"{name}.scales": x.scales} if x.fmt == "int8" else {})}
 
 
+def mask_key_start(mask: np.ndarray, b: int) -> np.ndarray | None:
+    """The first key each sequence sees under a mask of one query row (Bm, Hm, 1, N_kv) that shows
+    every row a suffix of its keys, the same for every head (a left-padded batch's): int32 (B,),
+    N_kv where it hides every key. None for any other mask (a hidden key after a visible one,
+    heads that differ, an additive value other than 0 and -inf)."""
+    if mask.dtype == np.bool_:
+        rows = mask[:, :, 0]
+    else:
+        rows = mask[:, :, 0] == 0
+        if not (rows | (mask[:, :, 0] == -np.inf)).all():
+            return None
+    n_kv = rows.shape[-1]
+    first = np.where(rows.any(axis=-1), rows.argmax(axis=-1), n_kv)
+    if not (rows.sum(axis=-1) == n_kv - first).all() or (first != first[:, :1]).any():
+        return None
+    return np.ascontiguousarray(np.broadcast_to(first[:, 0], (b,)), dtype=np.int32)
+
+
+def _decodes_one_row(handle: DeviceHandle, n_q: int, rank: int, is_cl: bool, params, k, v) -> bool:
+    """Whether a prefill of one query row may run as flashcl's decode (_prefill_row_as_decode): on a
+    CPU, decode_cpu.cl streams a KV head's rows once for its whole group with the head dim in
+    vectors, ~2-3x faster there than a prefill block of one row (docs/notes/pocl-prefill.md). Host
+    arrays, the tiles chosen by flashcl, quantized K/V only as 4-D caches."""
+    return (handle.is_cpu and n_q == 1 and not is_cl and params is None
+            and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v))))
+
+
+def _prefill_row_as_decode(q, k, v, *, rank: int, shapes, scale: float, device, return_lse: bool, variants,
+                           key_start):
+    """prefill of one query row as the decode of the same keys: q (.., H_q, 1, DK) as (B, H_q, DK),
+    K/V as a contiguous cache (rank 3 with B = 1), a mask as each sequence's first key
+    (``key_start``, from mask_key_start; None: no mask). The row sits at N_kv - 1 in both, so a
+    window's left side and ALiBi's distances are decode's, and causal hides nothing."""
+    from .decode import decode
+
+    (b, h_q, _, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
+    geo = {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": dv, "paged": False, "block_size": None,
+           "num_blocks": None, "N_max": n_kv}
+    k4, v4 = (x if rank == 4 else x[None] for x in (k, v))
+    out, lse = decode(q.reshape(b, h_q, dk), k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale,
+                      num_splits=None, device=device, params=None, return_lse=True,
+                      variants=None if variants is None else replace(variants, mask=None), key_start=key_start)
+    lead = (b,) if rank == 4 else ()
+    out = out.reshape(*lead, h_q, 1, dv)
+    return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
+
+
 def _packs_group(handle: DeviceHandle, n_q: int, h_q: int, h_kv: int, is_cl: bool, params, variants) -> bool:
-    """Whether a call runs its GQA group's query heads as the rows of one head (a decode step of
-    a padded batch: N_q = 1 with a mask). On a CPU each query head's work-group staged its KV
-    head's tiles again; as rows of one block the group stages them once. Only where the rows'
-    results do not depend on their positions or heads: one query row, no window, sinks or ALiBi
-    (per head), host arrays, the tiles chosen by flashcl."""
+    """Whether a call runs its GQA group's query heads as the rows of one head (N_q = 1 with a
+    mask that is not a left padding: those run as a decode). On a CPU each query head's
+    work-group staged its KV head's tiles again; as rows of one block the group stages them once.
+    Only where the rows' results do not depend on their positions or heads: one query row, no
+    window, sinks or ALiBi (per head), host arrays, the tiles chosen by flashcl."""
     return (handle.is_cpu and n_q == 1 and h_q > h_kv and not is_cl and params is None
             and (variants is None or (variants.window is None and variants.sinks is None
                                       and variants.alibi_slopes is None)))
@@ -426,6 +473,12 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     for name, fmt in (("k", k_fmt), ("v", v_fmt)):
         if fmt is not None and fmt not in QUANT_CODES:
             raise TypeError(f"{name}: the OpenCL prefill kernels read {', '.join(QUANT_CODES)} caches, got {fmt!r}")
+    if _decodes_one_row(handle, n_q, rank, is_cl, params, k, v):
+        mask = None if variants is None else variants.mask
+        starts = None if mask is None else mask_key_start(mask, b)
+        if mask is None or starts is not None:
+            return _prefill_row_as_decode(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
+                                          return_lse=return_lse, variants=variants, key_start=starts)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):
         return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                       return_lse=return_lse, variants=variants)

@@ -281,11 +281,15 @@ def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monke
     routes.clear()
     out3 = flashcl.prefill(q[0], k[0], v[0], device=cpu_device)
     assert_close(out3, reference.attention(q[:1], k[:1], v[:1])[0], "float32", "decode rank 3")
+    out3 = flashcl.prefill(q[0], k[0], k[0], device=cpu_device)  # k is v: one buffer
+    assert_close(out3, reference.attention(q[:1], k[:1], k[:1])[0], "float32", "decode rank 3, k is v")
+    x = q[:, :2]  # q is k is v (N_kv = 1): q's view is copied, not a second buffer over K/V
+    assert_close(flashcl.prefill(x, x, x, device=cpu_device), reference.attention(x, x, x), "float32", "q is k is v")
     qk, qv = flashcl.quantize(k, "q8_0"), flashcl.quantize(v, "q8_0")
     out = flashcl.prefill(q, qk, qv, mask=padding, device=cpu_device)
     ref = reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), mask=padding)
     assert_close(out, ref, "float32", "decode q8_0")
-    assert routes == ["decode", "decode"]
+    assert routes == ["decode"] * 4
 
 
 def test_mask_key_start_matches_its_definition():

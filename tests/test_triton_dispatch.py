@@ -43,10 +43,31 @@ def test_plain_eager_tensors_skip_the_dispatcher():
         assert not skips_dispatcher(t)
     with _Seen():
         assert not skips_dispatcher(t)
+    with torch.autograd.profiler_legacy.profile():
+        assert not skips_dispatcher(t)
+    with torch.device("cpu"):  # a torch-function mode
+        assert not skips_dispatcher(t)
     w = torch.ones(3, requires_grad=True)
     assert not skips_dispatcher(t, w)
     with torch.no_grad():
         assert skips_dispatcher(t, w)
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_vmap_takes_the_op(triton_device, kernel):
+    """Under torch.func.vmap the inputs are batched tensors the kernels cannot read: the op runs
+    (torch loops over the samples), each sample as its own call."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 1, 4, 32, generator=g).to(triton_device)
+    k, v = (torch.randn(3, 1, 2, 9, 32, generator=g).to(triton_device) for _ in range(2))
+    if kernel == "decode":
+        call = lambda q, k, v: flashcl.decode(q, k, v, backend="triton")  # noqa: E731
+    else:
+        q = q[:, :, :, None]
+        call = lambda q, k, v: flashcl.prefill(q, k, v, causal=True, backend="triton")  # noqa: E731
+    got = torch.func.vmap(call)(q, k, v)
+    for i in range(3):
+        assert torch.equal(got[i], call(q[i], k[i], v[i]))
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "decode"])

@@ -420,13 +420,25 @@ def _prefill_row_as_decode(q, k, v, *, rank: int, shapes, scale: float, device, 
     (b, h_q, _, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     geo = {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": dv, "paged": False, "block_size": None,
            "num_blocks": None, "N_max": n_kv}
-    k4, v4 = (x if rank == 4 else x[None] for x in (k, v))
-    out, lse = decode(q.reshape(b, h_q, dk), k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale,
+    k4 = k if rank == 4 else k[None]
+    v4 = k4 if v is k else v if rank == 4 else v[None]  # one array, one buffer (two over it: undefined)
+    q3 = q.reshape(b, h_q, dk)
+    if any(_overlap(q, x) for x in (k, v)):  # a view of q is a second buffer over K/V's memory
+        q3 = q3.copy() if isinstance(q3, np.ndarray) else q3.clone()
+    out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale,
                       num_splits=None, device=device, params=None, return_lse=True,
                       variants=None if variants is None else replace(variants, mask=None), key_start=key_start)
     lead = (b,) if rank == 4 else ()
     out = out.reshape(*lead, h_q, 1, dv)
     return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
+
+
+def _overlap(a, b) -> bool:
+    """Whether host arrays ``a`` and ``b`` (numpy, torch CPU, or a QuantizedTensor's data) may share
+    memory (their address ranges meet; no copy is made to tell)."""
+    a, b = (x.data if isinstance(x, QuantizedTensor) else x for x in (a, b))
+    a, b = (x.detach().numpy() if hasattr(x, "detach") else np.asarray(x) for x in (a, b))
+    return np.may_share_memory(a, b)
 
 
 def _packs_group(handle: DeviceHandle, n_q: int, h_q: int, h_kv: int, is_cl: bool, params, variants) -> bool:
@@ -477,6 +489,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b)
         if mask is None or starts is not None:
+            starts = starts if starts is not None and starts.any() else None  # hides nothing: no KEY_START build
             return _prefill_row_as_decode(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                           return_lse=return_lse, variants=variants, key_start=starts)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):

@@ -22,13 +22,14 @@ def on_device_of(t):
 def skips_dispatcher(*tensors) -> bool:
     """Whether a call may run its op's implementation directly, not through ``torch.ops``: in eager
     mode the dispatcher costs 50-180 us a call, several times the kernels (docs/notes/triton-host.md).
-    Only where nothing should see the op: no compile, trace, dispatch mode or profiler running, and
-    plain tensors (None is skipped) with no gradient to record."""
+    Only where nothing should see the op: no compile, trace, vmap or other functorch transform,
+    torch-function or dispatch mode, or profiler running, and plain tensors (None is skipped) with
+    no gradient to record."""
     import torch
 
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._get_tracing_state() is not None
-            or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)):
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()):
         return False
     grad = torch.is_grad_enabled()
     return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)

@@ -485,6 +485,10 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     for name, fmt in (("k", k_fmt), ("v", v_fmt)):
         if fmt is not None and fmt not in QUANT_CODES:
             raise TypeError(f"{name}: the OpenCL prefill kernels read {', '.join(QUANT_CODES)} caches, got {fmt!r}")
+    # before the routes below, so that an input too large is named as prefill names it
+    check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": b * h_kv * n_kv * row_bytes(k_fmt, dk, dtype),
+                        "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
+                        "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     if _decodes_one_row(handle, n_q, rank, is_cl, params, k, v):
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b)
@@ -496,9 +500,6 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
         return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                       return_lse=return_lse, variants=variants)
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
-    check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": b * h_kv * n_kv * row_bytes(k_fmt, dk, dtype),
-                        "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
-                        "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     choice = choose_params(handle, prob, params)
     tiles = choice.params if params is not None else rows_for_short_queries(handle, prob, choice.params)
     flags = variants.flags() if variants is not None else {}

@@ -342,8 +342,9 @@ class DecodeVariants:
 
     @classmethod
     def of(cls, variants, prob: "DecodeProblem", key_start=None) -> "DecodeVariants | None":
-        """None when nothing changes the plain kernels' answer (they then run unchanged)."""
-        if key_start is not None:
+        """None when nothing changes the plain kernels' answer (they then run unchanged; a
+        ``key_start`` of zeros hides no key)."""
+        if key_start is not None and np.any(key_start):
             base = cls.of(variants, prob)
             return replace(base or cls(), key_start=np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b))
         if variants is None:

@@ -428,6 +428,12 @@ def _prefill_row_as_decode(q, k, v, *, rank: int, shapes, scale: float, device, 
     out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale,
                       num_splits=None, device=device, params=None, return_lse=True,
                       variants=None if variants is None else replace(variants, mask=None), key_start=key_start)
+    return _one_row_result(out, lse, rank, shapes, return_lse)
+
+
+def _one_row_result(out, lse, rank: int, shapes, return_lse: bool):
+    """A one-row route's out (and lse) viewed as prefill returns them: (.., H_q, 1, DV)."""
+    (b, h_q, _, _), _, (_, _, _, dv) = shapes
     lead = (b,) if rank == 4 else ()
     out = out.reshape(*lead, h_q, 1, dv)
     return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
@@ -467,9 +473,7 @@ def _prefill_group_as_rows(q, k, v, *, rank: int, shapes, scale: float, device, 
     res = prefill(q.reshape(packed[1:] if rank == 3 else packed), k, v, rank=rank, shapes=(packed, shapes[1], vs),
                   causal=False, scale=scale, device=device, params=None, return_lse=return_lse, variants=variants)
     out, lse = res if return_lse else (res, None)
-    lead = () if rank == 3 else (b,)
-    out = out.reshape(*lead, h_q, 1, vs[3])
-    return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
+    return _one_row_result(out, lse, rank, shapes, return_lse)
 
 
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
@@ -493,7 +497,6 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b)
         if mask is None or starts is not None:
-            starts = starts if starts is not None and starts.any() else None  # hides nothing: no KEY_START build
             return _prefill_row_as_decode(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                           return_lse=return_lse, variants=variants, key_start=starts)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):

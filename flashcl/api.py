@@ -408,9 +408,10 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
 
 # --------------------------------------------------------------------------- decode
 
-def _decode_shapes(q, k_cache, v_cache, block_table, context_lens) -> dict:
+def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=None) -> dict:
     """Validate a decode call; return its geometry. Values of block_table/context_lens are checked
-    by the backends that hold them (a device tensor is not read back here)."""
+    by the backends that hold them (a device tensor is not read back here); key_start's need no
+    check (any int32 has a meaning)."""
     if len(q.shape) != 3:
         raise ValueError(f"q: expected (B, H_q, DK) for decode, got shape {tuple(q.shape)}")
     b, h_q, dk = (int(s) for s in q.shape)
@@ -444,6 +445,11 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens) -> dict:
             raise ValueError(f"context_lens: expected shape ({b},), got {tuple(context_lens.shape)}")
         if _dtype_name(context_lens) != "int32":
             raise TypeError(f"context_lens: expected int32, got {_dtype_name(context_lens)}")
+    if key_start is not None:
+        if tuple(key_start.shape) != (b,):
+            raise ValueError(f"key_start: expected shape ({b},), got {tuple(key_start.shape)}")
+        if _dtype_name(key_start) != "int32":
+            raise TypeError(f"key_start: expected int32, got {_dtype_name(key_start)}")
     if dkk != dk:
         raise ValueError(f"q has head dim {dk} but k_cache has {dkk}")
     if h_kv == 0 or h_q % h_kv:
@@ -469,8 +475,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
            num_splits: Optional[int] = None, device: Device = None, params: Params = None,
            backend: str = "auto", return_lse: bool = False,
            window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
-           sinks: Optional[Array] = None,
-           alibi_slopes: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
+           sinks: Optional[Array] = None, alibi_slopes: Optional[Array] = None,
+           key_start: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
     """One new query token per sequence attending over its KV cache (flash-decoding).
 
     q (B, H_q, DK). Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
@@ -480,15 +486,17 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     Either cache may be a flashcl.QuantizedTensor of q's kind and dtype, in a format the backend
     takes (QUANTIZED_KV_FORMATS); it reaches the kernels as it is, dequantized inside them.
     Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32. Variants as for prefill (no
-    mask); the query of sequence b sits at position context_lens[b] - 1.
+    mask); the query of sequence b sits at position context_lens[b] - 1. ``key_start`` (B,)
+    int32, the same kind as q: sequence b sees no key before key_start[b] (a left-padded batch's
+    padding; values <= 0 hide nothing, at or past the length every key: that row is zeros).
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     kind = _common_kind(tensors)
-    for name, x in (("block_table", block_table), ("context_lens", context_lens)):
+    for name, x in (("block_table", block_table), ("context_lens", context_lens), ("key_start", key_start)):
         if x is not None and _kind(x, name) != kind:
             raise TypeError(f"{name} must be the same kind of array as q ({kind}), got {_kind(x, name)}")
     chosen = _choose_backend(backend, kind)
-    geo = _decode_shapes(q, k_cache, v_cache, block_table, context_lens)
+    geo = _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start)
     _check_quantized("decode", chosen, q, {"k_cache": k_cache, "v_cache": v_cache})
     scale = _check_scale(scale)
     num_splits = _check_num_splits(num_splits)
@@ -506,16 +514,18 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
         return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
                                     context_lens=context_lens, scale=scale,
                                     num_splits=num_splits, return_lse=return_lse,
-                                    variants=_variants_on_torch(variants, q))
+                                    variants=_variants_on_torch(variants, q), key_start=key_start)
 
     _common_dtype(tensors, ("float32", "float16"))
     from .opencl import decode as cl_decode
 
     variants = _variants_on_host(variants)
+    if _is_torch(key_start):
+        key_start = key_start.detach().numpy()
     return cl_decode.decode(q, k_cache, v_cache, geo=geo, block_table=block_table,
                             context_lens=context_lens, scale=scale, num_splits=num_splits,
                             device=device, params=params, return_lse=return_lse,
-                            variants=variants)
+                            variants=variants, key_start=key_start)
 
 
 # --------------------------------------------------------------------------- merge

@@ -247,13 +247,14 @@ def partitioned_attention(q, k, v, num_partitions: int, *, causal: bool = False,
 
 def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None,
                      scale: float | None = None, return_lse: bool = False, window=None,
-                     softcap: float | None = None, sinks=None, alibi_slopes=None):
+                     softcap: float | None = None, sinks=None, alibi_slopes=None, key_start=None):
     """Single-token decode against a contiguous or paged cache (see flashcl.decode for layouts).
 
     q (B, H_q, DK); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
     paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks). The query
-    of sequence b sits at position context_lens[b] - 1 (for window and ALiBi). Caches may be
-    QuantizedTensors (attended dequantized). Returns out (B, H_q, DV) and, on request, lse (B, H_q).
+    of sequence b sits at position context_lens[b] - 1 (for window and ALiBi) and sees no key
+    before key_start[b] where given. Caches may be QuantizedTensors (attended dequantized).
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q).
     """
     k_cache, v_cache = _dense(k_cache), _dense(v_cache)
     q = np.asarray(q, dtype=np.float64)
@@ -274,9 +275,10 @@ def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None
             k = np.asarray(k_cache[blocks], dtype=np.float64).reshape(-1, *k_cache.shape[2:])[:n]
             v = np.asarray(v_cache[blocks], dtype=np.float64).reshape(-1, *v_cache.shape[2:])[:n]
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        seen = None if key_start is None else np.arange(n) >= int(key_start[i])
         o, lse = attention(q[i][:, None, :], k, v, scale=scale, return_lse=True, window=window,
                            softcap=softcap, sinks=sinks,
-                           alibi_slopes=None if slopes is None else slopes[i])
+                           alibi_slopes=None if slopes is None else slopes[i], mask=seen)
         outs.append(o[:, 0])
         lses.append(lse[:, 0])
     out, lse = np.stack(outs), np.stack(lses)

@@ -217,6 +217,8 @@ def decode_calls(draw):
               scale=draw(st.sampled_from([None, 0.2])), return_lse=draw(st.booleans()))
     if draw(st.booleans()):
         kw["params"] = dict(DECODE_TILES[0])
+    if draw(st.booleans()):  # first keys anywhere: below 0, inside, at and past the end
+        kw["key_start"] = np.array([draw(st.integers(-3, 45)) for _ in range(b)], dtype=np.int32)
     call = {"q": q, "k": k, "v": v, "kw": kw}
     broken = None
     if draw(st.booleans()):
@@ -341,5 +343,6 @@ def test_decode_fuzz(case):
     ref_out, ref_lse = reference.decode_attention(call["q"], call["k"], call["v"],
                                                   block_table=kw.get("block_table"),
                                                   context_lens=kw.get("context_lens"),
-                                                  scale=kw["scale"], return_lse=True)
+                                                  key_start=kw.get("key_start"), scale=kw["scale"],
+                                                  return_lse=True)
     _check_result(got, ref_out, ref_lse, call["q"].dtype.name, kw["return_lse"], what)

@@ -145,6 +145,14 @@ def test_greedy_generation_matches_eager(family, torch_device, flashcl_calls):
         got = _build(family, fcl_hf.register(), torch_device).generate(ids, **kwargs)
     assert torch.equal(got.cpu(), want.cpu()), f"{family}:\n flashcl {got.tolist()}\n eager   {want.tolist()}"
     assert len(flashcl_calls) == NEW_TOKENS * _COMMON["num_hidden_layers"]
+    # every step after the prompt is a decode; a global layer's starts the padded row after its
+    # padding (a sliding layer's cache holds only the window, here past the padding; Mistral's
+    # layers all slide)
+    steps = [kw for name, kw in flashcl_calls if name == "decode"]
+    assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
+    pad = max(LENGTHS) - min(LENGTHS)
+    started = [kw for kw in steps if kw["key_start"] is not None]
+    assert all(int(kw["key_start"][1]) >= pad for kw in started) and (started or family == "mistral"), steps
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
@@ -252,6 +260,35 @@ def test_a_float_bias_is_kept_additive_and_hidden_keys_become_minus_inf():
     assert plan.causal and plan.mask.dtype == torch.float32
     assert torch.isneginf(plan.mask[~torch.from_numpy(vis)]).all()
     assert (plan.mask[torch.from_numpy(vis)] == 0.25).all()
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_left_padded_decode_row_becomes_each_sequences_first_key(additive):
+    """One query row per sequence whose mask shows a suffix of the keys (left padding, under a
+    window or not; all hidden: the row's first key is N_kv) needs no mask: its first keys do."""
+    n = 12
+    pads = [0, 4, 11, n]
+    for left in (-1, 3):
+        vis = np.repeat(_band(1, n, left, 0), len(pads), axis=0)
+        for row, pad in enumerate(pads):
+            vis[row, :, :, :pad] = False
+        plan = fcl_hf.plan_for_mask(_eager_like(vis) if additive else torch.from_numpy(vis), 1, n)
+        assert plan.mask is None and plan.key_start.dtype == torch.int32, plan
+        first = [max(pad, n - 1 - left) if left >= 0 else pad for pad in pads]
+        assert plan.key_start.tolist() == [min(f, n) for f in first]
+        assert plan.window == ((left, 0) if left >= 0 else None)
+
+
+def test_a_decode_row_with_a_hole_or_per_head_starts_keeps_the_mask():
+    n = 12
+    hole = np.ones((2, 1, 1, n), dtype=bool)
+    hole[1, :, :, 5] = False
+    heads = np.ones((1, 2, 1, n), dtype=bool)
+    heads[0, 1, :, :3] = False
+    for vis in (hole, heads):
+        plan = fcl_hf.plan_for_mask(torch.from_numpy(vis), 1, n)
+        assert plan.key_start is None
+        np.testing.assert_array_equal(plan.mask.numpy(), vis)
 
 
 def test_a_mask_that_hides_everything_is_passed_on():

@@ -387,3 +387,50 @@ def test_under_oclgrind(layout, tmp_path):
         pytest.skip("Oclgrind is not installed (pip install 'flashcl[oclgrind]')")
     run_under_oclgrind("tests.test_variants_decode_opencl:_oclgrind_worker", layout, f"decode variants {layout}",
                        tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "cl"])
+def test_decode_key_start_through_the_api(cl_device, kind):
+    """flashcl.decode(key_start=) on each input kind over a paged cache, with a window: the
+    oracle's keys [start, ctx) (starts below 0, inside, at and past the end), NaN and inf before
+    each start never read; a key_start of zeros gives the plain call's bits."""
+    rng = np.random.default_rng(33)
+    starts = np.array([-2, 13, 17, 30], np.int32)
+    q, k, v, table, lens = _paged(rng, 4, 8, 2, 32, 32, [40, 33, 17, 9], 8, np.float32)
+    clean = (q.copy(), k.copy(), v.copy())
+    for i, s in enumerate(starts):  # poison the rows of every hidden key of the context
+        for t in range(min(max(int(s), 0), int(lens[i]))):
+            k[table[i, t // 8], t % 8], v[table[i, t // 8], t % 8] = np.nan, np.inf
+    if kind == "cl":
+        queue = get_device(cl_device).queue
+        conv, back = (lambda x: cla.to_device(queue, x)), (lambda x: x.get())
+    elif kind == "torch":
+        import torch
+
+        conv, back = torch.from_numpy, np.asarray
+    else:
+        conv = back = (lambda x: x)
+    args = [conv(x) for x in (q, k, v)]
+    tables = {"block_table": conv(table), "context_lens": conv(lens), "device": None if kind == "cl" else cl_device}
+    out, lse = flashcl.decode(*args, **tables, key_start=conv(starts), window=(20, 0), return_lse=True,
+                              num_splits=3)
+    check((back(out), back(lse)), *clean, table, lens, {"window": (20, 0), "key_start": starts}, kind)
+    plain = flashcl.decode(*args, **tables)
+    started = flashcl.decode(*args, **tables, key_start=conv(np.zeros(4, np.int32)))
+    np.testing.assert_array_equal(back(plain), back(started))
+
+
+def test_decode_key_start_errors(cl_device):
+    """key_start is checked before launch: shape, dtype and kind."""
+    import torch
+
+    rng = np.random.default_rng(34)
+    q, k, v, table, lens = _paged(rng, 2, 4, 2, 32, 32, [5, 9], 4, np.float32)
+    call = lambda ks: flashcl.decode(q, k, v, block_table=table, context_lens=lens, key_start=ks,  # noqa: E731
+                                     device=cl_device)
+    with pytest.raises(ValueError, match="key_start: expected shape"):
+        call(np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="key_start: expected int32"):
+        call(np.zeros(2, np.int64))
+    with pytest.raises(TypeError, match="key_start must be the same kind"):
+        call(torch.zeros(2, dtype=torch.int32))

@@ -1,10 +1,11 @@
-"""Attention variants (window, softcap, sinks, ALiBi) in the Triton decode against the float64
+"""Attention variants (window, softcap, sinks, ALiBi, key_start) in the Triton decode against the float64
 oracle (flashcl.reference.decode_attention), on every path: the dot kernel (whole pages, tiles
 inside a page, masked rows, contiguous), the MHA CUDA-core loop, one split, the fused merge and the
 reduce kernel. Native on CUDA, TRITON_INTERPRET=1 on CPU (small shapes).
 
 The query of sequence b sits at position p = context_lens[b] - 1; window (left, right) shows it
-the keys [max(0, p - left), p] (right has no key to reach in decode).
+the keys [max(0, p - left), p] (right has no key to reach in decode); key_start[b] hides the keys
+before it.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _np(x):
 def _case(device, dtype, *, b, h_q, h_kv, lens, d=32, dv=None, block_size=16, seed=0, poison_hidden=None,
           **variants):
     """q, a contiguous (B, H_kv, N_max, D) cache and its paged copy (permuted blocks), the oracle's
-    out/lse for ``variants`` (window, softcap, sinks, alibi_slopes; torch tensors or values).
-    ``poison_hidden`` (a float, e.g. nan): written into K and V at every key no query sees (before
-    the window, past the context, the pages no sequence uses) after the oracle ran."""
+    out/lse for ``variants`` (window, softcap, sinks, alibi_slopes, key_start; torch tensors or
+    values). ``poison_hidden`` (a float, e.g. nan): written into K and V at every key no query
+    sees (before the window or the key start, past the context, the pages no sequence uses) after
+    the oracle ran."""
     dv = dv or d
     gen = _gen(seed)
     tdt = getattr(torch, dtype)
@@ -66,8 +68,10 @@ def _case(device, dtype, *, b, h_q, h_kv, lens, d=32, dv=None, block_size=16, se
                                                   return_lse=True, **ref_kw)
     if poison_hidden is not None:
         left = (variants.get("window") or (-1, -1))[0]
+        starts = variants.get("key_start")
         for i, n in enumerate(lens):
             lo = max(0, n - 1 - left) if left >= 0 else 0
+            lo = lo if starts is None else min(max(lo, int(starts[i])), n_max)
             k[i, :, :lo] = poison_hidden
             v[i, :, :lo] = poison_hidden
             k[i, :, n:] = poison_hidden
@@ -105,7 +109,8 @@ def _run(c, num_splits, paged=True, config=None):
     return triton_decode._launch(
         c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["lens"], c["scale"], num_splits, config=config,
         window_left=window[0] if window else -1, softcap=var.get("softcap") or 0.0, sinks=var.get("sinks"),
-        alibi_slopes=None if sl is None else sl.to(torch.float32).expand(c["q"].shape[0], c["q"].shape[1]))
+        alibi_slopes=None if sl is None else sl.to(torch.float32).expand(c["q"].shape[0], c["q"].shape[1]),
+        key_start=var.get("key_start"))
 
 
 def _plan(c, num_splits, config=None):
@@ -113,7 +118,7 @@ def _plan(c, num_splits, config=None):
     window = var.get("window")
     problem = triton_decode.problem_of(c["q"], c["k_pages"], c["v_pages"], c["block_table"],
                                        window[0] if window else -1, var.get("softcap") or 0.0, var.get("sinks"),
-                                       var.get("alibi_slopes"))
+                                       var.get("alibi_slopes"), key_start=var.get("key_start"))
     return dp.plan(problem, dp.facts_of(c["q"].device), config, num_splits)
 
 
@@ -124,7 +129,12 @@ def _variants(kind, h_q, b, gen):
             "alibi": {"alibi_slopes": slopes},
             "all": {"window": (50, 3), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes},
             # a window that several splits of the Gluon GQA kernel's 64-key tiles share
-            "all_wide": {"window": (200, 0), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes}}[kind]
+            "all_wide": {"window": (200, 0), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes},
+            # (four sequences of 0, 1, 150 and 700 keys) first keys before, inside and past a
+            # window of 300, and past a context
+            "key_start": {"key_start": torch.tensor([0, 1, 37, 130], dtype=torch.int32)},
+            "key_start_all": {"window": (300, 0), "softcap": 7.5, "sinks": sinks, "alibi_slopes": slopes,
+                              "key_start": torch.tensor([3, 5, 149, 500], dtype=torch.int32)}}[kind]
 
 
 # --------------------------------------------------------------------------- each variant, each merge
@@ -206,6 +216,60 @@ def test_window_on_a_contiguous_cache_without_lengths(triton_device, poison):
         _check(out, lse, c, f"no lengths splits={ns}")
 
 
+# --------------------------------------------------------------------------- key_start
+
+
+@pytest.mark.parametrize("path", ["whole_pages", "masked_rows", "late_pages", "page_tiles", "mha_fma", "contiguous"])
+def test_key_start_edges(triton_device, path, poison):
+    """Per-sequence first keys at 0, 1, tile - 1, tile, tile + 1, the last key, the length, past it
+    and below 0, over contexts of one key, a tile, a tile + 1 and several tiles, alone and under a
+    window with softcap and ALiBi; NaN in K and V before each first key (and past the context)
+    never reaches a row, and a row with no key left is zeros. Each addressing of the dot kernel and
+    the MHA loop, 1 and 3 splits."""
+    block_size, h_q, config, dtype = {
+        "whole_pages": (16, 4, None, "float32"),
+        "masked_rows": (16, 4, {"whole_pages": False}, "float32"),
+        "late_pages": (16, 4, {"early_pages": False}, "float32"),
+        "page_tiles": (128, 4, {"BLOCK_N": 64}, "float32"),
+        "mha_fma": (16, 1, {"mha_fma": True}, "float16"),
+        "contiguous": (16, 4, None, "float32"),
+    }[path]
+    d = 128 if path == "mha_fma" else 32
+    lens = [1, 64, 65, 200]
+    probe = _case(triton_device, dtype, b=len(lens), h_q=h_q, h_kv=1, lens=lens, d=d, block_size=block_size)
+    bn = _block_n(probe, config)
+    gen = _gen(40)
+    slopes = torch.rand((len(lens), h_q), generator=gen) * 0.2
+    for i, starts in enumerate([(0, bn - 1, bn, 199), (1, bn + 1, 65, 300), (-3, 63, 64, 2 * bn + 3)]):
+        for extra in ({}, {"window": (40, 0), "softcap": 5.0, "alibi_slopes": slopes}):
+            c = _case(triton_device, dtype, b=len(lens), h_q=h_q, h_kv=1, lens=lens, d=d, block_size=block_size,
+                      seed=41 + i, poison_hidden=float("nan"), key_start=torch.tensor(starts, dtype=torch.int32),
+                      **extra)
+            if path == "mha_fma":  # a variant on: the MHA loop, never Gluon
+                assert _plan(c, 1, config).kernel == "mha_fma"
+            for ns in (1, 3):
+                out, lse = _run(c, ns, paged=path != "contiguous", config=None if path == "contiguous" else config)
+                _check(out, lse, c, f"{path} key_start={starts} {sorted(extra)} tile {bn} splits={ns}")
+                if starts[0] >= lens[0]:  # no key left: zeros
+                    assert (_np(out)[0] == 0).all()
+
+
+def test_key_start_of_zeros_and_errors(triton_device, poison):
+    """A key_start of zeros gives the plain kernel's bits; its shape and dtype are checked before
+    launch."""
+    c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[30, 64], seed=45)
+    plain = flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"], context_lens=c["lens"],
+                           backend="triton")
+    zeros = torch.zeros(2, dtype=torch.int32, device=triton_device)
+    started = flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"],
+                             context_lens=c["lens"], backend="triton", key_start=zeros)
+    assert torch.equal(plain, started)
+    for bad, err in ((torch.zeros(3, dtype=torch.int32), ValueError), (torch.zeros(2, dtype=torch.int64), TypeError)):
+        with pytest.raises(err, match="key_start"):
+            flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"], context_lens=c["lens"],
+                           backend="triton", key_start=bad.to(triton_device))
+
+
 # --------------------------------------------------------------------------- hidden keys
 
 
@@ -281,7 +345,7 @@ def test_plan_routes_variants():
     mha = dp.DecodeProblem(8, 32, 32, 128, 128, 8192, 2, 16)
     plain_gqa = dp.plan(gqa, facts)
     assert plain_gqa.kernel == "gluon_gqa" and dp.plan(mha, facts).kernel == "gluon_mha"
-    for name in ("alibi", "sinks", "softcap"):
+    for name in ("alibi", "sinks", "softcap", "key_start"):
         with_variant = dp.plan(replace(gqa, variants=(name,)), facts)
         assert with_variant.kernel == "gluon_gqa" and with_variant.num_splits == plain_gqa.num_splits
         assert dp.plan(replace(mha, variants=(name,)), facts).kernel == "mha_fma"
@@ -308,6 +372,9 @@ def test_mask_refused_and_custom_op_schema(triton_device):
     slopes = torch.tensor([[0.1, 0.2], [0.3, 0.4]], device=triton_device)
     args = (c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["lens"], c["scale"], 2, 2, 3.0, sinks, slopes)
     torch.library.opcheck(torch.ops.flashcl.decode.default, args, test_utils=("test_schema", "test_faketensor"))
+    starts = torch.tensor([1, 0], dtype=torch.int32, device=triton_device)
+    torch.library.opcheck(torch.ops.flashcl.decode.default, args, {"key_start": starts},
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 # --------------------------------------------------------------------------- the Gluon GQA kernel
@@ -323,7 +390,7 @@ def gqa_calls(monkeypatch):
     calls = []
     launch = decode_gluon.launch_gqa
     monkeypatch.setattr(decode_gluon, "launch_gqa", lambda *a, **kw: (calls.append(
-        {n for n in ("sinks", "alibi_slopes") if kw.get(n) is not None}
+        {n for n in ("sinks", "alibi_slopes", "key_start") if kw.get(n) is not None}
         | {n for n in ("window_left",) if kw.get(n, -1) >= 0} | {n for n in ("softcap_log2",) if kw.get(n, 0) > 0}),
         launch(*a, **kw))[1])
     return calls
@@ -338,11 +405,14 @@ def _gluon_runs():
 gluon_only = pytest.mark.skipif(not _gluon_runs(), reason="needs CUDA and Gluon")
 _TAKEN = {"window": {"window_left"}, "softcap": {"softcap_log2"}, "sinks": {"sinks"}, "alibi": {"alibi_slopes"},
           "all": {"window_left", "softcap_log2", "sinks", "alibi_slopes"},
-          "all_wide": {"window_left", "softcap_log2", "sinks", "alibi_slopes"}}
+          "all_wide": {"window_left", "softcap_log2", "sinks", "alibi_slopes"},
+          "key_start": {"key_start"}, "key_start_all": {"key_start", "window_left", "softcap_log2", "sinks",
+                                                         "alibi_slopes"}}
 
 
 @gluon_only
-@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "alibi", "all", "all_wide"])
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "alibi", "all", "all_wide", "key_start",
+                                  "key_start_all"])
 @pytest.mark.parametrize("dtype,h_q,h_kv,block_size", [("float16", 8, 2, 16), ("bfloat16", 16, 2, 1),
                                                        ("float16", 32, 2, 64)])  # groups 4, 8, 16
 def test_gluon_gqa_variants(kind, dtype, h_q, h_kv, block_size, poison, gqa_calls):
@@ -376,6 +446,22 @@ def test_gluon_gqa_window_edges(value, poison, gqa_calls):
             out, lse = _run(c, ns, config=GQA)
             _check(out, lse, c, f"gluon gqa window=({left},0) hidden={value} splits={ns}")
     assert len(gqa_calls) == 7 * 3
+
+
+@gluon_only
+def test_gluon_gqa_key_start_edges(poison, gqa_calls):
+    """First keys at 0, 1, tile - 1, tile, tile + 1, the last key, the length, past it and below 0
+    (tiles of 64 keys), over contexts of one key, a tile, a tile + 1, 200 and 1000, alone and under
+    a window; NaN in K and V before each first key never reaches a row. 1, 3 and 16 splits."""
+    lens = [1, 64, 65, 200, 1000]
+    for i, starts in enumerate([(0, 63, 64, 199, 999), (1, 65, 65, 200, 1001), (-3, 1, 0, 65, 130)]):
+        for window in (None, (500, 0)):
+            c = _case("cuda", "float16", b=len(lens), h_q=8, h_kv=2, lens=lens, d=128, seed=50 + i, window=window,
+                      key_start=torch.tensor(starts, dtype=torch.int32), poison_hidden=float("nan"))
+            for ns in (1, 3, 16):
+                out, lse = _run(c, ns, config=GQA)
+                _check(out, lse, c, f"gluon gqa key_start={starts} window={window} splits={ns}")
+    assert len(gqa_calls) == 3 * 2 * 3
 
 
 @gluon_only

@@ -12,7 +12,9 @@ The mask is transformers' own SDPA mask (boolean, True = attend, or None where a
 full pattern holds), so padding, sliding windows and any custom pattern are honoured exactly. Each
 layer's mask is reduced to the tightest ``causal``/``window`` that contains it, which lets the
 kernels skip key tiles outside the band; the mask itself is passed on only when it hides keys
-inside that band (padding, packed sequences, custom patterns). Softcap (Gemma 2) and sinks
+inside that band (padding, packed sequences, custom patterns). A decode step whose mask shows each
+sequence a suffix of its keys (a left-padded batch) runs as ``flashcl.decode`` with each
+sequence's first key (``key_start``), which never reads the padding. Softcap (Gemma 2) and sinks
 (gpt-oss's ``s_aux``) map to flashcl's variants; GQA runs without repeating K/V.
 """
 
@@ -48,11 +50,15 @@ def register() -> str:
 class Plan:
     """How one layer's mask maps onto flashcl: ``causal`` and ``window`` (keys visible to row i at
     position p = i + N_kv - N_q, docs/design.md §2) contain every key the mask shows; ``mask`` is
-    None when they show exactly those keys, else a bool mask or a float32 additive one."""
+    None when they, and ``key_start`` where given, show exactly those keys, else a bool mask or a
+    float32 additive one. ``key_start``: one query row whose mask shows each sequence, in every
+    head, the keys from its first visible one on (the band's, a left-padded batch's): those
+    first keys, int32 (B or 1,), for decode."""
 
     causal: bool
     window: Optional[Tuple[int, int]]
     mask: Any
+    key_start: Any = None
 
 
 def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
@@ -91,7 +97,14 @@ def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
     hi = (pos + right).clamp(max=n_kv - 1) if right >= 0 else torch.full_like(pos, n_kv - 1)
     band = (hi - lo + 1).clamp(min=0)
     exact = bias is None and bool((count == band).all())
-    return Plan(causal=causal, window=window, mask=None if exact else (bias if bias is not None else visible))
+    if exact or bias is not None:
+        return Plan(causal=causal, window=window, mask=None if exact else bias)
+    if n_q == 1:
+        # each row's visible keys [start, N_kv): a left-padded row, cut by the band's left side
+        start = torch.where(seen, first, n_kv)[:, :, 0]
+        if bool((count[:, :, 0] == n_kv - start).all()) and bool((start == start[:, :1]).all()):
+            return Plan(causal=causal, window=window, mask=None, key_start=start[:, 0].to(torch.int32))
+    return Plan(causal=causal, window=window, mask=visible)
 
 
 def _cached_plan(mask, n_q: int, n_kv: int) -> Plan:
@@ -151,7 +164,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
     variants = {"scale": scaling, "window": plan.window, "softcap": softcap, "sinks": s_aux}
     if n_q == 1 and plan.mask is None:
-        out = api.decode(query[:, :, 0], key, value, **variants)[:, :, None]
+        starts = plan.key_start
+        if starts is not None:
+            starts = starts.expand(query.shape[0]).contiguous()  # a mask of batch 1 serves every row
+        out = api.decode(query[:, :, 0], key, value, key_start=starts, **variants)[:, :, None]
     else:
         out = api.prefill(query, key, value, causal=plan.causal, mask=plan.mask, **variants)
     return out.transpose(1, 2).contiguous(), None

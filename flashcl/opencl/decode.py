@@ -336,17 +336,19 @@ class DecodeVariants:
     softcap: float | None = None
     sinks: np.ndarray | None = None          # float32 (H_q,): numpy, or a pyopencl Array
     alibi_slopes: np.ndarray | None = None   # float32 (B, H_q): numpy, or a pyopencl Array
-    # int32 (B,): sequence b's first key (keys before it hidden); prefill's route for one
-    # left-padded row (opencl.prefill._prefill_row_as_decode), not a public variant
+    # int32 (B,): sequence b's first key (keys before it hidden; decode's key_start, and
+    # prefill's route for one left-padded row): numpy, or a pyopencl Array
     key_start: np.ndarray | None = None
 
     @classmethod
     def of(cls, variants, prob: "DecodeProblem", key_start=None) -> "DecodeVariants | None":
-        """None when nothing changes the plain kernels' answer (they then run unchanged; a
-        ``key_start`` of zeros hides no key)."""
-        if key_start is not None and np.any(key_start):
+        """None when nothing changes the plain kernels' answer (they then run unchanged; a host
+        ``key_start`` of zeros or less hides no key, a device one is not read back)."""
+        if isinstance(key_start, cla.Array) or (key_start is not None and np.any(np.asarray(key_start) > 0)):
             base = cls.of(variants, prob)
-            return replace(base or cls(), key_start=np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b))
+            if not isinstance(key_start, cla.Array):
+                key_start = np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b)
+            return replace(base or cls(), key_start=key_start)
         if variants is None:
             return None
         if getattr(variants, "mask", None) is not None:
@@ -831,9 +833,9 @@ def _int_to_device(x, queue, fill=None, shape=None, *, borrow: bool = False):
         return host_buffer(queue, np.full(shape, fill, dtype=np.int32))
     if isinstance(x, cla.Array):
         if not x.flags.c_contiguous:
-            raise ValueError("block_table/context_lens pyopencl Arrays must be C-contiguous")
+            raise ValueError("block_table/context_lens/key_start pyopencl Arrays must be C-contiguous")
         if not x.dtype.isnative:
-            raise TypeError(f"block_table/context_lens: a pyopencl Array of dtype {x.dtype.str} is not "
+            raise TypeError(f"block_table/context_lens/key_start: a pyopencl Array of dtype {x.dtype.str} is not "
                             "in the device's byte order")
         return x
     return host_buffer(queue, np.ascontiguousarray(_host(x), dtype=np.int32), borrow=borrow)
@@ -862,7 +864,7 @@ def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
            device, params, return_lse: bool, variants=None, key_start=None):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api.
-    ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), for prefill's one-row route."""
+    ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), numpy or a pyopencl Array."""
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
@@ -875,6 +877,8 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     b, h_q, h_kv = geo["B"], geo["H_q"], geo["H_kv"]
     k_fmt, v_fmt = (_quant_format(t, name) for name, t in (("k_cache", k_cache), ("v_cache", v_cache)))
     prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype, k_fmt, v_fmt)
+    if isinstance(key_start, cla.Array):
+        _int_to_device(key_start, handle.queue)  # its layout and byte order checked
     var = DecodeVariants.of(variants, prob, key_start)
     n_ctx = max_context(geo, context_lens)
     check_fits(handle, {"q": nbytes(q.shape, dtype),
@@ -910,7 +914,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     empty = cla.empty if is_cl else HostBuffer.empty
     out = empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
     lse = empty(queue, (b, h_q), np.float32)
-    wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens))
+    wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens, key_start))
     if is_cl:
         events = kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits, variants=var)
         attach_events((out, lse), events[-1:])

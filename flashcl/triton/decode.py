@@ -34,10 +34,12 @@ of sequence b sits at p = context_lens[b] - 1. ``window`` (left, right) shows it
 at most left + one page of tokens whatever the length, so the cost follows the window; the
 loads of a windowed launch are row-masked (a hidden row's K/V never reach the row). ``softcap``
 and ``alibi_slopes`` ((B, H_q)) change the scores (score_variants); ``sinks`` join the
-normalizer once: in the single pass, else as the merge's starting state (both merges). The
-Gluon GQA kernel takes them the same way, except that its window splits cut [the first key,
-length) unrounded (it looks up each row's page); the Gluon MHA kernel takes none, and the plan
-runs such launches on this kernel (decode_plan.VARIANTS).
+normalizer once: in the single pass, else as the merge's starting state (both merges).
+``key_start`` (B,) (decode's, beside the variants) hides each sequence's keys before
+key_start[b]: the partition cuts [the later of that key and the window's first, length) as a
+window's does. The Gluon GQA kernel takes them the same way, except that its splits cut [the
+first key, length) unrounded (it looks up each row's page); the Gluon MHA kernel takes none, and
+the plan runs such launches on this kernel (decode_plan.VARIANTS).
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
@@ -130,8 +132,8 @@ from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
 # their values
 @triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks", "window_left"])
 def _decode_kernel(
-    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters, Sinks, Slopes, KScales, VScales,
-    qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
+    Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters, Sinks, Slopes, KeyStart,
+    KScales, VScales, qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
     stride_vblk, stride_vpos, stride_vh, stride_vd,
@@ -153,7 +155,7 @@ def _decode_kernel(
     PAGE_TILES: tl.constexpr = False, KV_EVICT: tl.constexpr = "",
     # the attention variants (flashcl.variants; off: the plain kernel)
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
-    ALIBI: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, KEY_START: tl.constexpr = False,
     # quantized K / V (flashcl.quant formats; "": plain), dequantized after the load
     K_FMT: tl.constexpr = "", V_FMT: tl.constexpr = "",
     # int8 / fp8 K / V read as aligned 32-bit words (_load_words); CVT_ASM: quantized bytes become
@@ -197,11 +199,13 @@ def _decode_kernel(
     # past the end). EARLY_PAGES cuts the context bound instead of the length, so the first
     # block-table load is issued without waiting for the context_lens load (one dependent DRAM
     # round trip less before the K/V stream starts); same partition when every sequence has the
-    # bound length. A window cuts [its first key, length) instead, which needs the length first:
-    # at most window_left + ALIGN tokens whatever the length, the first key rounded down to ALIGN
-    # (tiles of whole pages start on a page, a tile inside a page on a tile; other addressings
-    # start anywhere), so the first tile holds the first key and no tile is wholly hidden.
-    if EARLY_PAGES and not WINDOW:
+    # bound length. A window or a key start cuts [the first key, length) instead, which needs the
+    # length first, the first key rounded down to ALIGN (tiles of whole pages start on a page, a
+    # tile inside a page on a tile; other addressings start anywhere), so the first tile holds the
+    # first key and no tile is wholly hidden: a window's at most window_left + ALIGN tokens
+    # whatever the length, a key start's the rest of its sequence.
+    LATE_START: tl.constexpr = WINDOW or KEY_START  # keys before first_key are hidden
+    if EARLY_PAGES and not LATE_START:
         chunk = tl.cdiv(tl.cdiv(n_ctx_max, num_splits), BLOCK_N) * BLOCK_N
         lo = pid_s * chunk
         page, page_lo = _early_entries(bt_base, lo, offs_n, n_ctx_max, stride_btn, PAGE_SIZE, PAGED, WHOLE_PAGES,
@@ -215,13 +219,18 @@ def _decode_kernel(
     tables_ok = (n_ctx >= 0) & (n_ctx <= n_ctx_max)
     n_ctx = tl.where(tables_ok, n_ctx, 0)
     last_block = (num_blocks - 1).to(tl.uint32)
-    win_lo = 0  # the first key the query (position n_ctx - 1) sees
-    if WINDOW:
+    first_key = 0  # the first key the query (position n_ctx - 1) sees
+    if LATE_START:
         ALIGN: tl.constexpr = BLOCK_N if PAGE_TILES else (PAGE_SIZE if WHOLE_PAGES else 1)
-        win_lo = tl.maximum(n_ctx - 1 - window_left, 0)
-        span = tl.minimum(n_ctx_max, window_left + ALIGN)
+        span = n_ctx_max
+        if WINDOW:
+            first_key = tl.maximum(n_ctx - 1 - window_left, 0)
+            span = tl.minimum(n_ctx_max, window_left + ALIGN)
+        if KEY_START:  # at most the window's span where both are on; none past the end
+            first_key = tl.maximum(first_key, tl.minimum(tl.load(KeyStart + pid_b), n_ctx))
+            span = tl.where(first_key < n_ctx, n_ctx - (first_key // ALIGN) * ALIGN, 0)
         chunk = tl.cdiv(tl.cdiv(span, num_splits), ALIGN) * ALIGN
-        lo = (win_lo // ALIGN) * ALIGN + pid_s * chunk
+        lo = (first_key // ALIGN) * ALIGN + pid_s * chunk
         if EARLY_PAGES:
             page, page_lo = _early_entries(bt_base, lo, offs_n, n_ctx_max, stride_btn, PAGE_SIZE, PAGED,
                                            WHOLE_PAGES, PAGE_TILES)
@@ -258,7 +267,7 @@ def _decode_kernel(
             q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, in_page_k, in_page_v,
             lo, hi, n_ctx_max, last_block, stride_kblk, stride_kd, stride_vblk, stride_vd, stride_btn,
             BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV, PAGE_SIZE, OFFS32, KV_EVICT,
-            win_lo, n_ctx, softcap_log2, slope, WINDOW, SOFTCAP, ALIBI)
+            first_key, n_ctx, softcap_log2, slope, LATE_START, SOFTCAP, ALIBI)
     else:
         # Q tile: the whole group; padding rows are zeros and are never stored
         if STORED:  # stacked per K block, in stored order; acc stacked per V block
@@ -284,8 +293,8 @@ def _decode_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             tok = start_n + offs_n
             valid = tok < hi
-            if WINDOW:  # the window's first tile may begin before it
-                valid = valid & (tok >= win_lo)
+            if LATE_START:  # the first tile may begin before the first key
+                valid = valid & (tok >= first_key)
             # locate each token's row: through the block table, or along the sequence's one chain
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
@@ -328,8 +337,8 @@ def _decode_kernel(
             k_ptrs = k_base + row_k[:, None] + offs_dk[None, :] * stride_kd
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
             # with whole pages or tiles inside a page every row address is a real row: no row mask,
-            # unless a window hides some of them (their K/V may hold anything)
-            mask_rows: tl.constexpr = WINDOW or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
+            # unless a window or key start hides some of them (their K/V may hold anything)
+            mask_rows: tl.constexpr = LATE_START or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
             if STORED:
                 rows_ok = valid
                 if not mask_rows:
@@ -597,7 +606,7 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
                   BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   OFFS32: tl.constexpr, KV_EVICT: tl.constexpr,
-                  win_lo, n_ctx, softcap_log2, slope, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                  first_key, n_ctx, softcap_log2, slope, LATE_START: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr):
     """The K/V loop of an MHA program (one query row) over whole pages, on CUDA cores.
 
@@ -617,16 +626,17 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
     longer at (8, 32/32, 2k), 1.3% at 256 tokens and 3% at 64 (H100).
 
     Variants: the scores take the softcap and ALiBi (``slope`` log2 domain, query at n_ctx - 1);
-    a WINDOW hides the keys before ``win_lo``, which only the first tile (masked) can hold, and
-    masks the rows past the end too, whose stand-in row may be one the window hides."""
+    LATE_START (a window or a key start) hides the keys before ``first_key``, which only the first
+    tile (masked) can hold, and masks the rows past the end too, whose stand-in row may be one of
+    them."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_row, mask=offs_dk < DK, other=0.0).to(tl.float32) * qk_scale_log2
 
     valid = lo + offs_n < hi
-    if WINDOW:
-        valid = valid & (lo + offs_n >= win_lo)
+    if LATE_START:
+        valid = valid & (lo + offs_n >= first_key)
     page = _clamp_pages(page, last_block)
     row_k = _page_rows(page, valid, in_page_k, stride_kblk, OFFS32)
     row_v = _page_rows(page, valid, in_page_v, stride_vblk, OFFS32)
@@ -651,15 +661,15 @@ def _mha_fma_loop(q_row, qk_scale_log2, k_base, v_base, bt_base, page, page_lo, 
         row_k = _page_rows(page, valid_next, in_page_k, stride_kblk, OFFS32)
         row_v = _page_rows(page, valid_next, in_page_v, stride_vblk, OFFS32)
         k_next = _load_rows(k_base + row_k[:, None] + offs_dk[None, :] * stride_kd, valid_next, offs_dk, DK,
-                            BLOCK_DK, WINDOW, KV_EVICT)
+                            BLOCK_DK, LATE_START, KV_EVICT)
         v_next = _load_rows(v_base + row_v[:, None] + offs_dv[None, :] * stride_vd, valid_next, offs_dv, DV,
-                            BLOCK_DV, WINDOW, KV_EVICT)
+                            BLOCK_DV, LATE_START, KV_EVICT)
         page = _table_entries(bt_base, tok_next + BLOCK_N, n_ctx_max, stride_btn, PAGE_SIZE)
 
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
         s = score_variants(s, slope, n_ctx - 1 - (start_n + offs_n), softcap_log2, SOFTCAP, ALIBI)
-        if WINDOW:
-            valid = valid & (start_n + offs_n >= win_lo)
+        if LATE_START:
+            valid = valid & (start_n + offs_n >= first_key)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_r, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no token yet
@@ -830,7 +840,7 @@ def _head_dim(cache: torch.Tensor, fmt: str) -> int:
 def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-               kv_formats: tuple = ("", "")) -> DecodeProblem:
+               kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
     is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
     takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
@@ -845,7 +855,7 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         page_size = 0
     window_left = window_left if 0 <= window_left < n_ctx_bound - 1 else -1
     flags = {"window": window_left >= 0, "softcap": softcap > 0, "sinks": sinks is not None,
-             "alibi": alibi_slopes is not None}
+             "alibi": alibi_slopes is not None, "key_start": key_start is not None}
     return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
                          page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
                          tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats),
@@ -858,7 +868,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             plan: Optional[DecodePlan] = None, window_left: int = -1, softcap: float = 0.0,
             sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
             k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
-            k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+            k_format: str = "", v_format: str = "",
+            key_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate out/lse (and the split partials) and launch the plan of these tensors: ``plan``
     where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
     ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
@@ -870,7 +881,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
-                         (k_format, v_format))
+                         (k_format, v_format), key_start)
     flags = set(problem.variants)
     if paged:
         num_blocks, page_size, h_kv = k_cache.shape[:3]
@@ -919,8 +930,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         knobs.update(MHA_FMA=True, KV_EVICT=plan.kv_evict)
     # the variants: flags of the kernel and the merges, their values as arguments (stand-ins when off)
     var_knobs = {"WINDOW": "window" in flags, "SOFTCAP": "softcap" in flags, "SINKS": "sinks" in flags,
-                 "ALIBI": "alibi" in flags}
-    var_args = (sinks if sinks is not None else lse, alibi_slopes if alibi_slopes is not None else lse)
+                 "ALIBI": "alibi" in flags, "KEY_START": "key_start" in flags}
+    var_args = tuple(x if x is not None else lse for x in (sinks, alibi_slopes, key_start))
     var_values = (problem.window_left if "window" in flags else 0,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
@@ -950,6 +961,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
                                 k_scales=scale_args[0], v_scales=scale_args[1],
                                 window_left=problem.window_left, sinks=sinks, alibi_slopes=alibi_slopes,
+                                key_start=key_start,
                                 softcap_log2=var_values[1] if "softcap" in flags else 0.0,
                                 max_registers=plan.gqa_registers)
     else:
@@ -1025,17 +1037,19 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float, num_splits: int, window_left: int = -1, softcap: float = 0.0,
                  sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                  k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
-                 k_format: str = "", v_format: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                 k_format: str = "", v_format: str = "",
+                 key_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flashcl::decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table,
     Tensor? context_lens, float scale, int num_splits, int window_left=-1, float softcap=0.,
     Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? k_scales=None, Tensor? v_scales=None,
-    str k_format="", str v_format="") -> (Tensor out, Tensor lse)
+    str k_format="", str v_format="", Tensor? key_start=None) -> (Tensor out, Tensor lse)
 
     q (B, H_q, DK); paged (block_table given) or contiguous cache as in the module docstring.
     num_splits 0 = choose from the shapes and the SM count; out (B, H_q, DV) q.dtype,
     lse (B, H_q) float32. Variants (flashcl.variants): ``window_left`` >= 0 the keys
     [ctx - 1 - window_left, ctx) (-1: all), ``softcap`` > 0 (0: off), ``sinks`` float32 (H_q,),
-    ``alibi_slopes`` float32 (B, H_q) (row stride free, unit head stride). Quantized caches
+    ``alibi_slopes`` float32 (B, H_q) (row stride free, unit head stride), ``key_start`` int32
+    (B,) contiguous: sequence b sees no key before key_start[b]. Quantized caches
     (flashcl.quant): k_cache / v_cache are a QuantizedTensor's ``data``, ``k_format`` /
     ``v_format`` its format ("" plain), ``k_scales`` / ``v_scales`` its ``scales`` (int8,
     fp8_e4m3; q8_0 and q4_0 read d from the data). Inputs are not mutated.
@@ -1043,7 +1057,8 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     with on_device_of(q):
         return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits,
                        window_left=window_left, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                       k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format)
+                       k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format,
+                       key_start=key_start)
 
 
 # the op, for torch.compile, tracing and dispatch modes; eager calls may skip it (skips_dispatcher)
@@ -1052,27 +1067,31 @@ decode_op = torch.library.custom_op("flashcl::decode", mutates_args=())(_decode_
 
 @decode_op.register_fake
 def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_left=-1, softcap=0.0, sinks=None,
-      alibi_slopes=None, k_scales=None, v_scales=None, k_format="", v_format=""):
+      alibi_slopes=None, k_scales=None, v_scales=None, k_format="", v_format="", key_start=None):
     b, h_q, _ = q.shape
     return q.new_empty((b, h_q, _head_dim(v_cache, v_format))), q.new_empty((b, h_q), dtype=torch.float32)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            block_table: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
-           scale: float, num_splits: Optional[int] = None, return_lse: bool = False, variants=None):
+           scale: float, num_splits: Optional[int] = None, return_lse: bool = False, variants=None,
+           key_start: Optional[torch.Tensor] = None):
     """Backend entry of ``flashcl.decode`` (inputs already validated there). Traceable by
     torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device.
     ``variants``: a flashcl.variants.Variants (no mask) or None; k_cache / v_cache may be
-    QuantizedTensors (flashcl.quant), passed to the op as their data, format and scales."""
+    QuantizedTensors (flashcl.quant), passed to the op as their data, format and scales;
+    ``key_start``: int32 (B,), moved to q's device."""
     var = {}
+    if key_start is not None:
+        var["key_start"] = key_start.to(q.device).contiguous()
     if variants is not None:
         if variants.mask is not None:
             raise ValueError("decode takes no mask (a mask is prefill only)")
         window = variants.window
-        var = {"window_left": window[0] if window is not None and window[0] >= 0 else -1,
+        var.update({"window_left": window[0] if window is not None and window[0] >= 0 else -1,
                "softcap": float(variants.softcap or 0.0),
                "sinks": _per_head(variants.sinks, q, (q.shape[1],), "sinks"),
-               "alibi_slopes": _per_head(variants.alibi_slopes, q, (q.shape[0], q.shape[1]), "alibi_slopes")}
+               "alibi_slopes": _per_head(variants.alibi_slopes, q, (q.shape[0], q.shape[1]), "alibi_slopes")})
     quant = {}
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if isinstance(cache, QuantizedTensor):
@@ -1080,7 +1099,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                           f"{name}_scales": cache.scales if cache.fmt in ("int8", "fp8_e4m3") else None})
     k_cache, v_cache = (c.data if isinstance(c, QuantizedTensor) else c for c in (k_cache, v_cache))
     tensors = (q, k_cache, v_cache, block_table, context_lens, var.get("sinks"), var.get("alibi_slopes"),
-               quant.get("k_scales"), quant.get("v_scales"))
+               quant.get("k_scales"), quant.get("v_scales"), var.get("key_start"))
     op = _decode_impl if skips_dispatcher(*tensors) else torch.ops.flashcl.decode
     out, lse = op(q, k_cache, v_cache, block_table, context_lens, float(scale),
                   0 if num_splits is None else int(num_splits), **var, **quant)

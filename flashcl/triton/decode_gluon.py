@@ -343,7 +343,8 @@ def rows_merge_ptx(rows: int, top: int) -> str:
 def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scale_log2: float,
                evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True,
                k_format: str = "", v_format: str = "", k_scales=None, v_scales=None, window_left: int = -1,
-               softcap_log2: float = 0.0, sinks=None, alibi_slopes=None, max_registers: int = 0) -> None:
+               softcap_log2: float = 0.0, sinks=None, alibi_slopes=None, max_registers: int = 0,
+               key_start=None) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
@@ -354,8 +355,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     strides) (decode._scale_operand: int8's per row, fp8's one at every row; ggml's d lie in
     its data). The variants as decode's kernel takes them: ``window_left`` >= 0 (-1: none; its
     splits cut the window), ``softcap_log2`` > 0 (c log2 e; 0: none), ``sinks`` (H_q,) (one
-    split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q), unit head stride;
-    with a window or ALiBi, which read a key's position, the pages keep their order (no sort).
+    split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q), unit head stride,
+    ``key_start`` int32 (B,) (decode's: its splits cut [the first key, length)); with a window,
+    ALiBi or a key start, which read a key's position, the pages keep their order (no sort).
     ``max_registers``: a register cap for the build (the plan's gqa_registers), 0 for none."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
@@ -369,7 +371,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     window = window_left >= 0
     # the page sort visits keys out of place: not with the variants that read a key's position
     keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
-                              sort_pages and not window and alibi_slopes is None, lse)
+                              sort_pages and not window and alibi_slopes is None and key_start is None, lse)
     k_cache, v_cache = _as_words(k_cache, k_format), _as_words(v_cache, v_format)
     k_sc, s_ks = k_scales or (lse, (0, 0, 0))
     v_sc, s_vs = v_scales or (lse, (0, 0, 0))
@@ -386,14 +388,14 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     _gqa_decode[(h_kv, b, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, lse, part_m, part_l, part_acc, order, k_sc, v_sc,
         lse if sinks is None else sinks, lse if alibi_slopes is None else alibi_slopes,
-        qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0], max(window_left, 0),
+        lse if key_start is None else key_start, qk_scale_log2, block_table.shape[1], num_splits, k_cache.shape[0], max(window_left, 0),
         softcap_log2 if softcap_log2 > 0 else 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa, *s_ks, *s_vs,
         0 if alibi_slopes is None else alibi_slopes.stride(0),
         WINDOW=window, SOFTCAP=softcap_log2 > 0, SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
-        GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
+        KEY_START=key_start is not None, GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
         SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
         num_warps=warps, **({"maxnreg": max_registers} if max_registers else {}))
@@ -823,14 +825,15 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["num_splits", "num_blocks", "window_left"])
     def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order, KScales, VScales,
-                    Sinks, Slopes, qk_scale_log2, max_blocks, num_splits, num_blocks, window_left, softcap_log2,
+                    Sinks, Slopes, KeyStart, qk_scale_log2, max_blocks, num_splits, num_blocks, window_left,
+                    softcap_log2,
                     stride_qb, stride_qh, stride_kblk, stride_kpos, stride_kh,
                     stride_vblk, stride_vpos, stride_vh, stride_btb,
                     stride_ob, stride_oh, stride_lseb, stride_lseh,
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
                     stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh, stride_slb,
                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr, ALIBI: gl.constexpr,
-                    GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
+                    KEY_START: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
                     SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr, AHEAD: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
                     K4: gl.constexpr, V4: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
@@ -858,10 +861,10 @@ if gluon is not None:
         fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
         multiplies the score scale (K) and the state's acc at the end (V).
 
-        The variants (WINDOW, SOFTCAP, ALIBI, SINKS) as decode's kernel applies them, with its
-        functions: the softcap and ALiBi on each warp's scores (score_variants), the sink once in
-        the single pass (join_sink; with splits, the reduce kernel's); a window's splits start at
-        its first key."""
+        The variants (WINDOW, SOFTCAP, ALIBI, SINKS, KEY_START) as decode's kernel applies them,
+        with its functions: the softcap and ALiBi on each warp's scores (score_variants), the sink
+        once in the single pass (join_sink; with splits, the reduce kernel's); the splits of a
+        window or a key start begin at the first key."""
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
@@ -877,13 +880,23 @@ if gluon is not None:
         v_base = V + pid_h.to(gl.int64) * stride_vh
         # this split's tokens [lo, hi): the table's bound cut into num_splits chunks of whole
         # tiles, as decode's kernel cuts it (early_pages): the first entries need no length. A
-        # window cuts [its first key, length) instead (the length first): at most window_left + 1
-        # keys whatever the length, from the first key on (a row's page is looked up per token)
-        gl.static_assert(not ((WINDOW or ALIBI) and SORT_N > 0), "the page sort moves keys: no positional variant")
-        if WINDOW:
+        # window or a key start cuts [the first key, length) instead (the length first): a
+        # window's at most window_left + 1 keys whatever the length, a key start's the rest of its
+        # sequence, from the first key on (a row's page is looked up per token)
+        LATE_START: gl.constexpr = WINDOW or KEY_START
+        gl.static_assert(not ((LATE_START or ALIBI) and SORT_N > 0), "the page sort moves keys: no positional variant")
+        if LATE_START:
             n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
-            chunk = gl.cdiv(gl.cdiv(gl.minimum(max_blocks * PAGE, window_left + 1), num_splits), BLOCK_N) * BLOCK_N
-            lo = gl.maximum(n_ctx - 1 - window_left, 0) + pid_s * chunk
+            if KEY_START:  # at most the window's keys where both are on
+                first_key = gl.minimum(gl.maximum(gl.load(KeyStart + pid_b), 0), n_ctx)
+                if WINDOW:
+                    first_key = gl.maximum(first_key, n_ctx - 1 - window_left)
+                span = n_ctx - first_key
+            else:
+                first_key = gl.maximum(n_ctx - 1 - window_left, 0)
+                span = gl.minimum(max_blocks * PAGE, window_left + 1)
+            chunk = gl.cdiv(gl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+            lo = first_key + pid_s * chunk
         else:
             chunk = gl.cdiv(gl.cdiv(max_blocks * PAGE, num_splits), BLOCK_N) * BLOCK_N
             lo = pid_s * chunk
@@ -907,7 +920,7 @@ if gluon is not None:
             bt = _sorted_table(bt, order, lo, gl.minimum(lo + chunk, n_sort), max_blocks, PAGE, SORT_N)
         page_k = gl.load(bt + gl.minimum(tok_k // PAGE, max_blocks - 1))
         page_v = gl.load(bt + gl.minimum(tok_v // PAGE, max_blocks - 1))
-        if not WINDOW:
+        if not LATE_START:
             n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
         hi = gl.minimum(lo + chunk, n_ctx)
         last = gl.maximum(hi - 1, 0)

@@ -76,11 +76,11 @@ class DecodeProblem:
 
 
 KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
-# The attention variants decode takes (flashcl.variants); the Triton kernel ("dot", "mha_fma"),
-# the merges and decode_gluon's GQA kernel take them all, its MHA kernel none: an MHA launch with
-# any variant on is planned as on a device without Gluon (a documented kernel choice, never a
-# dropped variant).
-VARIANTS = ("alibi", "sinks", "softcap", "window")
+# The attention variants decode takes (flashcl.variants, and decode's key_start); the Triton
+# kernel ("dot", "mha_fma"), the merges and decode_gluon's GQA kernel take them all, its MHA kernel
+# none: an MHA launch with any variant on is planned as on a device without Gluon (a documented
+# kernel choice, never a dropped variant).
+VARIANTS = ("alibi", "key_start", "sinks", "softcap", "window")
 # Quantized K/V (flashcl.quant) run on the dot path (no MHA loop) over whole pages, each K/V tile
 # dequantized after its load: the formats the kernel reads. The Gluon GQA kernel also reads the
 # formats GQA_QUANTIZED with fp16 q (gqa_reads), under its own rule (gqa_takes).

@@ -255,8 +255,8 @@ def test_key_start_edges(triton_device, path, poison):
 
 
 def test_key_start_of_zeros_and_errors(triton_device, poison):
-    """A key_start of zeros gives the plain kernel's bits; its shape and dtype are checked before
-    launch."""
+    """A key_start of zeros gives the plain kernel's bits, a strided one its values; its shape and
+    dtype are checked before launch."""
     c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[30, 64], seed=45)
     plain = flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"], context_lens=c["lens"],
                            backend="triton")
@@ -264,6 +264,10 @@ def test_key_start_of_zeros_and_errors(triton_device, poison):
     started = flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"],
                              context_lens=c["lens"], backend="triton", key_start=zeros)
     assert torch.equal(plain, started)
+    strided = torch.tensor([[3, 7], [9, 7]], dtype=torch.int32, device=triton_device)[:, 0]  # the op reads it too
+    args = (c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["lens"], c["scale"], 1)
+    assert torch.equal(torch.ops.flashcl.decode(*args, key_start=strided)[0],
+                       torch.ops.flashcl.decode(*args, key_start=strided.contiguous())[0])
     for bad, err in ((torch.zeros(3, dtype=torch.int32), ValueError), (torch.zeros(2, dtype=torch.int64), TypeError)):
         with pytest.raises(err, match="key_start"):
             flashcl.decode(c["q"], c["k_pages"], c["v_pages"], block_table=c["block_table"], context_lens=c["lens"],

@@ -880,6 +880,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     paged = block_table is not None
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
+    if key_start is not None:
+        key_start = key_start.contiguous()  # and key_start[b] likewise
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
                          (k_format, v_format), key_start)
     flags = set(problem.variants)
@@ -1083,7 +1085,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     ``key_start``: int32 (B,), moved to q's device."""
     var = {}
     if key_start is not None:
-        var["key_start"] = key_start.to(q.device).contiguous()
+        var["key_start"] = key_start.to(q.device)
     if variants is not None:
         if variants.mask is not None:
             raise ValueError("decode takes no mask (a mask is prefill only)")

@@ -1,7 +1,7 @@
 """flashcl.prefill with few query rows against a long cache: chunked prefill, speculative
-verification (N_q of a few), and a left-padded batch's decode step, which the transformers
-integration sends to prefill (N_q = 1 with the padding mask), with flashcl.decode (no mask) and
-torch's CPU SDPA (with the mask) beside it.
+verification (N_q of a few), and a left-padded batch's decode step as a prefill (N_q = 1 with the
+padding mask), with flashcl.decode (no mask) and torch's CPU SDPA (with the mask, and the
+bottom-right causal mask) beside them.
 
     python benchmarks/short_queries.py [--device cpu] [--rounds 6]
 
@@ -43,15 +43,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     k, v = (torch.from_numpy(rng.standard_normal((B, H_KV, N_KV, D)).astype(np.float32)) for _ in range(2))
     cells = []
-    for n_q in (1, 4, 16, 48):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for n_q in (1, 4, 8, 16, 48):
         q = torch.from_numpy(rng.standard_normal((B, H_Q, n_q, D)).astype(np.float32))
         ms = median_ms(lambda: flashcl.prefill(q, k, v, causal=True, device=args.device), args.rounds)
-        cells.append(f"causal N_q={n_q}: {ms:.2f}")
+        causal = torch.from_numpy(flashcl.reference.causal_mask(n_q, N_KV))  # bottom-right, as flashcl's
+        peer = median_ms(lambda: sdpa(q, k, v, attn_mask=causal, enable_gqa=True), args.rounds)
+        cells.append(f"causal N_q={n_q}: {ms:.2f} (SDPA {peer:.2f})")
     mask = torch.ones(B, 1, 1, N_KV, dtype=torch.bool)
     for b, pad in enumerate(PADDING):
         mask[b, :, :, :pad] = False
     q = torch.from_numpy(rng.standard_normal((B, H_Q, 1, D)).astype(np.float32))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     cells += [
         f"padded decode step (prefill, mask): "
         f"{median_ms(lambda: flashcl.prefill(q, k, v, mask=mask, device=args.device), args.rounds):.2f}",

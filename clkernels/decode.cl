@@ -143,6 +143,9 @@ typedef float store_t;
 #define DECODE_NV_PTX ROW_SHUFFLE
 #define QPIECE VW         // a lane's dims: the piece of a quantized row it dequantizes
 #include "decode_common.h"
+#if QUERY_ROWS > 1
+#error "QUERY_ROWS: decode_cpu.cl's flag (prefill's few-row route on CPUs)"
+#endif
 
 static inline floatW to_float(raw_t r)
 {

@@ -40,9 +40,12 @@
 #define ALIBI 0           // 1: s -= slope[b, h] (p - j) (alibi_slopes[B][h_q])
 #endif
 #ifndef KEY_START
-#define KEY_START 0       // 1: sequence b's keys start at key_start[b] (prefill's one-row route, not exported)
+#define KEY_START 0       // 1: sequence b's keys start at key_start[b] (decode's key_start; not exported)
 #endif
-#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START)
+#ifndef QUERY_ROWS
+#define QUERY_ROWS 1      // > 1: head h is row h % QUERY_ROWS of causal rows ending at the last key
+#endif                    //   (prefill's few-row route on CPUs: decode_cpu.cl only; not exported)
+#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START || QUERY_ROWS > 1)
 #if KEY_START
 #define KEY_START_PARAM , __global const int *key_start
 #define KEY_START_ARG , key_start

@@ -245,6 +245,15 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 s[h][u] = ALIBI_SCORE(s[h][u], slope[h], n_used - 1 - (t0 + u));
         }
 #endif
+#if QUERY_ROWS > 1
+        /* head h is causal row i = h % QUERY_ROWS of the sequence's last QUERY_ROWS positions:
+         * it sees the keys before n_used - (QUERY_ROWS - 1 - i), so only the last tiles change */
+        if (t0 + nt > n_used - (QUERY_ROWS - 1))
+            for (int h = 0; h < GROUP; ++h)
+                for (int u = 0; u < nt; ++u)
+                    if (t0 + u >= n_used - (QUERY_ROWS - 1) + h % QUERY_ROWS)
+                        s[h][u] = -INFINITY;
+#endif
         /* one online-softmax step per head: the rescale of acc to the tile's max (alpha), then
          * p = 2^(s - m) in place of the scores */
         float alpha[GROUP];

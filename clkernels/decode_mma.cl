@@ -88,6 +88,9 @@ typedef half store_t;
 #define DECODE_NV_PTX (!MMA_EMULATE)
 #define QPIECE 8          // dims per dequantized piece of a quantized row: 4 words of f16 pairs
 #include "decode_common.h"
+#if QUERY_ROWS > 1
+#error "QUERY_ROWS: decode_cpu.cl's flag (prefill's few-row route on CPUs)"
+#endif
 
 /* KV_EVICT_FIRST (default: with the PTX instructions): the loop's K/V loads are marked
  * L1::evict_first, each row being read once; the first tile's K stays plain (marked too, it was

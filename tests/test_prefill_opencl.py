@@ -238,7 +238,7 @@ def test_short_queries_on_cpus_run_a_block_of_their_size(cpu_device, n_q):
 
 def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monkeypatch):
     """On a CPU device a call with one query row runs as a decode where its mask, if any, shows
-    each sequence a suffix of its keys (_prefill_row_as_decode: no mask, causal, padding masks
+    each sequence a suffix of its keys (_prefill_rows_as_decode: no mask, causal, padding masks
     bool or additive, broadcast or not, rank 3, lse, softcap, window, sinks, ALiBi, q8_0 K/V); any
     other mask runs each GQA group's heads as the rows of its KV head (_prefill_group_as_rows)
     unless a window, sinks or ALiBi (per row position or head) keep it unpacked. All match the
@@ -247,7 +247,7 @@ def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monke
     from flashcl.opencl import prefill as cl_prefill
 
     routes = []
-    for name, tag in (("_prefill_group_as_rows", "packed"), ("_prefill_row_as_decode", "decode")):
+    for name, tag in (("_prefill_group_as_rows", "packed"), ("_prefill_rows_as_decode", "decode")):
         real = getattr(cl_prefill, name)
         monkeypatch.setattr(cl_prefill, name, lambda *a, _real=real, _tag=tag, **kw: routes.append(_tag) or _real(*a, **kw))
     rng = np.random.default_rng(7)
@@ -290,6 +290,56 @@ def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monke
     ref = reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), mask=padding)
     assert_close(out, ref, "float32", "decode q8_0")
     assert routes == ["decode"] * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
+    """On a CPU device 2 to 16 query rows run as a decode with each query head's rows as heads of
+    its group (_prefill_rows_as_decode), causal (QUERY_ROWS: bottom-right, N_q < N_kv, = N_kv and
+    > N_kv, whose first rows see nothing) or not, with softcap and sinks, MHA and GQA, DK != DV,
+    rank 3 and q8_0 K/V; a window, ALiBi or a mask (per row position) and explicit tiles keep the
+    prefill kernels. All against the oracle."""
+    import flashcl
+    from flashcl.opencl import prefill as cl_prefill
+
+    routes = []
+    real = cl_prefill._prefill_rows_as_decode
+    monkeypatch.setattr(cl_prefill, "_prefill_rows_as_decode",
+                        lambda *a, **kw: routes.append(kw["shapes"][0][2]) or real(*a, **kw))
+    rng = np.random.default_rng(11)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
+                                            (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32)]:
+        q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype)
+        for kw in (dict(causal=True), dict(), dict(causal=True, softcap=5.0, sinks=sinks[:h_q])):
+            routes.clear()
+            out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cpu_device, **kw)
+            ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+            assert routes == [n_q], (n_q, sorted(kw), routes)
+            assert_close(out, ref_out, dtype, f"({b},{h_q}/{h_kv},{n_q},{n_kv}) {sorted(kw)}")
+            seen = np.isfinite(ref_lse)
+            assert (np.isfinite(lse) == seen).all() and not out[~seen].any()
+            np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-3, atol=1e-3)
+    q, k, v = _inputs(rng, 1, 8, 2, 4, 60, 64, 64, dtype)
+    routes.clear()
+    assert_close(flashcl.prefill(q[0], k[0], v[0], causal=True, device=cpu_device),
+                 reference.attention(q[0], k[0], v[0], causal=True), dtype, "rank 3")
+    if dtype == "float32":
+        qk, qv = flashcl.quantize(k, "q8_0"), flashcl.quantize(v, "q8_0")
+        assert_close(flashcl.prefill(q, qk, qv, causal=True, device=cpu_device),
+                     reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), causal=True),
+                     dtype, "q8_0")
+    assert routes == [4] * (2 if dtype == "float32" else 1)
+    routes.clear()
+    mask = np.ones((1, 1, 4, 60), bool)
+    mask[..., :9] = False
+    for kw in (dict(window=(20, 0)), dict(alibi_slopes=np.ones(8, np.float32)), dict(mask=mask),
+               dict(params=dict(choose_params(get_device(cpu_device),
+                                              PrefillProblem(1, 8, 2, 4, 60, 64, 64, True, dtype)).params))):
+        out = flashcl.prefill(q, k, v, causal=True, device=cpu_device, **kw)
+        ref_kw = {n: x for n, x in kw.items() if n != "params"}
+        assert_close(out, reference.attention(q, k, v, causal=True, **ref_kw), dtype, f"kept {sorted(kw)}")
+    assert routes == []
 
 
 def test_mask_key_start_matches_its_definition():

@@ -73,16 +73,16 @@ def _poison_outside_window(k, v, table, lens, left, block_size=None):
 
 
 def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None, layout=None,
-                 key_start=None):
+                 key_start=None, query_rows=1):
     """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse;
     ``layout``: that layout's untuned parameters where ``params`` is None; ``key_start``: each
-    sequence's first key (DecodeVariants.key_start, prefill's one-row route)."""
+    sequence's first key (DecodeVariants.key_start); ``query_rows``: DecodeVariants.query_rows."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
-    var = DecodeVariants.of(Variants(**kw) if kw else None, prob, key_start)
+    var = DecodeVariants.of(Variants(**kw) if kw else None, prob, key_start, query_rows)
     choice = choose_params(h, prob, params_for(h, prob, params, layout))
     kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
                         variant_flags=var.flags() if var else None)
@@ -344,6 +344,42 @@ def test_key_start_hides_each_sequences_first_keys(cl_device, names, layout):
         check_key_start(got, q, k, v, lens, starts, kw, f"{names} splits={splits}")
 
 
+def check_query_rows(got, q4, k, v, kw, what):
+    """decode_cpu.cl's QUERY_ROWS against the oracle's causal prefill of q4 (B, H_q, N_q, D), whose
+    rows the kernel ran as heads (B, H_q N_q, D); the sinks were repeated per row."""
+    out, lse = got
+    b, h_q, n_q, _ = q4.shape
+    ref_out, ref_lse = reference.attention(q4, k, v, causal=True, return_lse=True, **kw)
+    assert_close(out.reshape(ref_out.shape), ref_out, q4.dtype.name, f"{what}: out")
+    seen = np.isfinite(ref_lse)
+    lse = lse.reshape(ref_lse.shape)
+    assert np.array_equal(np.isfinite(lse), seen), what
+    assert_close(lse[seen], ref_lse[seen], q4.dtype.name, f"{what}: lse")
+
+
+def _query_rows_case(rng, n_q=3, n_kv=21):
+    """GQA 2 with 3 causal rows over a contiguous cache of two sequences, softcap and sinks."""
+    b, h_q, h_kv, d = 2, 4, 2, 32
+    q4 = rng.standard_normal((b, h_q, n_q, d)).astype(np.float32) * 2
+    k, v = (rng.standard_normal((b, h_kv, n_kv, d)).astype(np.float32) for _ in range(2))
+    kw = {"softcap": 4.0, "sinks": rng.standard_normal(h_q).astype(np.float32)}
+    rows_kw = {**kw, "sinks": np.repeat(kw["sinks"], n_q)}
+    return q4, k, v, np.full(b, n_kv, np.int32), kw, rows_kw
+
+
+def test_query_rows_are_causal_rows(cl_device):
+    """DecodeVariants.query_rows (prefill's few-row route): head h is causal row h % N_q at the
+    sequence's end, single pass and split-k (splits that only some rows see); contexts longer,
+    equal to and shorter than N_q (rows that see no key)."""
+    rng = np.random.default_rng(35)
+    for n_q, n_kv in ((3, 21), (5, 5), (6, 4)):
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+        q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+        for splits in (1, 3, 16):
+            got = run_variants(cl_device, q3, k, v, None, lens, splits, rows_kw, layout="rows", query_rows=n_q)
+            check_query_rows(got, q4, k, v, kw, f"n_q={n_q} n_kv={n_kv} splits={splits}")
+
+
 # --------------------------------------------------------------------------- Oclgrind
 
 # Every variant at once, GQA 4, paged blocks of 4, contexts of 1 key, a partial tile and several:
@@ -373,6 +409,13 @@ def _oclgrind_worker(layout: str) -> None:
         got = run_variants("oclgrind", q, k, v, None, lens, splits, kw, params=OCLGRIND_PARAMS[layout],
                            key_start=starts)
         check_key_start(got, q, k, v, lens, starts, kw, f"oclgrind {layout} key_start splits={splits}")
+    if layout == "rows":  # QUERY_ROWS is decode_cpu.cl's
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng)
+        q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+        for splits in (1, 3):
+            got = run_variants("oclgrind", q3, k, v, None, lens, splits, rows_kw, params=OCLGRIND_PARAMS[layout],
+                               query_rows=q4.shape[2])
+            check_query_rows(got, q4, k, v, kw, f"oclgrind query_rows splits={splits}")
     print("OCLGRIND-CASE-OK")
 
 

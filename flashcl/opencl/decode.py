@@ -339,16 +339,20 @@ class DecodeVariants:
     # int32 (B,): sequence b's first key (keys before it hidden; decode's key_start, and
     # prefill's route for one left-padded row): numpy, or a pyopencl Array
     key_start: np.ndarray | None = None
+    # > 1: head h is causal query row h % query_rows of the sequence's last positions (prefill's
+    # few-row route on CPUs, opencl.prefill._prefill_rows_as_decode; decode_cpu.cl only)
+    query_rows: int = 1
 
     @classmethod
-    def of(cls, variants, prob: "DecodeProblem", key_start=None) -> "DecodeVariants | None":
+    def of(cls, variants, prob: "DecodeProblem", key_start=None, query_rows: int = 1) -> "DecodeVariants | None":
         """None when nothing changes the plain kernels' answer (they then run unchanged; a host
         ``key_start`` of zeros or less hides no key, a device one is not read back)."""
+        extra = {"query_rows": query_rows} if query_rows > 1 else {}
         if isinstance(key_start, cla.Array) or (key_start is not None and np.any(np.asarray(key_start) > 0)):
-            base = cls.of(variants, prob)
-            if not isinstance(key_start, cla.Array):
-                key_start = np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b)
-            return replace(base or cls(), key_start=key_start)
+            extra["key_start"] = (key_start if isinstance(key_start, cla.Array)
+                                  else np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b))
+        if extra:
+            return replace(cls.of(variants, prob) or cls(), **extra)
         if variants is None:
             return None
         if getattr(variants, "mask", None) is not None:
@@ -371,7 +375,10 @@ class DecodeVariants:
         on = {"WINDOW": self.window_left is not None, "SOFTCAP": self.softcap is not None,
               "SINKS": self.sinks is not None, "ALIBI": self.alibi_slopes is not None,
               "KEY_START": self.key_start is not None}
-        return {k: 1 for k, v in on.items() if v}
+        flags = {k: 1 for k, v in on.items() if v}
+        if self.query_rows > 1:
+            flags["QUERY_ROWS"] = self.query_rows
+        return flags
 
     def keys_seen(self, n_ctx: int) -> int:
         """Keys the query of a sequence of n_ctx keys sees (what the split count is chosen from)."""
@@ -862,9 +869,10 @@ def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
 
 
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
-           device, params, return_lse: bool, variants=None, key_start=None):
+           device, params, return_lse: bool, variants=None, key_start=None, query_rows: int = 1):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api.
-    ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), numpy or a pyopencl Array."""
+    ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), numpy or a pyopencl Array;
+    ``query_rows``: DecodeVariants.query_rows (prefill's few-row route)."""
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
@@ -879,7 +887,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype, k_fmt, v_fmt)
     if isinstance(key_start, cla.Array):
         _int_to_device(key_start, handle.queue)  # its layout and byte order checked
-    var = DecodeVariants.of(variants, prob, key_start)
+    var = DecodeVariants.of(variants, prob, key_start, query_rows)
     n_ctx = max_context(geo, context_lens)
     check_fits(handle, {"q": nbytes(q.shape, dtype),
                         **{name: nbytes(t.shape, dtype_name(t)) for name, t in stored.items()},

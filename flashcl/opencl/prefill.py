@@ -400,43 +400,70 @@ def mask_key_start(mask: np.ndarray, b: int) -> np.ndarray | None:
     return np.ascontiguousarray(np.broadcast_to(first[:, 0], (b,)), dtype=np.int32)
 
 
-def _decodes_one_row(handle: DeviceHandle, n_q: int, rank: int, is_cl: bool, params, k, v) -> bool:
-    """Whether a prefill of one query row may run as flashcl's decode (_prefill_row_as_decode): on a
-    CPU, decode_cpu.cl streams a KV head's rows once for its whole group with the head dim in
-    vectors, ~2-3x faster there than a prefill block of one row (docs/notes/pocl-prefill.md). Host
-    arrays, the tiles chosen by flashcl, quantized K/V only as 4-D caches."""
-    return (handle.is_cpu and n_q == 1 and not is_cl and params is None
-            and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v))))
+# The most query rows a CPU prefill runs as a decode (each K/V row read once for all of them), and
+# the most rows of one KV head's group it then keeps in registers (its GQA group x N_q)
+DECODE_ROWS = 16
+DECODE_GROUP_ROWS = 48
 
 
-def _prefill_row_as_decode(q, k, v, *, rank: int, shapes, scale: float, device, return_lse: bool, variants,
-                           key_start):
-    """prefill of one query row as the decode of the same keys: q (.., H_q, 1, DK) as (B, H_q, DK),
-    K/V as a contiguous cache (rank 3 with B = 1), a mask as each sequence's first key
-    (``key_start``, from mask_key_start; None: no mask). The row sits at N_kv - 1 in both, so a
-    window's left side and ALiBi's distances are decode's, and causal hides nothing."""
+def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_cl: bool, params, k, v,
+                    variants) -> bool:
+    """Whether a prefill of few query rows may run as flashcl's decode (_prefill_rows_as_decode):
+    on a CPU, decode_cpu.cl streams a KV head's rows once for its whole group, every query row of
+    it, with the head dim in vectors, where the rows layout stages each tile through local memory
+    for each query head (docs/notes/pocl-prefill.md). One row takes every variant (a mask only as
+    a left padding, mask_key_start); more rows none that depends on a row's position (window,
+    ALiBi, mask), and only where the decode runs decode_cpu.cl (whose QUERY_ROWS makes them
+    causal). Host arrays, the tiles chosen by flashcl, quantized K/V only as 4-D caches."""
+    if not (handle.is_cpu and not is_cl and params is None
+            and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
+        return False
+    if prob.n_q == 1:
+        return True
+    if prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS:
+        return False
+    if variants is not None and any(x is not None for x in (variants.window, variants.alibi_slopes, variants.mask)):
+        return False
+    from . import decode as cl_decode
+
+    rows = cl_decode.DecodeProblem(prob.b, prob.h_q * prob.n_q, prob.h_kv, prob.dk, prob.dv, False, prob.dtype,
+                                   prob.k_fmt, prob.v_fmt)
+    return cl_decode.is_rows(cl_decode.choose_params(handle, rows, None, prob.n_kv).params)
+
+
+def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, return_lse: bool,
+                            variants, key_start):
+    """prefill of N_q query rows as the decode of the same keys, each query head's rows heads of its
+    KV head's group: q (.., H_q, N_q, DK) as (B, H_q N_q, DK), K/V as a contiguous cache (rank 3
+    with B = 1), causal rows as QUERY_ROWS (row i sees the keys before N_kv - (N_q - 1 - i), as
+    prefill's bottom-right causal), the sinks repeated per row, a one-row mask as each sequence's
+    first key (``key_start``, from mask_key_start; None: no mask). The last row sits at N_kv - 1 in
+    both, so one row's window and ALiBi distances are decode's, and causal hides nothing from it."""
     from .decode import decode
 
-    (b, h_q, _, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
-    geo = {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": dv, "paged": False, "block_size": None,
+    (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
+    geo = {"B": b, "H_q": h_q * n_q, "H_kv": h_kv, "DK": dk, "DV": dv, "paged": False, "block_size": None,
            "num_blocks": None, "N_max": n_kv}
     k4 = k if rank == 4 else k[None]
     v4 = k4 if v is k else v if rank == 4 else v[None]  # one array, one buffer (two over it: undefined)
-    q3 = q.reshape(b, h_q, dk)
+    q3 = q.reshape(b, h_q * n_q, dk)
     if any(_overlap(q, x) for x in (k, v)):  # a view of q is a second buffer over K/V's memory
         q3 = q3.copy() if isinstance(q3, np.ndarray) else q3.clone()
-    out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale,
-                      num_splits=None, device=device, params=None, return_lse=True,
-                      variants=None if variants is None else replace(variants, mask=None), key_start=key_start)
-    return _one_row_result(out, lse, rank, shapes, return_lse)
+    if variants is not None:
+        sinks = None if variants.sinks is None else np.repeat(np.asarray(variants.sinks, np.float32), n_q)
+        variants = replace(variants, mask=None, sinks=sinks)
+    out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale, num_splits=None,
+                      device=device, params=None, return_lse=True, variants=variants, key_start=key_start,
+                      query_rows=n_q if causal and n_q > 1 else 1)
+    return _rows_result(out, lse, rank, shapes, return_lse)
 
 
-def _one_row_result(out, lse, rank: int, shapes, return_lse: bool):
-    """A one-row route's out (and lse) viewed as prefill returns them: (.., H_q, 1, DV)."""
-    (b, h_q, _, _), _, (_, _, _, dv) = shapes
+def _rows_result(out, lse, rank: int, shapes, return_lse: bool):
+    """A decode route's out (and lse) viewed as prefill returns them: (.., H_q, N_q, DV)."""
+    (b, h_q, n_q, _), _, (_, _, _, dv) = shapes
     lead = (b,) if rank == 4 else ()
-    out = out.reshape(*lead, h_q, 1, dv)
-    return (out, lse.reshape(*lead, h_q, 1)) if return_lse else out
+    out = out.reshape(*lead, h_q, n_q, dv)
+    return (out, lse.reshape(*lead, h_q, n_q)) if return_lse else out
 
 
 def _overlap(a, b) -> bool:
@@ -473,7 +500,7 @@ def _prefill_group_as_rows(q, k, v, *, rank: int, shapes, scale: float, device, 
     res = prefill(q.reshape(packed[1:] if rank == 3 else packed), k, v, rank=rank, shapes=(packed, shapes[1], vs),
                   causal=False, scale=scale, device=device, params=None, return_lse=return_lse, variants=variants)
     out, lse = res if return_lse else (res, None)
-    return _one_row_result(out, lse, rank, shapes, return_lse)
+    return _rows_result(out, lse, rank, shapes, return_lse)
 
 
 def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, params,
@@ -493,16 +520,17 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     check_fits(handle, {"q": nbytes(shapes[0], dtype), "k": b * h_kv * n_kv * row_bytes(k_fmt, dk, dtype),
                         "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
-    if _decodes_one_row(handle, n_q, rank, is_cl, params, k, v):
+    prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
+    if _runs_as_decode(handle, prob, rank, is_cl, params, k, v, variants):
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b)
         if mask is None or starts is not None:
-            return _prefill_row_as_decode(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
-                                          return_lse=return_lse, variants=variants, key_start=starts)
+            return _prefill_rows_as_decode(q, k, v, rank=rank, shapes=shapes, causal=causal, scale=scale,
+                                           device=device, return_lse=return_lse, variants=variants,
+                                           key_start=starts)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):
         return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                       return_lse=return_lse, variants=variants)
-    prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
     choice = choose_params(handle, prob, params)
     tiles = choice.params if params is not None else rows_for_short_queries(handle, prob, choice.params)
     flags = variants.flags() if variants is not None else {}

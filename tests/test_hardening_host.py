@@ -142,7 +142,8 @@ def test_an_edited_kernel_source_is_rebuilt_for_a_kept_wrapper(cpu_device, monke
     kernels = tmp_path / "clkernels"
     shutil.copytree(runtime.kernel_dir(), kernels)
     monkeypatch.setattr(runtime, "kernel_dir", lambda: kernels)
-    q = np.random.default_rng(12).standard_normal((2, 16, 32)).astype(np.float32)
+    # 40 query rows: the prefill kernels (a CPU runs up to 16 as a decode)
+    q = np.random.default_rng(12).standard_normal((2, 40, 32)).astype(np.float32)
     flashcl.prefill(q, q, q, causal=True, device=cpu_device)
     source = kernels / "prefill_common.h"   # an include: the wrapper's program must notice it too
     source.write_text(source.read_text() + "\n#error edited\n")
@@ -162,7 +163,7 @@ def test_an_edited_include_changes_the_build_options(cpu_device, monkeypatch, tm
     shutil.copytree(runtime.kernel_dir(), kernels)
     monkeypatch.setattr(runtime, "kernel_dir", lambda: kernels)
     h = runtime.get_device(cpu_device)
-    q = np.random.default_rng(15).standard_normal((2, 16, 32)).astype(np.float32)
+    q = np.random.default_rng(15).standard_normal((2, 40, 32)).astype(np.float32)  # the prefill kernels
 
     def digests():
         return {o for b in h.programs.values() for o in b.options if o.startswith("-DFLASHCL_SOURCES=")}

@@ -183,6 +183,10 @@ FLASHCL_SOFTCAP_FN(floatT, softcap_tile, native_exp2, native_recip)  /* softcap_
 #endif
 #endif
 
+/* QUERY_ROWS: whether head h, causal row h % QUERY_ROWS of a sequence of n keys' last positions,
+ * sees `key` */
+#define ROW_SEES(h, key, n) ((key) < (n) - (QUERY_ROWS - 1) + (h) % QUERY_ROWS)
+
 static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial)
 {
     const int split = get_group_id(0);
@@ -245,15 +249,14 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 s[h][u] = ALIBI_SCORE(s[h][u], slope[h], n_used - 1 - (t0 + u));
         }
 #endif
-#if QUERY_ROWS > 1
         /* head h is causal row i = h % QUERY_ROWS of the sequence's last QUERY_ROWS positions:
          * it sees the keys before n_used - (QUERY_ROWS - 1 - i), so only the last tiles change */
-        if (t0 + nt > n_used - (QUERY_ROWS - 1))
+        const bool causal_tail = QUERY_ROWS > 1 && t0 + nt > n_used - (QUERY_ROWS - 1);
+        if (causal_tail)
             for (int h = 0; h < GROUP; ++h)
                 for (int u = 0; u < nt; ++u)
-                    if (t0 + u >= n_used - (QUERY_ROWS - 1) + h % QUERY_ROWS)
+                    if (!ROW_SEES(h, t0 + u, n_used))
                         s[h][u] = -INFINITY;
-#endif
         /* one online-softmax step per head: the rescale of acc to the tile's max (alpha), then
          * p = 2^(s - m) in place of the scores */
         float alpha[GROUP];
@@ -288,8 +291,14 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 a[h] = acc[h][c] * alpha[h];
             for (int u = 0; u < nt; ++u) {
                 const floatV vf = V_VEC(vrow[u], c);
-                FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
-                    a[h] = fma((floatV)(s[h][u]), vf, a[h]);
+                if (causal_tail) {  /* a key a row does not see adds nothing, even a V of inf */
+                    FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+                        if (ROW_SEES(h, t0 + u, n_used))
+                            a[h] = fma((floatV)(s[h][u]), vf, a[h]);
+                } else {
+                    FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+                        a[h] = fma((floatV)(s[h][u]), vf, a[h]);
+                }
             }
             FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                 acc[h][c] = a[h];

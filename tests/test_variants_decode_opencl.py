@@ -378,6 +378,14 @@ def test_query_rows_are_causal_rows(cl_device):
         for splits in (1, 3, 16):
             got = run_variants(cl_device, q3, k, v, None, lens, splits, rows_kw, layout="rows", query_rows=n_q)
             check_query_rows(got, q4, k, v, kw, f"n_q={n_q} n_kv={n_kv} splits={splits}")
+    # the last key, which only the last row sees, holds inf and NaN: no other row reads it
+    kp, vp = k.copy(), v.copy()
+    kp[:, :, -1], vp[:, :, -1] = np.nan, np.inf
+    out, _ = run_variants(cl_device, q3, kp, vp, None, lens, 3, rows_kw, layout="rows", query_rows=q4.shape[2])
+    ref = reference.attention(q4, k, v, causal=True, **kw)
+    assert_close(out.reshape(ref.shape)[:, :, :-1], ref[:, :, :-1], "float32", "hidden inf/NaN")
+    with pytest.raises(ValueError, match="query_rows"):
+        DecodeVariants.of(Variants(window=(3, 0)), DecodeProblem(2, 12, 2, 32, 32, False, "float32"), query_rows=3)
 
 
 # --------------------------------------------------------------------------- Oclgrind

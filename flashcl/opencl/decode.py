@@ -329,8 +329,9 @@ def mma_tiles(group: int) -> int:
 @dataclass(frozen=True)
 class DecodeVariants:
     """What the decode kernels specialize on (decode_common.h's -D flags) and the run-time values
-    they take, from a flashcl.variants.Variants. The query of sequence b sits at ctx[b] - 1, so a
-    window's right side hides nothing and a left side of -1 is no window at all."""
+    they take, from a flashcl.variants.Variants. The query of sequence b sits at ctx[b] - 1 (with
+    query_rows, the last row), so a window's right side hides nothing and a left side of -1 is no
+    window at all."""
 
     window_left: int | None = None   # keys [ctx - 1 - window_left, ctx); None: every key
     softcap: float | None = None
@@ -347,6 +348,9 @@ class DecodeVariants:
     def of(cls, variants, prob: "DecodeProblem", key_start=None, query_rows: int = 1) -> "DecodeVariants | None":
         """None when nothing changes the plain kernels' answer (they then run unchanged; a host
         ``key_start`` of zeros or less hides no key, a device one is not read back)."""
+        if query_rows > 1 and variants is not None and (variants.window is not None
+                                                        or variants.alibi_slopes is not None):
+            raise ValueError("query_rows: a window or ALiBi reads the query's position, which differs by row")
         extra = {"query_rows": query_rows} if query_rows > 1 else {}
         if isinstance(key_start, cla.Array) or (key_start is not None and np.any(np.asarray(key_start) > 0)):
             extra["key_start"] = (key_start if isinstance(key_start, cla.Array)

@@ -414,13 +414,15 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_
     for each query head (docs/notes/pocl-prefill.md). One row takes every variant (a mask only as
     a left padding, mask_key_start); more rows none that depends on a row's position (window,
     ALiBi, mask), and only where the decode runs decode_cpu.cl (whose QUERY_ROWS makes them
-    causal). Host arrays, the tiles chosen by flashcl, quantized K/V only as 4-D caches."""
+    causal), with head dims up to 128. Host arrays, the tiles chosen by flashcl, quantized K/V
+    only as 4-D caches."""
     if not (handle.is_cpu and not is_cl and params is None
             and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
     if prob.n_q == 1:
         return True
-    if prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS:
+    if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS
+            or max(prob.dk, prob.dv) > 128):  # the rows' q and accumulators as measured
         return False
     if variants is not None and any(x is not None for x in (variants.window, variants.alibi_slopes, variants.mask)):
         return False

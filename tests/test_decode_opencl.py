@@ -516,3 +516,42 @@ def test_mean_keys_seen():
     var = cl_decode.DecodeVariants(1023, None, None, None)   # window (1023, 0)
     assert cl_decode.mean_keys_seen(lens, var) == pytest.approx(1124 / 3)
     assert cl_decode.mean_keys_seen(None, None) is None
+
+
+def test_keys_seen_count_the_window_and_key_start():
+    """The split count is sized from the keys each query sees: a host key_start hides the keys
+    before it (past the length: none seen), with a window the later first key wins; a device
+    key_start is not read back and hides nothing here."""
+    lens = np.array([100, 3000, 0, 50], np.int32)
+    starts = np.array([40, 2500, 7, 80], np.int32)
+    var = cl_decode.DecodeVariants(None, None, None, None, key_start=starts)
+    assert cl_decode.keys_seen(lens, var).tolist() == [60, 500, 0, 0]
+    windowed = cl_decode.DecodeVariants(1023, None, None, None, key_start=starts)
+    assert cl_decode.keys_seen(lens, windowed).tolist() == [60, 500, 0, 0]
+    windowed = cl_decode.DecodeVariants(99, None, None, None, key_start=starts)
+    assert cl_decode.keys_seen(lens, windowed).tolist() == [60, 100, 0, 0]
+    assert cl_decode.keys_seen(None, var) is None
+
+
+def test_split_count_follows_key_start(cpu_device):
+    """A left-padded batch whose queries see 200 keys of a 4096-key cache is split as 200 keys
+    would be (the keys the split rule gets), with the result of forced splits."""
+    rng = np.random.default_rng(3)
+    b, h_kv, n, d = 2, 2, 4096, 64
+    q = rng.standard_normal((b, 4, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h_kv, n, d)).astype(np.float32) for _ in range(2))
+    lens = np.full(b, n, np.int32)
+    starts = np.array([n - 200, n - 100], np.int32)
+    asked = []
+    real = cl_decode.DecodeKernel.auto_splits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cl_decode.DecodeKernel, "auto_splits",
+                   lambda self, n_ctx, mean_ctx=None: asked.append((n_ctx, mean_ctx)) or real(self, n_ctx, mean_ctx))
+        plain = flashcl.decode(q, k, v, context_lens=lens, device=cpu_device)
+        padded = flashcl.decode(q, k, v, context_lens=lens, key_start=starts, device=cpu_device)
+    assert asked == [(n, n), (200, 150)], asked
+    ref = reference.decode_attention(q, k, v, context_lens=lens, key_start=starts)
+    forced = flashcl.decode(q, k, v, context_lens=lens, key_start=starts, num_splits=8, device=cpu_device)
+    assert_close(padded, ref, "float32", "key_start, automatic splits")
+    assert_close(forced, ref, "float32", "key_start, the unpadded call's splits")
+    assert_close(plain, reference.decode_attention(q, k, v, context_lens=lens), "float32", "plain")

@@ -505,13 +505,18 @@ ARGS = (
     ("o_sh", "const ulong", "out head stride in elements"),
 )
 
-# Arguments that follow ARGS only in builds that need them (decode_common.h VARIANT_PARAMS, then
-# decode.cl QUANT_PARAMS); a quantized K or V cache also takes its offset and strides in bytes.
+# Arguments that follow ARGS only in builds that need them (decode_common.h VARIANT_PARAMS, with
+# KEY_START_PARAM last in KEY_START builds, then decode.cl QUANT_PARAMS); a quantized K or V
+# cache also takes its offset and strides in bytes.
 VARIANT_ARGS = (
     ("window_left", "const int", "WINDOW: the query at p = ctx - 1 sees keys [p - window_left, ctx)"),
     ("softcap_log2", "const float", "SOFTCAP: the softcap times log2(e)"),
     ("sinks", "__global const float *", "SINKS: (H_q,) sink logits, natural log; else any buffer"),
     ("alibi_slopes", "__global const float *", "ALIBI: (B, H_q) slopes; else any buffer"),
+)
+KEY_START_ARGS = (
+    ("key_start", "__global const int *", "KEY_START: (B,) int32, the first key sequence b's query sees "
+                                          "(earlier keys hidden, never read)"),
 )
 QUANT_ARGS = (
     ("k_scales", "__global const float *", "int8 K: one float32 scale per row, in the rows' order; else any buffer"),
@@ -860,16 +865,26 @@ def max_context(geo: dict, context_lens) -> int:
     return geo["N_max"]
 
 
-def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
-    """The mean over the batch of the keys each sequence's query sees, from host tables; None
-    for device tables (not read back)."""
+def keys_seen(context_lens, var: "DecodeVariants | None") -> np.ndarray | None:
+    """The keys each sequence's query sees (its length less what the window and a host key_start
+    hide), from host tables; None for device tables (not read back). A device key_start counts
+    as hiding nothing."""
     lens = _host_ints(context_lens)
     if lens is None or not len(lens):
         return None
-    seen = np.clip(lens.astype(np.int64), 0, None)
+    lens = np.clip(lens.astype(np.int64).reshape(-1), 0, None)
+    first = np.zeros_like(lens)
     if var is not None and var.window_left is not None:
-        seen = np.minimum(seen, var.window_left + 1)
-    return float(seen.mean())
+        first = np.maximum(first, lens - 1 - var.window_left)
+    if var is not None and isinstance(var.key_start, np.ndarray):
+        first = np.maximum(first, np.minimum(var.key_start.astype(np.int64), lens))
+    return lens - first
+
+
+def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
+    """The mean over the batch of keys_seen; None for device tables."""
+    seen = keys_seen(context_lens, var)
+    return None if seen is None else float(seen.mean())
 
 
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
@@ -901,9 +916,10 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     flags = var.flags() if var else {}
     kern = handle.reuse("decode", (prob, tuple(sorted(choice.params.items())), tuple(sorted(flags.items()))),
                         lambda: DecodeKernel(handle, prob, choice.params, variant_flags=flags))
-    if num_splits is None:
-        num_splits = kern.auto_splits(var.keys_seen(n_ctx) if var else n_ctx,
-                                      mean_ctx=mean_keys_seen(context_lens, var))
+    if num_splits is None:  # sized by the keys the queries see: a window or left padding reads fewer
+        seen = keys_seen(context_lens, var)
+        num_splits = kern.auto_splits(int(seen.max()) if seen is not None else var.keys_seen(n_ctx) if var else n_ctx,
+                                      mean_ctx=None if seen is None else float(seen.mean()))
 
     queue = handle.queue
     if is_cl:

@@ -40,7 +40,7 @@
 #define ALIBI 0           // 1: s -= slope[b, h] (p - j) (alibi_slopes[B][h_q])
 #endif
 #ifndef KEY_START
-#define KEY_START 0       // 1: sequence b's keys start at key_start[b] (decode's key_start; not exported)
+#define KEY_START 0       // 1: sequence b's keys start at key_start[b] (decode's key_start)
 #endif
 #ifndef QUERY_ROWS
 #define QUERY_ROWS 1      // > 1: head h is row h % QUERY_ROWS of causal rows ending at the last key

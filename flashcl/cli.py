@@ -870,7 +870,7 @@ def _export_shapes_option(ctx, param, value):
 
 # what `flashcl export` compiles in (flashcl.tools.export.VARIANTS and KV_FORMATS: not imported
 # here, so that the CLI starts without pyopencl)
-_EXPORT_VARIANTS = ("window", "softcap", "sinks", "alibi", "mask")
+_EXPORT_VARIANTS = ("window", "softcap", "sinks", "alibi", "mask", "key_start")
 _EXPORT_KV_FORMATS = ("q8_0", "q4_0", "int8")
 
 
@@ -901,7 +901,8 @@ def _export_variants_option(ctx, param, value):
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--variants", multiple=True, callback=_export_variants_option, metavar="NAMES",
               help=f"A combination of attention variants to export, comma-separated: any of "
-                   f"{', '.join(_EXPORT_VARIANTS)} (mask: prefill only, a bool mask), or none (the plain "
+                   f"{', '.join(_EXPORT_VARIANTS)} (mask: prefill only, a bool mask; key_start: decode "
+                   f"only, each sequence's first key), or none (the plain "
                    f"kernels). Repeatable: each combination gets sources of its own. Default: none.")
 @click.option("--kv-format", type=click.Choice(_EXPORT_KV_FORMATS), default=None,
               help="K and V caches quantized in this format (default: plain, the dtype's rows).")

@@ -107,7 +107,8 @@ def _signature(text: str, name: str, problem: dict) -> list[tuple[str, str]]:
                           ("QUANT_PARAMS", problem.get("kv_format") == "int8")):
             if on:  # its first definition, the one with parameters (the #else one is empty)
                 body += "," + re.search(rf"#define {macro} ,([^\n]*)", text).group(1)
-        body = body.replace("KEY_START_PARAM", "")  # empty: KEY_START is never exported (decode_common.h)
+        key_start = re.search(r"#define KEY_START_PARAM ,([^\n]*)", text).group(1)
+        body = body.replace("KEY_START_PARAM", "," + key_start if "key_start" in problem.get("variants", ()) else "")
     else:
         body = re.search(rf"void\s+{name}\s*\((.*?)\)\s*{{", text, re.DOTALL).group(1)
     params = []
@@ -283,7 +284,8 @@ def check_variant_export(out: Path, m: dict, combos: list, kv_format):
     for k in m["kernels"]:
         on = k["problem"].get("variants", [])
         prefill = k["name"].startswith("flash_prefill")
-        assert on in (combos if prefill else [[x for x in c if x != "mask"] for c in combos]), k["problem"]
+        only = "key_start" if prefill else "mask"  # what the other kernel alone takes
+        assert on in [[x for x in c if x != only] for c in combos], k["problem"]
         assert k["problem"].get("kv_format") == kv_format, k["problem"]
         assert k["file"].endswith("".join(f"-{x}" for x in on) + (f"-{kv_format}" if kv_format else "") + ".cl")
         d = k["defines"]
@@ -291,8 +293,8 @@ def check_variant_export(out: Path, m: dict, combos: list, kv_format):
             want = {f"HAS_{x.upper()}": 1 for x in on if x != "mask"} | ({"MASK_KIND": 1} if "mask" in on else {})
             assert {n: v for n, v in d.items() if n.startswith("HAS_") or n == "MASK_KIND"} == want
         else:
-            assert {n: d.get(n, 0) for n in ("WINDOW", "SOFTCAP", "SINKS", "ALIBI")} == \
-                {x.upper(): int(x in on) for x in ("window", "softcap", "sinks", "alibi")}
+            assert {n: d.get(n, 0) for n in ("WINDOW", "SOFTCAP", "SINKS", "ALIBI", "KEY_START")} == \
+                {x.upper(): int(x in on) for x in ("window", "softcap", "sinks", "alibi", "key_start")}
         code = {"q8_0": 1, "q4_0": 2, "int8": 3}.get(kv_format)
         assert (d.get("K_QUANT"), d.get("V_QUANT")) == (code, code)
     config = (out / "example_config.h").read_text()
@@ -317,7 +319,8 @@ def check_variant_export(out: Path, m: dict, combos: list, kv_format):
     ("float16", PREFILL_NC, [ALL], "q4_0", True),        # non-causal: window (7, 3); adreno's tiles
     ("float32", PREFILL, ["window,sinks"], "int8", False),
     ("float16", PREFILL, ["none", "mask", "softcap,alibi"], None, False),  # several combinations
-], ids=["variants", "q8_0", "q4_0-variants-adreno", "int8-window-sinks", "combinations"])
+    ("float32", PREFILL, ["key_start", "window,key_start", "mask"], "int8", False),  # decode's own variant
+], ids=["variants", "q8_0", "q4_0-variants-adreno", "int8-window-sinks", "combinations", "key_start"])
 def test_export_variants_and_quantized_caches_run(dtype, shape, combos, kv_format, model_mode, tmp_path,
                                                   tuning_dir, request):
     """The exported combinations build as written and example.c runs each: the variants' values,
@@ -330,8 +333,9 @@ def test_export_variants_and_quantized_caches_run(dtype, shape, combos, kv_forma
     check_manifest(out, m, dtype=dtype, mode="modeled" if model_mode else "measured")
     combos = ["" if c == "none" else c for c in combos]
     check_variant_export(out, m, combos, kv_format)
+    prefill_combos = {tuple(x for x in c.split(",") if x and x != "key_start") for c in combos or [""]}
     decode_combos = {tuple(x for x in c.split(",") if x and x != "mask") for c in combos or [""]}
-    assert len(m["sources"]) == len(combos or [""]) + len(decode_combos)  # masks share the decode sources
+    assert len(m["sources"]) == len(prefill_combos) + len(decode_combos)  # each kernel's own variants
     proc = assert_example_passes(out, request.getfixturevalue("toolchain"), m)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("prefill", "decode"))]
     for c, (prefill, *decodes) in zip(combos or [""], (lines[i:i + 3] for i in range(0, len(lines), 3))):
@@ -339,6 +343,7 @@ def test_export_variants_and_quantized_caches_run(dtype, shape, combos, kv_forma
             assert ("window (7,3)" if shape == PREFILL_NC else "window (7,0)") in prefill
             assert all("window (20,0)" in ln for ln in decodes)
         assert ("mask" in prefill) == ("mask" in c) and not any("mask" in ln for ln in decodes)
+        assert "key_start" not in prefill and all(("key_start 13,17" in ln) == ("key_start" in c) for ln in decodes)
     if kv_format:
         assert all(f" {kv_format} K/V" in ln for ln in lines), proc.stdout
 
@@ -377,6 +382,7 @@ def test_the_example_catches_a_variant_or_format_left_out(cpu_device, tmp_path, 
              for d in ("HAS_WINDOW", "HAS_SOFTCAP", "HAS_SINKS", "HAS_ALIBI", "MASK_KIND")]
     cases += [(decode_src, f"#define {d} 1", f"#define {d} 0", ["ok", "FAILED", "FAILED"])
               for d in ("WINDOW", "SOFTCAP", "SINKS", "ALIBI")]
+    cases += [(decode_src, "min(key_start[batch], (n))", "min(0, (n))", ["ok", "FAILED", "FAILED"])]
     cases += [(prefill_src, "#define K_QUANT 2", "#define K_QUANT 1", ["FAILED", "ok", "ok"]),
               (out / "example.c", "(uint8_t)(q0 | (q1 << 4))", "(uint8_t)(q1 | (q0 << 4))", ["FAILED"] * 3)]
     for path, good, bad, verdicts in cases:

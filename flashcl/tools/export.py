@@ -24,8 +24,9 @@ OpenCL 1.2, so the example runs on whatever device the machine has.
 
 Attention variants and quantized caches (``variants``, ``kv_format``) are compile-time defines of
 the same kernels (prefill: HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, MASK_KIND; decode.cl:
-WINDOW, SOFTCAP, SINKS, ALIBI; both: K_QUANT, V_QUANT): each combination of variants exported gets
-sources of its own with those defines fixed (decode, which takes no mask, those of the rest), the
+WINDOW, SOFTCAP, SINKS, ALIBI, KEY_START; both: K_QUANT, V_QUANT): each combination of variants
+exported gets sources of its own with those defines fixed (a mask is prefill's alone, key_start
+decode's alone: each kernel takes those of the rest), the
 K/V format holds for all of them, the manifest lists the arguments those builds take, and
 example.c runs every combination: the variants' values, K/V quantized on the host in C, and a
 reference in double with the same semantics. With none of them the export is the plain one.
@@ -73,15 +74,18 @@ EXAMPLE_PREFILL = {"B": 2, "H_KV": 2, "GROUP": 3, "N_Q": 67, "N_KV": 131}
 EXAMPLE_DECODE = {"B": 2, "H_KV": 2, "BLOCK_SIZE": 16, "CTX": (45, 30), "SPARE_BLOCKS": 2, "SPLITS": 3}
 
 # The variants an export can fix (flashcl.variants) and the K/V formats (kv_formats.h codes). A
-# mask is prefill-only (decode has one query row) and exports as a bool mask (MASK_KIND 1).
-VARIANTS = ("window", "softcap", "sinks", "alibi", "mask")
+# mask is prefill-only (decode has one query row) and exports as a bool mask (MASK_KIND 1);
+# key_start (each sequence's first key: a left-padded batch's decode step) is decode-only.
+VARIANTS = ("window", "softcap", "sinks", "alibi", "mask", "key_start")
+PREFILL_ONLY, DECODE_ONLY = ("mask",), ("key_start",)
 KV_FORMATS = tuple(QUANT_CODES)
 # The variants' values example.c runs: a window of 7 keys left (and 3 right on a non-causal
 # prefill) and 20 left on decode, so that the 3 decode splits divide the windowed keys; softcap 30
 # over queries scaled so that scores reach it; random sinks and per-batch ALiBi slopes; a bool mask
-# with a row that sees nothing and a key tile that batch 1 never sees.
+# with a row that sees nothing and a key tile that batch 1 never sees; decode's first keys inside a
+# block (13 of 45) and one past a block's edge (17 of 30, so that with the window it still hides some).
 EXAMPLE_VARIANTS = {"WINDOW_LEFT": 7, "WINDOW_RIGHT_NONCAUSAL": 3, "DECODE_WINDOW_LEFT": 20,
-                    "SOFTCAP": 30.0, "Q_GAIN_SOFTCAP": 8.0, "EMPTY_ROW": 5}
+                    "SOFTCAP": 30.0, "Q_GAIN_SOFTCAP": 8.0, "EMPTY_ROW": 5, "KEY_START": (13, 17)}
 # Byte layout of each K/V format (kv_quant.h; ggml's block_q8_0 / block_q4_0)
 KV_LAYOUTS = {
     "q8_0": {"row": "D/32 blocks of 34 bytes: fp16 d (little-endian), then 32 int8 q",
@@ -288,8 +292,11 @@ def _file_stem(src: Source) -> str:
 
 def decode_arg_spec(problem: dict) -> tuple:
     """flash_decode's arguments for an exported decode class: DECODE_PARAMS, then VARIANT_PARAMS
-    in builds with a variant on, then QUANT_PARAMS in builds that read an int8 cache."""
-    return (dec.ARGS + (dec.VARIANT_ARGS if problem.get("variants") else ())
+    in builds with a variant on (with key_start last in its builds), then QUANT_PARAMS in builds
+    that read an int8 cache."""
+    variants = problem.get("variants", ())
+    return (dec.ARGS + (dec.VARIANT_ARGS if variants else ())
+            + (dec.KEY_START_ARGS if "key_start" in variants else ())
             + (dec.QUANT_ARGS if problem.get("kv_format") == "int8" else ()))
 
 
@@ -414,14 +421,15 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
         raise ValueError("export needs at least one prefill and one decode shape (the example runs both)")
     combos = check_combinations(variants)
     check_kv_format(kv_format, dtype, [x for s in prefill_shapes + decode_shapes for x in _head_dims(s[4])])
-    # decode takes no mask: combinations that differ only in it share the decode sources
+    # combinations that differ only in a variant one kernel lacks share that kernel's sources
+    prefill_combos = list(dict.fromkeys(_prefill_variants(c) for c in combos))
     decode_combos = list(dict.fromkeys(_decode_variants(c) for c in combos))
     out = Path(out)
     previous = _previous_export(out)
     target = resolve(device, require_device=require_device)
     sources: dict = {}
 
-    for combo, (b, hq, hkv, n, d, causal) in ((c, s) for c in combos for s in prefill_shapes):
+    for combo, (b, hq, hkv, n, d, causal) in ((c, s) for c in prefill_combos for s in prefill_shapes):
         dk, dv = _head_dims(d)
         prob = pre.PrefillProblem(b, hq, hkv, n, n, dk, dv, bool(causal), dtype, kv_format, kv_format)
         choice = choose(target, "prefill", prob, n)
@@ -506,8 +514,12 @@ def check_combinations(variants) -> list[tuple]:
     return list(dict.fromkeys(check_variants(c) for c in combos))
 
 
+def _prefill_variants(combo: tuple) -> tuple:
+    return tuple(x for x in combo if x not in DECODE_ONLY)
+
+
 def _decode_variants(combo: tuple) -> tuple:
-    return tuple(x for x in combo if x != "mask")
+    return tuple(x for x in combo if x not in PREFILL_ONLY)
 
 
 def _class_extras(combo: tuple, kv_format: str | None) -> dict:
@@ -519,7 +531,8 @@ def _prefill_flags(variants: tuple) -> dict | None:
     """The prefill kernels' flags of a combination (as Variants.flags() gives them; None: plain)."""
     if not variants:
         return None
-    return {**{x: x in variants for x in VARIANTS if x != "mask"}, "mask": "bool" if "mask" in variants else None}
+    return {**{x: x in variants for x in VARIANTS if x not in PREFILL_ONLY + DECODE_ONLY},
+            "mask": "bool" if "mask" in variants else None}
 
 
 def _head_dims(d) -> tuple:
@@ -620,7 +633,7 @@ def _example_choice(srcs: list, combos: list) -> list[tuple[Source, Source]]:
                     and {k: v for k, v in s.problem.items() if k != "variants"} == cls
                     and tuple(s.problem.get("variants", ())) == variants)
 
-    return [(of(p, c), of(d, _decode_variants(c))) for c in combos]
+    return [(of(p, _prefill_variants(c)), of(d, _decode_variants(c))) for c in combos]
 
 
 def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, pick_p: Source,
@@ -672,22 +685,29 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
         ex = EXAMPLE_VARIANTS
         right = 0 if picks[0][0].problem["causal"] else ex["WINDOW_RIGHT_NONCAUSAL"]
         out["variants"] = {
-            "combinations": [{"on": list(c), "prefill_defines": pre.variant_defines(_prefill_flags(c)),
+            "combinations": [{"on": list(c), "prefill_defines": pre.variant_defines(_prefill_flags(_prefill_variants(c))),
                               "decode_defines": {x.upper(): 1 for x in _decode_variants(c)},
                               "example": {"prefill": p.file, "decode": d.file}}
                              for c, (p, d) in zip(combos, picks)],
             "decode_note": "decode takes no mask (one query row per sequence); its variant arguments "
                            "(window_left, softcap_log2, sinks, alibi_slopes) follow o_sh only in builds "
-                           "with a variant on, and all four are passed then",
+                           "with a variant on, and all four are passed then; key_start follows them in "
+                           "KEY_START builds",
             "prefill_note": "the prefill kernels take every variant argument in every build; those of a "
-                            "variant that is off are never read (pass any buffer / any value)",
+                            "variant that is off are never read (pass any buffer / any value); key_start "
+                            "is decode's alone (prefill takes a mask)",
             "semantics": {
                 "position": "query row i sits at p = i + N_kv - N_q (decode: p = ctx - 1)",
                 "score": "s = scale * q.k; softcap: s = c * tanh(s / c); ALiBi: s -= slope[b, h] * |p - j|; "
                          "in that order; the kernels take scale and softcap times log2(e)",
                 "visible": "key j is visible iff causal allows it (j <= p), the window does (p - win_left <= j "
-                           "<= p + win_right) and the mask does (bool: nonzero); a hidden key never "
-                           "influences the row, even if its K or V is NaN or inf",
+                           "<= p + win_right), the mask does (bool: nonzero) and, in decode, j >= "
+                           "key_start[b]; a hidden key never influences the row, even if its K or V is "
+                           "NaN or inf",
+                "key_start": "KEY_START: int32 (B,) per sequence, the first key its query sees (a left-padded "
+                             "batch's decode step); 0 or less hides nothing, ctx[b] or more hides every key "
+                             "(zeros, lse = -inf or the sink); the split ranges start there, so the keys "
+                             "before it are never read",
                 "sinks": "sinks[h] (natural log) joins each row's normalizer as exp(sink - m), m including the "
                          "sink; nothing is added to out; lse = log(sum over visible keys of exp(s) + exp(sink))",
                 "empty_row": "a row that sees no key returns zeros, lse = -inf, or = sinks[h] with sinks on",
@@ -703,7 +723,8 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
                                         "on q, 8 with a softcap so that scores reach it, else 1)",
                                "alibi_slopes": "uniform in (0.05, 0.5) per (sequence, query head)",
                                "mask": f"(B, 1, N_q, N_kv) bool, 80% visible; row {ex['EMPTY_ROW']} of batch 0 "
-                                       "sees nothing; batch 1 sees no key of the first key tile"},
+                                       "sees nothing; batch 1 sees no key of the first key tile",
+                               "decode_key_start": list(ex["KEY_START"])},
         }
     if kv_format:
         out["kv_format"] = {"name": kv_format, "defines": {"K_QUANT": QUANT_CODES[kv_format],
@@ -783,6 +804,8 @@ def _example_config(srcs: list, picks: list, combos: list) -> str:
             lines += [f"#define EX_SOFTCAP_VALUE {ex['SOFTCAP']!r}", f"#define EX_Q_GAIN {ex['Q_GAIN_SOFTCAP']!r}"]
         if "mask" in on:
             lines += [f"#define EX_PREFILL_BLOCK_N {p.defines['BLOCK_N']}", f"#define EX_EMPTY_ROW {ex['EMPTY_ROW']}"]
+        if "key_start" in on:
+            lines += ["#define EX_DECODE_KEY_START {" + ", ".join(map(str, ex["KEY_START"])) + "}"]
     if fmt:
         lines += ["", f"/* K and V caches in {fmt} (kv_formats.h code), quantized by example.c */",
                   f"#define EX_KV_FORMAT {QUANT_CODES[fmt]}", f'#define EX_KV_FORMAT_NAME "{fmt}"']
@@ -807,7 +830,8 @@ EXAMPLE_C = r"""/* example.c: flashcl's exported OpenCL kernels driven from C (w
  *   - one paged decode: a permuted block table, contexts ending inside a block (the unwritten
  *     slots hold NaN, which must not reach the output), split-k with the merge, then one split,
  * once per combination of attention variants exported (window, softcap, sinks, ALiBi, a bool
- * mask: example_config.h's EX_COMBOS; keys no row sees hold NaN), with K/V quantized on the host
+ * mask, decode's key_start: example_config.h's EX_COMBOS; keys no row sees hold NaN), with K/V
+ * quantized on the host
  * where a format was exported (EX_KV_FORMAT: q8_0, q4_0 as ggml's reference quantizers, int8 rows),
  * checks each against a naive attention in double, prints the relative errors
  * ||out - ref|| / ||ref|| and exits 0 only if every one is within the dtype's tolerance.
@@ -840,11 +864,11 @@ EXAMPLE_C = r"""/* example.c: flashcl's exported OpenCL kernels driven from C (w
  * export's example_config.h has one, with none on, and leaves out the variants' values */
 typedef struct {
     int prefill_source, decode_source;
-    int window, softcap, sinks, alibi, mask;
+    int window, softcap, sinks, alibi, mask, key_start;
 } combo_t;
 #ifndef EX_NUM_COMBOS
 #define EX_NUM_COMBOS 1
-#define EX_COMBOS {{EX_PREFILL_SOURCE, EX_DECODE_SOURCE, 0, 0, 0, 0, 0}}
+#define EX_COMBOS {{EX_PREFILL_SOURCE, EX_DECODE_SOURCE, 0, 0, 0, 0, 0, 0}}
 #endif
 #ifndef EX_WINDOW_LEFT
 #define EX_WINDOW_LEFT 0
@@ -859,13 +883,19 @@ typedef struct {
 #define EX_PREFILL_BLOCK_N 1
 #define EX_EMPTY_ROW 0
 #endif
+#ifndef EX_DECODE_KEY_START
+#define EX_DECODE_KEY_START {0}
+#endif
 #ifndef EX_KV_FORMAT
 #define EX_KV_FORMAT 0
 #define EX_KV_FORMAT_NAME "plain"
 #endif
 
 /* decode.cl takes its variant arguments only in builds with a variant on (it has no mask) */
-static int decode_variants(const combo_t *c) { return c->window || c->softcap || c->sinks || c->alibi; }
+static int decode_variants(const combo_t *c)
+{
+    return c->window || c->softcap || c->sinks || c->alibi || c->key_start;
+}
 
 /* the factor on q: with a softcap, scores large enough for it to matter */
 static double q_gain(const combo_t *c) { return c->softcap ? EX_Q_GAIN : 1.0; }
@@ -1555,10 +1585,10 @@ static int run_prefill(const env_t *e, const combo_t *c)
 }
 
 /* ---- paged decode ------------------------------------------------------------------------------ */
-/* whether the query of a sequence of n keys (at p = n - 1) sees key j */
-static int decode_sees(const combo_t *c, int n, int j)
+/* whether the query of a sequence of n keys (at p = n - 1) whose first key is `start` sees key j */
+static int decode_sees(const combo_t *c, int n, int start, int j)
 {
-    return j < n && (!c->window || j >= n - 1 - EX_DECODE_WINDOW_LEFT);
+    return j < n && (!c->window || j >= n - 1 - EX_DECODE_WINDOW_LEFT) && (!c->key_start || j >= start);
 }
 
 static int run_decode(const env_t *e, const combo_t *c, int splits)
@@ -1566,7 +1596,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     enum { B = EX_DECODE_B, HKV = EX_DECODE_H_KV, G = EX_DECODE_GROUP, HQ = G * HKV, DK = EX_DECODE_DK,
            DV = EX_DECODE_DV, BS = EX_DECODE_BLOCK_SIZE, NB = EX_DECODE_NUM_BLOCKS };
     const int half = EX_DECODE_HALF, fmt = EX_KV_FORMAT, vw = half ? 8 : 4; /* vw: elements per 16-byte chunk */
-    const int ctx[B] = EX_DECODE_CTX;
+    const int ctx[B] = EX_DECODE_CTX, starts[B] = EX_DECODE_KEY_START;
     const double scale = 1.0 / sqrt((double)DK);
     int max_blocks = 0, shift = 0;
     for (int b = 0; b < B; ++b)
@@ -1598,7 +1628,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     uint8_t seen[NB * BS] = {0};
     for (int b = 0; b < B; ++b)
         for (int j = 0; j < ctx[b]; ++j)
-            if (decode_sees(c, ctx[b], j))
+            if (decode_sees(c, ctx[b], starts[b], j))
                 seen[table[b * max_blocks + j / BS] * BS + j % BS] = 1;
     for (int slot = 0; slot < NB * BS; ++slot)
         for (int h = 0; !seen[slot] && h < HKV; ++h) {
@@ -1618,6 +1648,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     cl_mem bt = buffer(e, (size_t)B * max_blocks * sizeof(int), table), bc = buffer(e, sizeof ctx, (void *)ctx);
     cl_mem b_sinks = sinks ? buffer(e, HQ * sizeof(float), sinks) : bl;
     cl_mem b_slopes = slopes ? buffer(e, (size_t)B * HQ * sizeof(float), slopes) : bl;
+    cl_mem b_starts = c->key_start ? buffer(e, sizeof starts, (void *)starts) : bl;
     cl_mem b_ks = fmt == INT8 ? buffer(e, (size_t)NB * BS * HKV * sizeof(float), kc.scales) : bl;
     cl_mem b_vs = fmt == INT8 ? buffer(e, (size_t)NB * BS * HKV * sizeof(float), vc.scales) : bl;
     /* split-k partial states (float32): m and l (B, H_q, splits), acc (B, H_q, splits, DV); one split
@@ -1672,6 +1703,8 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
         arg_float(&a, (cl_float)(c->softcap ? EX_SOFTCAP_VALUE * LOG2E : 0.0));
         arg_mem(&a, b_sinks);
         arg_mem(&a, b_slopes);
+        if (c->key_start)
+            arg_mem(&a, b_starts);          /* key_start (B,) int32 */
     }
     if (fmt == INT8) { /* k_scales, v_scales (one per row, in the rows' order) and their offsets */
         arg_mem(&a, b_ks);
@@ -1720,7 +1753,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
                 const size_t row = (size_t)table[b * max_blocks + j / BS] * BS + j % BS;
                 krow[j] = kc.val + (row * HKV + h / G) * DK;
                 vrow[j] = vc.val + (row * HKV + h / G) * DV;
-                bias[j] = !decode_sees(c, ctx[b], j) ? -INFINITY
+                bias[j] = !decode_sees(c, ctx[b], starts[b], j) ? -INFINITY
                           : slopes ? -(double)slopes[b * HQ + h] * (ctx[b] - 1 - j) : 0.0;
             }
             const size_t r = (size_t)b * HQ + h;
@@ -1736,6 +1769,11 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     if (c->softcap)
         printf(" softcap %g", (double)EX_SOFTCAP_VALUE);
     printf("%s%s", c->sinks ? " sinks" : "", c->alibi ? " alibi" : "");
+    if (c->key_start) {
+        printf(" key_start ");
+        for (int b = 0; b < B; ++b)
+            printf(b ? ",%d" : "%d", starts[b]);
+    }
     if (fmt)
         printf(" %s K/V", EX_KV_FORMAT_NAME);
     printf(" block_size=%d, %d split%s", BS, splits, splits > 1 ? "s + merge" : "");
@@ -1747,6 +1785,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     if (splits > 1)
         clReleaseMemObject(pm), clReleaseMemObject(pl), clReleaseMemObject(pacc), clReleaseKernel(merge);
     release_own(b_sinks, bl), release_own(b_slopes, bl), release_own(b_ks, bl), release_own(b_vs, bl);
+    release_own(b_starts, bl);
     clReleaseMemObject(bq), clReleaseMemObject(bk), clReleaseMemObject(bv), clReleaseMemObject(bo);
     clReleaseMemObject(bl), clReleaseMemObject(bt), clReleaseMemObject(bc), clReleaseKernel(kern);
     return failed;

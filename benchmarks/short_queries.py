@@ -3,10 +3,11 @@ verification (N_q of a few), and a left-padded batch's decode step as a prefill 
 padding mask), with flashcl.decode (no mask) and torch's CPU SDPA (with the mask, and the
 bottom-right causal mask) beside them.
 
-    python benchmarks/short_queries.py [--device cpu] [--rounds 6]
+    python benchmarks/short_queries.py [--device cpu] [--rounds 6] [--window LEFT] [--alibi]
 
 float32 torch CPU tensors, (4, 8/2, N_q, 2048, 64); the padded batch hides 0, 100, 700 and 1500
-keys of its four sequences. Prints the median wall-clock milliseconds of a call over the
+keys of its four sequences. ``--window`` / ``--alibi`` put a sliding window (LEFT, 0) / ALiBi
+slopes on the causal rows (SDPA gets them in its mask). Prints the median wall-clock milliseconds of a call over the
 rounds. Run it from two trees (PYTHONPATH) to compare them; docs/notes/pocl-prefill.md cites it.
 """
 
@@ -35,19 +36,35 @@ def median_ms(call, rounds: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def sdpa_mask(n_q: int, window: int | None, slopes) -> np.ndarray:
+    """SDPA's mask for flashcl's bottom-right causal rows with a window (left, 0) and ALiBi: bool
+    without ALiBi, else the additive (H_q, N_q, N_kv) bias, -inf where hidden."""
+    pos = np.arange(n_q)[:, None] + (N_KV - n_q)
+    dist = pos - np.arange(N_KV)[None, :]
+    seen = (dist >= 0) & (dist <= window if window is not None else True)
+    if slopes is None:
+        return seen
+    return np.where(seen, -slopes[:, None, None] * dist, -np.inf).astype(np.float32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi slopes on the causal rows")
     args = ap.parse_args()
+    slopes = 2.0 ** (-8.0 * np.arange(1, H_Q + 1, dtype=np.float32) / H_Q) if args.alibi else None
+    variants = {**({"window": (args.window, 0)} if args.window is not None else {}),
+                **({"alibi_slopes": slopes} if args.alibi else {})}
     rng = np.random.default_rng(0)
     k, v = (torch.from_numpy(rng.standard_normal((B, H_KV, N_KV, D)).astype(np.float32)) for _ in range(2))
     cells = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for n_q in (1, 4, 8, 16, 48):
         q = torch.from_numpy(rng.standard_normal((B, H_Q, n_q, D)).astype(np.float32))
-        ms = median_ms(lambda: flashcl.prefill(q, k, v, causal=True, device=args.device), args.rounds)
-        causal = torch.from_numpy(flashcl.reference.causal_mask(n_q, N_KV))  # bottom-right, as flashcl's
+        ms = median_ms(lambda: flashcl.prefill(q, k, v, causal=True, device=args.device, **variants), args.rounds)
+        causal = torch.from_numpy(sdpa_mask(n_q, args.window, slopes))  # bottom-right, as flashcl's
         peer = median_ms(lambda: sdpa(q, k, v, attn_mask=causal, enable_gqa=True), args.rounds)
         cells.append(f"causal N_q={n_q}: {ms:.2f} (SDPA {peer:.2f})")
     mask = torch.ones(B, 1, 1, N_KV, dtype=torch.bool)

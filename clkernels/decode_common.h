@@ -65,10 +65,10 @@
 #define VARIANT_ARGS
 #endif
 
-/* The first key the query of a sequence of n keys sees: the split-k ranges divide [first, n), so
- * the keys left of a window are never read. */
+/* The first key the query of a sequence of n keys sees (with QUERY_ROWS, its first row): the
+ * split-k ranges divide [first, n), so the keys left of a window are never read. */
 #if WINDOW
-#define FIRST_KEY(n) max(0, (n) - 1 - window_left)
+#define FIRST_KEY(n) max(0, (n) - QUERY_ROWS - window_left)
 #else
 #define FIRST_KEY(n) 0
 #endif

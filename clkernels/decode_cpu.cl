@@ -183,9 +183,16 @@ FLASHCL_SOFTCAP_FN(floatT, softcap_tile, native_exp2, native_recip)  /* softcap_
 #endif
 #endif
 
-/* QUERY_ROWS: whether head h, causal row h % QUERY_ROWS of a sequence of n keys' last positions,
- * sees `key` */
-#define ROW_SEES(h, key, n) ((key) < (n) - (QUERY_ROWS - 1) + (h) % QUERY_ROWS)
+/* QUERY_ROWS: head h is causal row h % QUERY_ROWS of a sequence of n keys' last positions; its
+ * position, and whether it sees `key` (causal, and its own window's left edge) */
+#define ROW_POS(h, n) ((n) - QUERY_ROWS + (h) % QUERY_ROWS)
+#if WINDOW
+#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n) && (key) >= ROW_POS(h, n) - window_left)
+#define WINDOW_HEAD(t0, n) ((t0) < (n) - 1 - window_left)  /* a tile the last row's window cuts */
+#else
+#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n))
+#define WINDOW_HEAD(t0, n) false
+#endif
 
 static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial)
 {
@@ -246,13 +253,14 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 for (int u = 0; u < nt; ++u)
                     s[h][u] = SOFTCAP_SCORE(s[h][u]);
             for (int u = 0; u < nt; ++u)
-                s[h][u] = ALIBI_SCORE(s[h][u], slope[h], n_used - 1 - (t0 + u));
+                s[h][u] = ALIBI_SCORE(s[h][u], slope[h], ROW_POS(h, n_used) - (t0 + u));
         }
 #endif
-        /* head h is causal row i = h % QUERY_ROWS of the sequence's last QUERY_ROWS positions:
-         * it sees the keys before n_used - (QUERY_ROWS - 1 - i), so only the last tiles change */
-        const bool causal_tail = QUERY_ROWS > 1 && t0 + nt > n_used - (QUERY_ROWS - 1);
-        if (causal_tail)
+        /* the rows see different keys only in the last tiles (causal) and, with a window, in the
+         * first ones (its left edge moves with the row) */
+        const bool rows_differ = QUERY_ROWS > 1
+                                 && (t0 + nt > n_used - (QUERY_ROWS - 1) || WINDOW_HEAD(t0, n_used));
+        if (rows_differ)
             for (int h = 0; h < GROUP; ++h)
                 for (int u = 0; u < nt; ++u)
                     if (!ROW_SEES(h, t0 + u, n_used))
@@ -291,7 +299,7 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 a[h] = acc[h][c] * alpha[h];
             for (int u = 0; u < nt; ++u) {
                 const floatV vf = V_VEC(vrow[u], c);
-                if (causal_tail) {  /* a key a row does not see adds nothing, even a V of inf */
+                if (rows_differ) {  /* a key a row does not see adds nothing, even a V of inf */
                     FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
                         if (ROW_SEES(h, t0 + u, n_used))
                             a[h] = fma((floatV)(s[h][u]), vf, a[h]);

@@ -296,9 +296,10 @@ def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monke
 def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     """On a CPU device 2 to 16 query rows run as a decode with each query head's rows as heads of
     its group (_prefill_rows_as_decode), causal (QUERY_ROWS: bottom-right, N_q < N_kv, = N_kv and
-    > N_kv, whose first rows see nothing) or not, with softcap and sinks, MHA and GQA, DK != DV,
-    rank 3 and q8_0 K/V; a window, ALiBi or a mask (per row position) and explicit tiles keep the
-    prefill kernels. All against the oracle."""
+    > N_kv, whose first rows see nothing) or not, with softcap and sinks, a window and ALiBi on
+    causal rows (each at its own position), MHA and GQA, DK != DV, rank 3 and q8_0 K/V; a mask, a
+    window or ALiBi on rows that are not causal, and explicit tiles keep the prefill kernels. All
+    against the oracle."""
     import flashcl
     from flashcl.opencl import prefill as cl_prefill
 
@@ -311,7 +312,10 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
                                             (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32)]:
         q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype)
-        for kw in (dict(causal=True), dict(), dict(causal=True, softcap=5.0, sinks=sinks[:h_q])):
+        slopes = rng.uniform(0.05, 0.5, (b, h_q)).astype(np.float32)
+        for kw in (dict(causal=True), dict(), dict(causal=True, softcap=5.0, sinks=sinks[:h_q]),
+                   dict(causal=True, window=(2, 0)), dict(causal=True, window=(n_q + 3, 5), alibi_slopes=slopes),
+                   dict(causal=True, alibi_slopes=slopes[0], sinks=sinks[:h_q])):
             routes.clear()
             out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cpu_device, **kw)
             ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
@@ -337,12 +341,13 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     routes.clear()
     mask = np.ones((1, 1, 4, 60), bool)
     mask[..., :9] = False
-    for kw in (dict(window=(20, 0)), dict(alibi_slopes=np.ones(8, np.float32)), dict(mask=mask),
-               dict(params=dict(choose_params(get_device(cpu_device),
-                                              PrefillProblem(1, 8, 2, 4, 60, 64, 64, True, dtype)).params))):
-        out = flashcl.prefill(q, k, v, causal=True, device=cpu_device, **kw)
+    for kw in (dict(causal=False, window=(20, 3)), dict(causal=False, alibi_slopes=np.ones(8, np.float32)),
+               dict(causal=True, mask=mask),
+               dict(causal=True, params=dict(choose_params(get_device(cpu_device),
+                                                           PrefillProblem(1, 8, 2, 4, 60, 64, 64, True, dtype)).params))):
+        out = flashcl.prefill(q, k, v, device=cpu_device, **kw)
         ref_kw = {n: x for n, x in kw.items() if n != "params"}
-        assert_close(out, reference.attention(q, k, v, causal=True, **ref_kw), dtype, f"kept {sorted(kw)}")
+        assert_close(out, reference.attention(q, k, v, **ref_kw), dtype, f"kept {sorted(kw)}")
     assert routes == []
 
 

@@ -384,8 +384,44 @@ def test_query_rows_are_causal_rows(cl_device):
     out, _ = run_variants(cl_device, q3, kp, vp, None, lens, 3, rows_kw, layout="rows", query_rows=q4.shape[2])
     ref = reference.attention(q4, k, v, causal=True, **kw)
     assert_close(out.reshape(ref.shape)[:, :, :-1], ref[:, :, :-1], "float32", "hidden inf/NaN")
-    with pytest.raises(ValueError, match="query_rows"):
-        DecodeVariants.of(Variants(window=(3, 0)), DecodeProblem(2, 12, 2, 32, 32, False, "float32"), query_rows=3)
+
+
+def test_query_rows_with_a_window_and_alibi(cl_device):
+    """QUERY_ROWS with a window and ALiBi: each row's window and distances from its own position,
+    windows of 0, 1, around a 4-key tile and past the context, contexts shorter than N_q, split-k
+    and splits that only some rows see; keys left of the first row's window hold NaN / inf, and
+    the one key only the first row sees holds them for the other rows."""
+    rng = np.random.default_rng(36)
+    params = {"VARIANT": "rows", "BLOCK_N": 4, "VEC": 8, "MERGE_WG": 16}
+    for n_q, n_kv in ((3, 21), (5, 5), (6, 4), (16, 40)):
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+        q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+        slopes = rng.uniform(0.05, 0.5, (q4.shape[0], q4.shape[1])).astype(np.float32)
+        for left in (0, 1, 3, 4, 5, 9, 100):
+            first = max(0, n_kv - n_q - left)  # the first row's first key
+            kp, vp = k.copy(), v.copy()
+            kp[:, :, :first], vp[:, :, :first] = np.nan, np.inf
+            for extra in ({"window": (left, 0)}, {"window": (left, 0), "alibi_slopes": slopes}):
+                ref_kw = {**kw, **extra}
+                var_kw = {**rows_kw, **extra}
+                if "alibi_slopes" in extra:
+                    var_kw["alibi_slopes"] = np.repeat(slopes, n_q, axis=-1)
+                for splits in (1, 3, 16):
+                    got = run_variants(cl_device, q3, kp, vp, None, lens, splits, var_kw, params=params,
+                                       query_rows=n_q)
+                    check_query_rows(got, q4, k, v, ref_kw, f"n_q={n_q} n_kv={n_kv} left={left} "
+                                                            f"{sorted(extra)} splits={splits}")
+    # the key only row 0 sees (its window's first) holds NaN / inf: every other row is untouched
+    n_q, n_kv, left = 4, 30, 6
+    q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+    q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+    kp, vp = k.copy(), v.copy()
+    kp[:, :, n_kv - n_q - left], vp[:, :, n_kv - n_q - left] = np.nan, np.inf
+    for splits in (1, 3):
+        out, _ = run_variants(cl_device, q3, kp, vp, None, lens, splits, {**rows_kw, "window": (left, 0)},
+                              params=params, query_rows=n_q)
+        ref = reference.attention(q4, k, v, causal=True, window=(left, 0), **kw)
+        assert_close(out.reshape(ref.shape)[:, :, 1:], ref[:, :, 1:], "float32", f"row 0's key, {splits} splits")
 
 
 # --------------------------------------------------------------------------- Oclgrind
@@ -420,10 +456,16 @@ def _oclgrind_worker(layout: str) -> None:
     if layout == "rows":  # QUERY_ROWS is decode_cpu.cl's
         q4, k, v, lens, kw, rows_kw = _query_rows_case(rng)
         q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+        slopes = rng.uniform(0.05, 0.5, q4.shape[:2]).astype(np.float32)
+        extra = {"window": (5, 0), "alibi_slopes": slopes}
+        rows_extra = {**extra, "alibi_slopes": np.repeat(slopes, q4.shape[2], axis=-1)}
         for splits in (1, 3):
             got = run_variants("oclgrind", q3, k, v, None, lens, splits, rows_kw, params=OCLGRIND_PARAMS[layout],
                                query_rows=q4.shape[2])
             check_query_rows(got, q4, k, v, kw, f"oclgrind query_rows splits={splits}")
+            got = run_variants("oclgrind", q3, k, v, None, lens, splits, {**rows_kw, **rows_extra},
+                               params=OCLGRIND_PARAMS[layout], query_rows=q4.shape[2])
+            check_query_rows(got, q4, k, v, {**kw, **extra}, f"oclgrind query_rows window alibi splits={splits}")
     print("OCLGRIND-CASE-OK")
 
 

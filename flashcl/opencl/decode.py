@@ -348,9 +348,6 @@ class DecodeVariants:
     def of(cls, variants, prob: "DecodeProblem", key_start=None, query_rows: int = 1) -> "DecodeVariants | None":
         """None when nothing changes the plain kernels' answer (they then run unchanged; a host
         ``key_start`` of zeros or less hides no key, a device one is not read back)."""
-        if query_rows > 1 and variants is not None and (variants.window is not None
-                                                        or variants.alibi_slopes is not None):
-            raise ValueError("query_rows: a window or ALiBi reads the query's position, which differs by row")
         extra = {"query_rows": query_rows} if query_rows > 1 else {}
         if isinstance(key_start, cla.Array) or (key_start is not None and np.any(np.asarray(key_start) > 0)):
             extra["key_start"] = (key_start if isinstance(key_start, cla.Array)
@@ -385,15 +382,18 @@ class DecodeVariants:
         return flags
 
     def keys_seen(self, n_ctx: int) -> int:
-        """Keys the query of a sequence of n_ctx keys sees (what the split count is chosen from)."""
-        return n_ctx if self.window_left is None else min(n_ctx, self.window_left + 1)
+        """Keys the queries of a sequence of n_ctx keys see, its rows together (what the split
+        count is chosen from)."""
+        return n_ctx if self.window_left is None else min(n_ctx, self.window_left + self.query_rows)
 
     def kernel_args(self, queue, dummy) -> list:
         """VARIANT_PARAMS (decode_common.h): window_left, softcap_log2, sinks, alibi_slopes (an
         unused buffer argument gets ``dummy``, never read), then key_start where it is on. Host
         arrays are copied to the device; their buffers, held by the list until the launch, are
         then kept by OpenCL until the kernels that use them have run."""
-        left = min(self.window_left if self.window_left is not None else 2**31 - 1, 2**31 - 1)
+        # any window past 2^30 keys sees every key; the bound keeps the kernels' key arithmetic
+        # (a row's position less the window) within int
+        left = min(self.window_left if self.window_left is not None else 2**30, 2**30)
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
         arrays = [x if x is None or isinstance(x, cla.Array) else host_buffer(queue, x)
                   for x in (self.sinks, self.alibi_slopes, self.key_start)]
@@ -875,7 +875,7 @@ def keys_seen(context_lens, var: "DecodeVariants | None") -> np.ndarray | None:
     lens = np.clip(lens.astype(np.int64).reshape(-1), 0, None)
     first = np.zeros_like(lens)
     if var is not None and var.window_left is not None:
-        first = np.maximum(first, lens - 1 - var.window_left)
+        first = np.maximum(first, lens - var.query_rows - var.window_left)
     if var is not None and isinstance(var.key_start, np.ndarray):
         first = np.maximum(first, np.minimum(var.key_start.astype(np.int64), lens))
     return lens - first

@@ -412,10 +412,10 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_
     on a CPU, decode_cpu.cl streams a KV head's rows once for its whole group, every query row of
     it, with the head dim in vectors, where the rows layout stages each tile through local memory
     for each query head (docs/notes/pocl-prefill.md). One row takes every variant (a mask only as
-    a left padding, mask_key_start); more rows none that depends on a row's position (window,
-    ALiBi, mask), and only where the decode runs decode_cpu.cl (whose QUERY_ROWS makes them
-    causal), with head dims up to 128. Host arrays, the tiles chosen by flashcl, quantized K/V
-    only as 4-D caches."""
+    a left padding, mask_key_start); more rows no mask, a window or ALiBi only when causal (each
+    row at its own position), and only where the decode runs decode_cpu.cl (whose QUERY_ROWS
+    makes them causal rows), with head dims up to 128. Host arrays, the tiles chosen by flashcl,
+    quantized K/V only as 4-D caches."""
     if not (handle.is_cpu and not is_cl and params is None
             and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
@@ -424,7 +424,8 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_
     if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS
             or max(prob.dk, prob.dv) > 128):  # the rows' q and accumulators as measured
         return False
-    if variants is not None and any(x is not None for x in (variants.window, variants.alibi_slopes, variants.mask)):
+    if variants is not None and (variants.mask is not None or (
+            not prob.causal and (variants.window is not None or variants.alibi_slopes is not None))):
         return False
     from . import decode as cl_decode
 
@@ -440,7 +441,8 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     with B = 1), causal rows as QUERY_ROWS (row i sees the keys before N_kv - (N_q - 1 - i), as
     prefill's bottom-right causal), the sinks repeated per row, a one-row mask as each sequence's
     first key (``key_start``, from mask_key_start; None: no mask). The last row sits at N_kv - 1 in
-    both, so one row's window and ALiBi distances are decode's, and causal hides nothing from it."""
+    both and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi distances; the
+    ALiBi slopes are repeated per row like the sinks."""
     from .decode import decode
 
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
@@ -452,8 +454,9 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     if any(_overlap(q, x) for x in (k, v)):  # a view of q is a second buffer over K/V's memory
         q3 = q3.copy() if isinstance(q3, np.ndarray) else q3.clone()
     if variants is not None:
-        sinks = None if variants.sinks is None else np.repeat(np.asarray(variants.sinks, np.float32), n_q)
-        variants = replace(variants, mask=None, sinks=sinks)
+        per_row = {name: None if x is None else np.repeat(np.asarray(x, np.float32), n_q, axis=-1)
+                   for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
+        variants = replace(variants, mask=None, **per_row)
     out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale, num_splits=None,
                       device=device, params=None, return_lse=True, variants=variants, key_start=key_start,
                       query_rows=n_q if causal and n_q > 1 else 1)

@@ -186,6 +186,40 @@ def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):
     assert torch.equal(got.cpu(), want.cpu()), f"flashcl {got.tolist()}\n eager   {want.tolist()}"
 
 
+@pytest.mark.filterwarnings("ignore:A custom logits processor:UserWarning")
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_assisted_generation_matches_eager(family, torch_device, flashcl_calls, monkeypatch):
+    """Speculative decoding (an assistant model drafts 5 tokens a step, the model verifies them):
+    the verification steps are prefills of 2 to 6 causal rows through the cache, windowed on the
+    sliding layers, with softcap (Gemma 2) or sinks (gpt-oss); greedy output token for token as
+    eager's. On a CPU device those steps run as a decode of the rows (QUERY_ROWS)."""
+    from flashcl.opencl import prefill as cl_prefill
+
+    routed, rows = [], []  # the few-row route's variants; each prefill's (N_q, window)
+    real_route, real_prefill = cl_prefill._prefill_rows_as_decode, flashcl.api.prefill
+    monkeypatch.setattr(cl_prefill, "_prefill_rows_as_decode",
+                        lambda *a, **kw: routed.append(kw["variants"]) or real_route(*a, **kw))
+    monkeypatch.setattr(flashcl.api, "prefill",
+                        lambda q, *a, **kw: rows.append((q.shape[2], kw["window"])) or real_prefill(q, *a, **kw))
+    ids = _padded_batch(torch_device)[0][:1]   # assisted generation takes one sequence
+    torch.manual_seed(5)
+    assistant = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_COMMON, "num_hidden_layers": 1}))
+    assistant = assistant.eval().to(torch_device)
+    # a random assistant is never confident: draft a fixed 5 tokens a step anyway
+    assistant.generation_config.update(num_assistant_tokens=5, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS + 4, min_new_tokens=NEW_TOKENS + 4, pad_token_id=PAD)
+    with torch.no_grad():
+        want = _build(family, "eager", torch_device).generate(ids, **kwargs)
+        rows.clear()
+        got = _build(family, fcl_hf.register(), torch_device).generate(ids, assistant_model=assistant, **kwargs)
+    assert torch.equal(got.cpu(), want.cpu()), f"{family}:\n flashcl {got.tolist()}\n eager   {want.tolist()}"
+    verified = {n for n, window in rows if window is not None and 1 < n <= 6}
+    assert {2, 6} <= verified, rows  # a step that keeps one draft, and one that keeps all five
+    if torch_device == "cpu":
+        assert any(v is not None and v.window is not None for v in routed), routed
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_unpadded_layers_pass_causal_and_window_not_a_mask(family, torch_device, flashcl_calls):
     """Without padding a sliding layer's mask is exactly causal + window (W - 1, 0): flashcl gets

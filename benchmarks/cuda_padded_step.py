@@ -14,13 +14,12 @@ cites it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import flashcl
-from flashcl.tools.cuda_timing import interleaved_rounds, rotation_count, time_graph
+from flashcl.tools.cuda_timing import device_and_host, rotation_count
 
 B, H_Q, H_KV, D = 4, 32, 8, 128
 
@@ -44,20 +43,6 @@ CALLS = {
 }
 
 
-def host_us(call, n: int = 100, rounds: int = 5) -> float:
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            call()
-        best = min(best, 1e6 * (time.perf_counter() - t) / n)
-        torch.cuda.synchronize()
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -70,13 +55,9 @@ def main() -> None:
         for name in ("prefill, N_q = 1, mask", "decode, key_start"):  # the two routes of one step
             got = CALLS[name](sets[0]).float().reshape(want.shape)
             assert (got - want).abs().max().item() < 2e-2, name
-        timers = {name: (lambda call=call: time_graph([lambda x=x: call(x) for x in sets])["median_ms"])
-                  for name, call in CALLS.items()}
-        rounds = interleaved_rounds(timers, args.rounds)
-        for name, call in CALLS.items():
-            r = rounds[name]
+        for name, r in device_and_host(CALLS, sets, args.rounds).items():
             print(f"N_kv {n_kv:6d}  {name:24s} device {1e3 * r['median_ms']:7.1f} us "
-                  f"({1e3 * r['min_ms']:.1f}-{1e3 * r['max_ms']:.1f})   host {host_us(lambda: call(sets[0])):6.1f} us")
+                  f"({1e3 * r['min_ms']:.1f}-{1e3 * r['max_ms']:.1f})   host {r['host_us']:6.1f} us")
 
 
 if __name__ == "__main__":

@@ -452,6 +452,102 @@ def test_nonfinite_kv_at_hidden_keys(triton_device, where):
     _check(q, k_bad, v_bad, causal=causal, device=triton_device, rows=rows, clean_k=k, clean_v=v, **kw)
 
 
+# --------------------------------------------------------------------------- few query rows as a decode
+
+ROW_CASES = [  # (b, h_q, h_kv, n_q, n_kv, d): GQA and MHA, N_kv below, at and above N_q, 64 group rows
+    (2, 4, 2, 3, 21, 32), (1, 8, 2, 5, 5, 64), (1, 4, 4, 6, 4, 32), (1, 8, 2, 16, 70, 64), (2, 4, 1, 1, 33, 32),
+]
+
+
+def _rows_variants(name, b, h_q, n_q, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    slopes = (torch.rand(b, h_q, generator=g) * 0.45 + 0.05).to(device)
+    sinks = torch.randn(h_q, generator=g).to(device)
+    return {"causal": dict(causal=True), "full": dict(causal=False),
+            "window 0": dict(causal=True, window=(0, 0), sinks=sinks),
+            "window 2": dict(causal=True, window=(2, 0)),
+            "window alibi softcap": dict(causal=True, window=(n_q + 1, 4), alibi_slopes=slopes, softcap=5.0),
+            "full sinks softcap": dict(causal=False, sinks=sinks, softcap=3.0)}[name]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("name", ["causal", "full", "window 0", "window 2", "window alibi softcap",
+                                  "full sinks softcap"])
+def test_few_query_rows_run_as_decode(triton_device, monkeypatch, name, dtype_name):
+    """1 to 16 query rows (at most 64 rows per KV head) with flashcl's tiles run as the decode of
+    the rows as heads (prefill._rows_as_decode; causal rows through QUERY_ROWS): each row's causal
+    cut, window and ALiBi distances from its own position, bottom-right, rows that see nothing
+    when N_kv < N_q, sinks once per row; against the oracle and plain attention in the dtype."""
+    routed = []
+    real = tp._rows_as_decode
+    monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a: routed.append(q.shape) or real(q, *a))
+    dtype = DTYPES[dtype_name]
+    for i, (b, h_q, h_kv, n_q, n_kv, d) in enumerate(ROW_CASES):
+        q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, dtype, triton_device, _seed(name, i))
+        kw = _rows_variants(name, b, h_q, n_q, triton_device, _seed(name, i, "v"))
+        routed.clear()
+        out, lse = flashcl.prefill(q, k, v, backend="triton", return_lse=True, **kw)
+        assert routed == [q.shape], (name, routed)
+        causal = kw.pop("causal")
+        scale = 1.0 / math.sqrt(d)
+        ref_out, ref_lse = _oracle(q, k, v, causal, scale, **kw)
+        got, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+        err = reference.rel_err(got, ref_out)
+        tol = reference.TOLERANCE[dtype_name]
+        assert err <= tol, f"{name} {ROW_CASES[i]}: error {err:.3g} > {tol:g}; " + _describe(got, ref_out)
+        if dtype_name != "float32":
+            naive_err = reference.rel_err(_naive(q, k, v, causal, scale, **kw).double().cpu().numpy(), ref_out)
+            assert err <= NAIVE_FACTOR * naive_err + 1e-5, (name, ROW_CASES[i], err, naive_err)
+        seen = np.isfinite(ref_lse)
+        assert np.array_equal(np.isneginf(got_lse), ~seen) and not got[~seen].any(), (name, ROW_CASES[i])
+        lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1.0 + np.abs(ref_lse[seen]))
+        assert lse_err.size == 0 or lse_err.max() <= LSE_TOL, (name, ROW_CASES[i], lse_err.max())
+
+
+def test_few_query_rows_hide_nonfinite_kv(triton_device):
+    """As a decode, keys a row does not see never reach it whatever their K/V hold: the keys left
+    of the first row's window, the one key only the first row's window reaches (for the other
+    rows) and the later rows' own keys (for the earlier rows), with 1 and 3 splits."""
+    from flashcl.triton import decode as td
+
+    b, h_q, h_kv, n_q, n_kv, d, left = 1, 8, 2, 4, 45, 32, 6
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 77)
+    first = n_kv - n_q - left  # the first row's first key, which no other row sees
+    for bad, rows in ((slice(0, first), slice(None)), (slice(first, first + 1), slice(1, None)),
+                      (slice(n_kv - 2, n_kv), slice(0, n_q - 2))):
+        k_bad, v_bad = k.clone(), v.clone()
+        k_bad[:, :, bad, ::2], k_bad[:, :, bad, 1::2] = float("nan"), float("inf")
+        v_bad[:, :, bad], v_bad[:, :, bad, 0] = float("inf"), float("nan")
+        ref_out, _ = _oracle(q, k, v, True, d ** -0.5, window=(left, 0))
+        for splits in (1, 3):
+            out, _ = td._launch(q.reshape(b, h_q * n_q, d), k_bad, v_bad, None, None, d ** -0.5, splits,
+                                window_left=left, query_rows=n_q)
+            got = out.view(b, h_q, n_q, d).double().cpu().numpy()[:, :, rows]
+            assert np.isfinite(got).all(), (bad, splits)
+            assert reference.rel_err(got, ref_out[:, :, rows]) <= reference.TOLERANCE["float32"], (bad, splits)
+
+
+def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch):
+    """A mask, a window or ALiBi on several rows that are not causal, explicit tiles, a quantized
+    cache, 17 rows or more than 64 rows per KV head run the prefill kernel."""
+    routed = []
+    monkeypatch.setattr(tp, "_rows_as_decode", lambda *a: routed.append(a) or None)
+    q, k, v = _inputs(1, 8, 2, 4, 40, 32, 32, torch.float32, triton_device, 78)
+    mask = torch.ones(1, 1, 4, 40, dtype=torch.bool, device=triton_device)
+    mask[..., :5] = False
+    slopes = torch.full((1, 8), 0.1, device=triton_device)
+    calls = [dict(mask=mask, causal=True), dict(window=(7, 3)), dict(alibi_slopes=slopes),
+             dict(causal=True, params=forced_params(triton_device))]
+    for kw in calls:
+        flashcl.prefill(q, k, v, backend="triton", **kw)
+    qk = flashcl.quantize(k, "int8")
+    flashcl.prefill(q, qk, v, causal=True, backend="triton")
+    for n_q, h_q in ((17, 2), (9, 16)):  # 17 rows; 8 x 9 = 72 rows per KV head
+        q2, k2, v2 = _inputs(1, h_q, 2, n_q, 40, 32, 32, torch.float32, triton_device, 79)
+        flashcl.prefill(q2, k2, v2, causal=True, backend="triton")
+    assert routed == []
+
+
 # --------------------------------------------------------------------------- ALiBi, sinks, lse
 
 def test_alibi_per_batch_slopes(triton_device):

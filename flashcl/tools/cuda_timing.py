@@ -59,6 +59,24 @@ def time_graph(calls: Sequence[Callable[[], object]], *, warmup: int = 3, reps: 
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
+def host_us(call: Callable[[], object], n: int = 100, rounds: int = 5) -> float:
+    """The host's microseconds a call of ``call`` (eager, no synchronize inside a round): the least
+    of ``rounds`` rounds of ``n`` calls, after 5 warm-up calls."""
+    import time
+
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            call()
+        best = min(best, 1e6 * (time.perf_counter() - t) / n)
+        torch.cuda.synchronize()
+    return best
+
+
 def interleaved_rounds(timers: dict, rounds: int) -> dict:
     """Take turns: each of ``rounds`` rounds runs every timer once (a callable returning
     milliseconds), the first to run rotating from round to round, so clock and temperature drift
@@ -75,6 +93,19 @@ def interleaved_rounds(timers: dict, rounds: int) -> dict:
             ms[n].append(float(timers[n]()))
     return {n: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "round_ms": v}
             for n, v in ms.items()}
+
+
+def device_and_host(calls: dict, sets: Sequence, rounds: int) -> dict:
+    """Each of ``calls`` (name -> a function of one input set) over the input ``sets``: its device
+    time a call in CUDA-graph replay of every set, in ``rounds`` interleaved rounds, and its host
+    time a call on the first set (host_us). Returns {name: {"median_ms", "min_ms", "max_ms",
+    "host_us"}}."""
+    timers = {name: (lambda call=call: time_graph([lambda x=x: call(x) for x in sets])["median_ms"])
+              for name, call in calls.items()}
+    out = interleaved_rounds(timers, rounds)
+    for name, call in calls.items():
+        out[name]["host_us"] = host_us(lambda call=call: call(sets[0]))
+    return out
 
 
 def _copy_kernel():

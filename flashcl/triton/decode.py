@@ -39,7 +39,10 @@ normalizer once: in the single pass, else as the merge's starting state (both me
 key_start[b]: the partition cuts [the later of that key and the window's first, length) as a
 window's does. The Gluon GQA kernel takes them the same way, except that its splits cut [the
 first key, length) unrounded (it looks up each row's page); the Gluon MHA kernel takes none, and
-the plan runs such launches on this kernel (decode_plan.VARIANTS).
+the plan runs such launches on this kernel (decode_plan.VARIANTS). ``QUERY_ROWS`` (the dot path
+only; prefill's route for few query rows, prefill._rows_as_decode) makes head h causal row
+h % QUERY_ROWS of its sequence's last positions, with its own causal cut, window and ALiBi
+distances.
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
@@ -166,6 +169,10 @@ def _decode_kernel(
     # STORED_ALIGN: the 32-bit words every row starts on (the loads' width)
     STORED: tl.constexpr = False, TAIL_K: tl.constexpr = 16, TAIL_V: tl.constexpr = 16,
     STORED_ALIGN: tl.constexpr = 1,
+    # > 1: query head h is causal row h % QUERY_ROWS of its sequence's last positions (a prefill
+    # of few rows run as this decode, prefill._rows_as_decode): its own causal cut, window and
+    # ALiBi distances
+    QUERY_ROWS: tl.constexpr = 1,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -176,6 +183,8 @@ def _decode_kernel(
     tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
                      "PAGE_TILES: tiles inside one page")
     tl.static_assert((K_FMT == "" and V_FMT == "") or not MHA_FMA, "quantized K/V: the dot path")
+    tl.static_assert(QUERY_ROWS == 1 or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
+    tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
         tl_cuda.gdc_wait()
@@ -223,9 +232,9 @@ def _decode_kernel(
     if LATE_START:
         ALIGN: tl.constexpr = BLOCK_N if PAGE_TILES else (PAGE_SIZE if WHOLE_PAGES else 1)
         span = n_ctx_max
-        if WINDOW:
-            first_key = tl.maximum(n_ctx - 1 - window_left, 0)
-            span = tl.minimum(n_ctx_max, window_left + ALIGN)
+        if WINDOW:  # the first row's window (the query's, QUERY_ROWS 1)
+            first_key = tl.maximum(n_ctx - QUERY_ROWS - window_left, 0)
+            span = tl.minimum(n_ctx_max, window_left + QUERY_ROWS - 1 + ALIGN)
         if KEY_START:  # at most the window's span where both are on; none past the end
             first_key = tl.maximum(first_key, tl.minimum(tl.load(KeyStart + pid_b), n_ctx))
             span = tl.where(first_key < n_ctx, n_ctx - (first_key // ALIGN) * ALIGN, 0)
@@ -290,6 +299,7 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         if ALIBI:  # the group's slopes, in the log2 domain
             slopes = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + heads, mask=mask_g, other=0.0) * LOG2E
+        row_pos = n_ctx - QUERY_ROWS + offs_g % QUERY_ROWS  # each row's position (QUERY_ROWS > 1)
         for start_n in range(lo, hi, BLOCK_N):
             tok = start_n + offs_n
             valid = tok < hi
@@ -367,14 +377,35 @@ def _decode_kernel(
             if K_FMT == "int8" or K_FMT == "fp8_e4m3":
                 s = s * k_scale[None, :]
             if ALIBI:
-                s = score_variants(s, slopes[:, None], (n_ctx - 1 - tok)[None, :], softcap_log2, SOFTCAP, ALIBI)
+                if QUERY_ROWS > 1:
+                    dist = row_pos[:, None] - tok[None, :]
+                else:  # the query's: one row of distances for the group
+                    dist = (n_ctx - 1 - tok)[None, :]
+                s = score_variants(s, slopes[:, None], dist, softcap_log2, SOFTCAP, ALIBI)
             else:
                 s = score_variants(s, 0.0, 0, softcap_log2, SOFTCAP, ALIBI)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            if QUERY_ROWS > 1:  # each row's causal cut and window
+                seen = valid[None, :] & (tok[None, :] <= row_pos[:, None])
+                if WINDOW:
+                    seen = seen & (tok[None, :] >= row_pos[:, None] - window_left)
+                s = tl.where(seen, s, float("-inf"))
+                # a row may see no key of a tile yet: shift it by 0, so exp2 gives 0, not NaN
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(s - m_use[:, None])
+                # a key one row sees and another does not: 0 x a V of inf or NaN must not reach the
+                # other; such a V becomes 0, and a row that sees it gets P = NaN there (NaN out)
+                v_ok = tl.abs(v.to(tl.float32)) < float("inf")
+                key_bad = tl.max(tl.where(v_ok, 0, 1), 1)
+                p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
+                v = tl.where(v_ok, v, 0.0).to(v.dtype)
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
+                # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if STORED:  # d of rows past the end may be anything: 0 (their p is 0)
                 acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
@@ -840,12 +871,14 @@ def _head_dim(cache: torch.Tensor, fmt: str) -> int:
 def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-               kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None) -> DecodeProblem:
+               kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None,
+               query_rows: int = 1) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
     is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
     takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
-    of the longest context hides nothing and is off. ``kv_formats``: K's and V's quantized formats
-    ("" plain), the caches then their data."""
+    of the longest context hides nothing and is off (for every row: none sits past the query).
+    ``kv_formats``: K's and V's quantized formats ("" plain), the caches then their data;
+    ``query_rows``: the kernel's QUERY_ROWS."""
     b, h_q, dk = q.shape
     if block_table is not None:
         _, page_size, h_kv = k_cache.shape[:3]
@@ -859,7 +892,7 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
                          page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
                          tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats),
-                         str(q.dtype).removeprefix("torch."))
+                         str(q.dtype).removeprefix("torch."), query_rows)
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -869,12 +902,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
             k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
             k_format: str = "", v_format: str = "",
-            key_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            key_start: Optional[torch.Tensor] = None, query_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate out/lse (and the split partials) and launch the plan of these tensors: ``plan``
     where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
     ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
     ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic).
-    Variants and quantized caches as the op takes them (see ``_decode_impl``)."""
+    Variants and quantized caches as the op takes them (see ``_decode_impl``); ``query_rows``: q's
+    heads are each query head's causal rows (the kernel's QUERY_ROWS; prefill's few-row route)."""
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
@@ -883,7 +917,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if key_start is not None:
         key_start = key_start.contiguous()  # and key_start[b] likewise
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
-                         (k_format, v_format), key_start)
+                         (k_format, v_format), key_start, query_rows)
     flags = set(problem.variants)
     if paged:
         num_blocks, page_size, h_kv = k_cache.shape[:3]
@@ -984,7 +1018,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
-            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )

@@ -64,6 +64,7 @@ class DecodeProblem:
     window_left: int = -1
     kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
     q_dtype: str = "float16"  # q's torch dtype name: the byte permutes of quantized caches need fp16
+    query_rows: int = 1  # > 1: the heads are causal query rows (the dot path's QUERY_ROWS)
 
     @property
     def quantized(self) -> bool:
@@ -71,8 +72,8 @@ class DecodeProblem:
 
     @property
     def n_ctx_seen(self) -> int:
-        """The most keys one query sees: the bound, or the window's (left + the query)."""
-        return self.n_ctx_bound if self.window_left < 0 else min(self.n_ctx_bound, self.window_left + 1)
+        """The most keys one program's queries see: the bound, or the window's (left + the rows)."""
+        return self.n_ctx_bound if self.window_left < 0 else min(self.n_ctx_bound, self.window_left + self.query_rows)
 
 
 KERNELS = ("dot", "mha_fma", "gluon_mha", "gluon_gqa")
@@ -552,7 +553,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
     # decode_gluon's GQA kernel reads GQA_QUANTIZED caches and takes every variant; its MHA kernel
     # reads plain caches and takes no variant (mha_facts)
-    if not gqa_reads(p.kv_formats, p.q_dtype, facts):
+    if not gqa_reads(p.kv_formats, p.q_dtype, facts) or p.query_rows > 1:  # query rows: the dot path's
         facts = replace(facts, gluon=False)
     mha_facts = replace(facts, gluon=False) if p.variants else facts
     n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
@@ -564,8 +565,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     check_knobs({k: v for k, v in (config or {}).items() if k in _KNOBS})
-    if p.quantized:
-        # quantized K/V: the dot path, whose loads dequantize (QUANTIZED)
+    if p.quantized or p.query_rows > 1:
+        # quantized K/V: the dot path, whose loads dequantize (QUANTIZED); query rows: its QUERY_ROWS
         cfg.update(mha_fma=False)
     sms = facts.sms
     programs = p.b * p.h_kv  # per split

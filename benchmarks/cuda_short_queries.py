@@ -1,0 +1,66 @@
+"""flashcl.prefill on CUDA with few query rows against a long cache (speculative verification,
+small chunks), next to flashcl.decode of one row and torch's SDPA with the bottom-right causal
+mask; CPU devices have their own run of this in short_queries.py.
+
+    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT]
+
+fp16, contiguous (1, 32/8, N_q, N_kv, 128), N_kv 4k and 32k, N_q 1, 2, 4, 8 and 16, causal
+(with ``--window``, a window (LEFT, 0) on flashcl's rows and in SDPA's mask). Device
+microseconds a call (CUDA-graph replay, inputs rotated past L2, interleaved rounds: the median,
+and the least and most round), then the host's microseconds a call (eager, no synchronize: the
+least of 5 rounds of 100 calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import flashcl
+from flashcl.tools.cuda_timing import device_and_host, rotation_count
+
+B, H_Q, H_KV, D = 1, 32, 8, 128
+
+
+def bottom_right_mask(n_q: int, n_kv: int, window: int | None) -> torch.Tensor:
+    """flashcl's causal rows as SDPA's bool mask: row i at position n_kv - n_q + i."""
+    pos = torch.arange(n_q, device="cuda")[:, None] + (n_kv - n_q)
+    dist = pos - torch.arange(n_kv, device="cuda")[None, :]
+    return (dist >= 0) & (dist <= window if window is not None else True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
+    args = ap.parse_args()
+    window = None if args.window is None else (args.window, 0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}", f"window {window}")
+    for n_kv in (4096, 32768):
+        sets = [{"k": rand(B, H_KV, n_kv, D), "v": rand(B, H_KV, n_kv, D)}
+                for _ in range(rotation_count(2 * B * H_KV * n_kv * D * 2))]
+        for n_q in (1, 2, 4, 8, 16):
+            for x in sets:
+                x["q"] = rand(B, H_Q, n_q, D)
+            mask = bottom_right_mask(n_q, n_kv, args.window)
+            calls = {
+                "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["k"], x["v"], causal=True, window=window),
+                "SDPA, mask": lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=mask,
+                                                                       enable_gqa=True),
+            }
+            if n_q == 1:
+                calls["flashcl.decode"] = lambda x: flashcl.decode(x["q"][:, :, 0], x["k"], x["v"], window=window)
+            want = calls["SDPA, mask"](sets[0]).float()
+            got = calls["flashcl.prefill"](sets[0]).float()
+            assert (got - want).abs().max().item() < 2e-2, (n_kv, n_q)
+            for name, r in device_and_host(calls, sets, args.rounds).items():
+                print(f"N_kv {n_kv:6d} N_q {n_q:2d}  {name:16s} device {1e3 * r['median_ms']:7.1f} us "
+                      f"({1e3 * r['min_ms']:.1f}-{1e3 * r['max_ms']:.1f})   host {r['host_us']:6.1f} us")
+
+
+if __name__ == "__main__":
+    main()

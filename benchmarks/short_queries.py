@@ -6,8 +6,9 @@ bottom-right causal mask) beside them.
     python benchmarks/short_queries.py [--device cpu] [--rounds 6] [--window LEFT] [--alibi]
 
 float32 torch CPU tensors, (4, 8/2, N_q, 2048, 64); the padded batch hides 0, 100, 700 and 1500
-keys of its four sequences. ``--window`` / ``--alibi`` put a sliding window (LEFT, 0) / ALiBi
-slopes on the causal rows (SDPA gets them in its mask). Prints the median wall-clock milliseconds of a call over the
+keys of its four sequences, as a decode step (N_q = 1) and as a causal chunk of 8 rows.
+``--window`` / ``--alibi`` put a sliding window (LEFT, 0) / ALiBi slopes on the causal rows
+(SDPA gets them in its mask; ALiBi is left off the padded chunk). Prints the median wall-clock milliseconds of a call over the
 rounds. Run it from two trees (PYTHONPATH) to compare them; docs/notes/pocl-prefill.md cites it.
 """
 
@@ -70,6 +71,13 @@ def main() -> None:
     mask = torch.ones(B, 1, 1, N_KV, dtype=torch.bool)
     for b, pad in enumerate(PADDING):
         mask[b, :, :, :pad] = False
+    q8 = torch.from_numpy(rng.standard_normal((B, H_Q, 8, D)).astype(np.float32))
+    chunk_mask = mask & torch.from_numpy(sdpa_mask(8, args.window, None))  # padding and causal
+    window = {"window": variants["window"]} if "window" in variants else {}
+    ms = median_ms(lambda: flashcl.prefill(q8, k, v, causal=True, mask=mask, device=args.device, **window),
+                   args.rounds)
+    peer = median_ms(lambda: sdpa(q8, k, v, attn_mask=chunk_mask, enable_gqa=True), args.rounds)
+    cells.append(f"padded chunk N_q=8 (causal + mask): {ms:.2f} (SDPA {peer:.2f})")
     q = torch.from_numpy(rng.standard_normal((B, H_Q, 1, D)).astype(np.float32))
     cells += [
         f"padded decode step (prefill, mask): "

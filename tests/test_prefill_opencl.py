@@ -297,9 +297,9 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     """On a CPU device 2 to 16 query rows run as a decode with each query head's rows as heads of
     its group (_prefill_rows_as_decode), causal (QUERY_ROWS: bottom-right, N_q < N_kv, = N_kv and
     > N_kv, whose first rows see nothing) or not, with softcap and sinks, a window and ALiBi on
-    causal rows (each at its own position), MHA and GQA, DK != DV, rank 3 and q8_0 K/V; a mask, a
-    window or ALiBi on rows that are not causal, and explicit tiles keep the prefill kernels. All
-    against the oracle."""
+    causal rows (each at its own position), MHA and GQA, DK != DV, rank 3 and q8_0 K/V; a mask
+    other than a left padding, a window or ALiBi on rows that are not causal, and explicit tiles
+    keep the prefill kernels. All against the oracle."""
     import flashcl
     from flashcl.opencl import prefill as cl_prefill
 
@@ -341,6 +341,7 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     routes.clear()
     mask = np.ones((1, 1, 4, 60), bool)
     mask[..., :9] = False
+    mask[..., 2, 30] = False  # a hole: not a left padding
     for kw in (dict(causal=False, window=(20, 3)), dict(causal=False, alibi_slopes=np.ones(8, np.float32)),
                dict(causal=True, mask=mask),
                dict(causal=True, params=dict(choose_params(get_device(cpu_device),
@@ -349,6 +350,44 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
         ref_kw = {n: x for n, x in kw.items() if n != "params"}
         assert_close(out, reference.attention(q, k, v, **ref_kw), dtype, f"kept {sorted(kw)}")
     assert routes == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_few_query_rows_with_left_padding_run_as_decode(cpu_device, monkeypatch, dtype):
+    """Causal rows of a left-padded batch (a chunk through a cache) take the few-row route with
+    each sequence's first key (mask_key_start), with and without a window, NaN/inf in the
+    padding never read; a mask with a hole keeps the prefill kernels."""
+    import flashcl
+    from flashcl.opencl import prefill as cl_prefill
+
+    routes = []
+    real = cl_prefill._prefill_rows_as_decode
+    monkeypatch.setattr(cl_prefill, "_prefill_rows_as_decode",
+                        lambda *a, **kw: routes.append(kw["key_start"]) or real(*a, **kw))
+    rng = np.random.default_rng(12)
+    b, n_q, n_kv = 3, 6, 50
+    q, k, v = _inputs(rng, b, 8, 2, n_q, n_kv, 64, 64, dtype)
+    pads = np.array([0, 17, 47])  # the last sequence's first rows see nothing
+    mask = np.arange(n_kv)[None, None, None, :] >= pads[:, None, None, None]
+    kp, vp = k.copy(), v.copy()
+    for i, pad in enumerate(pads):
+        kp[i, :, :pad], vp[i, :, :pad] = np.nan, np.inf
+    for kw in (dict(), dict(window=(9, 0)), dict(window=(2, 0), softcap=5.0)):
+        routes.clear()
+        out, lse = flashcl.prefill(q, kp, vp, causal=True, mask=mask, return_lse=True, device=cpu_device, **kw)
+        ref_out, ref_lse = reference.attention(q, k, v, causal=True, mask=mask, return_lse=True, **kw)
+        assert len(routes) == 1, routes
+        if "window" not in kw:  # with one, any start left of every row's window is the same
+            assert routes[0].tolist() == pads.tolist(), routes
+        assert_close(out, ref_out, dtype, f"left padding {sorted(kw)}")
+        seen = np.isfinite(ref_lse)
+        assert (np.isfinite(lse) == seen).all() and not out[~seen].any()
+    holed = np.broadcast_to(mask, (b, 1, n_q, n_kv)).copy()
+    holed[1, 0, 3, 30] = False
+    routes.clear()
+    got = flashcl.prefill(q, k, v, causal=True, mask=holed, device=cpu_device)
+    assert routes == []
+    assert_close(got, reference.attention(q, k, v, causal=True, mask=holed), dtype, "a hole")
 
 
 def test_mask_key_start_matches_its_definition():
@@ -377,3 +416,39 @@ def test_mask_key_start_matches_its_definition():
             else:
                 assert got is not None and got.dtype == np.int32 and (got == want).all()
     assert mask_key_start(np.where(mask, 0.5, -np.inf).astype(np.float32), 3) is None
+
+
+def test_mask_key_start_of_several_rows():
+    """mask_key_start over N_q rows with causal and a window: a per-sequence first key where the
+    mask, within each row's band, shows exactly the band's keys from it on; checked against the
+    definition row by row on random left paddings, holes and per-row differences."""
+    from flashcl.opencl.prefill import mask_key_start
+
+    rng = np.random.default_rng(4)
+    for _ in range(400):
+        bm, n_q = int(rng.choice([1, 3])), int(rng.integers(1, 7))
+        n_kv = int(rng.integers(n_q, 30)) if rng.random() < 0.8 else int(rng.integers(1, 8))
+        causal = bool(rng.random() < 0.8)
+        window = (int(rng.integers(-1, 9)), int(rng.integers(-1, 3))) if rng.random() < 0.5 else None
+        pad = rng.integers(0, n_kv + 1, size=bm)
+        mask = np.broadcast_to(np.arange(n_kv) >= pad[:, None, None, None], (bm, 1, n_q, n_kv)).copy()
+        if rng.random() < 0.3:
+            mask[rng.integers(bm), 0, rng.integers(n_q), rng.integers(n_kv)] ^= True
+        pos = np.arange(n_q)[:, None] + n_kv - n_q
+        key = np.arange(n_kv)[None, :]
+        band = (key <= pos) if causal else np.ones((n_q, n_kv), bool)
+        if window is not None and window[0] >= 0:
+            band &= key >= pos - window[0]
+        if window is not None and window[1] >= 0:
+            band &= key <= pos + window[1]
+        want = []
+        for bi in range(bm):  # the definition: some start s with mask & band == (key >= s) & band
+            seen = mask[bi, 0] & band
+            fits = [st for st in range(n_kv + 1) if ((key >= st) & band == seen).all()]
+            want.append(fits)
+        got = mask_key_start(mask, 3 if bm == 3 else 2, causal=causal, window=window)
+        if any(not f for f in want):
+            assert got is None, (mask, causal, window)
+        else:
+            assert got is not None, (mask, causal, window, want)
+            assert all(int(g) in f for g, f in zip(got, want * (2 if bm == 1 else 1))), (got, want)

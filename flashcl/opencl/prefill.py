@@ -382,22 +382,33 @@ def _arrays_of(name: str, x) -> dict:
     return {f"{name}.data": x.data, **({f"{name}.scales": x.scales} if x.fmt == "int8" else {})}
 
 
-def mask_key_start(mask: np.ndarray, b: int) -> np.ndarray | None:
-    """The first key each sequence sees under a mask of one query row (Bm, Hm, 1, N_kv) that shows
-    every row a suffix of its keys, the same for every head (a left-padded batch's): int32 (B,),
-    N_kv where it hides every key. None for any other mask (a hidden key after a visible one,
-    heads that differ, an additive value other than 0 and -inf)."""
+def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=None) -> np.ndarray | None:
+    """The first key of each sequence, where a mask (Bm, Hm, N_q, N_kv) adds nothing to causal
+    and the window (left, right) but that key (a left-padded batch's): every row of the sequence
+    sees, of the keys the band (causal and the window) shows it, exactly those from that key on,
+    the same in every head. int32 (B,), N_kv where no row sees a key. None for any other mask (a
+    hole, rows or heads that differ, an additive value other than 0 and -inf)."""
     if mask.dtype == np.bool_:
-        rows = mask[:, :, 0]
+        vis = mask
     else:
-        rows = mask[:, :, 0] == 0
-        if not (rows | (mask[:, :, 0] == -np.inf)).all():
+        vis = mask == 0
+        if not (vis | (mask == -np.inf)).all():
             return None
-    n_kv = rows.shape[-1]
-    first = np.where(rows.any(axis=-1), rows.argmax(axis=-1), n_kv)
-    if not (rows.sum(axis=-1) == n_kv - first).all() or (first != first[:, :1]).any():
+    n_q, n_kv = vis.shape[-2:]
+    pos = np.arange(n_q)[:, None] + (n_kv - n_q)  # bottom-right
+    key = np.arange(n_kv)[None, :]
+    band = key <= pos if causal else np.ones((n_q, n_kv), dtype=bool)
+    left, right = window if window is not None else (-1, -1)
+    if left >= 0:
+        band = band & (key >= pos - left)
+    if right >= 0:
+        band = band & (key <= pos + right)
+    seen = vis & band
+    # the earliest key a row sees is the start; the band's later edges cut the other rows
+    start = np.where(seen.any(axis=-1), seen.argmax(axis=-1), n_kv).min(axis=-1)  # (Bm, Hm)
+    if (start != start[:, :1]).any() or not (seen == ((key >= start[:, :, None, None]) & band)).all():
         return None
-    return np.ascontiguousarray(np.broadcast_to(first[:, 0], (b,)), dtype=np.int32)
+    return np.ascontiguousarray(np.broadcast_to(start[:, 0], (b,)), dtype=np.int32)
 
 
 # The most query rows a CPU prefill runs as a decode (each K/V row read once for all of them), and
@@ -411,11 +422,11 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_
     """Whether a prefill of few query rows may run as flashcl's decode (_prefill_rows_as_decode):
     on a CPU, decode_cpu.cl streams a KV head's rows once for its whole group, every query row of
     it, with the head dim in vectors, where the rows layout stages each tile through local memory
-    for each query head (docs/notes/pocl-prefill.md). One row takes every variant (a mask only as
-    a left padding, mask_key_start); more rows no mask, a window or ALiBi only when causal (each
-    row at its own position), and only where the decode runs decode_cpu.cl (whose QUERY_ROWS
-    makes them causal rows), with head dims up to 128. Host arrays, the tiles chosen by flashcl,
-    quantized K/V only as 4-D caches."""
+    for each query head (docs/notes/pocl-prefill.md). One row takes every variant; more rows a
+    window or ALiBi only when causal (each row at its own position), and only where the decode
+    runs decode_cpu.cl (whose QUERY_ROWS makes them causal rows), with head dims up to 128. A
+    mask only as a left padding (mask_key_start, checked by the caller). Host arrays, the tiles
+    chosen by flashcl, quantized K/V only as 4-D caches."""
     if not (handle.is_cpu and not is_cl and params is None
             and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
@@ -424,8 +435,8 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_
     if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS
             or max(prob.dk, prob.dv) > 128):  # the rows' q and accumulators as measured
         return False
-    if variants is not None and (variants.mask is not None or (
-            not prob.causal and (variants.window is not None or variants.alibi_slopes is not None))):
+    if variants is not None and not prob.causal and (variants.window is not None
+                                                     or variants.alibi_slopes is not None):
         return False
     from . import decode as cl_decode
 
@@ -439,8 +450,8 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     """prefill of N_q query rows as the decode of the same keys, each query head's rows heads of its
     KV head's group: q (.., H_q, N_q, DK) as (B, H_q N_q, DK), K/V as a contiguous cache (rank 3
     with B = 1), causal rows as QUERY_ROWS (row i sees the keys before N_kv - (N_q - 1 - i), as
-    prefill's bottom-right causal), the sinks repeated per row, a one-row mask as each sequence's
-    first key (``key_start``, from mask_key_start; None: no mask). The last row sits at N_kv - 1 in
+    prefill's bottom-right causal), the sinks repeated per row, a left-padding mask as each
+    sequence's first key (``key_start``, from mask_key_start; None: no mask). The last row sits at N_kv - 1 in
     both and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi distances; the
     ALiBi slopes are repeated per row like the sinks."""
     from .decode import decode
@@ -528,7 +539,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
     if _runs_as_decode(handle, prob, rank, is_cl, params, k, v, variants):
         mask = None if variants is None else variants.mask
-        starts = None if mask is None else mask_key_start(mask, b)
+        starts = None if mask is None else mask_key_start(mask, b, causal=causal, window=variants.window)
         if mask is None or starts is not None:
             return _prefill_rows_as_decode(q, k, v, rank=rank, shapes=shapes, causal=causal, scale=scale,
                                            device=device, return_lse=return_lse, variants=variants,

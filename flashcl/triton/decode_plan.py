@@ -576,10 +576,15 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     dequant_tile = None if tile_forced else _dequant_tile(p)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
     per_sm = _dequant_programs_per_sm(p)
-    if auto_splits > 1 and _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes):
+    # query rows (prefill's few-row route) too, at a power of two: 32 splits of (1, 32/8, 32k) ran
+    # 15-17% faster than 16, and 33 as slowly as 16 (docs/notes/triton-prefill.md)
+    if auto_splits > 1 and (p.query_rows > 1
+                            or _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)):
         per_sm = max(per_sm, 2)
     if auto_splits > 1 and per_sm > 1:
         auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
+        if p.query_rows > 1:
+            auto_splits = 1 << (auto_splits.bit_length() - 1)
     splits = num_splits if num_splits > 0 else auto_splits
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch

@@ -128,42 +128,27 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     enough keys in flight to hide memory latency. Two lower bounds, the larger wins:
 
     * fill the device: B·H_kv work-groups exist without splits; aim for ``waves`` (4) work-groups
-      per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``.
-      Four is what an NVIDIA SM holds at once of the default work-group (128 work-items at ~124
-      registers), and the measured optimum (H100, (1, 32, 8, 32k): 0.136 ms at 2 per SM, 0.091
-      at 4, 0.099 at 8, a second wave). A measured constant, not a derived one: more resident
-      work-groups through fewer registers did not help (see the module docstring);
+      per compute unit, rounded DOWN to a power of two — ``pow2_floor(waves·CUs / (B·H_kv))``
+      (four: what an NVIDIA SM holds of the default work-group, and the measured optimum);
     * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
       ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already
       fills the device (a 2k-key work-group is one long serial chain of loads).
 
     A split keeps at least ``min_keys`` (256) keys (its partial state and merge share stay small
-    next to 128 KiB of K/V) and there are at most ``max_splits`` (64). Powers of two because the
-    measured optimum always was one: on an H100 3 splits of (32, 32, 8, 2k) took 0.200 ms against
-    0.163 for 2 and 0.167 for 4 (uneven tile counts per split).
-
-    Checked against forced splits {1..64} on the H100 through NVIDIA OpenCL (fp16, d=128,
-    block_size 16, ``flashcl bench decode --device nvidia --preset reference``; these
-    constants were chosen on that data): the rule picks 4, 16, 8, 4, 8, 8, 16, 64, 64 for the
-    nine reference shapes, each within 4% of the best forced count measured there. With 2 waves
-    (the rule before the merge kernel got faster) it picked 4 for (8, 32, 8, 2k) and (8, 64, 8, 2k),
-    12% and 9% behind 8 and 16 splits. ``n_ctx`` is the longest context of the batch.
+    next to 128 KiB of K/V) and there are at most ``max_splits`` (64); powers of two, as every
+    measured optimum was. ``n_ctx`` is the longest context of the batch (the keys its query sees).
 
     ``keys_per_split`` None (decode_mma.cl with the lengths on the host): the second bound
     balances instead of capping a split's keys. The longest sequence is split until its
     work-groups hold about as many keys as the mean work-group of a full wave: the split count
     whose last wave is fullest (the smallest power of two within 85% of the best, FlashAttention's
-    rule) times ``n_ctx / mean_ctx`` rounded to the nearest power of two. For a batch of equal
-    lengths whose B·H_kv fits the device that is the fill bound, the count that fills it once,
-    which the H100 and the H200 measured best ((8, 32/8, 32k): 4 splits, 11% / 17% faster than
-    the 8 that 4096 keys a split gave); B·H_kv that fits unevenly splits further (not measured);
-    an uneven batch splits its long sequence further (H200, 8 x 32/8: one 128k and seven 1k
-    sequences, 32 splits, 154 us against 196 at 16; one 32k and seven 4k, 16 splits, 83 us
-    against 89 at 32). ``mean_ctx`` None: the batch's lengths are taken as equal.
+    rule) times ``n_ctx / mean_ctx`` rounded to the nearest power of two; ``mean_ctx`` None: the
+    batch's lengths are taken as equal.
 
     ``params``: the configuration in use; its SPLIT_WAVES and SPLIT_KEYS, where set (a tuned
     entry, measured on the path that runs), replace ``waves`` and ``keys_per_split`` (SPLIT_KEYS
-    not in the balancing mode: the tuner times the capped rule).
+    not in the balancing mode: the tuner times the capped rule). The measurements behind the
+    constants: docs/notes/opencl-decode-nvidia.md, "The split rule's constants".
     """
     balance = keys_per_split is None
     if params:

@@ -19,16 +19,17 @@ import torch
 import torch.nn.functional as F
 
 import flashcl
+from flashcl import reference
 from flashcl.tools.cuda_timing import device_and_host, rotation_count
 
 B, H_Q, H_KV, D = 1, 32, 8, 128
 
 
 def bottom_right_mask(n_q: int, n_kv: int, window: int | None) -> torch.Tensor:
-    """flashcl's causal rows as SDPA's bool mask: row i at position n_kv - n_q + i."""
-    pos = torch.arange(n_q, device="cuda")[:, None] + (n_kv - n_q)
-    dist = pos - torch.arange(n_kv, device="cuda")[None, :]
-    return (dist >= 0) & (dist <= window if window is not None else True)
+    """flashcl's causal rows (row i at position n_kv - n_q + i) and window as SDPA's bool mask."""
+    left = window if window is not None else -1
+    seen = reference.causal_mask(n_q, n_kv) & reference.window_mask(n_q, n_kv, (left, -1))
+    return torch.from_numpy(seen).to("cuda")
 
 
 def main() -> None:

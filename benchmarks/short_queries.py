@@ -40,11 +40,11 @@ def median_ms(call, rounds: int) -> float:
 def sdpa_mask(n_q: int, window: int | None, slopes) -> np.ndarray:
     """SDPA's mask for flashcl's bottom-right causal rows with a window (left, 0) and ALiBi: bool
     without ALiBi, else the additive (H_q, N_q, N_kv) bias, -inf where hidden."""
-    pos = np.arange(n_q)[:, None] + (N_KV - n_q)
-    dist = pos - np.arange(N_KV)[None, :]
-    seen = (dist >= 0) & (dist <= window if window is not None else True)
+    left = window if window is not None else -1
+    seen = flashcl.reference.causal_mask(n_q, N_KV) & flashcl.reference.window_mask(n_q, N_KV, (left, -1))
     if slopes is None:
         return seen
+    dist = np.arange(n_q)[:, None] + (N_KV - n_q) - np.arange(N_KV)[None, :]
     return np.where(seen, -slopes[:, None, None] * dist, -np.inf).astype(np.float32)
 
 

@@ -33,6 +33,7 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
+from ..variants import window_bounds
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
                      host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
                      wait_for_inputs, QUANT_CODES)
@@ -366,19 +367,21 @@ class DecodeVariants:
             flags["QUERY_ROWS"] = self.query_rows
         return flags
 
-    def keys_seen(self, n_ctx: int) -> int:
-        """Keys the queries of a sequence of n_ctx keys see, its rows together (what the split
-        count is chosen from)."""
-        return n_ctx if self.window_left is None else min(n_ctx, self.window_left + self.query_rows)
+    def keys_seen(self, n_ctx):
+        """Keys the queries of a sequence of n_ctx keys see through the window, its rows together
+        (what the split count is chosen from); n_ctx an int or an array of lengths."""
+        if self.window_left is None:
+            return n_ctx
+        seen = np.minimum(n_ctx, self.window_left + self.query_rows)
+        return int(seen) if np.ndim(seen) == 0 else seen
 
     def kernel_args(self, queue, dummy) -> list:
         """VARIANT_PARAMS (decode_common.h): window_left, softcap_log2, sinks, alibi_slopes (an
         unused buffer argument gets ``dummy``, never read), then key_start where it is on. Host
         arrays are copied to the device; their buffers, held by the list until the launch, are
         then kept by OpenCL until the kernels that use them have run."""
-        # any window past 2^30 keys sees every key; the bound keeps the kernels' key arithmetic
-        # (a row's position less the window) within int
-        left = min(self.window_left if self.window_left is not None else 2**30, 2**30)
+        # window_bounds' 2^30 for no window: a row's position less it stays within int
+        left = window_bounds(None if self.window_left is None else (self.window_left, 0))[0]
         cap = 0.0 if self.softcap is None else self.softcap * _LOG2E
         arrays = [x if x is None or isinstance(x, cla.Array) else host_buffer(queue, x)
                   for x in (self.sinks, self.alibi_slopes, self.key_start)]
@@ -858,12 +861,12 @@ def keys_seen(context_lens, var: "DecodeVariants | None") -> np.ndarray | None:
     if lens is None or not len(lens):
         return None
     lens = np.clip(lens.astype(np.int64).reshape(-1), 0, None)
-    first = np.zeros_like(lens)
-    if var is not None and var.window_left is not None:
-        first = np.maximum(first, lens - var.query_rows - var.window_left)
-    if var is not None and isinstance(var.key_start, np.ndarray):
-        first = np.maximum(first, np.minimum(var.key_start.astype(np.int64), lens))
-    return lens - first
+    if var is None:
+        return lens
+    seen = var.keys_seen(lens)
+    if isinstance(var.key_start, np.ndarray):
+        seen = np.minimum(seen, lens - np.clip(var.key_start.astype(np.int64), 0, lens))
+    return seen
 
 
 def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
@@ -903,8 +906,10 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
                         lambda: DecodeKernel(handle, prob, choice.params, variant_flags=flags))
     if num_splits is None:  # sized by the keys the queries see: a window or left padding reads fewer
         seen = keys_seen(context_lens, var)
-        num_splits = kern.auto_splits(int(seen.max()) if seen is not None else var.keys_seen(n_ctx) if var else n_ctx,
-                                      mean_ctx=None if seen is None else float(seen.mean()))
+        if seen is None:  # device tables: the bound's
+            num_splits = kern.auto_splits(int(var.keys_seen(n_ctx)) if var else n_ctx)
+        else:
+            num_splits = kern.auto_splits(int(seen.max()), mean_ctx=float(seen.mean()))
 
     queue = handle.queue
     if is_cl:

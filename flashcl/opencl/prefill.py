@@ -11,6 +11,7 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
+from ..reference import causal_mask, window_mask
 from ..variants import Variants, mask_block_map
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
                      host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
@@ -395,14 +396,10 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
         if not (vis | (mask == -np.inf)).all():
             return None
     n_q, n_kv = vis.shape[-2:]
-    pos = np.arange(n_q)[:, None] + (n_kv - n_q)  # bottom-right
-    key = np.arange(n_kv)[None, :]
-    band = key <= pos if causal else np.ones((n_q, n_kv), dtype=bool)
-    left, right = window if window is not None else (-1, -1)
-    if left >= 0:
-        band = band & (key >= pos - left)
-    if right >= 0:
-        band = band & (key <= pos + right)
+    band = window_mask(n_q, n_kv, window if window is not None else (-1, -1))  # bottom-right
+    if causal:
+        band &= causal_mask(n_q, n_kv)
+    key = np.arange(n_kv)
     seen = vis & band
     # the earliest key a row sees is the start; the band's later edges cut the other rows
     start = np.where(seen.any(axis=-1), seen.argmax(axis=-1), n_kv).min(axis=-1)  # (Bm, Hm)
@@ -451,9 +448,9 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     KV head's group: q (.., H_q, N_q, DK) as (B, H_q N_q, DK), K/V as a contiguous cache (rank 3
     with B = 1), causal rows as QUERY_ROWS (row i sees the keys before N_kv - (N_q - 1 - i), as
     prefill's bottom-right causal), the sinks repeated per row, a left-padding mask as each
-    sequence's first key (``key_start``, from mask_key_start; None: no mask). The last row sits at N_kv - 1 in
-    both and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi distances; the
-    ALiBi slopes are repeated per row like the sinks."""
+    sequence's first key (``key_start``, from mask_key_start; None: no mask). The last row sits
+    at N_kv - 1 in both and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi
+    distances; the ALiBi slopes are repeated per row like the sinks."""
     from .decode import decode
 
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes

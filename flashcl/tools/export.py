@@ -26,10 +26,10 @@ Attention variants and quantized caches (``variants``, ``kv_format``) are compil
 the same kernels (prefill: HAS_WINDOW, HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, MASK_KIND; decode.cl:
 WINDOW, SOFTCAP, SINKS, ALIBI, KEY_START; both: K_QUANT, V_QUANT): each combination of variants
 exported gets sources of its own with those defines fixed (a mask is prefill's alone, key_start
-decode's alone: each kernel takes those of the rest), the
-K/V format holds for all of them, the manifest lists the arguments those builds take, and
-example.c runs every combination: the variants' values, K/V quantized on the host in C, and a
-reference in double with the same semantics. With none of them the export is the plain one.
+decode's alone: each kernel takes those of the rest), the K/V format holds for all of them, the
+manifest lists the arguments those builds take, and example.c runs every combination: the
+variants' values, K/V quantized on the host in C, and a reference in double with the same
+semantics. With none of them the export is the plain one.
 
 What is not exported: decode_mma.cl (NVIDIA tensor cores, inline PTX), decode_cpu.cl (the CPU
 decode layout: a CPU target exports decode.cl's "lanes" layout, tuned entries of it where they
@@ -529,6 +529,7 @@ def _class_extras(combo: tuple, kv_format: str | None) -> dict:
 
 def _prefill_flags(variants: tuple) -> dict | None:
     """The prefill kernels' flags of a combination (as Variants.flags() gives them; None: plain)."""
+    variants = _prefill_variants(variants)
     if not variants:
         return None
     return {**{x: x in variants for x in VARIANTS if x not in PREFILL_ONLY + DECODE_ONLY},
@@ -685,7 +686,7 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
         ex = EXAMPLE_VARIANTS
         right = 0 if picks[0][0].problem["causal"] else ex["WINDOW_RIGHT_NONCAUSAL"]
         out["variants"] = {
-            "combinations": [{"on": list(c), "prefill_defines": pre.variant_defines(_prefill_flags(_prefill_variants(c))),
+            "combinations": [{"on": list(c), "prefill_defines": pre.variant_defines(_prefill_flags(c)),
                               "decode_defines": {x.upper(): 1 for x in _decode_variants(c)},
                               "example": {"prefill": p.file, "decode": d.file}}
                              for c, (p, d) in zip(combos, picks)],
@@ -831,8 +832,8 @@ EXAMPLE_C = r"""/* example.c: flashcl's exported OpenCL kernels driven from C (w
  *     slots hold NaN, which must not reach the output), split-k with the merge, then one split,
  * once per combination of attention variants exported (window, softcap, sinks, ALiBi, a bool
  * mask, decode's key_start: example_config.h's EX_COMBOS; keys no row sees hold NaN), with K/V
- * quantized on the host
- * where a format was exported (EX_KV_FORMAT: q8_0, q4_0 as ggml's reference quantizers, int8 rows),
+ * quantized on the host where a format was exported (EX_KV_FORMAT: q8_0, q4_0 as ggml's reference
+ * quantizers, int8 rows),
  * checks each against a naive attention in double, prints the relative errors
  * ||out - ref|| / ||ref|| and exits 0 only if every one is within the dtype's tolerance.
  * C99 and the OpenCL 1.2 API; example_config.h says which exported classes run, on what shapes.

@@ -1123,11 +1123,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if variants is not None:
         if variants.mask is not None:
             raise ValueError("decode takes no mask (a mask is prefill only)")
-        window = variants.window
-        var.update({"window_left": window[0] if window is not None and window[0] >= 0 else -1,
-               "softcap": float(variants.softcap or 0.0),
-               "sinks": _per_head(variants.sinks, q, (q.shape[1],), "sinks"),
-               "alibi_slopes": _per_head(variants.alibi_slopes, q, (q.shape[0], q.shape[1]), "alibi_slopes")})
+        var.update(op_variants(variants, q))
     quant = {}
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if isinstance(cache, QuantizedTensor):
@@ -1140,6 +1136,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     out, lse = op(q, k_cache, v_cache, block_table, context_lens, float(scale),
                   0 if num_splits is None else int(num_splits), **var, **quant)
     return (out, lse) if return_lse else out
+
+
+def op_variants(variants, q: torch.Tensor) -> dict:
+    """A flashcl.variants.Variants (no mask) as the op's keywords for q (B, H_q, DK): window_left
+    (-1: none), softcap (0: off), sinks (H_q,) and alibi_slopes (B, H_q) as the kernels read them."""
+    window = variants.window
+    return {"window_left": window[0] if window is not None and window[0] >= 0 else -1,
+            "softcap": float(variants.softcap or 0.0),
+            "sinks": _per_head(variants.sinks, q, (q.shape[1],), "sinks"),
+            "alibi_slopes": _per_head(variants.alibi_slopes, q, (q.shape[0], q.shape[1]), "alibi_slopes")}
 
 
 def _per_head(x: Optional[torch.Tensor], q: torch.Tensor, shape: tuple, name: str) -> Optional[torch.Tensor]:

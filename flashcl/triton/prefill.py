@@ -74,6 +74,7 @@ the candidate configs come from _TILE_SPACE through the named filter _prune_conf
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -1310,15 +1311,13 @@ def _rows_as_decode(q, k, v, causal: bool, scale: float, variants):
     from . import decode as triton_decode
 
     b, h_q, n_q, dk = q.shape
+    rows = q.reshape(b, h_q * n_q, dk)
     var = {}
     if variants is not None:
-        window = variants.window
-        var = {"window_left": window[0] if window is not None and window[0] >= 0 else -1,
-               "softcap": float(variants.softcap or 0.0),
-               "sinks": None if variants.sinks is None else variants.sinks.repeat_interleave(n_q),
-               "alibi_slopes": (None if variants.alibi_slopes is None
-                                else variants.alibi_slopes.repeat_interleave(n_q, dim=1))}
-    out, lse = triton_decode._launch(q.reshape(b, h_q * n_q, dk), k, v, None, None, scale, 0,
+        per_row = {name: None if x is None else x.repeat_interleave(n_q, dim=-1)
+                   for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
+        var = triton_decode.op_variants(replace(variants, mask=None, **per_row), rows)
+    out, lse = triton_decode._launch(rows, k, v, None, None, scale, 0,
                                      query_rows=n_q if causal and n_q > 1 else 1, **var)
     return out.view(b, h_q, n_q, out.shape[-1]), lse.view(b, h_q, n_q)
 

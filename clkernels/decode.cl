@@ -143,9 +143,6 @@ typedef float store_t;
 #define DECODE_NV_PTX ROW_SHUFFLE
 #define QPIECE VW         // a lane's dims: the piece of a quantized row it dequantizes
 #include "decode_common.h"
-#if QUERY_ROWS > 1
-#error "QUERY_ROWS: decode_cpu.cl's flag (prefill's few-row route on CPUs)"
-#endif
 
 static inline floatW to_float(raw_t r)
 {
@@ -312,7 +309,8 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
 #define CAPPED(s) SOFTCAP_SCORE(s)
 #endif
             for (int i = 0; i < HEAD_TILE; ++i)
-                sc[u][i] = (key < k1) ? ALIBI_SCORE(CAPPED(s_[i]), slope[i], n_used - 1 - key) : -INFINITY;
+                sc[u][i] = (key < k1 && ROW_SEES(head0 + i, key, n_used))
+                           ? ALIBI_SCORE(CAPPED(s_[i]), slope[i], ROW_POS(head0 + i, n_used) - key) : -INFINITY;
 #undef CAPPED
         }
 #define SCORE(u, i) sc[u][i]
@@ -331,9 +329,10 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
             float s = 0.0f;
             for (int c = 0; c < CK; ++c)
                 s += partials[x * PSTRIDE + c];
-            const int key = t0 + x % BLOCK_N;
-            s = SCORE_VARIANTS(s, ALIBI_SLOPE_LOG2(batch, kv_head * GROUP + x / BLOCK_N), n_used - 1 - key);
-            scores[x] = (key < k1) ? s : -INFINITY;  /* the tail of the last tile */
+            const int key = t0 + x % BLOCK_N, head = kv_head * GROUP + x / BLOCK_N;
+            s = SCORE_VARIANTS(s, ALIBI_SLOPE_LOG2(batch, head), ROW_POS(head, n_used) - key);
+            /* the tail of the last tile, and (QUERY_ROWS) the keys a row does not see */
+            scores[x] = (key < k1 && ROW_SEES(head, key, n_used)) ? s : -INFINITY;
         }
         /* scores complete before they are read; the next write to them is after the next
          * iteration's first barrier, which every work-item reaches only after reading them */
@@ -361,7 +360,9 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
             for (int u = 0; u < UNROLL; ++u) {
                 const float p = exp2(s[u] - m_use);
                 l[i] += p;
-                acc[i] = fma((floatW)(p), vf[u], acc[i]);
+                /* a key a row does not see adds nothing to it, even a V of inf (0 inf = NaN) */
+                if (ROW_SEES(head0 + i, t0 + u * ROWS + row, n_used))
+                    acc[i] = fma((floatW)(p), vf[u], acc[i]);
             }
             m[i] = m_new;
         }

@@ -44,7 +44,7 @@
 #endif
 #ifndef QUERY_ROWS
 #define QUERY_ROWS 1      // > 1: head h is row h % QUERY_ROWS of causal rows ending at the last key
-#endif                    //   (prefill's few-row route on CPUs: decode_cpu.cl only; not exported)
+#endif                    //   (prefill's few-row route; not exported)
 #define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START || QUERY_ROWS > 1)
 #if KEY_START
 #define KEY_START_PARAM , __global const int *key_start
@@ -72,6 +72,25 @@
 #else
 #define FIRST_KEY(n) 0
 #endif
+/* QUERY_ROWS: head h is causal row h % QUERY_ROWS of a sequence of n keys' last positions; its
+ * position (the ALiBi distances' origin), whether it sees `key` (causal, and its own window's left
+ * edge), and whether the rows see different keys in the tile of keys [t0, t0 + nt): only in the
+ * last tiles (causal) and, with a window, in the first ones (its left edge moves with the row) */
+#if QUERY_ROWS > 1
+#define ROW_POS(h, n) ((n) - QUERY_ROWS + (h) % QUERY_ROWS)
+#if WINDOW
+#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n) && (key) >= ROW_POS(h, n) - window_left)
+#define ROWS_DIFFER(t0, nt, n) ((t0) + (nt) > (n) - (QUERY_ROWS - 1) || (t0) < (n) - 1 - window_left)
+#else
+#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n))
+#define ROWS_DIFFER(t0, nt, n) ((t0) + (nt) > (n) - (QUERY_ROWS - 1))
+#endif
+#else
+#define ROW_POS(h, n) ((n) - 1)
+#define ROW_SEES(h, key, n) true
+#define ROWS_DIFFER(t0, nt, n) false
+#endif
+
 /* ... and of sequence `batch`, whose keys before key_start[batch] are hidden (a left-padded row) */
 #if KEY_START
 #define SEQ_FIRST_KEY(n, batch) max(FIRST_KEY(n), min(key_start[batch], (n)))

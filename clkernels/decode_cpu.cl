@@ -183,17 +183,6 @@ FLASHCL_SOFTCAP_FN(floatT, softcap_tile, native_exp2, native_recip)  /* softcap_
 #endif
 #endif
 
-/* QUERY_ROWS: head h is causal row h % QUERY_ROWS of a sequence of n keys' last positions; its
- * position, and whether it sees `key` (causal, and its own window's left edge) */
-#define ROW_POS(h, n) ((n) - QUERY_ROWS + (h) % QUERY_ROWS)
-#if WINDOW
-#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n) && (key) >= ROW_POS(h, n) - window_left)
-#define WINDOW_HEAD(t0, n) ((t0) < (n) - 1 - window_left)  /* a tile the last row's window cuts */
-#else
-#define ROW_SEES(h, key, n) ((key) <= ROW_POS(h, n))
-#define WINDOW_HEAD(t0, n) false
-#endif
-
 static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial)
 {
     const int split = get_group_id(0);
@@ -256,10 +245,7 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 s[h][u] = ALIBI_SCORE(s[h][u], slope[h], ROW_POS(h, n_used) - (t0 + u));
         }
 #endif
-        /* the rows see different keys only in the last tiles (causal) and, with a window, in the
-         * first ones (its left edge moves with the row) */
-        const bool rows_differ = QUERY_ROWS > 1
-                                 && (t0 + nt > n_used - (QUERY_ROWS - 1) || WINDOW_HEAD(t0, n_used));
+        const bool rows_differ = ROWS_DIFFER(t0, nt, n_used);
         if (rows_differ)
             for (int h = 0; h < GROUP; ++h)
                 for (int u = 0; u < nt; ++u)

@@ -88,9 +88,6 @@ typedef half store_t;
 #define DECODE_NV_PTX (!MMA_EMULATE)
 #define QPIECE 8          // dims per dequantized piece of a quantized row: 4 words of f16 pairs
 #include "decode_common.h"
-#if QUERY_ROWS > 1
-#error "QUERY_ROWS: decode_cpu.cl's flag (prefill's few-row route on CPUs)"
-#endif
 
 /* KV_EVICT_FIRST (default: with the PTX instructions): the loop's K/V loads are marked
  * L1::evict_first, each row being read once; the first tile's K stays plain (marked too, it was
@@ -440,6 +437,44 @@ static inline void part_words(const int fmt, const raw_t *pieces, const ggml_spa
 }
 #endif
 
+#if QUERY_ROWS > 1
+#if MMA_EMULATE
+#define WS_PARAM , __local warp_scratch *ws
+#define WS_ARG , ws
+#else
+#define WS_PARAM
+#define WS_ARG
+#endif
+#define VARIANT_ARGS_ROWS , window_left
+/* The V halves of inf / NaN in this lane's words (keys t0 + 2c + (r & 1) + 8 (r >> 1)) set to 0;
+ * the keys that held any, gathered over the warp, make l NaN for each head whose row sees one */
+static inline void hide_nonfinite_v(uint vw[4][NTV / 2], const int t0, const int k1, const int n_used,
+                                    const int head0, const int c, float l[NH][2], const int window_left WS_PARAM)
+{
+    uint bad = 0u;
+    for (int r = 0; r < 4; ++r)
+        for (int d = 0; d < NTV / 2; ++d) {
+            const uint w = vw[r][d];
+            const uint nonfinite = (((w & 0x7c00u) == 0x7c00u) ? 0xffffu : 0u)
+                                   | (((w & 0x7c000000u) == 0x7c000000u) ? 0xffff0000u : 0u);
+            vw[r][d] = w & ~nonfinite;
+            bad |= (nonfinite != 0u) ? 1u << (2 * c + (r & 1) + 8 * (r >> 1)) : 0u;
+        }
+    /* the key bits as the mantissa of a float in [1, 2): shuffled as a normal number */
+    for (int mask = 1; mask < 32; mask <<= 1)
+        bad |= as_uint(WARP_XOR(as_float(0x3f800000u | bad), mask)) & 0xffffu;
+    for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < 2; ++i) {
+            const int head = head0 + 8 * h + 2 * c + i;
+            uint seen = 0u;
+            for (int j = 0; j < TILE; ++j)
+                seen |= (t0 + j < k1 && ROW_SEES(head, t0 + j, n_used)) ? 1u << j : 0u;
+            if (bad & seen)
+                l[h][i] = NAN;
+        }
+}
+#endif
+
 /* ---- the kernel body ------------------------------------------------------------------------ */
 
 static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial,
@@ -626,9 +661,10 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         for (int h = 0; h < NH; ++h) {
             float x[4], p[4], alpha[2];
             for (int r = 0; r < 4; ++r) {
-                const int key = t0 + g + 8 * (r >> 1);
+                const int key = t0 + g + 8 * (r >> 1), head = head0 + 8 * h + 2 * c + (r & 1);
                 const float s_log2 = st[h][r] * K_SCALE(r >> 1) * scale_log2;
-                x[r] = (key < k1) ? SCORE_VARIANTS(s_log2, slope[h][r & 1], n_used - 1 - key) : -INFINITY;
+                x[r] = (key < k1 && ROW_SEES(head, key, n_used))
+                       ? SCORE_VARIANTS(s_log2, slope[h][r & 1], ROW_POS(head, n_used) - key) : -INFINITY;
             }
             for (int i = 0; i < 2; ++i) {
                 float mx = fmax(x[i], x[2 + i]);
@@ -654,6 +690,13 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
 #if V_QUANT && !V_AHEAD
         for (int r = 0; r < 4; ++r)
             part_words(V_QUANT, vq[r], vs[r], g * NTV, NTV / 8, true, vw[r]);
+#endif
+#if QUERY_ROWS > 1
+        /* where the rows see different keys (the same test for the whole work-group: barriers
+         * in the emulation), a V of inf / NaN at a key must not reach the rows that do not see
+         * it through 0 x inf in the MMA: it becomes 0, and the rows that see it get a NaN sum */
+        if (ROWS_DIFFER(t0 - warp * TILE, ROUND, n_used))
+            hide_nonfinite_v(vw, t0, k1, n_used, head0, c, l VARIANT_ARGS_ROWS WS_ARG);
 #endif
         /* O^T += V^T P^T, one m-tile (16 output dims) at a time: row g is dim NTV*g + 2d (word d's
          * low halves of keys 2c, 2c+1 | 8+2c, 9+2c), row g + 8 dim NTV*g + 2d + 1 (high halves) */

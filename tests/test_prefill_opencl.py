@@ -293,8 +293,8 @@ def test_one_query_row_runs_as_decode_or_its_gqa_group_as_rows(cpu_device, monke
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
-    """On a CPU device 2 to 16 query rows run as a decode with each query head's rows as heads of
+def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
+    """On every device 2 to 16 query rows run as a decode with each query head's rows as heads of
     its group (_prefill_rows_as_decode), causal (QUERY_ROWS: bottom-right, N_q < N_kv, = N_kv and
     > N_kv, whose first rows see nothing) or not, with softcap and sinks, a window and ALiBi on
     causal rows (each at its own position), MHA and GQA, DK != DV, rank 3 and q8_0 K/V; a mask
@@ -309,17 +309,19 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
                         lambda *a, **kw: routes.append(kw["shapes"][0][2]) or real(*a, **kw))
     rng = np.random.default_rng(11)
     sinks = rng.standard_normal(8).astype(np.float32)
+    group_rows = cl_prefill.decode_group_rows(get_device(cl_device))
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
-                                            (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32)]:
+                                            (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32),
+                                            (1, 8, 2, 16, 70, 64, 64)]:  # 64 rows a KV head: GPUs only
         q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype)
         slopes = rng.uniform(0.05, 0.5, (b, h_q)).astype(np.float32)
         for kw in (dict(causal=True), dict(), dict(causal=True, softcap=5.0, sinks=sinks[:h_q]),
                    dict(causal=True, window=(2, 0)), dict(causal=True, window=(n_q + 3, 5), alibi_slopes=slopes),
                    dict(causal=True, alibi_slopes=slopes[0], sinks=sinks[:h_q])):
             routes.clear()
-            out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cpu_device, **kw)
+            out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cl_device, **kw)
             ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
-            assert routes == [n_q], (n_q, sorted(kw), routes)
+            assert routes == ([n_q] if h_q // h_kv * n_q <= group_rows else []), (n_q, sorted(kw), routes)
             assert_close(out, ref_out, dtype, f"({b},{h_q}/{h_kv},{n_q},{n_kv}) {sorted(kw)}")
             seen = np.isfinite(ref_lse)
             assert (np.isfinite(lse) == seen).all() and not out[~seen].any()
@@ -328,32 +330,38 @@ def test_few_query_rows_run_as_decode(cpu_device, monkeypatch, dtype):
     routes.clear()
     kp, vp = k.copy(), v.copy()  # keys only the later rows see: inf and NaN reach none of the others
     kp[:, :, -1], vp[:, :, -1], vp[:, :, -2] = np.nan, np.inf, np.nan
-    got = flashcl.prefill(q, kp, vp, causal=True, device=cpu_device)
+    got = flashcl.prefill(q, kp, vp, causal=True, device=cl_device)
     assert_close(got[:, :, :2], reference.attention(q, k, v, causal=True)[:, :, :2], dtype, "poisoned tail")
-    assert_close(flashcl.prefill(q[0], k[0], v[0], causal=True, device=cpu_device),
+    assert_close(flashcl.prefill(q[0], k[0], v[0], causal=True, device=cl_device),
                  reference.attention(q[0], k[0], v[0], causal=True), dtype, "rank 3")
     if dtype == "float32":
         qk, qv = flashcl.quantize(k, "q8_0"), flashcl.quantize(v, "q8_0")
-        assert_close(flashcl.prefill(q, qk, qv, causal=True, device=cpu_device),
+        assert_close(flashcl.prefill(q, qk, qv, causal=True, device=cl_device),
                      reference.attention(q, flashcl.dequantize(qk), flashcl.dequantize(qv), causal=True),
                      dtype, "q8_0")
     assert routes == [4] * (3 if dtype == "float32" else 2)
+    import pyopencl.array as cla
+
+    queue = get_device(cl_device).queue  # device arrays: the route views them with new shapes
+    got = flashcl.prefill(*(cla.to_device(queue, x) for x in (q, kp, vp)), causal=True)
+    assert_close(got.get()[:, :, :2], reference.attention(q, k, v, causal=True)[:, :, :2], dtype, "device arrays")
+    assert routes == [4] * (4 if dtype == "float32" else 3)
     routes.clear()
     mask = np.ones((1, 1, 4, 60), bool)
     mask[..., :9] = False
     mask[..., 2, 30] = False  # a hole: not a left padding
     for kw in (dict(causal=False, window=(20, 3)), dict(causal=False, alibi_slopes=np.ones(8, np.float32)),
                dict(causal=True, mask=mask),
-               dict(causal=True, params=dict(choose_params(get_device(cpu_device),
+               dict(causal=True, params=dict(choose_params(get_device(cl_device),
                                                            PrefillProblem(1, 8, 2, 4, 60, 64, 64, True, dtype)).params))):
-        out = flashcl.prefill(q, k, v, device=cpu_device, **kw)
+        out = flashcl.prefill(q, k, v, device=cl_device, **kw)
         ref_kw = {n: x for n, x in kw.items() if n != "params"}
         assert_close(out, reference.attention(q, k, v, **ref_kw), dtype, f"kept {sorted(kw)}")
     assert routes == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_few_query_rows_with_left_padding_run_as_decode(cpu_device, monkeypatch, dtype):
+def test_few_query_rows_with_left_padding_run_as_decode(cl_device, monkeypatch, dtype):
     """Causal rows of a left-padded batch (a chunk through a cache) take the few-row route with
     each sequence's first key (mask_key_start), with and without a window, NaN/inf in the
     padding never read; a mask with a hole keeps the prefill kernels."""
@@ -374,7 +382,7 @@ def test_few_query_rows_with_left_padding_run_as_decode(cpu_device, monkeypatch,
         kp[i, :, :pad], vp[i, :, :pad] = np.nan, np.inf
     for kw in (dict(), dict(window=(9, 0)), dict(window=(2, 0), softcap=5.0)):
         routes.clear()
-        out, lse = flashcl.prefill(q, kp, vp, causal=True, mask=mask, return_lse=True, device=cpu_device, **kw)
+        out, lse = flashcl.prefill(q, kp, vp, causal=True, mask=mask, return_lse=True, device=cl_device, **kw)
         ref_out, ref_lse = reference.attention(q, k, v, causal=True, mask=mask, return_lse=True, **kw)
         assert len(routes) == 1, routes
         if "window" not in kw:  # with one, any start left of every row's window is the same
@@ -385,7 +393,7 @@ def test_few_query_rows_with_left_padding_run_as_decode(cpu_device, monkeypatch,
     holed = np.broadcast_to(mask, (b, 1, n_q, n_kv)).copy()
     holed[1, 0, 3, 30] = False
     routes.clear()
-    got = flashcl.prefill(q, k, v, causal=True, mask=holed, device=cpu_device)
+    got = flashcl.prefill(q, k, v, causal=True, mask=holed, device=cl_device)
     assert routes == []
     assert_close(got, reference.attention(q, k, v, causal=True, mask=holed), dtype, "a hole")
 

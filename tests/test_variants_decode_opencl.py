@@ -345,10 +345,9 @@ def test_key_start_hides_each_sequences_first_keys(cl_device, names, layout):
 
 
 def check_query_rows(got, q4, k, v, kw, what):
-    """decode_cpu.cl's QUERY_ROWS against the oracle's causal prefill of q4 (B, H_q, N_q, D), whose
-    rows the kernel ran as heads (B, H_q N_q, D); the sinks were repeated per row."""
+    """QUERY_ROWS against the oracle's causal prefill of q4 (B, H_q, N_q, D), whose rows the kernel
+    ran as heads (B, H_q N_q, D); the sinks were repeated per row."""
     out, lse = got
-    b, h_q, n_q, _ = q4.shape
     ref_out, ref_lse = reference.attention(q4, k, v, causal=True, return_lse=True, **kw)
     assert_close(out.reshape(ref_out.shape), ref_out, q4.dtype.name, f"{what}: out")
     seen = np.isfinite(ref_lse)
@@ -357,44 +356,64 @@ def check_query_rows(got, q4, k, v, kw, what):
     assert_close(lse[seen], ref_lse[seen], q4.dtype.name, f"{what}: lse")
 
 
-def _query_rows_case(rng, n_q=3, n_kv=21):
+def _query_rows_case(rng, n_q=3, n_kv=21, dtype=np.float32, d=32):
     """GQA 2 with 3 causal rows over a contiguous cache of two sequences, softcap and sinks."""
-    b, h_q, h_kv, d = 2, 4, 2, 32
-    q4 = rng.standard_normal((b, h_q, n_q, d)).astype(np.float32) * 2
-    k, v = (rng.standard_normal((b, h_kv, n_kv, d)).astype(np.float32) for _ in range(2))
+    b, h_q, h_kv = 2, 4, 2
+    q4 = (rng.standard_normal((b, h_q, n_q, d)) * 2).astype(dtype)
+    k, v = (rng.standard_normal((b, h_kv, n_kv, d)).astype(dtype) for _ in range(2))
     kw = {"softcap": 4.0, "sinks": rng.standard_normal(h_q).astype(np.float32)}
     rows_kw = {**kw, "sinks": np.repeat(kw["sinks"], n_q)}
     return q4, k, v, np.full(b, n_kv, np.int32), kw, rows_kw
 
 
-def test_query_rows_are_causal_rows(cl_device):
+# Every decode kernel takes QUERY_ROWS: decode_cpu.cl at 4-key tiles, decode.cl at small tiles
+# (several row slots and head tiles: the scores through local memory), decode.cl with the
+# defaults, and decode_mma.cl (fp16 and DV 64: its warp instructions emulated); the tiles, the MMA
+# emulation, the dtype and the head dim
+QUERY_ROWS_KERNELS = {"rows": ({"VARIANT": "rows", "BLOCK_N": 4, "VEC": 8, "MERGE_WG": 16}, None, np.float32, 32),
+                      "lanes": ({"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 16}, None, np.float32, 32),
+                      "lanes-default": (None, None, np.float32, 32),
+                      "mma": (None, "emulate", np.float16, 64)}
+
+
+def _run_rows(device, kernel, q3, k, v, lens, splits, kw, n_q):
+    params, tensor_cores = QUERY_ROWS_KERNELS[kernel][:2]
+    return run_variants(device, q3, k, v, None, lens, splits, kw, params=params, tensor_cores=tensor_cores,
+                        layout="lanes" if params is None and tensor_cores is None else None, query_rows=n_q)
+
+
+@pytest.mark.parametrize("kernel", list(QUERY_ROWS_KERNELS))
+def test_query_rows_are_causal_rows(cl_device, kernel):
     """DecodeVariants.query_rows (prefill's few-row route): head h is causal row h % N_q at the
     sequence's end, single pass and split-k (splits that only some rows see); contexts longer,
     equal to and shorter than N_q (rows that see no key)."""
     rng = np.random.default_rng(35)
+    dtype, d = QUERY_ROWS_KERNELS[kernel][2:]
     for n_q, n_kv in ((3, 21), (5, 5), (6, 4)):
-        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv, dtype, d)
         q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
         for splits in (1, 3, 16):
-            got = run_variants(cl_device, q3, k, v, None, lens, splits, rows_kw, layout="rows", query_rows=n_q)
-            check_query_rows(got, q4, k, v, kw, f"n_q={n_q} n_kv={n_kv} splits={splits}")
+            got = _run_rows(cl_device, kernel, q3, k, v, lens, splits, rows_kw, n_q)
+            check_query_rows(got, q4, k, v, kw, f"{kernel} n_q={n_q} n_kv={n_kv} splits={splits}")
     # the last key, which only the last row sees, holds inf and NaN: no other row reads it
     kp, vp = k.copy(), v.copy()
     kp[:, :, -1], vp[:, :, -1] = np.nan, np.inf
-    out, _ = run_variants(cl_device, q3, kp, vp, None, lens, 3, rows_kw, layout="rows", query_rows=q4.shape[2])
+    out, _ = _run_rows(cl_device, kernel, q3, kp, vp, lens, 3, rows_kw, q4.shape[2])
     ref = reference.attention(q4, k, v, causal=True, **kw)
-    assert_close(out.reshape(ref.shape)[:, :, :-1], ref[:, :, :-1], "float32", "hidden inf/NaN")
+    assert_close(out.reshape(ref.shape)[:, :, :-1], ref[:, :, :-1], dtype.__name__, f"{kernel}: hidden inf/NaN")
+    assert not np.isfinite(out.reshape(ref.shape)[:, :, -1]).any(), f"{kernel}: the last row sees the inf"
 
 
-def test_query_rows_with_a_window_and_alibi(cl_device):
+@pytest.mark.parametrize("kernel", list(QUERY_ROWS_KERNELS))
+def test_query_rows_with_a_window_and_alibi(cl_device, kernel):
     """QUERY_ROWS with a window and ALiBi: each row's window and distances from its own position,
     windows of 0, 1, around a 4-key tile and past the context, contexts shorter than N_q, split-k
     and splits that only some rows see; keys left of the first row's window hold NaN / inf, and
     the one key only the first row sees holds them for the other rows."""
     rng = np.random.default_rng(36)
-    params = {"VARIANT": "rows", "BLOCK_N": 4, "VEC": 8, "MERGE_WG": 16}
+    dtype, d = QUERY_ROWS_KERNELS[kernel][2:]
     for n_q, n_kv in ((3, 21), (5, 5), (6, 4), (16, 40)):
-        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv, dtype, d)
         q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
         slopes = rng.uniform(0.05, 0.5, (q4.shape[0], q4.shape[1])).astype(np.float32)
         for left in (0, 1, 3, 4, 5, 9, 100):
@@ -407,21 +426,20 @@ def test_query_rows_with_a_window_and_alibi(cl_device):
                 if "alibi_slopes" in extra:
                     var_kw["alibi_slopes"] = np.repeat(slopes, n_q, axis=-1)
                 for splits in (1, 3, 16):
-                    got = run_variants(cl_device, q3, kp, vp, None, lens, splits, var_kw, params=params,
-                                       query_rows=n_q)
-                    check_query_rows(got, q4, k, v, ref_kw, f"n_q={n_q} n_kv={n_kv} left={left} "
+                    got = _run_rows(cl_device, kernel, q3, kp, vp, lens, splits, var_kw, n_q)
+                    check_query_rows(got, q4, k, v, ref_kw, f"{kernel} n_q={n_q} n_kv={n_kv} left={left} "
                                                             f"{sorted(extra)} splits={splits}")
     # the key only row 0 sees (its window's first) holds NaN / inf: every other row is untouched
     n_q, n_kv, left = 4, 30, 6
-    q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv)
+    q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv, dtype, d)
     q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
     kp, vp = k.copy(), v.copy()
     kp[:, :, n_kv - n_q - left], vp[:, :, n_kv - n_q - left] = np.nan, np.inf
     for splits in (1, 3):
-        out, _ = run_variants(cl_device, q3, kp, vp, None, lens, splits, {**rows_kw, "window": (left, 0)},
-                              params=params, query_rows=n_q)
+        out, _ = _run_rows(cl_device, kernel, q3, kp, vp, lens, splits, {**rows_kw, "window": (left, 0)}, n_q)
         ref = reference.attention(q4, k, v, causal=True, window=(left, 0), **kw)
-        assert_close(out.reshape(ref.shape)[:, :, 1:], ref[:, :, 1:], "float32", f"row 0's key, {splits} splits")
+        assert_close(out.reshape(ref.shape)[:, :, 1:], ref[:, :, 1:], dtype.__name__, f"{kernel}: row 0's key, "
+                                                                                      f"{splits} splits")
 
 
 # --------------------------------------------------------------------------- Oclgrind
@@ -453,19 +471,18 @@ def _oclgrind_worker(layout: str) -> None:
         got = run_variants("oclgrind", q, k, v, None, lens, splits, kw, params=OCLGRIND_PARAMS[layout],
                            key_start=starts)
         check_key_start(got, q, k, v, lens, starts, kw, f"oclgrind {layout} key_start splits={splits}")
-    if layout == "rows":  # QUERY_ROWS is decode_cpu.cl's
-        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng)
-        q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
-        slopes = rng.uniform(0.05, 0.5, q4.shape[:2]).astype(np.float32)
-        extra = {"window": (5, 0), "alibi_slopes": slopes}
-        rows_extra = {**extra, "alibi_slopes": np.repeat(slopes, q4.shape[2], axis=-1)}
-        for splits in (1, 3):
-            got = run_variants("oclgrind", q3, k, v, None, lens, splits, rows_kw, params=OCLGRIND_PARAMS[layout],
-                               query_rows=q4.shape[2])
-            check_query_rows(got, q4, k, v, kw, f"oclgrind query_rows splits={splits}")
-            got = run_variants("oclgrind", q3, k, v, None, lens, splits, {**rows_kw, **rows_extra},
-                               params=OCLGRIND_PARAMS[layout], query_rows=q4.shape[2])
-            check_query_rows(got, q4, k, v, {**kw, **extra}, f"oclgrind query_rows window alibi splits={splits}")
+    q4, k, v, lens, kw, rows_kw = _query_rows_case(rng)
+    q3 = np.ascontiguousarray(q4.reshape(q4.shape[0], -1, q4.shape[3]))
+    slopes = rng.uniform(0.05, 0.5, q4.shape[:2]).astype(np.float32)
+    extra = {"window": (5, 0), "alibi_slopes": slopes}
+    rows_extra = {**extra, "alibi_slopes": np.repeat(slopes, q4.shape[2], axis=-1)}
+    for splits in (1, 3):
+        got = run_variants("oclgrind", q3, k, v, None, lens, splits, rows_kw, params=OCLGRIND_PARAMS[layout],
+                           query_rows=q4.shape[2])
+        check_query_rows(got, q4, k, v, kw, f"oclgrind query_rows splits={splits}")
+        got = run_variants("oclgrind", q3, k, v, None, lens, splits, {**rows_kw, **rows_extra},
+                           params=OCLGRIND_PARAMS[layout], query_rows=q4.shape[2])
+        check_query_rows(got, q4, k, v, {**kw, **extra}, f"oclgrind query_rows window alibi splits={splits}")
     print("OCLGRIND-CASE-OK")
 
 

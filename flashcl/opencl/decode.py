@@ -327,7 +327,7 @@ class DecodeVariants:
     # prefill's route for one left-padded row): numpy, or a pyopencl Array
     key_start: np.ndarray | None = None
     # > 1: head h is causal query row h % query_rows of the sequence's last positions (prefill's
-    # few-row route on CPUs, opencl.prefill._prefill_rows_as_decode; decode_cpu.cl only)
+    # few-row route, opencl.prefill._prefill_rows_as_decode; every decode kernel)
     query_rows: int = 1
 
     @classmethod

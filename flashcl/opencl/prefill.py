@@ -408,33 +408,40 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
     return np.ascontiguousarray(np.broadcast_to(start[:, 0], (b,)), dtype=np.int32)
 
 
-# The most query rows a CPU prefill runs as a decode (each K/V row read once for all of them), and
-# the most rows of one KV head's group it then keeps in registers (its GQA group x N_q)
+# The most query rows a prefill runs as a decode (each K/V row read once for all of them), and the
+# most rows of one KV head's group it then takes (its GQA group x N_q): on a CPU what decode_cpu.cl
+# keeps in registers as measured; on a GPU four of decode_mma.cl's 16-row work-groups
 DECODE_ROWS = 16
-DECODE_GROUP_ROWS = 48
+DECODE_GROUP_ROWS = {"cpu": 48, "gpu": 64}
 
 
-def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, is_cl: bool, params, k, v,
-                    variants) -> bool:
+def decode_group_rows(handle: DeviceHandle) -> int:
+    """The most rows of a KV head's group a prefill runs as a decode on this device."""
+    return DECODE_GROUP_ROWS["cpu" if handle.is_cpu else "gpu"]
+
+
+def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, params, k, v, variants) -> bool:
     """Whether a prefill of few query rows may run as flashcl's decode (_prefill_rows_as_decode):
-    on a CPU, decode_cpu.cl streams a KV head's rows once for its whole group, every query row of
-    it, with the head dim in vectors, where the rows layout stages each tile through local memory
-    for each query head (docs/notes/pocl-prefill.md). One row takes every variant; more rows a
-    window or ALiBi only when causal (each row at its own position), and only where the decode
-    runs decode_cpu.cl (whose QUERY_ROWS makes them causal rows), with head dims up to 128. A
-    mask only as a left padding (mask_key_start, checked by the caller). Host arrays, the tiles
-    chosen by flashcl, quantized K/V only as 4-D caches."""
-    if not (handle.is_cpu and not is_cl and params is None
-            and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
+    the decode kernels stream a KV head's rows once for its whole group, every query row of it,
+    split over the keys, where the prefill kernels give each query head's few rows one work-group
+    that streams every key alone (docs/notes/pocl-prefill.md; on GPUs
+    docs/notes/opencl-decode-nvidia.md, "Few query rows as a decode"). One row takes every
+    variant; more rows a window or ALiBi only when causal (QUERY_ROWS puts each row at its own
+    position), with head dims up to 128; on a CPU only where the decode runs decode_cpu.cl. A mask
+    only as a left padding (mask_key_start, checked by the caller). The tiles chosen by flashcl,
+    quantized K/V only as 4-D caches."""
+    if not (params is None and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
     if prob.n_q == 1:
         return True
-    if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS
+    if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > decode_group_rows(handle)
             or max(prob.dk, prob.dv) > 128):  # the rows' q and accumulators as measured
         return False
     if variants is not None and not prob.causal and (variants.window is not None
                                                      or variants.alibi_slopes is not None):
         return False
+    if not handle.is_cpu:
+        return True
     from . import decode as cl_decode
 
     rows = cl_decode.DecodeProblem(prob.b, prob.h_q * prob.n_q, prob.h_kv, prob.dk, prob.dv, False, prob.dtype,
@@ -456,10 +463,10 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
     geo = {"B": b, "H_q": h_q * n_q, "H_kv": h_kv, "DK": dk, "DV": dv, "paged": False, "block_size": None,
            "num_blocks": None, "N_max": n_kv}
-    k4 = k if rank == 4 else k[None]
-    v4 = k4 if v is k else v if rank == 4 else v[None]  # one array, one buffer (two over it: undefined)
+    k4 = k if rank == 4 else k.reshape(1, *k.shape)
+    v4 = k4 if v is k else v if rank == 4 else v.reshape(1, *v.shape)  # one array, one buffer
     q3 = q.reshape(b, h_q * n_q, dk)
-    if any(_overlap(q, x) for x in (k, v)):  # a view of q is a second buffer over K/V's memory
+    if not isinstance(q, cla.Array) and any(_overlap(q, x) for x in (k, v)):  # a second buffer over K/V's memory
         q3 = q3.copy() if isinstance(q3, np.ndarray) else q3.clone()
     if variants is not None:
         per_row = {name: None if x is None else np.repeat(np.asarray(x, np.float32), n_q, axis=-1)
@@ -534,7 +541,9 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "v": b * h_kv * n_kv * row_bytes(v_fmt, dv, dtype), "out": nbytes((b, h_q, n_q, dv), dtype),
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
-    if _runs_as_decode(handle, prob, rank, is_cl, params, k, v, variants):
+    # device arrays: q, and rank-3 K/V, viewed with new shapes (a view only where contiguous)
+    views = not is_cl or all(x.flags.c_contiguous for x in (q, *((k, v) if rank == 3 else ())))
+    if views and _runs_as_decode(handle, prob, rank, params, k, v, variants):
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b, causal=causal, window=variants.window)
         if mask is None or starts is not None:

@@ -1,0 +1,105 @@
+"""flashcl.prefill of few query rows against a long cache on an OpenCL GPU (speculative
+verification, a chunk through a cache), next to flashcl.decode of one row, inputs in device memory.
+
+    python benchmarks/opencl_short_queries.py --device 0:0 [--n-kv 32768] [--window LEFT] [--rounds 5]
+
+(1, 32/8, N_q, N_kv, 128), fp16 (``--dtype float32`` for decode.cl's path on NVIDIA), causal.
+Two times a call, medians over the rounds (the cases interleaved in each): "wall", ``--calls``
+calls back to back then the queue's finish, host and device overlapping as an application's loop
+overlaps them; "device", from the first kernel's start to the last one's end (OpenCL profiling
+events of the launches the call makes, recorded around flashcl's launch function), each call
+waited for alone. Run it from two trees (PYTHONPATH) to compare them;
+docs/notes/opencl-decode-nvidia.md cites it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import pyopencl.array as cla
+
+import flashcl
+from flashcl.opencl.runtime import get_device
+
+H_Q, H_KV, D = 32, 8, 128
+ROWS = (1, 2, 4, 8, 16)
+
+
+def record_launches() -> list:
+    """The events of every kernel flashcl enqueues from now on (appended to the list returned)."""
+    from flashcl.opencl import decode as cl_decode
+    from flashcl.opencl import runtime
+
+    events, real = [], runtime.launch_sequence
+
+    def recording(*args, **kw):
+        evs = real(*args, **kw)
+        events.extend(evs)
+        return evs
+
+    runtime.launch_sequence = cl_decode.launch_sequence = recording
+    return events
+
+
+def device_ms(call, events: list, calls: int) -> float:
+    spans = []
+    for _ in range(calls):
+        events.clear()
+        call()
+        events[-1].wait()
+        spans.append((events[-1].profile.end - events[0].profile.start) * 1e-6)
+    return statistics.median(spans)
+
+
+def per_call_ms(call, queue, calls: int) -> float:
+    queue.finish()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    queue.finish()
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="0:0")
+    ap.add_argument("--n-kv", type=int, default=32768)
+    ap.add_argument("--dtype", default="float16", choices=("float16", "float32"))
+    ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    queue = get_device(args.device).queue
+    rng = np.random.default_rng(0)
+    n_kv, dt = args.n_kv, np.dtype(args.dtype)
+    k, v = (cla.to_device(queue, rng.standard_normal((1, H_KV, n_kv, D)).astype(dt)) for _ in range(2))
+    kw = {"window": (args.window, 0)} if args.window is not None else {}
+    cases = {}
+    for n_q in ROWS:
+        q = cla.to_device(queue, rng.standard_normal((1, H_Q, n_q, D)).astype(dt))
+        cases[f"prefill N_q={n_q}"] = lambda q=q: flashcl.prefill(q, k, v, causal=True, **kw)
+    # decode of the last row: the same cache as a contiguous (B, H_kv, N_max, D) one
+    q1 = cla.to_device(queue, rng.standard_normal((1, H_Q, D)).astype(dt))
+    lens = cla.to_device(queue, np.array([n_kv], np.int32))
+    cases["decode, one row"] = lambda: flashcl.decode(q1, k, v, context_lens=lens, **kw)
+    events = record_launches()
+    for call in cases.values():  # builds, first launches
+        call()
+    wall, device = ({name: [] for name in cases} for _ in range(2))
+    for _ in range(args.rounds):
+        for name, call in cases.items():
+            wall[name].append(per_call_ms(call, queue, args.calls))
+            device[name].append(device_ms(call, events, args.calls))
+    print(f"# {queue.device.name}; (1, {H_Q}/{H_KV}, N_q, {n_kv}, {D}) {args.dtype} causal"
+          f"{' window ' + str(kw['window']) if kw else ''}; ms a call, median of {args.rounds} rounds [min-max]")
+    for name in cases:
+        w, d = wall[name], device[name]
+        print(f"{name:>18}: wall {statistics.median(w):.4f} [{min(w):.4f}-{max(w):.4f}]  "
+              f"device {statistics.median(d):.4f} [{min(d):.4f}-{max(d):.4f}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,10 +2,11 @@
 small chunks), next to flashcl.decode of one row and torch's SDPA with the bottom-right causal
 mask; CPU devices have their own run of this in short_queries.py.
 
-    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT]
+    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT] [--kv-format FMT]
 
 fp16, contiguous (1, 32/8, N_q, N_kv, 128), N_kv 4k and 32k, N_q 1, 2, 4, 8 and 16, causal
-(with ``--window``, a window (LEFT, 0) on flashcl's rows and in SDPA's mask). Device
+(with ``--window``, a window (LEFT, 0) on flashcl's rows and in SDPA's mask; with
+``--kv-format``, flashcl reads the cache quantized, SDPA the fp16 one). Device
 microseconds a call (CUDA-graph replay, inputs rotated past L2, interleaved rounds: the median,
 and the least and most round), then the host's microseconds a call (eager, no synchronize: the
 least of 5 rounds of 100 calls).
@@ -36,25 +37,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
+    ap.add_argument("--kv-format", default=None, choices=("q8_0", "q4_0", "int8", "fp8_e4m3"),
+                    help="flashcl's K/V quantized to this format")
     args = ap.parse_args()
     window = None if args.window is None else (args.window, 0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
-    print(torch.cuda.get_device_name(), f"torch {torch.__version__}", f"window {window}")
+    fmt = args.kv_format
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}", f"window {window}", f"K/V {fmt or 'fp16'}")
     for n_kv in (4096, 32768):
         sets = [{"k": rand(B, H_KV, n_kv, D), "v": rand(B, H_KV, n_kv, D)}
                 for _ in range(rotation_count(2 * B * H_KV * n_kv * D * 2))]
+        for x in sets:  # flashcl's K/V ("fk", "fv"): as stored; SDPA's: their values in fp16
+            x["fk"], x["fv"] = x["k"], x["v"]
+            if fmt:
+                x["fk"], x["fv"] = (flashcl.quantize(x[n], fmt) for n in ("k", "v"))
+                x["k"], x["v"] = (flashcl.dequantize(x[n]).to(torch.float16) for n in ("fk", "fv"))
         for n_q in (1, 2, 4, 8, 16):
             for x in sets:
                 x["q"] = rand(B, H_Q, n_q, D)
             mask = bottom_right_mask(n_q, n_kv, args.window)
             calls = {
-                "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["k"], x["v"], causal=True, window=window),
+                "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["fk"], x["fv"], causal=True, window=window),
                 "SDPA, mask": lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=mask,
                                                                        enable_gqa=True),
             }
             if n_q == 1:
-                calls["flashcl.decode"] = lambda x: flashcl.decode(x["q"][:, :, 0], x["k"], x["v"], window=window)
+                calls["flashcl.decode"] = lambda x: flashcl.decode(x["q"][:, :, 0], x["fk"], x["fv"], window=window)
             want = calls["SDPA, mask"](sets[0]).float()
             got = calls["flashcl.prefill"](sets[0]).float()
             assert (got - want).abs().max().item() < 2e-2, (n_kv, n_q)

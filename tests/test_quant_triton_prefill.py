@@ -92,10 +92,11 @@ def _np(x):
 
 def _check(q, k, v, *, causal, device, params=None, **variants):
     """flashcl.prefill (backend triton, return_lse) against the oracle on the same caches: out per
-    32-column block of V within TOLERANCE of q's dtype, lse within LSE_TOL. Returns (out, lse)."""
+    32-column block of V within TOLERANCE of q's dtype, lse within LSE_TOL. Returns (out, lse).
+    ``params`` "flashcl": flashcl's own choice (its routes too), None: the forced test tile."""
     dtype_name = str(q.dtype).split(".")[-1]
     out, lse = flashcl.prefill(q, k, v, causal=causal, backend="triton", return_lse=True,
-                               params=params or forced_params(device), **variants)
+                               params=None if params == "flashcl" else params or forced_params(device), **variants)
     ref, ref_lse = reference.attention(_np(q), _np(k), _np(v), causal=causal, return_lse=True,
                                        **{n: _np(x) for n, x in variants.items()})
     got, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
@@ -125,6 +126,25 @@ def _case(device, dtype, k_fmt, v_fmt, *, b=2, h_q=4, h_kv=2, n_q=21, n_kv=37, d
 
 
 # --------------------------------------------------------------------------- formats
+
+@pytest.mark.parametrize("k_fmt, v_fmt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("int8", "int8"),
+                                          ("fp8_e4m3", "fp8_e4m3"), ("q4_0", None), (None, "int8")],
+                         ids=lambda f: str(f))
+def test_few_query_rows_run_as_decode(triton_device, monkeypatch, k_fmt, v_fmt):
+    """A prefill of few query rows over quantized caches runs as the decode of its rows as heads
+    (prefill._rows_as_decode, QUERY_ROWS; q4_0 read by the byte gather, stored order being one
+    row's): causal with N_q < N_kv, and with a window and ALiBi, the poisoned rows past N_kv
+    unread; against the oracle on the caches' values."""
+    routed = []
+    real = tp._rows_as_decode
+    monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a, **kw: routed.append(q.shape) or real(q, *a, **kw))
+    q, k, v = _case(triton_device, torch.float16, k_fmt, v_fmt, n_q=5, dv=64)
+    slopes = torch.rand(2, 4, generator=_gen("slopes", k_fmt, v_fmt)).to(triton_device) * 0.4 + 0.05
+    for kw in (dict(), dict(window=(7, 0), alibi_slopes=slopes)):
+        routed.clear()
+        _check(q, k, v, causal=True, device=triton_device, params="flashcl", **kw)
+        assert routed == [q.shape], (sorted(kw), routed)
+
 
 PAIRS = [(f, f) for f in FORMATS] + [("q8_0", "int8"), (None, "q4_0"), ("int8", None), ("fp8_e4m3", "q8_0"),
                                      ("q4_0", "fp8_e4m3")]

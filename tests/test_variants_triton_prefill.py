@@ -480,7 +480,7 @@ def test_few_query_rows_run_as_decode(triton_device, monkeypatch, name, dtype_na
     when N_kv < N_q, sinks once per row; against the oracle and plain attention in the dtype."""
     routed = []
     real = tp._rows_as_decode
-    monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a: routed.append(q.shape) or real(q, *a))
+    monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a, **kw: routed.append(q.shape) or real(q, *a, **kw))
     dtype = DTYPES[dtype_name]
     for i, (b, h_q, h_kv, n_q, n_kv, d) in enumerate(ROW_CASES):
         q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, dtype, triton_device, _seed(name, i))
@@ -528,10 +528,10 @@ def test_few_query_rows_hide_nonfinite_kv(triton_device):
 
 
 def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch):
-    """A mask, a window or ALiBi on several rows that are not causal, explicit tiles, a quantized
-    cache, 17 rows or more than 64 rows per KV head run the prefill kernel."""
+    """A mask, a window or ALiBi on several rows that are not causal, explicit tiles, 17 rows or
+    more than 64 rows per KV head run the prefill kernel."""
     routed = []
-    monkeypatch.setattr(tp, "_rows_as_decode", lambda *a: routed.append(a) or None)
+    monkeypatch.setattr(tp, "_rows_as_decode", lambda *a, **kw: routed.append(a) or None)
     q, k, v = _inputs(1, 8, 2, 4, 40, 32, 32, torch.float32, triton_device, 78)
     mask = torch.ones(1, 1, 4, 40, dtype=torch.bool, device=triton_device)
     mask[..., :5] = False
@@ -540,8 +540,6 @@ def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch)
              dict(causal=True, params=forced_params(triton_device))]
     for kw in calls:
         flashcl.prefill(q, k, v, backend="triton", **kw)
-    qk = flashcl.quantize(k, "int8")
-    flashcl.prefill(q, qk, v, causal=True, backend="triton")
     for n_q, h_q in ((17, 2), (9, 16)):  # 17 rows; 8 x 9 = 72 rows per KV head
         q2, k2, v2 = _inputs(1, h_q, 2, n_q, 40, 32, 32, torch.float32, triton_device, 79)
         flashcl.prefill(q2, k2, v2, causal=True, backend="triton")

@@ -975,7 +975,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
     quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm}
-    if (plan.config["ggml_stored"] and ggml_stored.takes(k_cache, k_format, dk)
+    # q4_0 in stored order stacks the group's rows per block: one query row each (no QUERY_ROWS)
+    if (plan.config["ggml_stored"] and query_rows == 1 and ggml_stored.takes(k_cache, k_format, dk)
             and ggml_stored.takes(v_cache, v_format, dv) and ggml_stored.fits(group, dk, dv)):
         block_g = ggml_stored.group_rows(group, dk, dv)
         quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk), TAIL_V=ggml_stored.tail_positions(dv),

@@ -1272,8 +1272,9 @@ def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if any(x is not None for x in (window, softcap, sinks, alibi_slopes, mask)):
         variants = Variants(None if window is None else tuple(window), softcap, sinks, alibi_slopes, mask)
     with on_device_of(q):
-        if params is None and _runs_as_decode(q, k, causal, variants, (k_format, v_format)):
-            out, lse = _rows_as_decode(q, k, v, causal, scale, variants)
+        if params is None and _runs_as_decode(q, k, causal, variants):
+            out, lse = _rows_as_decode(q, k, v, causal, scale, variants, k_format=k_format, v_format=v_format,
+                                       k_scales=k_scales, v_scales=v_scales)
         else:
             out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
                                v_format=v_format, k_scales=k_scales, v_scales=v_scales)
@@ -1286,15 +1287,16 @@ DECODE_ROWS = 16
 DECODE_GROUP_ROWS = 64
 
 
-def _runs_as_decode(q, k, causal: bool, variants, formats: tuple) -> bool:
+def _runs_as_decode(q, k, causal: bool, variants) -> bool:
     """Whether a prefill of few query rows runs as the decode of the same keys (_rows_as_decode):
     the prefill kernel's programs each take one query head's rows over all of N_kv (32 programs
     at (1, 32/8)), where the decode splits the keys over the device and reads each K/V row once
-    for a KV head's whole group of rows (docs/notes/triton-prefill.md). Plain K/V, no mask; a
-    window or ALiBi on more than one row only when causal (QUERY_ROWS: each row's position)."""
+    for a KV head's whole group of rows (docs/notes/triton-prefill.md). Plain or quantized K/V,
+    no mask; a window or ALiBi on more than one row only when causal (QUERY_ROWS: each row's
+    position)."""
     b, h_q, n_q, _ = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
-    if any(formats) or not 1 <= n_q <= DECODE_ROWS or h_q // h_kv * n_q > DECODE_GROUP_ROWS or n_kv == 0:
+    if not 1 <= n_q <= DECODE_ROWS or h_q // h_kv * n_q > DECODE_GROUP_ROWS or n_kv == 0:
         return False
     if variants is None:
         return True
@@ -1302,12 +1304,13 @@ def _runs_as_decode(q, k, causal: bool, variants, formats: tuple) -> bool:
     return variants.mask is None and (causal or n_q == 1 or not positional)
 
 
-def _rows_as_decode(q, k, v, causal: bool, scale: float, variants):
+def _rows_as_decode(q, k, v, causal: bool, scale: float, variants, *, k_format: str = "", v_format: str = "",
+                    k_scales=None, v_scales=None):
     """prefill of q (B, H_q, N_q, DK) as the decode of (B, H_q N_q, DK) over K/V as a contiguous
-    cache: each query head's rows are heads of its KV head's group, causal rows through the
-    kernel's QUERY_ROWS (row i at N_kv - N_q + i, prefill's bottom-right causal), the sinks and
-    ALiBi slopes repeated per row. Rows that are not causal all see every key (one row at
-    N_kv - 1 is either)."""
+    cache (quantized ones as the op takes them: data, format, scales): each query head's rows are
+    heads of its KV head's group, causal rows through the kernel's QUERY_ROWS (row i at
+    N_kv - N_q + i, prefill's bottom-right causal), the sinks and ALiBi slopes repeated per row.
+    Rows that are not causal all see every key (one row at N_kv - 1 is either)."""
     from . import decode as triton_decode
 
     b, h_q, n_q, dk = q.shape
@@ -1317,7 +1320,8 @@ def _rows_as_decode(q, k, v, causal: bool, scale: float, variants):
         per_row = {name: None if x is None else x.repeat_interleave(n_q, dim=-1)
                    for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
         var = triton_decode.op_variants(replace(variants, mask=None, **per_row), rows)
-    out, lse = triton_decode._launch(rows, k, v, None, None, scale, 0,
+    out, lse = triton_decode._launch(rows, k, v, None, None, scale, 0, k_format=k_format, v_format=v_format,
+                                     k_scales=k_scales, v_scales=v_scales,
                                      query_rows=n_q if causal and n_q > 1 else 1, **var)
     return out.view(b, h_q, n_q, out.shape[-1]), lse.view(b, h_q, n_q)
 

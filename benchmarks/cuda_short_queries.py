@@ -2,11 +2,12 @@
 small chunks), next to flashcl.decode of one row and torch's SDPA with the bottom-right causal
 mask; CPU devices have their own run of this in short_queries.py.
 
-    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT] [--kv-format FMT]
+    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT] [--kv-format FMT] [--padding P]
 
 fp16, contiguous (1, 32/8, N_q, N_kv, 128), N_kv 4k and 32k, N_q 1, 2, 4, 8 and 16, causal
 (with ``--window``, a window (LEFT, 0) on flashcl's rows and in SDPA's mask; with
-``--kv-format``, flashcl reads the cache quantized, SDPA the fp16 one). Device
+``--kv-format``, flashcl reads the cache quantized, SDPA the fp16 one; with ``--padding``, a
+bool mask hides the first P keys, a left-padded sequence's, from flashcl and SDPA). Device
 microseconds a call (CUDA-graph replay, inputs rotated past L2, interleaved rounds: the median,
 and the least and most round), then the host's microseconds a call (eager, no synchronize: the
 least of 5 rounds of 100 calls).
@@ -33,12 +34,18 @@ def bottom_right_mask(n_q: int, n_kv: int, window: int | None) -> torch.Tensor:
     return torch.from_numpy(seen).to("cuda")
 
 
+def padding_mask(n_q: int, n_kv: int, padding: int) -> torch.Tensor:
+    """(1, 1, n_q, n_kv) bool: the first ``padding`` keys hidden from every row."""
+    return (torch.arange(n_kv, device="cuda") >= padding).expand(1, 1, n_q, n_kv).contiguous()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
     ap.add_argument("--kv-format", default=None, choices=("q8_0", "q4_0", "int8", "fp8_e4m3"),
                     help="flashcl's K/V quantized to this format")
+    ap.add_argument("--padding", type=int, default=None, help="a bool mask hides the first P keys")
     args = ap.parse_args()
     window = None if args.window is None else (args.window, 0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -57,13 +64,19 @@ def main() -> None:
             for x in sets:
                 x["q"] = rand(B, H_Q, n_q, D)
             mask = bottom_right_mask(n_q, n_kv, args.window)
+            pad = None if args.padding is None else padding_mask(n_q, n_kv, args.padding)
+            if pad is not None:
+                mask = mask & pad
             calls = {
-                "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["fk"], x["fv"], causal=True, window=window),
+                "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["fk"], x["fv"], causal=True, window=window,
+                                                             mask=pad),
                 "SDPA, mask": lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=mask,
                                                                        enable_gqa=True),
             }
             if n_q == 1:
-                calls["flashcl.decode"] = lambda x: flashcl.decode(x["q"][:, :, 0], x["fk"], x["fv"], window=window)
+                starts = None if pad is None else torch.tensor([args.padding], dtype=torch.int32, device="cuda")
+                calls["flashcl.decode"] = lambda x: flashcl.decode(x["q"][:, :, 0], x["fk"], x["fv"], window=window,
+                                                                   key_start=starts)
             want = calls["SDPA, mask"](sets[0]).float()
             got = calls["flashcl.prefill"](sets[0]).float()
             assert (got - want).abs().max().item() < 2e-2, (n_kv, n_q)

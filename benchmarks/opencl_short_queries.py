@@ -3,7 +3,8 @@ verification, a chunk through a cache), next to flashcl.decode of one row, input
 
     python benchmarks/opencl_short_queries.py --device 0:0 [--n-kv 32768] [--window LEFT] [--rounds 5]
 
-(1, 32/8, N_q, N_kv, 128), fp16 (``--dtype float32`` for decode.cl's path on NVIDIA), causal.
+(1, 32/8, N_q, N_kv, 128) (``--head-dim 256``: Gemma's), fp16 (``--dtype float32`` for
+decode.cl's path on NVIDIA), causal.
 Two times a call, medians over the rounds (the cases interleaved in each): "wall", ``--calls``
 calls back to back then the queue's finish, host and device overlapping as an application's loop
 overlaps them; "device", from the first kernel's start to the last one's end (OpenCL profiling
@@ -24,7 +25,7 @@ import pyopencl.array as cla
 import flashcl
 from flashcl.opencl.runtime import get_device
 
-H_Q, H_KV, D = 32, 8, 128
+H_Q, H_KV = 32, 8
 ROWS = (1, 2, 4, 8, 16)
 
 
@@ -67,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="0:0")
     ap.add_argument("--n-kv", type=int, default=32768)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
     ap.add_argument("--rounds", type=int, default=5)
@@ -74,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     queue = get_device(args.device).queue
     rng = np.random.default_rng(0)
-    n_kv, dt = args.n_kv, np.dtype(args.dtype)
+    n_kv, dt, D = args.n_kv, np.dtype(args.dtype), args.head_dim
     k, v = (cla.to_device(queue, rng.standard_normal((1, H_KV, n_kv, D)).astype(dt)) for _ in range(2))
     kw = {"window": (args.window, 0)} if args.window is not None else {}
     cases = {}

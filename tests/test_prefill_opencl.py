@@ -309,10 +309,13 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
                         lambda *a, **kw: routes.append(kw["shapes"][0][2]) or real(*a, **kw))
     rng = np.random.default_rng(11)
     sinks = rng.standard_normal(8).astype(np.float32)
-    group_rows = cl_prefill.decode_group_rows(get_device(cl_device))
+    handle = get_device(cl_device)
+    group_rows = cl_prefill.decode_group_rows(handle)
+    head_dim = cl_prefill.DECODE_HEAD_DIM["cpu" if handle.is_cpu else "gpu"]
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
                                             (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32),
-                                            (1, 8, 2, 16, 70, 64, 64)]:  # 64 rows a KV head: GPUs only
+                                            (1, 8, 2, 16, 70, 64, 64),  # 64 rows a KV head: GPUs only
+                                            (1, 4, 2, 3, 40, 256, 256)]:  # GPUs only
         q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype)
         slopes = rng.uniform(0.05, 0.5, (b, h_q)).astype(np.float32)
         for kw in (dict(causal=True), dict(), dict(causal=True, softcap=5.0, sinks=sinks[:h_q]),
@@ -321,7 +324,8 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
             routes.clear()
             out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cl_device, **kw)
             ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
-            assert routes == ([n_q] if h_q // h_kv * n_q <= group_rows else []), (n_q, sorted(kw), routes)
+            takes = h_q // h_kv * n_q <= group_rows and max(dk, dv) <= head_dim
+            assert routes == ([n_q] if takes else []), (n_q, sorted(kw), routes)
             assert_close(out, ref_out, dtype, f"({b},{h_q}/{h_kv},{n_q},{n_kv}) {sorted(kw)}")
             seen = np.isfinite(ref_lse)
             assert (np.isfinite(lse) == seen).all() and not out[~seen].any()

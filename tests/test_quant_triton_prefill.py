@@ -133,14 +133,16 @@ def _case(device, dtype, k_fmt, v_fmt, *, b=2, h_q=4, h_kv=2, n_q=21, n_kv=37, d
 def test_few_query_rows_run_as_decode(triton_device, monkeypatch, k_fmt, v_fmt):
     """A prefill of few query rows over quantized caches runs as the decode of its rows as heads
     (prefill._rows_as_decode, QUERY_ROWS; q4_0 read by the byte gather, stored order being one
-    row's): causal with N_q < N_kv, and with a window and ALiBi, the poisoned rows past N_kv
-    unread; against the oracle on the caches' values."""
+    row's): causal with N_q < N_kv, with a window and ALiBi, and with a mask of holes, the
+    poisoned rows past N_kv unread; against the oracle on the caches' values."""
     routed = []
     real = tp._rows_as_decode
     monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a, **kw: routed.append(q.shape) or real(q, *a, **kw))
     q, k, v = _case(triton_device, torch.float16, k_fmt, v_fmt, n_q=5, dv=64)
-    slopes = torch.rand(2, 4, generator=_gen("slopes", k_fmt, v_fmt)).to(triton_device) * 0.4 + 0.05
-    for kw in (dict(), dict(window=(7, 0), alibi_slopes=slopes)):
+    gen = _gen("variants", k_fmt, v_fmt)
+    slopes = torch.rand(2, 4, generator=gen).to(triton_device) * 0.4 + 0.05
+    holes = (torch.rand(2, 1, 5, 37, generator=gen) > 0.3).to(triton_device)
+    for kw in (dict(), dict(window=(7, 0), alibi_slopes=slopes), dict(mask=holes)):
         routed.clear()
         _check(q, k, v, causal=True, device=triton_device, params="flashcl", **kw)
         assert routed == [q.shape], (sorted(kw), routed)

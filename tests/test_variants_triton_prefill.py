@@ -459,11 +459,21 @@ ROW_CASES = [  # (b, h_q, h_kv, n_q, n_kv, d): GQA and MHA, N_kv below, at and a
 ]
 
 
-def _rows_variants(name, b, h_q, n_q, device, seed):
+def _rows_variants(name, b, h_q, n_q, n_kv, device, seed):
     g = torch.Generator().manual_seed(seed)
     slopes = (torch.rand(b, h_q, generator=g) * 0.45 + 0.05).to(device)
     sinks = torch.randn(h_q, generator=g).to(device)
+    # a bool mask of holes, per sequence, with one row hidden from every key; an additive one per
+    # head: biases, and -inf at about a quarter of the keys
+    holes = torch.rand(b, 1, n_q, n_kv, generator=g) > 0.3
+    holes[:, :, 0] = n_q == 1  # several rows: the first sees nothing
+    bias = torch.randn(b, h_q, n_q, n_kv, generator=g)
+    bias = torch.where(torch.rand(b, h_q, n_q, n_kv, generator=g) > 0.25, bias, float("-inf"))
     return {"causal": dict(causal=True), "full": dict(causal=False),
+            "mask": dict(causal=True, mask=holes.to(device), sinks=sinks),
+            "mask additive window": dict(causal=True, mask=bias.to(device), window=(3, 0), alibi_slopes=slopes),
+            "full, one row masked": dict(causal=False, mask=holes[:, :, :1].to(device)) if n_q == 1 else
+            dict(causal=True, mask=holes.to(device)),
             "window 0": dict(causal=True, window=(0, 0), sinks=sinks),
             "window 2": dict(causal=True, window=(2, 0)),
             "window alibi softcap": dict(causal=True, window=(n_q + 1, 4), alibi_slopes=slopes, softcap=5.0),
@@ -472,19 +482,20 @@ def _rows_variants(name, b, h_q, n_q, device, seed):
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("name", ["causal", "full", "window 0", "window 2", "window alibi softcap",
-                                  "full sinks softcap"])
+                                  "full sinks softcap", "mask", "mask additive window", "full, one row masked"])
 def test_few_query_rows_run_as_decode(triton_device, monkeypatch, name, dtype_name):
     """1 to 16 query rows (at most 64 rows per KV head) with flashcl's tiles run as the decode of
     the rows as heads (prefill._rows_as_decode; causal rows through QUERY_ROWS): each row's causal
     cut, window and ALiBi distances from its own position, bottom-right, rows that see nothing
-    when N_kv < N_q, sinks once per row; against the oracle and plain attention in the dtype."""
+    when N_kv < N_q or by the mask, sinks once per row, bool and additive masks read per row
+    (one row of a full prefill too); against the oracle and plain attention in the dtype."""
     routed = []
     real = tp._rows_as_decode
     monkeypatch.setattr(tp, "_rows_as_decode", lambda q, *a, **kw: routed.append(q.shape) or real(q, *a, **kw))
     dtype = DTYPES[dtype_name]
     for i, (b, h_q, h_kv, n_q, n_kv, d) in enumerate(ROW_CASES):
         q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, dtype, triton_device, _seed(name, i))
-        kw = _rows_variants(name, b, h_q, n_q, triton_device, _seed(name, i, "v"))
+        kw = _rows_variants(name, b, h_q, n_q, n_kv, triton_device, _seed(name, i, "v"))
         routed.clear()
         out, lse = flashcl.prefill(q, k, v, backend="triton", return_lse=True, **kw)
         assert routed == [q.shape], (name, routed)
@@ -527,6 +538,29 @@ def test_few_query_rows_hide_nonfinite_kv(triton_device):
             assert reference.rel_err(got, ref_out[:, :, rows]) <= reference.TOLERANCE["float32"], (bad, splits)
 
 
+def test_few_query_rows_with_a_mask_hide_nonfinite_kv(triton_device):
+    """Keys a row's mask hides never reach it whatever their K/V hold: a left padding (every row
+    of the sequence) and a key hidden from every row of one sequence, with 1 and 3 splits."""
+    from flashcl.triton import decode as td
+
+    b, h_q, h_kv, n_q, n_kv, d = 2, 8, 2, 4, 45, 32
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 81)
+    mask = torch.ones(b, 1, n_q, n_kv, dtype=torch.bool)
+    mask[1, :, :, :9] = False  # sequence 1 padded by 9 keys
+    mask[0, :, :, 20] = False
+    k_bad, v_bad = k.clone(), v.clone()
+    for i, keys in ((1, slice(0, 9)), (0, slice(20, 21))):
+        k_bad[i, :, keys, ::2], k_bad[i, :, keys, 1::2] = float("nan"), float("inf")
+        v_bad[i, :, keys], v_bad[i, :, keys, 0] = float("inf"), float("nan")
+    ref_out, _ = _oracle(q, k, v, True, d ** -0.5, mask=mask)
+    for splits in (1, 3):
+        out, _ = td._launch(q.reshape(b, h_q * n_q, d), k_bad, v_bad, None, None, d ** -0.5, splits,
+                            query_rows=n_q, row_mask=mask.to(triton_device))
+        got = out.view(b, h_q, n_q, d).double().cpu().numpy()
+        assert np.isfinite(got).all(), splits
+        assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
+
+
 def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch):
     """A mask, a window or ALiBi on several rows that are not causal, explicit tiles, 17 rows or
     more than 64 rows per KV head run the prefill kernel."""
@@ -536,7 +570,7 @@ def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch)
     mask = torch.ones(1, 1, 4, 40, dtype=torch.bool, device=triton_device)
     mask[..., :5] = False
     slopes = torch.full((1, 8), 0.1, device=triton_device)
-    calls = [dict(mask=mask, causal=True), dict(window=(7, 3)), dict(alibi_slopes=slopes),
+    calls = [dict(mask=mask), dict(window=(7, 3)), dict(alibi_slopes=slopes),
              dict(causal=True, params=forced_params(triton_device))]
     for kw in calls:
         flashcl.prefill(q, k, v, backend="triton", **kw)

@@ -409,10 +409,12 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
 
 
 # The most query rows a prefill runs as a decode (each K/V row read once for all of them), and the
-# most rows of one KV head's group it then takes (its GQA group x N_q): on a CPU what decode_cpu.cl
-# keeps in registers as measured; on a GPU four of decode_mma.cl's 16-row work-groups
+# most rows of one KV head's group (its GQA group x N_q) and head dim it then takes: on a CPU what
+# decode_cpu.cl keeps in registers as measured; on a GPU four of decode_mma.cl's 16-row
+# work-groups, and the head dims its decode kernels take
 DECODE_ROWS = 16
 DECODE_GROUP_ROWS = {"cpu": 48, "gpu": 64}
+DECODE_HEAD_DIM = {"cpu": 128, "gpu": 256}
 
 
 def decode_group_rows(handle: DeviceHandle) -> int:
@@ -427,7 +429,8 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
     that streams every key alone (docs/notes/pocl-prefill.md; on GPUs
     docs/notes/opencl-decode-nvidia.md, "Few query rows as a decode"). One row takes every
     variant; more rows a window or ALiBi only when causal (QUERY_ROWS puts each row at its own
-    position), with head dims up to 128; on a CPU only where the decode runs decode_cpu.cl. A mask
+    position), with head dims up to 128 on a CPU (256 on a GPU), there only where the decode runs
+    decode_cpu.cl. A mask
     only as a left padding (mask_key_start, checked by the caller). The tiles chosen by flashcl,
     quantized K/V only as 4-D caches."""
     if not (params is None and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
@@ -435,7 +438,7 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
     if prob.n_q == 1:
         return True
     if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > decode_group_rows(handle)
-            or max(prob.dk, prob.dv) > 128):  # the rows' q and accumulators as measured
+            or max(prob.dk, prob.dv) > DECODE_HEAD_DIM["cpu" if handle.is_cpu else "gpu"]):
         return False
     if variants is not None and not prob.causal and (variants.window is not None
                                                      or variants.alibi_slopes is not None):

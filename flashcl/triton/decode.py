@@ -136,7 +136,7 @@ from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
 @triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks", "window_left"])
 def _decode_kernel(
     Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters, Sinks, Slopes, KeyStart,
-    KScales, VScales, qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
+    RowMask, KScales, VScales, qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
     stride_vblk, stride_vpos, stride_vh, stride_vd,
@@ -145,7 +145,7 @@ def _decode_kernel(
     stride_lseb, stride_lseh,
     stride_pmb, stride_pmh, stride_pms,
     stride_pab, stride_pah, stride_pas, stride_pad,
-    stride_slb,
+    stride_slb, stride_rmb, stride_rmh, stride_rmq, stride_rmk,
     stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -173,6 +173,9 @@ def _decode_kernel(
     # of few rows run as this decode, prefill._rows_as_decode): its own causal cut, window and
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
+    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive;
+    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS
+    ROW_MASK: tl.constexpr = 0,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -183,7 +186,8 @@ def _decode_kernel(
     tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
                      "PAGE_TILES: tiles inside one page")
     tl.static_assert((K_FMT == "" and V_FMT == "") or not MHA_FMA, "quantized K/V: the dot path")
-    tl.static_assert(QUERY_ROWS == 1 or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
+    ROWS_DIFFER: tl.constexpr = QUERY_ROWS > 1 or ROW_MASK != 0  # the group's rows see different keys
+    tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
     tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
@@ -300,6 +304,9 @@ def _decode_kernel(
         if ALIBI:  # the group's slopes, in the log2 domain
             slopes = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + heads, mask=mask_g, other=0.0) * LOG2E
         row_pos = n_ctx - QUERY_ROWS + offs_g % QUERY_ROWS  # each row's position (QUERY_ROWS > 1)
+        if ROW_MASK != 0:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
+            row_mask_base = (RowMask + pid_b.to(tl.int64) * stride_rmb + (heads // QUERY_ROWS) * stride_rmh
+                             + (offs_g % QUERY_ROWS) * stride_rmq)
         for start_n in range(lo, hi, BLOCK_N):
             tok = start_n + offs_n
             valid = tok < hi
@@ -384,10 +391,18 @@ def _decode_kernel(
                 s = score_variants(s, slopes[:, None], dist, softcap_log2, SOFTCAP, ALIBI)
             else:
                 s = score_variants(s, 0.0, 0, softcap_log2, SOFTCAP, ALIBI)
-            if QUERY_ROWS > 1:  # each row's causal cut and window
+            if ROWS_DIFFER:  # each row's causal cut, window and mask
                 seen = valid[None, :] & (tok[None, :] <= row_pos[:, None])
                 if WINDOW:
                     seen = seen & (tok[None, :] >= row_pos[:, None] - window_left)
+                if ROW_MASK != 0:
+                    row_mask = tl.load(row_mask_base[:, None] + tok[None, :] * stride_rmk,
+                                       mask=mask_g[:, None] & valid[None, :], other=0)
+                    if ROW_MASK == 1:
+                        seen = seen & (row_mask != 0)
+                    else:  # additive: -inf hides the key
+                        seen = seen & (row_mask != float("-inf"))
+                        s = s + row_mask * LOG2E
                 s = tl.where(seen, s, float("-inf"))
                 # a row may see no key of a tile yet: shift it by 0, so exp2 gives 0, not NaN
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -872,13 +887,13 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None,
-               query_rows: int = 1) -> DecodeProblem:
+               query_rows: int = 1, row_mask: bool = False) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
     is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
     takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
     of the longest context hides nothing and is off (for every row: none sits past the query).
     ``kv_formats``: K's and V's quantized formats ("" plain), the caches then their data;
-    ``query_rows``: the kernel's QUERY_ROWS."""
+    ``query_rows`` / ``row_mask``: the kernel's QUERY_ROWS / whether a ROW_MASK is on."""
     b, h_q, dk = q.shape
     if block_table is not None:
         _, page_size, h_kv = k_cache.shape[:3]
@@ -892,7 +907,7 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
                          page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
                          tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats),
-                         str(q.dtype).removeprefix("torch."), query_rows)
+                         str(q.dtype).removeprefix("torch."), query_rows, row_mask)
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -902,13 +917,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
             k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
             k_format: str = "", v_format: str = "",
-            key_start: Optional[torch.Tensor] = None, query_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+            key_start: Optional[torch.Tensor] = None, query_rows: int = 1,
+            row_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate out/lse (and the split partials) and launch the plan of these tensors: ``plan``
     where given (made by decode_plan.plan for their problem; ``num_splits``, ``config`` and
     ``facts`` are then unused), else the plan for ``facts`` (default: those of q's device),
     ``config`` (tile and _KNOBS overrides for benchmark sweeps) and ``num_splits`` (<= 0: automatic).
     Variants and quantized caches as the op takes them (see ``_decode_impl``); ``query_rows``: q's
-    heads are each query head's causal rows (the kernel's QUERY_ROWS; prefill's few-row route)."""
+    heads are each query head's causal rows (the kernel's QUERY_ROWS; prefill's few-row route);
+    ``row_mask``: that prefill's mask (Bm, Hm, N_q, N_kv), bool or float32 additive, contiguous,
+    Bm in {1, B}, Hm in {1, H_q / query_rows} (the kernel's ROW_MASK)."""
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
@@ -917,7 +935,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if key_start is not None:
         key_start = key_start.contiguous()  # and key_start[b] likewise
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
-                         (k_format, v_format), key_start, query_rows)
+                         (k_format, v_format), key_start, query_rows, row_mask is not None)
     flags = set(problem.variants)
     if paged:
         num_blocks, page_size, h_kv = k_cache.shape[:3]
@@ -971,12 +989,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     var_values = (problem.window_left if "window" in flags else 0,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
+    # the rows' mask: a dim of 1 broadcasts (stride 0)
+    stride_rm = ((0, 0, 0, 0) if row_mask is None
+                 else tuple(st if n > 1 else 0 for st, n in zip(row_mask.stride(), row_mask.shape)))
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
     quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm}
-    # q4_0 in stored order stacks the group's rows per block: one query row each (no QUERY_ROWS)
-    if (plan.config["ggml_stored"] and query_rows == 1 and ggml_stored.takes(k_cache, k_format, dk)
+    # q4_0 in stored order stacks the group's rows per block: one query row each (not a prefill's rows)
+    if (plan.config["ggml_stored"] and not problem.rows_differ and ggml_stored.takes(k_cache, k_format, dk)
             and ggml_stored.takes(v_cache, v_format, dv) and ggml_stored.fits(group, dk, dv)):
         block_g = ggml_stored.group_rows(group, dk, dv)
         quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk), TAIL_V=ggml_stored.tail_positions(dv),
@@ -1008,18 +1029,19 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_kernel[grid](
             q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
             out, lse, part_m, part_l, part_acc, counters if fused else lse, *var_args,
-            scale_args[0][0], scale_args[1][0],
+            row_mask if row_mask is not None else lse, scale_args[0][0], scale_args[1][0],
             scale * _LOG2E, problem.n_ctx_bound, num_splits, num_blocks, *var_values,
             q.stride(0), q.stride(1), q.stride(2),
             *sk, *sv, *s_bt,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            *s_pm, *s_pa, stride_slb, *scale_args[0][1], *scale_args[1][1],
+            *s_pm, *s_pa, stride_slb, *stride_rm, *scale_args[0][1], *scale_args[1][1],
             GROUP=group, BLOCK_G=block_g,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
+            ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )

@@ -65,10 +65,16 @@ class DecodeProblem:
     kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
     q_dtype: str = "float16"  # q's torch dtype name: the byte permutes of quantized caches need fp16
     query_rows: int = 1  # > 1: the heads are causal query rows (the dot path's QUERY_ROWS)
+    row_mask: bool = False  # the rows' own mask (prefill's; the dot path's ROW_MASK)
 
     @property
     def quantized(self) -> bool:
         return any(self.kv_formats)
+
+    @property
+    def rows_differ(self) -> bool:
+        """Whether the heads are a prefill's rows that see different keys (the dot path's)."""
+        return self.query_rows > 1 or self.row_mask
 
     @property
     def n_ctx_seen(self) -> int:
@@ -553,7 +559,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
     # decode_gluon's GQA kernel reads GQA_QUANTIZED caches and takes every variant; its MHA kernel
     # reads plain caches and takes no variant (mha_facts)
-    if not gqa_reads(p.kv_formats, p.q_dtype, facts) or p.query_rows > 1:  # query rows: the dot path's
+    if not gqa_reads(p.kv_formats, p.q_dtype, facts) or p.rows_differ:  # query rows: the dot path's
         facts = replace(facts, gluon=False)
     mha_facts = replace(facts, gluon=False) if p.variants else facts
     n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
@@ -565,7 +571,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     check_knobs({k: v for k, v in (config or {}).items() if k in _KNOBS})
-    if p.quantized or p.query_rows > 1:
+    if p.quantized or p.rows_differ:
         # quantized K/V: the dot path, whose loads dequantize (QUANTIZED); query rows: its QUERY_ROWS
         cfg.update(mha_fma=False)
     sms = facts.sms
@@ -578,12 +584,12 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     per_sm = _dequant_programs_per_sm(p)
     # query rows (prefill's few-row route) too, at a power of two: 32 splits of (1, 32/8, 32k) ran
     # 15-17% faster than 16, and 33 as slowly as 16 (docs/notes/triton-prefill.md)
-    if auto_splits > 1 and (p.query_rows > 1
+    if auto_splits > 1 and (p.rows_differ
                             or _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)):
         per_sm = max(per_sm, 2)
     if auto_splits > 1 and per_sm > 1:
         auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
-        if p.query_rows > 1:
+        if p.rows_differ:
             auto_splits = 1 << (auto_splits.bit_length() - 1)
     splits = num_splits if num_splits > 0 else auto_splits
 

@@ -1291,17 +1291,17 @@ def _runs_as_decode(q, k, causal: bool, variants) -> bool:
     """Whether a prefill of few query rows runs as the decode of the same keys (_rows_as_decode):
     the prefill kernel's programs each take one query head's rows over all of N_kv (32 programs
     at (1, 32/8)), where the decode splits the keys over the device and reads each K/V row once
-    for a KV head's whole group of rows (docs/notes/triton-prefill.md). Plain or quantized K/V,
-    no mask; a window or ALiBi on more than one row only when causal (QUERY_ROWS: each row's
-    position)."""
+    for a KV head's whole group of rows (docs/notes/triton-prefill.md). Plain or quantized K/V;
+    a window, ALiBi or a mask on more than one row only when causal (QUERY_ROWS: each row's
+    position and its row of the mask)."""
     b, h_q, n_q, _ = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     if not 1 <= n_q <= DECODE_ROWS or h_q // h_kv * n_q > DECODE_GROUP_ROWS or n_kv == 0:
         return False
     if variants is None:
         return True
-    positional = variants.window is not None or variants.alibi_slopes is not None
-    return variants.mask is None and (causal or n_q == 1 or not positional)
+    per_row = variants.window is not None or variants.alibi_slopes is not None or variants.mask is not None
+    return causal or n_q == 1 or not per_row
 
 
 def _rows_as_decode(q, k, v, causal: bool, scale: float, variants, *, k_format: str = "", v_format: str = "",
@@ -1309,19 +1309,21 @@ def _rows_as_decode(q, k, v, causal: bool, scale: float, variants, *, k_format: 
     """prefill of q (B, H_q, N_q, DK) as the decode of (B, H_q N_q, DK) over K/V as a contiguous
     cache (quantized ones as the op takes them: data, format, scales): each query head's rows are
     heads of its KV head's group, causal rows through the kernel's QUERY_ROWS (row i at
-    N_kv - N_q + i, prefill's bottom-right causal), the sinks and ALiBi slopes repeated per row.
-    Rows that are not causal all see every key (one row at N_kv - 1 is either)."""
+    N_kv - N_q + i, prefill's bottom-right causal), the sinks and ALiBi slopes repeated per row,
+    a mask read per row in the kernel (ROW_MASK). Rows that are not causal all see every key
+    (one row at N_kv - 1 is either)."""
     from . import decode as triton_decode
 
     b, h_q, n_q, dk = q.shape
     rows = q.reshape(b, h_q * n_q, dk)
-    var = {}
+    var, row_mask = {}, None
     if variants is not None:
+        row_mask = variants.mask
         per_row = {name: None if x is None else x.repeat_interleave(n_q, dim=-1)
                    for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
         var = triton_decode.op_variants(replace(variants, mask=None, **per_row), rows)
     out, lse = triton_decode._launch(rows, k, v, None, None, scale, 0, k_format=k_format, v_format=v_format,
-                                     k_scales=k_scales, v_scales=v_scales,
+                                     k_scales=k_scales, v_scales=v_scales, row_mask=row_mask,
                                      query_rows=n_q if causal and n_q > 1 else 1, **var)
     return out.view(b, h_q, n_q, out.shape[-1]), lse.view(b, h_q, n_q)
 

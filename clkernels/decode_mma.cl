@@ -445,7 +445,6 @@ static inline void part_words(const int fmt, const raw_t *pieces, const ggml_spa
 #define WS_PARAM
 #define WS_ARG
 #endif
-#define VARIANT_ARGS_ROWS , window_left
 /* The V halves of inf / NaN in this lane's words (keys t0 + 2c + (r & 1) + 8 (r >> 1)) set to 0;
  * the keys that held any, gathered over the warp, make l NaN for each head whose row sees one */
 static inline void hide_nonfinite_v(uint vw[4][NTV / 2], const int t0, const int k1, const int n_used,
@@ -696,7 +695,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
          * in the emulation), a V of inf / NaN at a key must not reach the rows that do not see
          * it through 0 x inf in the MMA: it becomes 0, and the rows that see it get a NaN sum */
         if (ROWS_DIFFER(t0 - warp * TILE, ROUND, n_used))
-            hide_nonfinite_v(vw, t0, k1, n_used, head0, c, l VARIANT_ARGS_ROWS WS_ARG);
+            hide_nonfinite_v(vw, t0, k1, n_used, head0, c, l, window_left WS_ARG);
 #endif
         /* O^T += V^T P^T, one m-tile (16 output dims) at a time: row g is dim NTV*g + 2d (word d's
          * low halves of keys 2c, 2c+1 | 8+2c, 9+2c), row g + 8 dim NTV*g + 2d + 1 (high halves) */

@@ -598,8 +598,8 @@ def decode_layout_defaults(layout: str, profile: DeviceProfile, dims: Dims, lim:
 
     HEAD_TILE: the largest divisor of G up to 4 (8 where the profile has no register cliff, i.e.
     CPUs): q + acc chunks of 4 heads are 64 registers for half, within NVIDIA's 128-register
-    occupancy budget; smaller where the model leaves no room for one unrolled key; larger where
-    G's head tiles would make a GPU work-group of more than 256. ROWS: enough
+    occupancy budget; smaller where the model leaves no room for one unrolled key; larger, within
+    the model, where G's head tiles would make a GPU work-group of more than 256. ROWS: enough
     row slots for the target work-group (``_decode_wg_target``). UNROLL: at least 8 keys per
     iteration, so that barriers and the score reduction are amortized over a tile, fewer where
     the registers do not allow. MERGE_WG: 256, i.e. 8 groups of splits by 32 float4 columns at
@@ -631,7 +631,12 @@ def decode_layout_defaults(layout: str, profile: DeviceProfile, dims: Dims, lim:
     # 256 work-items of 128-255 registers; G = 64 fp32 built to 512): more heads a tile instead
     wg_cap = lim["max_work_group"] if _no_register_cliff(profile) else 2 * target
     while _decode_work_group(p, dims) > wg_cap and p["HEAD_TILE"] < g:
-        p["HEAD_TILE"] = min(d for d in divisors if d > p["HEAD_TILE"])
+        bigger = min(d for d in divisors if d > p["HEAD_TILE"])
+        if floats({"HEAD_TILE": bigger, "UNROLL": 1}) > room:  # within the register model
+            break
+        p["HEAD_TILE"] = bigger
+        while p["UNROLL"] > 1 and floats(p) > room:
+            p["UNROLL"] //= 2
     while DECODE_SPACE.check(p, dims, lim):
         if p["UNROLL"] > 1:
             p["UNROLL"] //= 2

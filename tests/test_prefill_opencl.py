@@ -309,9 +309,7 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
                         lambda *a, **kw: routes.append(kw["shapes"][0][2]) or real(*a, **kw))
     rng = np.random.default_rng(11)
     sinks = rng.standard_normal(8).astype(np.float32)
-    handle = get_device(cl_device)
-    group_rows = cl_prefill.decode_group_rows(handle)
-    head_dim = cl_prefill.DECODE_HEAD_DIM["cpu" if handle.is_cpu else "gpu"]
+    group_rows, head_dim = cl_prefill.decode_limits(get_device(cl_device))
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
                                             (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32),
                                             (1, 8, 2, 16, 70, 64, 64),  # 64 rows a KV head: GPUs only

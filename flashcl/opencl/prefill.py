@@ -408,18 +408,17 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
     return np.ascontiguousarray(np.broadcast_to(start[:, 0], (b,)), dtype=np.int32)
 
 
-# The most query rows a prefill runs as a decode (each K/V row read once for all of them), and the
-# most rows of one KV head's group (its GQA group x N_q) and head dim it then takes: on a CPU what
-# decode_cpu.cl keeps in registers as measured; on a GPU four of decode_mma.cl's 16-row
-# work-groups, and the head dims its decode kernels take
+# The most query rows a prefill runs as a decode (each K/V row read once for all of them); then
+# per kind of device the most rows of one KV head's group (its GQA group x N_q) and the largest
+# head dim: on a CPU what decode_cpu.cl keeps in registers as measured, on a GPU four of
+# decode_mma.cl's 16-row work-groups and the head dims its decode kernels take
 DECODE_ROWS = 16
-DECODE_GROUP_ROWS = {"cpu": 48, "gpu": 64}
-DECODE_HEAD_DIM = {"cpu": 128, "gpu": 256}
+DECODE_LIMITS = {"cpu": (48, 128), "gpu": (64, 256)}
 
 
-def decode_group_rows(handle: DeviceHandle) -> int:
-    """The most rows of a KV head's group a prefill runs as a decode on this device."""
-    return DECODE_GROUP_ROWS["cpu" if handle.is_cpu else "gpu"]
+def decode_limits(handle: DeviceHandle) -> tuple[int, int]:
+    """(rows of a KV head's group, head dim): the most a prefill runs as a decode on this device."""
+    return DECODE_LIMITS["cpu" if handle.is_cpu else "gpu"]
 
 
 def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, params, k, v, variants) -> bool:
@@ -428,17 +427,16 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
     split over the keys, where the prefill kernels give each query head's few rows one work-group
     that streams every key alone (docs/notes/pocl-prefill.md; on GPUs
     docs/notes/opencl-decode-nvidia.md, "Few query rows as a decode"). One row takes every
-    variant; more rows a window or ALiBi only when causal (QUERY_ROWS puts each row at its own
-    position), with head dims up to 128 on a CPU (256 on a GPU), there only where the decode runs
-    decode_cpu.cl. A mask
-    only as a left padding (mask_key_start, checked by the caller). The tiles chosen by flashcl,
-    quantized K/V only as 4-D caches."""
+    variant; more rows (decode_limits) a window or ALiBi only when causal (QUERY_ROWS puts each
+    row at its own position), on a CPU only where the decode runs decode_cpu.cl. A mask only as a
+    left padding (mask_key_start, checked by the caller). The tiles chosen by flashcl, quantized
+    K/V only as 4-D caches."""
     if not (params is None and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
     if prob.n_q == 1:
         return True
-    if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > decode_group_rows(handle)
-            or max(prob.dk, prob.dv) > DECODE_HEAD_DIM["cpu" if handle.is_cpu else "gpu"]):
+    group_rows, head_dim = decode_limits(handle)
+    if prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > group_rows or max(prob.dk, prob.dv) > head_dim:
         return False
     if variants is not None and not prob.causal and (variants.window is not None
                                                      or variants.alibi_slopes is not None):
@@ -545,7 +543,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
                         "lse": nbytes((b, h_q, n_q), np.float32) if return_lse else 0})
     prob = PrefillProblem(b, h_q, h_kv, n_q, n_kv, dk, dv, causal, dtype, k_fmt, v_fmt)
     # device arrays: q, and rank-3 K/V, viewed with new shapes (a view only where contiguous)
-    views = not is_cl or all(x.flags.c_contiguous for x in (q, *((k, v) if rank == 3 else ())))
+    views = all(x.flags.c_contiguous for x in (q, *((k, v) if rank == 3 else ())) if isinstance(x, cla.Array))
     if views and _runs_as_decode(handle, prob, rank, params, k, v, variants):
         mask = None if variants is None else variants.mask
         starts = None if mask is None else mask_key_start(mask, b, causal=causal, window=variants.window)

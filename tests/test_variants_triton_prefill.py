@@ -466,7 +466,8 @@ def _rows_variants(name, b, h_q, n_q, n_kv, device, seed):
     # a bool mask of holes, per sequence, with one row hidden from every key; an additive one per
     # head: biases, and -inf at about a quarter of the keys
     holes = torch.rand(b, 1, n_q, n_kv, generator=g) > 0.3
-    holes[:, :, 0] = n_q == 1  # several rows: the first sees nothing
+    if n_q > 1:  # the first row sees nothing
+        holes[:, :, 0] = False
     bias = torch.randn(b, h_q, n_q, n_kv, generator=g)
     bias = torch.where(torch.rand(b, h_q, n_q, n_kv, generator=g) > 0.25, bias, float("-inf"))
     return {"causal": dict(causal=True), "full": dict(causal=False),

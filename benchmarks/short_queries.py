@@ -6,7 +6,8 @@ bottom-right causal mask) beside them.
     python benchmarks/short_queries.py [--device cpu] [--rounds 6] [--window LEFT] [--alibi]
 
 float32 torch CPU tensors, (4, 8/2, N_q, 2048, 64); the padded batch hides 0, 100, 700 and 1500
-keys of its four sequences, as a decode step (N_q = 1) and as a causal chunk of 8 rows.
+keys of its four sequences, as a decode step (N_q = 1) and as a causal chunk of 8 rows, and with
+holes among the chunk's own keys (a tree of drafts: each row misses two other drafts).
 ``--window`` / ``--alibi`` put a sliding window (LEFT, 0) / ALiBi slopes on the causal rows
 (SDPA gets them in its mask; ALiBi is left off the padded chunk). Prints the median wall-clock milliseconds of a call over the
 rounds. Run it from two trees (PYTHONPATH) to compare them; docs/notes/pocl-prefill.md cites it.
@@ -78,6 +79,17 @@ def main() -> None:
                    args.rounds)
     peer = median_ms(lambda: sdpa(q8, k, v, attn_mask=chunk_mask, enable_gqa=True), args.rounds)
     cells.append(f"padded chunk N_q=8 (causal + mask): {ms:.2f} (SDPA {peer:.2f})")
+    # a tree of drafts: each of the 8 rows also misses the keys of two other drafts (not a padding)
+    tree = mask.expand(B, 1, 8, N_KV).clone()
+    for i in range(8):
+        tree[:, :, i, N_KV - 8 + (i + 3) % 8] = False
+        tree[:, :, i, N_KV - 8 + (i + 5) % 8] = False
+    tree[:, :, :, N_KV - 8:] |= torch.eye(8, dtype=torch.bool)  # each sees itself
+    tree_mask = tree & torch.from_numpy(sdpa_mask(8, args.window, None))
+    ms = median_ms(lambda: flashcl.prefill(q8, k, v, causal=True, mask=tree, device=args.device, **window),
+                   args.rounds)
+    peer = median_ms(lambda: sdpa(q8, k, v, attn_mask=tree_mask, enable_gqa=True), args.rounds)
+    cells.append(f"tree chunk N_q=8 (causal + padding + holes): {ms:.2f} (SDPA {peer:.2f})")
     q = torch.from_numpy(rng.standard_normal((B, H_Q, 1, D)).astype(np.float32))
     cells += [
         f"padded decode step (prefill, mask): "

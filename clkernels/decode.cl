@@ -309,8 +309,10 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
 #define CAPPED(s) SOFTCAP_SCORE(s)
 #endif
             for (int i = 0; i < HEAD_TILE; ++i)
-                sc[u][i] = (key < k1 && ROW_SEES(head0 + i, key, n_used))
-                           ? ALIBI_SCORE(CAPPED(s_[i]), slope[i], ROW_POS(head0 + i, n_used) - key) : -INFINITY;
+                sc[u][i] = (key < k1 && ROW_VISIBLE(batch, head0 + i, key, n_used))
+                           ? ALIBI_SCORE(CAPPED(s_[i]), slope[i], ROW_POS(head0 + i, n_used) - key)
+                             + MASK_ADD(batch, head0 + i, key)
+                           : -INFINITY;
 #undef CAPPED
         }
 #define SCORE(u, i) sc[u][i]
@@ -331,8 +333,9 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 s += partials[x * PSTRIDE + c];
             const int key = t0 + x % BLOCK_N, head = kv_head * GROUP + x / BLOCK_N;
             s = SCORE_VARIANTS(s, ALIBI_SLOPE_LOG2(batch, head), ROW_POS(head, n_used) - key);
-            /* the tail of the last tile, and (QUERY_ROWS) the keys a row does not see */
-            scores[x] = (key < k1 && ROW_SEES(head, key, n_used)) ? s : -INFINITY;
+            /* the tail of the last tile, and (QUERY_ROWS, ROW_MASK) the keys a row does not see */
+            scores[x] = (key < k1 && ROW_VISIBLE(batch, head, key, n_used)) ? s + MASK_ADD(batch, head, key)
+                                                                            : -INFINITY;
         }
         /* scores complete before they are read; the next write to them is after the next
          * iteration's first barrier, which every work-item reaches only after reading them */
@@ -360,8 +363,10 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
             for (int u = 0; u < UNROLL; ++u) {
                 const float p = exp2(s[u] - m_use);
                 l[i] += p;
-                /* a key a row does not see adds nothing to it, even a V of inf (0 inf = NaN) */
-                if (ROW_SEES(head0 + i, t0 + u * ROWS + row, n_used))
+                /* a key a row does not see adds nothing to it, even a V of inf (0 inf = NaN); the
+                 * tail past k1 is zeros */
+                const int key = t0 + u * ROWS + row;
+                if (key < k1 && ROW_VISIBLE(batch, head0 + i, key, n_used))
                     acc[i] = fma((floatW)(p), vf[u], acc[i]);
             }
             m[i] = m_new;

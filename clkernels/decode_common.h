@@ -45,7 +45,10 @@
 #ifndef QUERY_ROWS
 #define QUERY_ROWS 1      // > 1: head h is row h % QUERY_ROWS of causal rows ending at the last key
 #endif                    //   (prefill's few-row route; not exported)
-#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START || QUERY_ROWS > 1)
+#ifndef ROW_MASK
+#define ROW_MASK 0        // the rows' own mask (prefill's few-row route; not exported): 1 bool
+#endif                    //   (uchar), 2 additive (float), [Bm][Hm][QUERY_ROWS][N_kv] by strides
+#define DECODE_VARIANTS (WINDOW || SOFTCAP || SINKS || ALIBI || KEY_START || QUERY_ROWS > 1 || ROW_MASK)
 #if KEY_START
 #define KEY_START_PARAM , __global const int *key_start
 #define KEY_START_ARG , key_start
@@ -53,13 +56,24 @@
 #define KEY_START_PARAM
 #define KEY_START_ARG
 #endif
+#if ROW_MASK
+#define ROW_MASK_T FLASHCL_CAT(ROW_MASK_TYPE_, ROW_MASK)
+#define ROW_MASK_TYPE_1 uchar
+#define ROW_MASK_TYPE_2 float
+#define ROW_MASK_PARAM , __global const ROW_MASK_T *row_mask, const ulong rm_sb, const ulong rm_sh, const ulong rm_sq
+#define ROW_MASK_ARG , row_mask, rm_sb, rm_sh, rm_sq
+#else
+#define ROW_MASK_PARAM
+#define ROW_MASK_ARG
+#endif
 
 /* The variants' run-time values follow DECODE_PARAMS only in builds with a variant on, so the
  * plain kernels keep their argument list. */
 #if DECODE_VARIANTS
 #define VARIANT_PARAMS , const int window_left, const float softcap_log2,                    \
-                         __global const float *sinks, __global const float *alibi_slopes KEY_START_PARAM
-#define VARIANT_ARGS , window_left, softcap_log2, sinks, alibi_slopes KEY_START_ARG
+                         __global const float *sinks, __global const float *alibi_slopes KEY_START_PARAM \
+                         ROW_MASK_PARAM
+#define VARIANT_ARGS , window_left, softcap_log2, sinks, alibi_slopes KEY_START_ARG ROW_MASK_ARG
 #else
 #define VARIANT_PARAMS
 #define VARIANT_ARGS
@@ -90,6 +104,27 @@
 #define ROW_SEES(h, key, n) true
 #define ROWS_DIFFER(t0, nt, n) false
 #endif
+/* ROW_MASK: whether query head h (row h % QUERY_ROWS of prefill's head h / QUERY_ROWS) of
+ * sequence `batch` may see `key` by its mask, and the mask's additive term (log2 units); the
+ * mask may hide any key, so the rows differ in every tile */
+#if ROW_MASK
+#define ROW_MASK_AT(batch, h, key) row_mask[(ulong)(batch) * rm_sb + (ulong)((h) / QUERY_ROWS) * rm_sh \
+                                            + (ulong)((h) % QUERY_ROWS) * rm_sq + (ulong)(key)]
+#if ROW_MASK == 1
+#define MASK_SEES(batch, h, key) (ROW_MASK_AT(batch, h, key) != 0)
+#define MASK_ADD(batch, h, key) 0.0f
+#else
+#define MASK_SEES(batch, h, key) (ROW_MASK_AT(batch, h, key) != -INFINITY)
+#define MASK_ADD(batch, h, key) (ROW_MASK_AT(batch, h, key) * M_LOG2E_F)
+#endif
+#undef ROWS_DIFFER
+#define ROWS_DIFFER(t0, nt, n) true
+#else
+#define MASK_SEES(batch, h, key) true
+#define MASK_ADD(batch, h, key) 0.0f
+#endif
+/* every row: whether it sees `key` (its causal cut, window and mask) */
+#define ROW_VISIBLE(batch, h, key, n) (ROW_SEES(h, key, n) && MASK_SEES(batch, h, key))
 
 /* ... and of sequence `batch`, whose keys before key_start[batch] are hidden (a left-padded row) */
 #if KEY_START

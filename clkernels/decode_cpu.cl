@@ -249,8 +249,8 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         if (rows_differ)
             for (int h = 0; h < GROUP; ++h)
                 for (int u = 0; u < nt; ++u)
-                    if (!ROW_SEES(h, t0 + u, n_used))
-                        s[h][u] = -INFINITY;
+                    s[h][u] = ROW_VISIBLE(batch, head0 + h, t0 + u, n_used)
+                              ? s[h][u] + MASK_ADD(batch, head0 + h, t0 + u) : -INFINITY;
         /* one online-softmax step per head: the rescale of acc to the tile's max (alpha), then
          * p = 2^(s - m) in place of the scores */
         float alpha[GROUP];
@@ -287,7 +287,7 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 const floatV vf = V_VEC(vrow[u], c);
                 if (rows_differ) {  /* a key a row does not see adds nothing, even a V of inf */
                     FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
-                        if (ROW_SEES(h, t0 + u, n_used))
+                        if (ROW_VISIBLE(batch, head0 + h, t0 + u, n_used))
                             a[h] = fma((floatV)(s[h][u]), vf, a[h]);
                 } else {
                     FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)

@@ -437,7 +437,7 @@ static inline void part_words(const int fmt, const raw_t *pieces, const ggml_spa
 }
 #endif
 
-#if QUERY_ROWS > 1
+#if QUERY_ROWS > 1 || ROW_MASK
 #if MMA_EMULATE
 #define WS_PARAM , __local warp_scratch *ws
 #define WS_ARG , ws
@@ -448,7 +448,8 @@ static inline void part_words(const int fmt, const raw_t *pieces, const ggml_spa
 /* The V halves of inf / NaN in this lane's words (keys t0 + 2c + (r & 1) + 8 (r >> 1)) set to 0;
  * the keys that held any, gathered over the warp, make l NaN for each head whose row sees one */
 static inline void hide_nonfinite_v(uint vw[4][NTV / 2], const int t0, const int k1, const int n_used,
-                                    const int head0, const int c, float l[NH][2], const int window_left WS_PARAM)
+                                    const int batch, const int head0, const int rows, const int c, float l[NH][2],
+                                    const int window_left ROW_MASK_PARAM WS_PARAM)
 {
     uint bad = 0u;
     for (int r = 0; r < 4; ++r)
@@ -464,10 +465,10 @@ static inline void hide_nonfinite_v(uint vw[4][NTV / 2], const int t0, const int
         bad |= as_uint(WARP_XOR(as_float(0x3f800000u | bad), mask)) & 0xffffu;
     for (int h = 0; h < NH; ++h)
         for (int i = 0; i < 2; ++i) {
-            const int head = head0 + 8 * h + 2 * c + i;
+            const int head = head0 + min(8 * h + 2 * c + i, rows - 1);  /* padding heads: the last */
             uint seen = 0u;
             for (int j = 0; j < TILE; ++j)
-                seen |= (t0 + j < k1 && ROW_SEES(head, t0 + j, n_used)) ? 1u << j : 0u;
+                seen |= (t0 + j < k1 && ROW_VISIBLE(batch, head, t0 + j, n_used)) ? 1u << j : 0u;
             if (bad & seen)
                 l[h][i] = NAN;
         }
@@ -660,10 +661,11 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         for (int h = 0; h < NH; ++h) {
             float x[4], p[4], alpha[2];
             for (int r = 0; r < 4; ++r) {
-                const int key = t0 + g + 8 * (r >> 1), head = head0 + 8 * h + 2 * c + (r & 1);
+                const int key = t0 + g + 8 * (r >> 1), head = head0 + min(8 * h + 2 * c + (r & 1), rows - 1);
                 const float s_log2 = st[h][r] * K_SCALE(r >> 1) * scale_log2;
-                x[r] = (key < k1 && ROW_SEES(head, key, n_used))
-                       ? SCORE_VARIANTS(s_log2, slope[h][r & 1], ROW_POS(head, n_used) - key) : -INFINITY;
+                x[r] = (key < k1 && ROW_VISIBLE(batch, head, key, n_used))
+                       ? SCORE_VARIANTS(s_log2, slope[h][r & 1], ROW_POS(head, n_used) - key) + MASK_ADD(batch, head, key)
+                       : -INFINITY;
             }
             for (int i = 0; i < 2; ++i) {
                 float mx = fmax(x[i], x[2 + i]);
@@ -690,12 +692,12 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         for (int r = 0; r < 4; ++r)
             part_words(V_QUANT, vq[r], vs[r], g * NTV, NTV / 8, true, vw[r]);
 #endif
-#if QUERY_ROWS > 1
+#if QUERY_ROWS > 1 || ROW_MASK
         /* where the rows see different keys (the same test for the whole work-group: barriers
          * in the emulation), a V of inf / NaN at a key must not reach the rows that do not see
          * it through 0 x inf in the MMA: it becomes 0, and the rows that see it get a NaN sum */
         if (ROWS_DIFFER(t0 - warp * TILE, ROUND, n_used))
-            hide_nonfinite_v(vw, t0, k1, n_used, head0, c, l, window_left WS_ARG);
+            hide_nonfinite_v(vw, t0, k1, n_used, batch, head0, rows, c, l, window_left ROW_MASK_ARG WS_ARG);
 #endif
         /* O^T += V^T P^T, one m-tile (16 output dims) at a time: row g is dim NTV*g + 2d (word d's
          * low halves of keys 2c, 2c+1 | 8+2c, 9+2c), row g + 8 dim NTV*g + 2d + 1 (high halves) */

@@ -109,6 +109,7 @@ def _signature(text: str, name: str, problem: dict) -> list[tuple[str, str]]:
                 body += "," + re.search(rf"#define {macro} ,([^\n]*)", text).group(1)
         key_start = re.search(r"#define KEY_START_PARAM ,([^\n]*)", text).group(1)
         body = body.replace("KEY_START_PARAM", "," + key_start if "key_start" in problem.get("variants", ()) else "")
+        body = body.replace("ROW_MASK_PARAM", "")  # prefill's route only: never exported
     else:
         body = re.search(rf"void\s+{name}\s*\((.*?)\)\s*{{", text, re.DOTALL).group(1)
     params = []

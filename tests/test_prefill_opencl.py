@@ -298,8 +298,9 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
     its group (_prefill_rows_as_decode), causal (QUERY_ROWS: bottom-right, N_q < N_kv, = N_kv and
     > N_kv, whose first rows see nothing) or not, with softcap and sinks, a window and ALiBi on
     causal rows (each at its own position), MHA and GQA, DK != DV, rank 3 and q8_0 K/V; a mask
-    other than a left padding, a window or ALiBi on rows that are not causal, and explicit tiles
-    keep the prefill kernels. All against the oracle."""
+    other than a left padding (read per row, ROW_MASK) on causal rows; a window, ALiBi or such a
+    mask on rows that are not causal, and explicit tiles keep the prefill kernels. All against
+    the oracle."""
     import flashcl
     from flashcl.opencl import prefill as cl_prefill
 
@@ -351,9 +352,15 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
     routes.clear()
     mask = np.ones((1, 1, 4, 60), bool)
     mask[..., :9] = False
-    mask[..., 2, 30] = False  # a hole: not a left padding
+    mask[..., 2, 30] = False  # a hole: not a left padding, read per row (ROW_MASK) where the rows are causal
+    kp, vp = k.copy(), v.copy()
+    kp[..., :9, :], vp[..., :9, :] = np.nan, np.inf  # hidden from every row
+    got = flashcl.prefill(q, kp, vp, causal=True, mask=mask, device=cl_device)
+    assert_close(got, reference.attention(q, k, v, causal=True, mask=mask), dtype, "a mask read per row")
+    assert routes == [4]
+    routes.clear()
     for kw in (dict(causal=False, window=(20, 3)), dict(causal=False, alibi_slopes=np.ones(8, np.float32)),
-               dict(causal=True, mask=mask),
+               dict(causal=False, mask=mask),
                dict(causal=True, params=dict(choose_params(get_device(cl_device),
                                                            PrefillProblem(1, 8, 2, 4, 60, 64, 64, True, dtype)).params))):
         out = flashcl.prefill(q, k, v, device=cl_device, **kw)
@@ -366,7 +373,7 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
 def test_few_query_rows_with_left_padding_run_as_decode(cl_device, monkeypatch, dtype):
     """Causal rows of a left-padded batch (a chunk through a cache) take the few-row route with
     each sequence's first key (mask_key_start), with and without a window, NaN/inf in the
-    padding never read; a mask with a hole keeps the prefill kernels."""
+    padding never read; a mask with a hole is read per row instead."""
     import flashcl
     from flashcl.opencl import prefill as cl_prefill
 
@@ -395,8 +402,9 @@ def test_few_query_rows_with_left_padding_run_as_decode(cl_device, monkeypatch, 
     holed = np.broadcast_to(mask, (b, 1, n_q, n_kv)).copy()
     holed[1, 0, 3, 30] = False
     routes.clear()
-    got = flashcl.prefill(q, k, v, causal=True, mask=holed, device=cl_device)
-    assert routes == []
+    got = flashcl.prefill(q, kp, vp, causal=True, mask=holed, device=cl_device)
+    # read per row (ROW_MASK), the padding before every row's first key skipped (key_start)
+    assert len(routes) == 1 and routes[0].tolist() == pads.tolist(), routes
     assert_close(got, reference.attention(q, k, v, causal=True, mask=holed), dtype, "a hole")
 
 

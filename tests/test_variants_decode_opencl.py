@@ -73,16 +73,16 @@ def _poison_outside_window(k, v, table, lens, left, block_size=None):
 
 
 def run_variants(device, q, k, v, table, lens, num_splits, kw, *, params=None, tensor_cores=None, layout=None,
-                 key_start=None, query_rows=1):
+                 key_start=None, query_rows=1, row_mask=None):
     """The decode kernels with the variants ``kw`` (oracle keywords) on NaN-poisoned out/lse;
     ``layout``: that layout's untuned parameters where ``params`` is None; ``key_start``: each
-    sequence's first key (DecodeVariants.key_start); ``query_rows``: DecodeVariants.query_rows."""
+    sequence's first key (DecodeVariants.key_start); ``query_rows``, ``row_mask``: DecodeVariants'."""
     h = get_device(device)
     b, h_q, dk = q.shape
     paged = table is not None
     h_kv, dv = (k.shape[2], v.shape[3]) if paged else (k.shape[1], v.shape[3])
     prob = DecodeProblem(b, h_q, h_kv, dk, dv, paged, q.dtype.name)
-    var = DecodeVariants.of(Variants(**kw) if kw else None, prob, key_start, query_rows)
+    var = DecodeVariants.of(Variants(**kw) if kw else None, prob, key_start, query_rows, row_mask)
     choice = choose_params(h, prob, params_for(h, prob, params, layout))
     kern = DecodeKernel(h, prob, choice.params, tensor_cores=tensor_cores,
                         variant_flags=var.flags() if var else None)
@@ -376,10 +376,11 @@ QUERY_ROWS_KERNELS = {"rows": ({"VARIANT": "rows", "BLOCK_N": 4, "VEC": 8, "MERG
                       "mma": (None, "emulate", np.float16, 64)}
 
 
-def _run_rows(device, kernel, q3, k, v, lens, splits, kw, n_q):
+def _run_rows(device, kernel, q3, k, v, lens, splits, kw, n_q, row_mask=None):
     params, tensor_cores = QUERY_ROWS_KERNELS[kernel][:2]
     return run_variants(device, q3, k, v, None, lens, splits, kw, params=params, tensor_cores=tensor_cores,
-                        layout="lanes" if params is None and tensor_cores is None else None, query_rows=n_q)
+                        layout="lanes" if params is None and tensor_cores is None else None, query_rows=n_q,
+                        row_mask=row_mask)
 
 
 @pytest.mark.parametrize("kernel", list(QUERY_ROWS_KERNELS))
@@ -442,6 +443,32 @@ def test_query_rows_with_a_window_and_alibi(cl_device, kernel):
                                                                                       f"{splits} splits")
 
 
+@pytest.mark.parametrize("kernel", list(QUERY_ROWS_KERNELS))
+def test_query_rows_with_a_mask(cl_device, kernel):
+    """ROW_MASK (prefill's mask read per row): a bool mask per sequence with holes and a row that
+    sees nothing, and an additive one per head (biases, -inf holes) with a window; split-k; K/V
+    of NaN / inf at the keys a sequence's mask hides from every row never reach any."""
+    rng = np.random.default_rng(37)
+    dtype, d = QUERY_ROWS_KERNELS[kernel][2:]
+    for n_q, n_kv in ((3, 21), (6, 40)):
+        q4, k, v, lens, kw, rows_kw = _query_rows_case(rng, n_q, n_kv, dtype, d)
+        b, h_q = q4.shape[:2]
+        q3 = np.ascontiguousarray(q4.reshape(b, -1, d))
+        holes = rng.random((b, 1, n_q, n_kv)) > 0.3
+        holes[:, :, 0] = False
+        holes[1, :, :, 5:9] = False  # hidden from every row of sequence 1
+        kp, vp = k.copy(), v.copy()
+        kp[1, :, 5:9], vp[1, :, 5:9] = np.nan, np.inf
+        bias = np.where(rng.random((b, h_q, n_q, n_kv)) > 0.25, rng.standard_normal((b, h_q, n_q, n_kv)),
+                        -np.inf).astype(np.float32)
+        for mask, extra in ((holes, {}), (bias, {"window": (4, 0)})):
+            for splits in (1, 3, 16):
+                got = _run_rows(cl_device, kernel, q3, kp if mask is holes else k, vp if mask is holes else v,
+                                lens, splits, {**rows_kw, **extra}, n_q, row_mask=mask)
+                check_query_rows(got, q4, k, v, {**kw, **extra, "mask": mask},
+                                 f"{kernel} n_q={n_q} {mask.dtype} splits={splits}")
+
+
 # --------------------------------------------------------------------------- Oclgrind
 
 # Every variant at once, GQA 4, paged blocks of 4, contexts of 1 key, a partial tile and several:
@@ -483,6 +510,10 @@ def _oclgrind_worker(layout: str) -> None:
         got = run_variants("oclgrind", q3, k, v, None, lens, splits, {**rows_kw, **rows_extra},
                            params=OCLGRIND_PARAMS[layout], query_rows=q4.shape[2])
         check_query_rows(got, q4, k, v, {**kw, **extra}, f"oclgrind query_rows window alibi splits={splits}")
+        holes = rng.random((q4.shape[0], 1, q4.shape[2], k.shape[2])) > 0.3
+        got = run_variants("oclgrind", q3, k, v, None, lens, splits, rows_kw, params=OCLGRIND_PARAMS[layout],
+                           query_rows=q4.shape[2], row_mask=holes)
+        check_query_rows(got, q4, k, v, {**kw, "mask": holes}, f"oclgrind query_rows mask splits={splits}")
     print("OCLGRIND-CASE-OK")
 
 

@@ -329,12 +329,18 @@ class DecodeVariants:
     # > 1: head h is causal query row h % query_rows of the sequence's last positions (prefill's
     # few-row route, opencl.prefill._prefill_rows_as_decode; every decode kernel)
     query_rows: int = 1
+    # that route's mask (Bm, Hm, query_rows, N_kv), bool as uint8 or float32 additive, contiguous
+    # host memory: head h is row h % query_rows of prefill's head h // query_rows (ROW_MASK)
+    row_mask: np.ndarray | None = None
 
     @classmethod
-    def of(cls, variants, prob: "DecodeProblem", key_start=None, query_rows: int = 1) -> "DecodeVariants | None":
+    def of(cls, variants, prob: "DecodeProblem", key_start=None, query_rows: int = 1,
+           row_mask=None) -> "DecodeVariants | None":
         """None when nothing changes the plain kernels' answer (they then run unchanged; a host
         ``key_start`` of zeros or less hides no key, a device one is not read back)."""
         extra = {"query_rows": query_rows} if query_rows > 1 else {}
+        if row_mask is not None:
+            extra["row_mask"] = np.ascontiguousarray(row_mask, np.uint8 if row_mask.dtype == np.bool_ else np.float32)
         if isinstance(key_start, cla.Array) or (key_start is not None and np.any(np.asarray(key_start) > 0)):
             extra["key_start"] = (key_start if isinstance(key_start, cla.Array)
                                   else np.ascontiguousarray(key_start, dtype=np.int32).reshape(prob.b))
@@ -365,6 +371,8 @@ class DecodeVariants:
         flags = {k: 1 for k, v in on.items() if v}
         if self.query_rows > 1:
             flags["QUERY_ROWS"] = self.query_rows
+        if self.row_mask is not None:
+            flags["ROW_MASK"] = 1 if self.row_mask.dtype == np.uint8 else 2
         return flags
 
     def keys_seen(self, n_ctx):
@@ -386,7 +394,12 @@ class DecodeVariants:
         arrays = [x if x is None or isinstance(x, cla.Array) else host_buffer(queue, x)
                   for x in (self.sinks, self.alibi_slopes, self.key_start)]
         starts = [] if arrays[2] is None else [arrays[2].data]
-        return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays[:2]), *starts]
+        mask = []
+        if self.row_mask is not None:  # its element strides; a dim of 1 broadcasts
+            st = [s // self.row_mask.itemsize if n > 1 else 0 for s, n in zip(self.row_mask.strides, self.row_mask.shape)]
+            mask = [host_buffer(queue, self.row_mask).data, *(np.uint64(x) for x in st[:3])]
+        return [np.int32(left), np.float32(cap), *(dummy if a is None else a.data for a in arrays[:2]), *starts,
+                *mask]
 
 
 def quant_defines(prob: DecodeProblem) -> dict:
@@ -876,10 +889,10 @@ def mean_keys_seen(context_lens, var: "DecodeVariants | None") -> float | None:
 
 
 def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float, num_splits,
-           device, params, return_lse: bool, variants=None, key_start=None, query_rows: int = 1):
+           device, params, return_lse: bool, variants=None, key_start=None, query_rows: int = 1, row_mask=None):
     """OpenCL path of flashcl.decode: shapes and dtypes already validated by flashcl.api.
     ``key_start``: int32 (B,) first keys (DecodeVariants.key_start), numpy or a pyopencl Array;
-    ``query_rows``: DecodeVariants.query_rows (prefill's few-row route)."""
+    ``query_rows`` / ``row_mask``: DecodeVariants' (prefill's few-row route)."""
     check_tables(geo, block_table, context_lens)
     if num_splits is not None and num_splits > MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} is above {MAX_FORCED_SPLITS} (the merge keeps one "
@@ -894,7 +907,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     prob = DecodeProblem(b, h_q, h_kv, geo["DK"], geo["DV"], geo["paged"], dtype, k_fmt, v_fmt)
     if isinstance(key_start, cla.Array):
         _int_to_device(key_start, handle.queue)  # its layout and byte order checked
-    var = DecodeVariants.of(variants, prob, key_start, query_rows)
+    var = DecodeVariants.of(variants, prob, key_start, query_rows, row_mask)
     n_ctx = max_context(geo, context_lens)
     check_fits(handle, {"q": nbytes(q.shape, dtype),
                         **{name: nbytes(t.shape, dtype_name(t)) for name, t in stored.items()},

@@ -408,6 +408,15 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
     return np.ascontiguousarray(np.broadcast_to(start[:, 0], (b,)), dtype=np.int32)
 
 
+def mask_first_keys(mask: np.ndarray, b: int) -> np.ndarray:
+    """int32 (B,): the first key any row of each sequence sees by a mask (Bm, Hm, N_q, N_kv), N_kv
+    where none does: no row sees a key before it."""
+    vis = mask if mask.dtype == np.bool_ else mask != -np.inf
+    seen = vis.any(axis=(1, 2))  # (Bm, N_kv)
+    first = np.where(seen.any(axis=-1), seen.argmax(axis=-1), mask.shape[-1])
+    return np.ascontiguousarray(np.broadcast_to(first, (b,)), dtype=np.int32)
+
+
 # The most query rows a prefill runs as a decode (each K/V row read once for all of them); then
 # per kind of device the most rows of one KV head's group (its GQA group x N_q) and the largest
 # head dim: on a CPU what decode_cpu.cl keeps in registers as measured, on a GPU four of
@@ -451,14 +460,15 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
 
 
 def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, return_lse: bool,
-                            variants, key_start):
+                            variants, key_start, row_mask=None):
     """prefill of N_q query rows as the decode of the same keys, each query head's rows heads of its
     KV head's group: q (.., H_q, N_q, DK) as (B, H_q N_q, DK), K/V as a contiguous cache (rank 3
     with B = 1), causal rows as QUERY_ROWS (row i sees the keys before N_kv - (N_q - 1 - i), as
     prefill's bottom-right causal), the sinks repeated per row, a left-padding mask as each
-    sequence's first key (``key_start``, from mask_key_start; None: no mask). The last row sits
-    at N_kv - 1 in both and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi
-    distances; the ALiBi slopes are repeated per row like the sinks."""
+    sequence's first key (``key_start``, from mask_key_start; None: no mask), any other mask
+    read per row in the kernel (``row_mask``, ROW_MASK). The last row sits at N_kv - 1 in both
+    and row i at N_kv - N_q + i, where QUERY_ROWS puts its window and ALiBi distances; the ALiBi
+    slopes are repeated per row like the sinks."""
     from .decode import decode
 
     (b, h_q, n_q, dk), (_, h_kv, n_kv, _), (_, _, _, dv) = shapes
@@ -475,7 +485,8 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
         variants = replace(variants, mask=None, **per_row)
     out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale, num_splits=None,
                       device=device, params=None, return_lse=True, variants=variants, key_start=key_start,
-                      query_rows=n_q if causal and n_q > 1 else 1)
+                      query_rows=n_q if causal and n_q > 1 else 1,
+                      row_mask=None if row_mask is None else _host_mask(row_mask))
     return _rows_result(out, lse, rank, shapes, return_lse)
 
 
@@ -485,6 +496,11 @@ def _rows_result(out, lse, rank: int, shapes, return_lse: bool):
     lead = (b,) if rank == 4 else ()
     out = out.reshape(*lead, h_q, n_q, dv)
     return (out, lse.reshape(*lead, h_q, n_q)) if return_lse else out
+
+
+def _host_mask(mask) -> np.ndarray:
+    """A mask as numpy (a torch CPU mask as its memory)."""
+    return mask.detach().numpy() if hasattr(mask, "detach") else np.asarray(mask)
 
 
 def _overlap(a, b) -> bool:
@@ -551,6 +567,12 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
             return _prefill_rows_as_decode(q, k, v, rank=rank, shapes=shapes, causal=causal, scale=scale,
                                            device=device, return_lse=return_lse, variants=variants,
                                            key_start=starts)
+        # any other mask read per row (its keys before every row's first skipped): causal rows, or
+        # one row on a GPU (a CPU runs one row's mask as its GQA group's rows: _packs_group)
+        if (n_q > 1 and causal) or (n_q == 1 and not handle.is_cpu):
+            return _prefill_rows_as_decode(q, k, v, rank=rank, shapes=shapes, causal=causal, scale=scale,
+                                           device=device, return_lse=return_lse, variants=variants,
+                                           key_start=mask_first_keys(_host_mask(mask), b), row_mask=mask)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):
         return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                       return_lse=return_lse, variants=variants)

@@ -364,9 +364,9 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 const float p = exp2(s[u] - m_use);
                 l[i] += p;
                 /* a key a row does not see adds nothing to it, even a V of inf (0 inf = NaN); the
-                 * tail past k1 is zeros */
+                 * tail past k1 is zeros. Plain builds: every row sees every key, no test */
                 const int key = t0 + u * ROWS + row;
-                if (key < k1 && ROW_VISIBLE(batch, head0 + i, key, n_used))
+                if (!(QUERY_ROWS > 1 || ROW_MASK) || (key < k1 && ROW_VISIBLE(batch, head0 + i, key, n_used)))
                     acc[i] = fma((floatW)(p), vf[u], acc[i]);
             }
             m[i] = m_new;

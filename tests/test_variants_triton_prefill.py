@@ -562,6 +562,38 @@ def test_few_query_rows_with_a_mask_hide_nonfinite_kv(triton_device):
         assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
 
 
+@pytest.mark.parametrize("h_kv", [2, 8])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_one_query_row_with_a_mask_hides_keys(triton_device, kind, h_kv):
+    """One query row whose group reads one row of the mask (broadcast over heads, or MHA with a
+    mask per head: MASK_PER_KEY) hides keys as a whole: a padding of whole tiles, holes, and a
+    sequence that sees nothing (out 0, lse -inf); whatever the hidden K/V hold, 1 and 3 splits."""
+    from flashcl.triton import decode as td
+
+    b, h_q, n_kv, d = 3, 8, 70, 32
+    q, k, v = _inputs(b, h_q, h_kv, 1, n_kv, d, d, torch.float32, triton_device, 83)
+    g = torch.Generator().manual_seed(84)
+    heads = 1 if h_kv < h_q else h_q
+    seen = torch.rand(b, heads, 1, n_kv, generator=g) > 0.3
+    seen[0, :, :, :40] = False  # sequence 0 padded by 40 keys
+    seen[2] = False  # sequence 2 sees nothing
+    mask = seen if kind == "bool" else torch.where(seen, torch.randn(seen.shape, generator=g), float("-inf"))
+    hidden = ~seen.any(dim=(1, 2))  # (b, n_kv): keys no head of the sequence sees
+    k_bad, v_bad = k.clone(), v.clone()
+    for i in range(b):
+        keys = hidden[i].to(triton_device)
+        k_bad[i, :, keys, ::2], k_bad[i, :, keys, 1::2] = float("nan"), float("inf")
+        v_bad[i, :, keys], v_bad[i, :, keys, 0] = float("inf"), float("nan")
+    ref_out, ref_lse = _oracle(q, k, v, False, d ** -0.5, mask=mask)
+    for splits in (1, 3):
+        out, lse = td._launch(q.reshape(b, h_q, d), k_bad, v_bad, None, None, d ** -0.5, splits,
+                              row_mask=mask.to(triton_device))
+        got, got_lse = out.view(b, h_q, 1, d).double().cpu().numpy(), lse.view(b, h_q, 1).double().cpu().numpy()
+        assert np.isfinite(got).all(), splits
+        assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
+        assert np.array_equal(np.isneginf(got_lse), np.isneginf(ref_lse)) and not got[2].any(), splits
+
+
 def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch):
     """A mask, a window or ALiBi on several rows that are not causal, explicit tiles, 17 rows or
     more than 64 rows per KV head run the prefill kernel."""

@@ -174,8 +174,10 @@ def _decode_kernel(
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
     # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive;
-    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS
-    ROW_MASK: tl.constexpr = 0,
+    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS. MASK_PER_KEY: the
+    # group's rows all read one row of it (one query row, the mask broadcast over heads), which
+    # hides keys as a whole: they are not loaded, and the rows need no per-row masking
+    ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -186,8 +188,11 @@ def _decode_kernel(
     tl.static_assert(not PAGE_TILES or (PAGED and EARLY_PAGES and PAGE_SIZE % BLOCK_N == 0),
                      "PAGE_TILES: tiles inside one page")
     tl.static_assert((K_FMT == "" and V_FMT == "") or not MHA_FMA, "quantized K/V: the dot path")
-    ROWS_DIFFER: tl.constexpr = QUERY_ROWS > 1 or ROW_MASK != 0  # the group's rows see different keys
+    # the group's rows see different keys
+    ROWS_DIFFER: tl.constexpr = QUERY_ROWS > 1 or (ROW_MASK != 0 and not MASK_PER_KEY)
     tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
+    tl.static_assert(ROW_MASK == 0 or not (MHA_FMA or STORED), "a mask: the dot path")
+    tl.static_assert(not MASK_PER_KEY or (ROW_MASK != 0 and QUERY_ROWS == 1), "one mask row for the group")
     tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
@@ -304,7 +309,9 @@ def _decode_kernel(
         if ALIBI:  # the group's slopes, in the log2 domain
             slopes = tl.load(Slopes + pid_b.to(tl.int64) * stride_slb + heads, mask=mask_g, other=0.0) * LOG2E
         row_pos = n_ctx - QUERY_ROWS + offs_g % QUERY_ROWS  # each row's position (QUERY_ROWS > 1)
-        if ROW_MASK != 0:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
+        if MASK_PER_KEY:  # the row of the group's first head, which every head reads
+            key_mask_base = RowMask + pid_b.to(tl.int64) * stride_rmb + (pid_h * GROUP).to(tl.int64) * stride_rmh
+        elif ROW_MASK != 0:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
             row_mask_base = (RowMask + pid_b.to(tl.int64) * stride_rmb + (heads // QUERY_ROWS) * stride_rmh
                              + (offs_g % QUERY_ROWS) * stride_rmq)
         for start_n in range(lo, hi, BLOCK_N):
@@ -312,6 +319,9 @@ def _decode_kernel(
             valid = tok < hi
             if LATE_START:  # the first tile may begin before the first key
                 valid = valid & (tok >= first_key)
+            if MASK_PER_KEY:  # a key the mask hides is not valid: its K/V rows are not read
+                key_mask = tl.load(key_mask_base + tok * stride_rmk, mask=valid, other=0)
+                valid = valid & (key_mask != (0 if ROW_MASK == 1 else float("-inf")))
             # locate each token's row: through the block table, or along the sequence's one chain
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
@@ -355,7 +365,7 @@ def _decode_kernel(
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
             # with whole pages or tiles inside a page every row address is a real row: no row mask,
             # unless a window or key start hides some of them (their K/V may hold anything)
-            mask_rows: tl.constexpr = LATE_START or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
+            mask_rows: tl.constexpr = LATE_START or MASK_PER_KEY or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
             if STORED:
                 rows_ok = valid
                 if not mask_rows:
@@ -416,11 +426,17 @@ def _decode_kernel(
                 p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
                 v = tl.where(v_ok, v, 0.0).to(v.dtype)
             else:
+                if ROW_MASK == 2:
+                    s = s + key_mask[None, :] * LOG2E
                 s = tl.where(valid[None, :], s, float("-inf"))
-                # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid token)
+                # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid
+                # token, unless a mask hides them all: then shift by 0, so exp2 gives 0, not NaN)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                m_use = m_new
+                if MASK_PER_KEY:
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if STORED:  # d of rows past the end may be anything: 0 (their p is 0)
                 acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
@@ -1042,6 +1058,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
             ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
+            MASK_PER_KEY=row_mask is not None and query_rows == 1 and (stride_rm[1] == 0 or group == 1),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )

@@ -404,6 +404,20 @@ def test_two_programs_per_sm_rule():
     assert plan(problem(16, 32, 1, 4096, d=64), SMS_132_SMEM, None, 8).num_splits == 8
 
 
+def test_two_warps_on_a_contiguous_cache_rule():
+    """A contiguous cache's split launch on the 2-warp tile aims at two programs per SM, at a
+    power of two, where its splits are too short for the long tile (H200: (1, 32/8, 32k) 16 splits
+    46 us, 32 splits 39-40); paged caches, the long tile's lengths and forced tiles keep theirs."""
+    def run(ctx, page=0, h_q=32, config=None):
+        p = plan(problem(1, h_q, 8, ctx, page=page), SMS_132_SMEM, config)
+        return p.num_splits, p.block_n, p.num_warps
+
+    assert run(8192) == run(32768) == (32, 64, 2) and run(32768, h_q=16) == (32, 64, 2)
+    assert run(131072) == (16, 128, 8)  # splits of 8k keys: the long tile, one program per SM
+    assert run(32768, h_q=64) == (16, 64, 4)  # groups of 8: 4 warps, one program per SM
+    assert run(32768, page=16)[0] == run(32768, config={"num_warps": 2})[0] == 16
+
+
 def test_two_warps_rule():
     """The default 64-row tile runs on 2 warps exactly where it was measured to pay: GQA groups of
     2 to 4, 2-byte K/V, head dims 128; never where the config sets the tile, never the long tile

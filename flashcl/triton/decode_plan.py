@@ -582,14 +582,19 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     dequant_tile = None if tile_forced else _dequant_tile(p)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
     per_sm = _dequant_programs_per_sm(p)
-    # query rows (prefill's few-row route) too, at a power of two: 32 splits of (1, 32/8, 32k) ran
-    # 15-17% faster than 16, and 33 as slowly as 16 (docs/notes/triton-prefill.md)
-    if auto_splits > 1 and (p.rows_differ
+    # query rows (prefill's few-row route) and a contiguous cache's 2-warp tile where its splits are
+    # too short for the long tile too, at a power of two: 32 splits of (1, 32/8, 32k) ran 14-17%
+    # faster than 16, and 33 as slowly as 16 (docs/notes/decode-h100.md, "Two programs per SM")
+    two_warps_alone = (auto_splits > 1 and not paged and not tile_forced and dequant_tile is None
+                       and _two_warps_pay(group, p.elt_bytes, block_dk, block_dv)
+                       and not (_cdiv(n_ctx, auto_splits) >= _LONG_SPLIT
+                                and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv)))
+    if auto_splits > 1 and (p.rows_differ or two_warps_alone
                             or _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)):
         per_sm = max(per_sm, 2)
     if auto_splits > 1 and per_sm > 1:
         auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
-        if p.rows_differ:
+        if p.rows_differ or two_warps_alone:
             auto_splits = 1 << (auto_splits.bit_length() - 1)
     splits = num_splits if num_splits > 0 else auto_splits
 

@@ -1,0 +1,49 @@
+"""flashcl.decode on CUDA over a contiguous (B, H_kv, N, D) cache (the layout transformers' caches
+and the few-row prefill route hand it), next to torch's SDPA of the same query row.
+
+    python benchmarks/cuda_contiguous_decode.py [--rounds 3]
+
+fp16, d = 128, one query row per head. Device microseconds a call (CUDA-graph replay, inputs
+rotated past L2, interleaved rounds: the median, and the least and most round) and the bandwidth
+of flashcl's on the K/V bytes. Paged caches are `flashcl bench decode`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import flashcl
+from flashcl.tools.cuda_timing import device_and_host, rotation_count
+
+D = 128
+SHAPES = [(1, 32, 8, 4096), (1, 32, 8, 8192), (1, 32, 8, 16384), (1, 32, 8, 32768), (1, 16, 8, 32768),
+          (1, 32, 16, 32768), (1, 32, 8, 131072)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
+    for b, h_q, h_kv, n in SHAPES:
+        kv_bytes = 2 * b * h_kv * n * D * 2
+        sets = [{"k": rand(b, h_kv, n, D), "v": rand(b, h_kv, n, D), "q": rand(b, h_q, D)}
+                for _ in range(rotation_count(kv_bytes))]
+        calls = {"flashcl.decode": lambda x: flashcl.decode(x["q"], x["k"], x["v"]),
+                 "SDPA": lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"], x["v"],
+                                                                  enable_gqa=True)}
+        want = calls["SDPA"](sets[0])[:, :, 0].float()
+        assert (calls["flashcl.decode"](sets[0]).float() - want).abs().max().item() < 2e-2, (b, h_q, h_kv, n)
+        for name, r in device_and_host(calls, sets, args.rounds).items():
+            us = 1e3 * r["median_ms"]
+            print(f"({b}, {h_q}/{h_kv}, {n:6d}, {D})  {name:15s} device {us:7.1f} us "
+                  f"({1e3 * r['min_ms']:.1f}-{1e3 * r['max_ms']:.1f})  {kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

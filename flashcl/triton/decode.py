@@ -419,12 +419,15 @@ def _decode_kernel(
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
-                # a key one row sees and another does not: 0 x a V of inf or NaN must not reach the
-                # other; such a V becomes 0, and a row that sees it gets P = NaN there (NaN out)
-                v_ok = tl.abs(v.to(tl.float32)) < float("inf")
-                key_bad = tl.max(tl.where(v_ok, 0, 1), 1)
-                p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
-                v = tl.where(v_ok, v, 0.0).to(v.dtype)
+                # a key one row sees and another does not (_hide_unseen_nonfinite). Without a mask,
+                # only a tile with such a key (or a slot past the end) pays for it: the causal
+                # rows' last tiles and a window's first (with a mask this measured slower)
+                if ROW_MASK != 0:
+                    p, v = _hide_unseen_nonfinite(p, v, seen)
+                else:
+                    seen_by = tl.sum(tl.where(seen & mask_g[:, None], 1, 0), 0)
+                    if tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0) != 0:
+                        p, v = _hide_unseen_nonfinite(p, v, seen)
             else:
                 if ROW_MASK == 2:
                     s = s + key_mask[None, :] * LOG2E
@@ -504,6 +507,17 @@ def _decode_kernel(
         # back from log2 to natural log: lse = (m + log2 l) * ln 2
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_g)
+
+
+@triton.jit
+def _hide_unseen_nonfinite(p, v, seen):
+    """P and V of a tile whose rows see different keys: 0 x a V of inf or NaN must not reach a row
+    that does not see its key; such a V row becomes 0, and a row that sees it gets P = NaN there
+    (NaN out, as the oracle's)."""
+    v_ok = tl.abs(v.to(tl.float32)) < float("inf")
+    key_bad = tl.max(tl.where(v_ok, 0, 1), 1)
+    p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
+    return p, tl.where(v_ok, v, 0.0).to(v.dtype)
 
 
 @triton.jit

@@ -418,6 +418,18 @@ def test_two_warps_on_a_contiguous_cache_rule():
     assert run(32768, page=16)[0] == run(32768, config={"num_warps": 2})[0] == 16
 
 
+def test_quantized_rows_tile_rule():
+    """A prefill's rows run as a decode of a quantized cache take 64 keys on 4 warps from 64 rows
+    a KV head (H200: 1.7-1.9x at (1, 32/8, 16, 32k)); fewer rows keep their format's tile."""
+    def tile(n_q, fmt):
+        p = plan(replace(problem(1, 32 * n_q, 8, 32768, page=0), query_rows=n_q, kv_formats=(fmt, fmt)),
+                 SMS_132_SMEM)
+        return p.block_n, p.num_warps
+
+    assert [tile(16, f) for f in ("q8_0", "q4_0", "int8", "fp8_e4m3")] == [(64, 4)] * 4
+    assert tile(8, "q8_0") == tile(8, "int8") == (64, 2) and tile(8, "q4_0") == (32, 2)
+
+
 def test_two_warps_rule():
     """The default 64-row tile runs on 2 warps exactly where it was measured to pay: GQA groups of
     2 to 4, 2-byte K/V, head dims 128; never where the config sets the tile, never the long tile

@@ -391,6 +391,10 @@ _WORD_TILE = {"BLOCK_N": 64, "num_warps": 2}
 _GGML_TILES = {"q8_0": _WORD_TILE, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
 
+_ROWS_FOUR_WARPS = 64  # group rows from which a quantized few-row launch takes _ROWS_TILE
+_ROWS_TILE = {"BLOCK_N": 64, "num_warps": 4}
+
+
 def _dequant_programs_per_sm(problem: DecodeProblem) -> int:
     """The programs per SM a quantized split launch aims at: 4 (1 plain). One program dequantizing
     its tiles does not stream enough for its SM; four on the small tiles beat two on the larger
@@ -616,6 +620,10 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     quant_tile = dequant_tile is not None
     if quant_tile:
         cfg.update(dequant_tile)
+        # a prefill's 64 rows a KV head dequantizing on 2 warps: 64 keys on 4 (H200, (1, 32/8, 16,
+        # 32k): q8_0 160 -> 84 us, int8 170 -> 98, q4_0 155 -> 89; docs/notes/triton-prefill.md)
+        if p.rows_differ and _next_pow2(group) >= _ROWS_FOUR_WARPS:
+            cfg.update(_ROWS_TILE)
     long_tile = (not tile_forced and not quant_tile and alone and max(block_dk, block_dv) >= 128
                  and _cdiv(n_ctx, splits) >= _LONG_SPLIT
                  and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))

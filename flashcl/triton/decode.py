@@ -429,7 +429,7 @@ def _decode_kernel(
                     if tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0) != 0:
                         p, v = _hide_unseen_nonfinite(p, v, seen)
             else:
-                if ROW_MASK == 2:
+                if MASK_PER_KEY and ROW_MASK == 2:
                     s = s + key_mask[None, :] * LOG2E
                 s = tl.where(valid[None, :], s, float("-inf"))
                 # online softmax: rescale acc to the new max (m_new is finite: each tile has a valid

@@ -586,9 +586,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     dequant_tile = None if tile_forced else _dequant_tile(p)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
     per_sm = _dequant_programs_per_sm(p)
-    # query rows (prefill's few-row route) and a contiguous cache's 2-warp tile where its splits are
-    # too short for the long tile too, at a power of two: 32 splits of (1, 32/8, 32k) ran 14-17%
-    # faster than 16, and 33 as slowly as 16 (docs/notes/decode-h100.md, "Two programs per SM")
+    # two programs per SM at a power of two for query rows (prefill's few-row route) and for a
+    # contiguous cache's 2-warp tile whose splits are too short for the long tile: 32 splits of
+    # (1, 32/8, 32k) ran 14-17% faster than 16, 33 as slowly as 16 (decode-h100.md, "Two programs per SM")
     two_warps_alone = (auto_splits > 1 and not paged and not tile_forced and dequant_tile is None
                        and _two_warps_pay(group, p.elt_bytes, block_dk, block_dv)
                        and not (_cdiv(n_ctx, auto_splits) >= _LONG_SPLIT

@@ -408,14 +408,20 @@ def test_two_warps_on_a_contiguous_cache_rule():
     """A contiguous cache's split launch on the 2-warp tile aims at two programs per SM, at a
     power of two, where its splits are too short for the long tile (H200: (1, 32/8, 32k) 16 splits
     46 us, 32 splits 39-40); paged caches, the long tile's lengths and forced tiles keep theirs."""
-    def run(ctx, page=0, h_q=32, config=None):
-        p = plan(problem(1, h_q, 8, ctx, page=page), SMS_132_SMEM, config)
+    def run(ctx, page=0, h_q=32, h_kv=8, d=128, window=-1, config=None):
+        prob = replace(problem(1, h_q, h_kv, ctx, d=d, page=page), window_left=window,
+                       variants=("window",) if window >= 0 else ())
+        p = plan(prob, SMS_132_SMEM, config)
         return p.num_splits, p.block_n, p.num_warps
 
     assert run(8192) == run(32768) == (32, 64, 2) and run(32768, h_q=16) == (32, 64, 2)
     assert run(131072) == (16, 128, 8)  # splits of 8k keys: the long tile, one program per SM
     assert run(32768, h_q=64) == (16, 64, 4)  # groups of 8: 4 warps, one program per SM
     assert run(32768, page=16)[0] == run(32768, config={"num_warps": 2})[0] == 16
+    # a count the keys cap is not rounded below it; not measured: windows, padded heads, fewer programs
+    assert run(3072)[0] == 12 and run(1280)[0] == 5
+    assert run(32768, window=767)[0] == 12 and run(32768, d=96)[0] == 16
+    assert run(32768, h_q=8, h_kv=2)[0] == 66
 
 
 def test_quantized_rows_tile_rule():
@@ -427,7 +433,12 @@ def test_quantized_rows_tile_rule():
         return p.block_n, p.num_warps
 
     assert [tile(16, f) for f in ("q8_0", "q4_0", "int8", "fp8_e4m3")] == [(64, 4)] * 4
+    assert tile(12, "q8_0") == (64, 4)  # 48 rows: the kernel pads them to 64
     assert tile(8, "q8_0") == tile(8, "int8") == (64, 2) and tile(8, "q4_0") == (32, 2)
+    # one row of 64 heads with a mask (a decode's shape, not the rows measured) keeps the format's
+    one_row = plan(replace(problem(1, 64, 1, 32768, page=0), row_mask=True, kv_formats=("q8_0", "q8_0")),
+                   SMS_132_SMEM)
+    assert (one_row.block_n, one_row.num_warps) == (64, 2)
 
 
 def test_two_warps_rule():

@@ -562,36 +562,63 @@ def test_few_query_rows_with_a_mask_hide_nonfinite_kv(triton_device):
         assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("h_kv", [2, 8])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_one_query_row_with_a_mask_hides_keys(triton_device, kind, h_kv):
+def test_one_query_row_with_a_mask_hides_keys(triton_device, monkeypatch, kind, h_kv, paged):
     """One query row whose group reads one row of the mask (broadcast over heads, or MHA with a
-    mask per head: MASK_PER_KEY) hides keys as a whole: a padding of whole tiles, holes, and a
-    sequence that sees nothing (out 0, lse -inf); whatever the hidden K/V hold, 1 and 3 splits."""
+    mask per head) runs MASK_PER_KEY: a padding past a whole tile, holes, and a sequence that sees
+    nothing (out 0, lse -inf); whatever the K/V a head's mask hides hold; 1 and 3 splits."""
     from flashcl.triton import decode as td
 
-    b, h_q, n_kv, d = 3, 8, 70, 32
+    launched = []
+    kernel = td._decode_kernel
+
+    class Spy:  # records the launch's MASK_PER_KEY
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw["MASK_PER_KEY"]) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(td, "_decode_kernel", Spy())
+    b, h_q, n_kv, d, page = 3, 8, 150, 32, 16
     q, k, v = _inputs(b, h_q, h_kv, 1, n_kv, d, d, torch.float32, triton_device, 83)
     g = torch.Generator().manual_seed(84)
     heads = 1 if h_kv < h_q else h_q
     seen = torch.rand(b, heads, 1, n_kv, generator=g) > 0.3
-    seen[0, :, :, :40] = False  # sequence 0 padded by 40 keys
+    seen[0, :, :, :100] = False  # sequence 0 padded by 100 keys (past any tile of the plan)
     seen[2] = False  # sequence 2 sees nothing
     mask = seen if kind == "bool" else torch.where(seen, torch.randn(seen.shape, generator=g), float("-inf"))
-    hidden = ~seen.any(dim=(1, 2))  # (b, n_kv): keys no head of the sequence sees
+    # the keys each KV head's rows do not see hold NaN and inf
+    hidden = ~seen[:, :, 0].reshape(b, -1, heads // min(heads, h_kv), n_kv).any(dim=2).expand(b, h_kv, n_kv)
+    hidden = hidden.to(triton_device)
     k_bad, v_bad = k.clone(), v.clone()
-    for i in range(b):
-        keys = hidden[i].to(triton_device)
-        k_bad[i, :, keys, ::2], k_bad[i, :, keys, 1::2] = float("nan"), float("inf")
-        v_bad[i, :, keys], v_bad[i, :, keys, 0] = float("inf"), float("nan")
+    k_bad[..., ::2] = torch.where(hidden[..., None], float("nan"), k[..., ::2])
+    k_bad[..., 1::2] = torch.where(hidden[..., None], float("inf"), k[..., 1::2])
+    v_bad = torch.where(hidden[..., None], float("inf"), v)
+    v_bad[..., 0] = torch.where(hidden, float("nan"), v[..., 0])
+    table = lens = None
+    if paged:  # (blocks, page, H_kv, D) in a permuted order
+        per_seq = -(-n_kv // page)
+        order = torch.randperm(b * per_seq, generator=g)
+        table = order.view(b, per_seq).to(torch.int32).to(triton_device)
+        lens = torch.full((b,), n_kv, dtype=torch.int32, device=triton_device)
+
+        def to_pages(x):
+            x = torch.nn.functional.pad(x, (0, 0, 0, per_seq * page - n_kv))
+            x = x.view(b, h_kv, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(b * per_seq, page, h_kv, d)
+            out = torch.empty_like(x)
+            out[order.to(x.device)] = x
+            return out
+
+        k_bad, v_bad = to_pages(k_bad), to_pages(v_bad)
     ref_out, ref_lse = _oracle(q, k, v, False, d ** -0.5, mask=mask)
     for splits in (1, 3):
-        out, lse = td._launch(q.reshape(b, h_q, d), k_bad, v_bad, None, None, d ** -0.5, splits,
+        out, lse = td._launch(q.reshape(b, h_q, d), k_bad, v_bad, table, lens, d ** -0.5, splits,
                               row_mask=mask.to(triton_device))
         got, got_lse = out.view(b, h_q, 1, d).double().cpu().numpy(), lse.view(b, h_q, 1).double().cpu().numpy()
         assert np.isfinite(got).all(), splits
         assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
         assert np.array_equal(np.isneginf(got_lse), np.isneginf(ref_lse)) and not got[2].any(), splits
+    assert launched == [True, True]
 
 
 def test_few_query_rows_that_keep_the_prefill_kernel(triton_device, monkeypatch):

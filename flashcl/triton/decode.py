@@ -174,9 +174,8 @@ def _decode_kernel(
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
     # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive;
-    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS. MASK_PER_KEY: the
-    # group's rows all read one row of it (one query row, the mask broadcast over heads), which
-    # hides keys as a whole: they are not loaded, and the rows need no per-row masking
+    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS. MASK_PER_KEY: the whole
+    # group reads one row of it (one query row; a broadcast head or MHA): it hides keys, unloaded
     ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
@@ -513,7 +512,7 @@ def _decode_kernel(
 def _hide_unseen_nonfinite(p, v, seen):
     """P and V of a tile whose rows see different keys: 0 x a V of inf or NaN must not reach a row
     that does not see its key; such a V row becomes 0, and a row that sees it gets P = NaN there
-    (NaN out, as the oracle's)."""
+    (its output NaN; in a tile every row sees whole, the plain P V gives inf or NaN)."""
     v_ok = tl.abs(v.to(tl.float32)) < float("inf")
     key_bad = tl.max(tl.where(v_ok, 0, 1), 1)
     p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
@@ -956,7 +955,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Variants and quantized caches as the op takes them (see ``_decode_impl``); ``query_rows``: q's
     heads are each query head's causal rows (the kernel's QUERY_ROWS; prefill's few-row route);
     ``row_mask``: that prefill's mask (Bm, Hm, N_q, N_kv), bool or float32 additive, contiguous,
-    Bm in {1, B}, Hm in {1, H_q / query_rows} (the kernel's ROW_MASK)."""
+    Bm in {1, B}, Hm in {1, H_q / query_rows} (the kernel's ROW_MASK; MASK_PER_KEY where every
+    head of a group reads the same row of it)."""
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None

@@ -391,8 +391,8 @@ _WORD_TILE = {"BLOCK_N": 64, "num_warps": 2}
 _GGML_TILES = {"q8_0": _WORD_TILE, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
 
-_ROWS_FOUR_WARPS = 64  # group rows from which a quantized few-row launch takes _ROWS_TILE
-_ROWS_TILE = {"BLOCK_N": 64, "num_warps": 4}
+_ROWS_FOUR_WARPS = 64  # padded group rows from which a quantized few-row launch takes _QUANT_ROWS_TILE
+_QUANT_ROWS_TILE = {"BLOCK_N": 64, "num_warps": 4}
 
 
 def _dequant_programs_per_sm(problem: DecodeProblem) -> int:
@@ -588,18 +588,22 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     per_sm = _dequant_programs_per_sm(p)
     # two programs per SM at a power of two for query rows (prefill's few-row route) and for a
     # contiguous cache's 2-warp tile whose splits are too short for the long tile: 32 splits of
-    # (1, 32/8, 32k) ran 14-17% faster than 16, 33 as slowly as 16 (decode-h100.md, "Two programs per SM")
-    two_warps_alone = (auto_splits > 1 and not paged and not tile_forced and dequant_tile is None
-                       and _two_warps_pay(group, p.elt_bytes, block_dk, block_dv)
-                       and not (_cdiv(n_ctx, auto_splits) >= _LONG_SPLIT
-                                and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv)))
-    if auto_splits > 1 and (p.rows_differ or two_warps_alone
+    # (1, 32/8, 32k) ran 14-17% faster than 16, 33 as slowly as 16 (triton-prefill.md, decode-h100.md)
+    short_two_warp_splits = (auto_splits > 1 and not paged and not tile_forced and dequant_tile is None
+                             and p.window_left < 0 and p.dk == p.dv == 128 and programs >= 8
+                             and _two_warps_pay(group, p.elt_bytes, block_dk, block_dv)
+                             and not (_cdiv(n_ctx, auto_splits) >= _LONG_SPLIT
+                                      and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv)))
+    if auto_splits > 1 and (p.rows_differ or short_two_warp_splits
                             or _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)):
         per_sm = max(per_sm, 2)
     if auto_splits > 1 and per_sm > 1:
+        one_per_sm = auto_splits
         auto_splits = choose_num_splits(per_sm * sms, programs, n_ctx, rows, min_tiles)
-        if p.rows_differ or two_warps_alone:
+        if p.rows_differ or short_two_warp_splits:
             auto_splits = 1 << (auto_splits.bit_length() - 1)
+        if short_two_warp_splits:  # a count capped by the keys stays as it was, not rounded below
+            auto_splits = max(auto_splits, one_per_sm)
     splits = num_splits if num_splits > 0 else auto_splits
 
     # the Gluon GQA kernel: forced, wherever it can run; by default where its rule takes the launch
@@ -620,10 +624,10 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     quant_tile = dequant_tile is not None
     if quant_tile:
         cfg.update(dequant_tile)
-        # a prefill's 64 rows a KV head dequantizing on 2 warps: 64 keys on 4 (H200, (1, 32/8, 16,
-        # 32k): q8_0 160 -> 84 us, int8 170 -> 98, q4_0 155 -> 89; docs/notes/triton-prefill.md)
-        if p.rows_differ and _next_pow2(group) >= _ROWS_FOUR_WARPS:
-            cfg.update(_ROWS_TILE)
+        # a prefill's rows padded to 64 a KV head dequantizing on 2 warps: 64 keys on 4 (H200, (1,
+        # 32/8, 16, 32k): q8_0 160 -> 84 us, int8 170 -> 98, q4_0 155 -> 89; triton-prefill.md)
+        if p.query_rows > 1 and _next_pow2(group) >= _ROWS_FOUR_WARPS:
+            cfg.update(_QUANT_ROWS_TILE)
     long_tile = (not tile_forced and not quant_tile and alone and max(block_dk, block_dv) >= 128
                  and _cdiv(n_ctx, splits) >= _LONG_SPLIT
                  and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))

@@ -12,6 +12,7 @@ views of the first N_kv keys of longer caches whose extra rows are NaN: a read p
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -146,6 +147,26 @@ def test_few_query_rows_run_as_decode(triton_device, monkeypatch, k_fmt, v_fmt):
         routed.clear()
         _check(q, k, v, causal=True, device=triton_device, params="flashcl", **kw)
         assert routed == [q.shape], (sorted(kw), routed)
+
+
+def test_few_query_rows_hide_nonfinite_row_scales(triton_device):
+    """On the few-row route an int8 V row scale of inf or NaN reaches only the rows that see its
+    key: the last key's (only the last causal row sees it), and a key a mask hides from row 0."""
+    q, k, v = _case(triton_device, torch.float16, "int8", "int8", b=1, n_q=4, n_kv=40, dk=32, dv=32)
+    for bad_key, bad, mask, rows in ((39, float("inf"), None, slice(0, 3)), (5, float("nan"), True, slice(0, 1))):
+        scales = v.scales.clone()
+        scales[:, :, bad_key] = bad
+        v_bad = dataclasses.replace(v, scales=scales)
+        kw = {}
+        if mask:
+            holes = torch.ones(1, 1, 4, 40, dtype=torch.bool)
+            holes[:, :, 0, bad_key] = False
+            kw["mask"] = holes.to(triton_device)
+        out = flashcl.prefill(q, k, v_bad, causal=True, backend="triton", **kw)
+        ref = reference.attention(_np(q), _np(k), _np(v), causal=True, **{n: _np(x) for n, x in kw.items()})
+        got = out.double().cpu().numpy()[:, :, rows]
+        assert np.isfinite(got).all(), (bad_key, bad)
+        assert reference.rel_err(got, ref[:, :, rows]) <= reference.TOLERANCE["float16"], (bad_key, bad)
 
 
 PAIRS = [(f, f) for f in FORMATS] + [("q8_0", "int8"), (None, "q4_0"), ("int8", None), ("fp8_e4m3", "q8_0"),

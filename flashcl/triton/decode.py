@@ -423,10 +423,14 @@ def _decode_kernel(
                 # rows' last tiles and a window's first (with a mask this measured slower)
                 if ROW_MASK != 0:
                     p, v = _hide_unseen_nonfinite(p, v, seen)
+                    if V_FMT == "int8" or V_FMT == "fp8_e4m3":
+                        p, v_scale = _hide_unseen_nonfinite_scales(p, v_scale, seen)
                 else:
                     seen_by = tl.sum(tl.where(seen & mask_g[:, None], 1, 0), 0)
                     if tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0) != 0:
                         p, v = _hide_unseen_nonfinite(p, v, seen)
+                        if V_FMT == "int8" or V_FMT == "fp8_e4m3":
+                            p, v_scale = _hide_unseen_nonfinite_scales(p, v_scale, seen)
             else:
                 if MASK_PER_KEY and ROW_MASK == 2:
                     s = s + key_mask[None, :] * LOG2E
@@ -517,6 +521,14 @@ def _hide_unseen_nonfinite(p, v, seen):
     key_bad = tl.max(tl.where(v_ok, 0, 1), 1)
     p = tl.where(seen & (key_bad[None, :] != 0), float("nan"), p)
     return p, tl.where(v_ok, v, 0.0).to(v.dtype)
+
+
+@triton.jit
+def _hide_unseen_nonfinite_scales(p, v_scale, seen):
+    """As _hide_unseen_nonfinite for V's row scales (int8 / fp8): a scale of inf or NaN becomes 0,
+    and the rows that see its key get P = NaN there."""
+    scale_ok = tl.abs(v_scale) < float("inf")
+    return tl.where(seen & ~scale_ok[None, :], float("nan"), p), tl.where(scale_ok, v_scale, 0.0)
 
 
 @triton.jit

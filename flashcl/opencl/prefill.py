@@ -486,7 +486,7 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale, num_splits=None,
                       device=device, params=None, return_lse=True, variants=variants, key_start=key_start,
                       query_rows=n_q if causal and n_q > 1 else 1,
-                      row_mask=None if row_mask is None else _host_mask(row_mask))
+                      row_mask=row_mask)
     return _rows_result(out, lse, rank, shapes, return_lse)
 
 
@@ -496,11 +496,6 @@ def _rows_result(out, lse, rank: int, shapes, return_lse: bool):
     lead = (b,) if rank == 4 else ()
     out = out.reshape(*lead, h_q, n_q, dv)
     return (out, lse.reshape(*lead, h_q, n_q)) if return_lse else out
-
-
-def _host_mask(mask) -> np.ndarray:
-    """A mask as numpy (a torch CPU mask as its memory)."""
-    return mask.detach().numpy() if hasattr(mask, "detach") else np.asarray(mask)
 
 
 def _overlap(a, b) -> bool:
@@ -572,7 +567,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
         if (n_q > 1 and causal) or (n_q == 1 and not handle.is_cpu):
             return _prefill_rows_as_decode(q, k, v, rank=rank, shapes=shapes, causal=causal, scale=scale,
                                            device=device, return_lse=return_lse, variants=variants,
-                                           key_start=mask_first_keys(_host_mask(mask), b), row_mask=mask)
+                                           key_start=mask_first_keys(mask, b), row_mask=mask)
     if _packs_group(handle, n_q, h_q, h_kv, is_cl, params, variants):
         return _prefill_group_as_rows(q, k, v, rank=rank, shapes=shapes, scale=scale, device=device,
                                       return_lse=return_lse, variants=variants)

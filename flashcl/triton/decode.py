@@ -422,15 +422,14 @@ def _decode_kernel(
                 # only a tile with such a key (or a slot past the end) pays for it: the causal
                 # rows' last tiles and a window's first (with a mask this measured slower)
                 if ROW_MASK != 0:
+                    rows_disagree = 1
+                else:
+                    seen_by = tl.sum(tl.where(seen & mask_g[:, None], 1, 0), 0)
+                    rows_disagree = tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0)
+                if rows_disagree != 0:
                     p, v = _hide_unseen_nonfinite(p, v, seen)
                     if V_FMT == "int8" or V_FMT == "fp8_e4m3":
                         p, v_scale = _hide_unseen_nonfinite_scales(p, v_scale, seen)
-                else:
-                    seen_by = tl.sum(tl.where(seen & mask_g[:, None], 1, 0), 0)
-                    if tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0) != 0:
-                        p, v = _hide_unseen_nonfinite(p, v, seen)
-                        if V_FMT == "int8" or V_FMT == "fp8_e4m3":
-                            p, v_scale = _hide_unseen_nonfinite_scales(p, v_scale, seen)
             else:
                 if MASK_PER_KEY and ROW_MASK == 2:
                     s = s + key_mask[None, :] * LOG2E

@@ -318,6 +318,14 @@ def _long_tile_fits(smem_per_block: int, elt_bytes: int, block_dk: int, block_dv
     return _ring_fits(_LONG_TILE["BLOCK_N"], smem_per_block, elt_bytes, block_dk, block_dv)
 
 
+def _long_tile_pays(n_ctx: int, splits: int, smem_per_block: int, elt_bytes: int, block_dk: int,
+                    block_dv: int) -> bool:
+    """Splits of at least _LONG_SPLIT tokens, heads padded to 128 or more, and a ring that fits:
+    where a one-wave grid takes _LONG_TILE."""
+    return (max(block_dk, block_dv) >= 128 and _cdiv(n_ctx, splits) >= _LONG_SPLIT
+            and _long_tile_fits(smem_per_block, elt_bytes, block_dk, block_dv))
+
+
 def _ring_fits(block_n: int, smem_per_block: int, elt_bytes: int, block_dk: int, block_dv: int) -> bool:
     ring = (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes
     return ring + _SMEM_HEADROOM <= smem_per_block
@@ -592,8 +600,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     short_two_warp_splits = (auto_splits > 1 and not paged and not tile_forced and dequant_tile is None
                              and p.window_left < 0 and p.dk == p.dv == 128 and programs >= 8
                              and _two_warps_pay(group, p.elt_bytes, block_dk, block_dv)
-                             and not (_cdiv(n_ctx, auto_splits) >= _LONG_SPLIT
-                                      and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv)))
+                             and not _long_tile_pays(n_ctx, auto_splits, facts.smem_per_block, p.elt_bytes,
+                                                     block_dk, block_dv))
     if auto_splits > 1 and (p.rows_differ or short_two_warp_splits
                             or _two_programs_per_sm(group, cfg["BLOCK_N"], block_dk, block_dv, p.elt_bytes)):
         per_sm = max(per_sm, 2)
@@ -628,9 +636,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         # 32/8, 16, 32k): q8_0 160 -> 84 us, int8 170 -> 98, q4_0 155 -> 89; triton-prefill.md)
         if p.query_rows > 1 and _next_pow2(group) >= _ROWS_FOUR_WARPS:
             cfg.update(_QUANT_ROWS_TILE)
-    long_tile = (not tile_forced and not quant_tile and alone and max(block_dk, block_dv) >= 128
-                 and _cdiv(n_ctx, splits) >= _LONG_SPLIT
-                 and _long_tile_fits(facts.smem_per_block, p.elt_bytes, block_dk, block_dv))
+    long_tile = (not tile_forced and not quant_tile and alone
+                 and _long_tile_pays(n_ctx, splits, facts.smem_per_block, p.elt_bytes, block_dk, block_dv))
     if long_tile:
         cfg.update(_LONG_TILE)
     for key, on in _auto_knobs(splits).items():

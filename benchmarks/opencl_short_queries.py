@@ -1,10 +1,11 @@
 """flashcl.prefill of few query rows against a long cache on an OpenCL GPU (speculative
 verification, a chunk through a cache), next to flashcl.decode of one row, inputs in device memory.
 
-    python benchmarks/opencl_short_queries.py --device 0:0 [--n-kv 32768] [--window LEFT] [--rounds 5]
+    python benchmarks/opencl_short_queries.py --device 0:0 [--n-kv 32768] [--window LEFT] [--padding P] [--rounds 5]
 
 (1, 32/8, N_q, N_kv, 128) (``--head-dim 256``: Gemma's), fp16 (``--dtype float32`` for
-decode.cl's path on NVIDIA), causal.
+decode.cl's path on NVIDIA), causal; with ``--padding``, a bool mask (1, 1, N_q, N_kv) hides the
+first P keys (a left-padded sequence's) from the rows, and the decode takes ``key_start`` P.
 Two times a call, medians over the rounds (the cases interleaved in each): "wall", ``--calls``
 calls back to back then the queue's finish, host and device overlapping as an application's loop
 overlaps them; "device", from the first kernel's start to the last one's end (OpenCL profiling
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     ap.add_argument("--window", type=int, default=None, help="a window (LEFT, 0) on the causal rows")
+    ap.add_argument("--padding", type=int, default=None, help="a bool mask hides the first P keys")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
@@ -82,11 +84,18 @@ def main() -> None:
     cases = {}
     for n_q in ROWS:
         q = cla.to_device(queue, rng.standard_normal((1, H_Q, n_q, D)).astype(dt))
-        cases[f"prefill N_q={n_q}"] = lambda q=q: flashcl.prefill(q, k, v, causal=True, **kw)
+        mask = {}
+        if args.padding is not None:
+            mask["mask"] = cla.to_device(queue, np.broadcast_to(np.arange(n_kv) >= args.padding,
+                                                                (1, 1, n_q, n_kv)).copy())
+        cases[f"prefill N_q={n_q}"] = lambda q=q, mask=mask: flashcl.prefill(q, k, v, causal=True, **kw, **mask)
     # decode of the last row: the same cache as a contiguous (B, H_kv, N_max, D) one
     q1 = cla.to_device(queue, rng.standard_normal((1, H_Q, D)).astype(dt))
     lens = cla.to_device(queue, np.array([n_kv], np.int32))
-    cases["decode, one row"] = lambda: flashcl.decode(q1, k, v, context_lens=lens, **kw)
+    start = {}
+    if args.padding is not None:
+        start["key_start"] = cla.to_device(queue, np.array([args.padding], np.int32))
+    cases["decode, one row"] = lambda: flashcl.decode(q1, k, v, context_lens=lens, **kw, **start)
     events = record_launches()
     for call in cases.values():  # builds, first launches
         call()
@@ -96,7 +105,8 @@ def main() -> None:
             wall[name].append(per_call_ms(call, queue, args.calls))
             device[name].append(device_ms(call, events, args.calls))
     print(f"# {queue.device.name}; (1, {H_Q}/{H_KV}, N_q, {n_kv}, {D}) {args.dtype} causal"
-          f"{' window ' + str(kw['window']) if kw else ''}; ms a call, median of {args.rounds} rounds [min-max]")
+          f"{' window ' + str(kw['window']) if kw else ''}"
+          f"{'' if args.padding is None else f', the first {args.padding} keys masked'}; ms a call, median of {args.rounds} rounds [min-max]")
     for name in cases:
         w, d = wall[name], device[name]
         print(f"{name:>18}: wall {statistics.median(w):.4f} [{min(w):.4f}-{max(w):.4f}]  "

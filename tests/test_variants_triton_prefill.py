@@ -562,6 +562,86 @@ def test_few_query_rows_with_a_mask_hide_nonfinite_kv(triton_device):
         assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
 
 
+@pytest.mark.parametrize("heads, n_q, h_kv", [(1, 3, 2), (1, 16, 2), (8, 3, 2), (8, 8, 1)],
+                         ids=["shared-3", "shared-16", "per-head-12", "per-head-64"])
+def test_row_mask_words_hold_each_rows_bit(triton_device, heads, n_q, h_kv):
+    """row_mask_words: bit g of key j's word is row g of the KV head's group (row g % N_q of prefill's
+    head (h * group + g) // N_q), int32 words up to 32 rows and int64 past them (bit 63 included)."""
+    from flashcl.triton import decode as td
+
+    b, h_q, n_kv = 2, 8, 300
+    group = h_q // h_kv * n_q
+    mask = torch.rand(b, heads, n_q, n_kv, generator=torch.Generator().manual_seed(87)) > 0.5
+    words = td.row_mask_words(mask.to(triton_device), h_kv, group, n_q).cpu()
+    word_rows, word_heads = (n_q, 1) if heads == 1 else (group, h_kv)
+    assert words.shape == (b, word_heads, n_kv) and words.dtype == (torch.int32 if word_rows <= 32 else torch.int64)
+    for h in range(word_heads):
+        for g in range(word_rows):
+            row = mask[:, 0, g] if heads == 1 else mask[:, (h * group + g) // n_q, g % n_q]
+            assert torch.equal((words[:, h] >> g) & 1 == 1, row), (h, g)
+
+
+def _to_pages(x, order, page):
+    """(B, H_kv, N, D) as a paged cache (blocks, page, H_kv, D) whose blocks lie in ``order``."""
+    b, h_kv, n, d = x.shape
+    per_seq = -(-n // page)
+    x = torch.nn.functional.pad(x, (0, 0, 0, per_seq * page - n))
+    x = x.view(b, h_kv, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(b * per_seq, page, h_kv, d)
+    out = torch.empty_like(x)
+    out[order.to(x.device)] = x
+    return out
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("heads", ["broadcast", "per-head"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_few_query_rows_with_row_masks_hide_keys(triton_device, monkeypatch, kind, heads, paged):
+    """Several causal rows, each with its own mask row (broadcast over heads or one per head): a
+    left padding past a whole tile (its K/V NaN and inf: no row sees it), random holes, and a key
+    every row but the first sees, holding NaN and inf: the first row stays finite and right, the
+    others see it (NaN), and without the poison every row matches the oracle; 1 and 3 splits."""
+    from flashcl.triton import decode as td
+
+    launched = []
+    kernel = td._decode_kernel
+
+    class Spy:  # records the launch's ROW_MASK (3: bit words)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw["ROW_MASK"]) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(td, "_decode_kernel", Spy())
+    b, h_q, h_kv, n_q, n_kv, d, page = 2, 8, 2, 3, 150, 32, 16
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 85)
+    g = torch.Generator().manual_seed(86)
+    seen = torch.rand(b, 1 if heads == "broadcast" else h_q, n_q, n_kv, generator=g) > 0.3
+    seen[0, :, :, :70] = False  # sequence 0 left-padded by 70 keys
+    seen[:, :, :, 100] = True
+    seen[:, :, 0, 100] = False  # key 100: hidden from the first row only
+    mask = seen if kind == "bool" else torch.where(seen, torch.randn(seen.shape, generator=g), float("-inf"))
+    k_bad, v_bad = k.clone(), v.clone()
+    for keys in (slice(0, 70), slice(100, 101)):
+        seq = slice(0, 1) if keys.start == 0 else slice(None)
+        k_bad[seq, :, keys, ::2], k_bad[seq, :, keys, 1::2] = float("nan"), float("inf")
+        v_bad[seq, :, keys], v_bad[seq, :, keys, 0] = float("inf"), float("nan")
+    ref_out, _ = _oracle(q, k, v, True, d ** -0.5, mask=mask)
+    table = lens = None
+    if paged:
+        order = torch.randperm(b * -(-n_kv // page), generator=g)
+        table = order.view(b, -1).to(torch.int32).to(triton_device)
+        lens = torch.full((b,), n_kv, dtype=torch.int32, device=triton_device)
+        k, v, k_bad, v_bad = (_to_pages(x, order, page) for x in (k, v, k_bad, v_bad))
+    for splits in (1, 3):
+        for kc, vc, rows in ((k, v, slice(None)), (k_bad, v_bad, slice(0, 1))):
+            out, _ = td._launch(q.reshape(b, h_q * n_q, d), kc, vc, table, lens, d ** -0.5, splits,
+                                query_rows=n_q, row_mask=mask.to(triton_device))
+            got = out.view(b, h_q, n_q, d).double().cpu().numpy()
+            assert np.isfinite(got[:, :, rows]).all(), (splits, rows)
+            assert reference.rel_err(got[:, :, rows], ref_out[:, :, rows]) <= reference.TOLERANCE["float32"], splits
+            if rows.stop == 1:
+                assert np.isnan(got[:, :, 1:]).any(axis=-1).all(), splits
+    assert set(launched) == {3 if kind == "bool" else 2}
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("h_kv", [2, 8])
 @pytest.mark.parametrize("kind", ["bool", "additive"])

@@ -173,10 +173,12 @@ def _decode_kernel(
     # of few rows run as this decode, prefill._rows_as_decode): its own causal cut, window and
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
-    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive;
-    # query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS. MASK_PER_KEY: the whole
-    # group reads one row of it (one query row; a broadcast head or MHA): it hides keys, unloaded
-    ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False,
+    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 2 additive, read per
+    # row (query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS); 3 bool as bit
+    # words (row_mask_words: bit g % WORD_ROWS of a key's word shows it to group row g). With
+    # MASK_PER_KEY (1 bool, 2 additive) the whole group reads one row of it (one query row; a
+    # broadcast head or MHA): it hides keys
+    ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False, WORD_ROWS: tl.constexpr = 1,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
     tl.static_assert(BLOCK_G >= GROUP)
@@ -192,6 +194,7 @@ def _decode_kernel(
     tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
     tl.static_assert(ROW_MASK == 0 or not (MHA_FMA or STORED), "a mask: the dot path")
     tl.static_assert(not MASK_PER_KEY or (ROW_MASK != 0 and QUERY_ROWS == 1), "one mask row for the group")
+    tl.static_assert(ROW_MASK != 1 or MASK_PER_KEY, "a bool mask on several rows: bit words (ROW_MASK 3)")
     tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
@@ -310,7 +313,10 @@ def _decode_kernel(
         row_pos = n_ctx - QUERY_ROWS + offs_g % QUERY_ROWS  # each row's position (QUERY_ROWS > 1)
         if MASK_PER_KEY:  # the row of the group's first head, which every head reads
             key_mask_base = RowMask + pid_b.to(tl.int64) * stride_rmb + (pid_h * GROUP).to(tl.int64) * stride_rmh
-        elif ROW_MASK != 0:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
+        elif ROW_MASK == 3:  # the words of this KV head's group (or of every group: stride 0)
+            word_base = RowMask + pid_b.to(tl.int64) * stride_rmb + pid_h.to(tl.int64) * stride_rmh
+            row_bit = tl.full([BLOCK_G], 1, RowMask.dtype.element_ty) << (offs_g % WORD_ROWS)
+        elif ROW_MASK == 2:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
             row_mask_base = (RowMask + pid_b.to(tl.int64) * stride_rmb + (heads // QUERY_ROWS) * stride_rmh
                              + (offs_g % QUERY_ROWS) * stride_rmq)
         for start_n in range(lo, hi, BLOCK_N):
@@ -321,6 +327,9 @@ def _decode_kernel(
             if MASK_PER_KEY:  # a key the mask hides is not valid: its K/V rows are not read
                 key_mask = tl.load(key_mask_base + tok * stride_rmk, mask=valid, other=0)
                 valid = valid & (key_mask != (0 if ROW_MASK == 1 else float("-inf")))
+            elif ROW_MASK == 3:  # and a key no row's mask shows (a padded sequence's)
+                key_words = tl.load(word_base + tok * stride_rmk, mask=valid, other=0)
+                valid = valid & (key_words != 0)
             # locate each token's row: through the block table, or along the sequence's one chain
             if PAGED and WHOLE_PAGES:
                 # a row past the end reads the tile's first row (a real one, whose page `page` holds
@@ -364,7 +373,8 @@ def _decode_kernel(
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
             # with whole pages or tiles inside a page every row address is a real row: no row mask,
             # unless a window or key start hides some of them (their K/V may hold anything)
-            mask_rows: tl.constexpr = LATE_START or MASK_PER_KEY or not (PAGED and (WHOLE_PAGES or PAGE_TILES))
+            mask_rows: tl.constexpr = (LATE_START or MASK_PER_KEY or ROW_MASK == 3
+                                       or not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
             if STORED:
                 rows_ok = valid
                 if not mask_rows:
@@ -404,28 +414,31 @@ def _decode_kernel(
                 seen = valid[None, :] & (tok[None, :] <= row_pos[:, None])
                 if WINDOW:
                     seen = seen & (tok[None, :] >= row_pos[:, None] - window_left)
-                if ROW_MASK != 0:
+                if ROW_MASK == 3:
+                    seen = seen & ((key_words[None, :] & row_bit[:, None]) != 0)
+                elif ROW_MASK == 2:  # additive: -inf hides the key
                     row_mask = tl.load(row_mask_base[:, None] + tok[None, :] * stride_rmk,
                                        mask=mask_g[:, None] & valid[None, :], other=0)
-                    if ROW_MASK == 1:
-                        seen = seen & (row_mask != 0)
-                    else:  # additive: -inf hides the key
-                        seen = seen & (row_mask != float("-inf"))
-                        s = s + row_mask * LOG2E
+                    seen = seen & (row_mask != float("-inf"))
+                    s = s + row_mask * LOG2E
                 s = tl.where(seen, s, float("-inf"))
                 # a row may see no key of a tile yet: shift it by 0, so exp2 gives 0, not NaN
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
-                # a key one row sees and another does not (_hide_unseen_nonfinite). Without a mask,
-                # only a tile with such a key (or a slot past the end) pays for it: the causal
-                # rows' last tiles and a window's first (with a mask this measured slower)
-                if ROW_MASK != 0:
+                # a key one row sees and another does not (_hide_unseen_nonfinite): only a tile with
+                # such a key pays for it (the causal rows' last tiles, a window's first, a mask's
+                # edges), or with unmasked loads a slot past the end (its K/V may be anything). An
+                # additive mask's tile checks every tile (its layout made the gate cost more)
+                if ROW_MASK == 2:
                     rows_disagree = 1
                 else:
                     seen_by = tl.sum(tl.where(seen & mask_g[:, None], 1, 0), 0)
-                    rows_disagree = tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0)
+                    if mask_rows:  # keys not valid were read as zeros
+                        rows_disagree = tl.max(tl.where(valid & (seen_by != GROUP), 1, 0), 0)
+                    else:
+                        rows_disagree = tl.max(tl.where(valid & (seen_by == GROUP), 0, 1), 0)
                 if rows_disagree != 0:
                     p, v = _hide_unseen_nonfinite(p, v, seen)
                     if V_FMT == "int8" or V_FMT == "fp8_e4m3":
@@ -879,6 +892,52 @@ def _reduce_kernel(
     tl.store(Lse + pid_b.to(tl.int64) * stride_lseb + heads * stride_lseh, lse, mask=mask_h)
 
 
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _row_mask_words_kernel(Mask, Words, stride_mb, stride_mh, stride_mq, stride_mk, stride_wb, stride_wh,
+                           n_kv, word_heads, GROUP: tl.constexpr, QUERY_ROWS: tl.constexpr,
+                           WORD_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_K keys of one (batch, word head) of a bool rows' mask as words, bit r
+    set where group row r (< WORD_ROWS) sees the key: row r of a KV head's group is row
+    r % QUERY_ROWS of prefill's head (head * GROUP + r) // QUERY_ROWS (stride_mh 0: every head's)."""
+    pid = tl.program_id(0)
+    b, hw = pid // word_heads, pid % word_heads
+    rows = tl.arange(0, BLOCK_W)
+    keys = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    heads = (hw * GROUP + rows) // QUERY_ROWS
+    ptrs = (Mask + b.to(tl.int64) * stride_mb + heads.to(tl.int64)[:, None] * stride_mh
+            + (rows % QUERY_ROWS)[:, None] * stride_mq + keys.to(tl.int64)[None, :] * stride_mk)
+    seen = tl.load(ptrs, mask=(rows < WORD_ROWS)[:, None] & (keys < n_kv)[None, :], other=0) != 0
+    bits = tl.where(seen, (tl.full([BLOCK_W], 1, Words.dtype.element_ty) << rows)[:, None], 0)
+    tl.store(Words + b.to(tl.int64) * stride_wb + hw * stride_wh + keys, tl.reduce(bits, 0, _bit_or),
+             mask=keys < n_kv)
+
+
+def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -> torch.Tensor:
+    """A bool rows' mask (Bm, Hm, N_q, N_kv) as the decode kernel's bit words (ROW_MASK 3): (Bm,
+    1, N_kv) over the N_q rows when Hm is 1, else (Bm, H_kv, N_kv) over each KV head's group of
+    rows (at most 64); int32 words for up to 32 rows, else int64. A key's word is a vector the
+    scores' layout takes as is, where a [rows, keys] mask tile pulled the softmax into the tile's
+    own layout (twice the instructions: docs/notes/triton-prefill.md)."""
+    bm, hm, _, n_kv = mask.shape
+    if group > 64:
+        raise ValueError(f"row_mask_words: at most 64 rows a KV head's group, got {group}")
+    word_rows, word_heads = (query_rows, 1) if hm == 1 else (group, h_kv)
+    words = torch.empty(bm, word_heads, n_kv, dtype=torch.int32 if word_rows <= 32 else torch.int64,
+                        device=mask.device)
+    st = [0 if n == 1 else x for x, n in zip(mask.stride(), mask.shape)]
+    block_k = 128
+    _row_mask_words_kernel[(bm * word_heads, triton.cdiv(n_kv, block_k))](
+        mask, words, *st, words.stride(0), words.stride(1), n_kv, word_heads, GROUP=group,
+        QUERY_ROWS=query_rows, WORD_ROWS=word_rows, BLOCK_W=max(2, triton.next_power_of_2(word_rows)),
+        BLOCK_K=block_k)
+    return words
+
+
 # --------------------------------------------------------------------------- the launch
 
 
@@ -1030,9 +1089,19 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     var_values = (problem.window_left if "window" in flags else 0,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
-    # the rows' mask: a dim of 1 broadcasts (stride 0)
+    # the rows' mask: a dim of 1 broadcasts (stride 0); a bool one read by several rows of a group
+    # as bit words (row_mask_words: ROW_MASK 3, bit g % WORD_ROWS for group row g)
     stride_rm = ((0, 0, 0, 0) if row_mask is None
                  else tuple(st if n > 1 else 0 for st, n in zip(row_mask.stride(), row_mask.shape)))
+    mask_kind = 0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2
+    mask_per_key = row_mask is not None and query_rows == 1 and (stride_rm[1] == 0 or group == 1)
+    word_rows = 1
+    if mask_kind == 1 and not mask_per_key:
+        row_mask = row_mask_words(row_mask, h_kv, group, query_rows)
+        word_rows = query_rows if row_mask.shape[1] == 1 else group
+        stride_rm = (row_mask.stride(0) if row_mask.shape[0] > 1 else 0,
+                     row_mask.stride(1) if row_mask.shape[1] > 1 else 0, 0, 1)
+        mask_kind = 3
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
@@ -1082,8 +1151,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
-            ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
-            MASK_PER_KEY=row_mask is not None and query_rows == 1 and (stride_rm[1] == 0 or group == 1),
+            ROW_MASK=mask_kind, MASK_PER_KEY=mask_per_key, WORD_ROWS=word_rows,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )

@@ -2,12 +2,13 @@
 small chunks), next to flashcl.decode of one row and torch's SDPA with the bottom-right causal
 mask; CPU devices have their own run of this in short_queries.py.
 
-    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT] [--kv-format FMT] [--padding P]
+    python benchmarks/cuda_short_queries.py [--rounds 5] [--window LEFT] [--kv-format FMT] [--padding P [--additive]]
 
 fp16, contiguous (1, 32/8, N_q, N_kv, 128), N_kv 4k and 32k, N_q 1, 2, 4, 8 and 16, causal
 (with ``--window``, a window (LEFT, 0) on flashcl's rows and in SDPA's mask; with
 ``--kv-format``, flashcl reads the cache quantized, SDPA the fp16 one; with ``--padding``, a
-bool mask hides the first P keys, a left-padded sequence's, from flashcl and SDPA). Device
+bool mask hides the first P keys, a left-padded sequence's, from flashcl and SDPA; with
+``--additive`` flashcl takes it as a float32 mask of 0 and -inf). Device
 microseconds a call (CUDA-graph replay, inputs rotated past L2, interleaved rounds: the median,
 and the least and most round), then the host's microseconds a call (eager, no synchronize: the
 least of 5 rounds of 100 calls).
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--kv-format", default=None, choices=("q8_0", "q4_0", "int8", "fp8_e4m3"),
                     help="flashcl's K/V quantized to this format")
     ap.add_argument("--padding", type=int, default=None, help="a bool mask hides the first P keys")
+    ap.add_argument("--additive", action="store_true", help="the padding as an additive mask (0 / -inf)")
     args = ap.parse_args()
     window = None if args.window is None else (args.window, 0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -67,6 +69,8 @@ def main() -> None:
             pad = None if args.padding is None else padding_mask(n_q, n_kv, args.padding)
             if pad is not None:
                 mask = mask & pad
+                if args.additive:
+                    pad = torch.zeros(pad.shape, device="cuda").masked_fill(~pad, float("-inf"))
             calls = {
                 "flashcl.prefill": lambda x: flashcl.prefill(x["q"], x["fk"], x["fv"], causal=True, window=window,
                                                              mask=pad),

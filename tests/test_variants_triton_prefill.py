@@ -562,8 +562,8 @@ def test_few_query_rows_with_a_mask_hide_nonfinite_kv(triton_device):
         assert reference.rel_err(got, ref_out) <= reference.TOLERANCE["float32"], splits
 
 
-@pytest.mark.parametrize("heads, n_q, h_kv", [(1, 3, 2), (1, 16, 2), (8, 3, 2), (8, 8, 1)],
-                         ids=["shared-3", "shared-16", "per-head-12", "per-head-64"])
+@pytest.mark.parametrize("heads, n_q, h_kv", [(1, 3, 2), (1, 16, 2), (8, 3, 2), (8, 8, 1), (8, 1, 1)],
+                         ids=["shared-3", "shared-16", "per-head-12", "per-head-64", "per-head-one-row"])
 def test_row_mask_words_hold_each_rows_bit(triton_device, heads, n_q, h_kv):
     """row_mask_words: bit g of key j's word is row g of the KV head's group (row g % N_q of prefill's
     head (h * group + g) // N_q), int32 words up to 32 rows and int64 past them (bit 63 included)."""
@@ -572,8 +572,10 @@ def test_row_mask_words_hold_each_rows_bit(triton_device, heads, n_q, h_kv):
     b, h_q, n_kv = 2, 8, 300
     group = h_q // h_kv * n_q
     mask = torch.rand(b, heads, n_q, n_kv, generator=torch.Generator().manual_seed(87)) > 0.5
-    words = td.row_mask_words(mask.to(triton_device), h_kv, group, n_q).cpu()
-    word_rows, word_heads = (n_q, 1) if heads == 1 else (group, h_kv)
+    words, word_rows = td.row_mask_words(mask.to(triton_device), h_kv, group, n_q)
+    words = words.cpu()
+    word_heads = 1 if heads == 1 else h_kv
+    assert word_rows == (n_q if heads == 1 else group)
     assert words.shape == (b, word_heads, n_kv) and words.dtype == (torch.int32 if word_rows <= 32 else torch.int64)
     for h in range(word_heads):
         for g in range(word_rows):
@@ -593,24 +595,25 @@ def _to_pages(x, order, page):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("heads", ["broadcast", "per-head"])
+@pytest.mark.parametrize("heads, n_q", [("broadcast", 3), ("per-head", 3), ("per-head", 1)])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_few_query_rows_with_row_masks_hide_keys(triton_device, monkeypatch, kind, heads, paged):
-    """Several causal rows, each with its own mask row (broadcast over heads or one per head): a
-    left padding past a whole tile (its K/V NaN and inf: no row sees it), random holes, and a key
-    every row but the first sees, holding NaN and inf: the first row stays finite and right, the
-    others see it (NaN), and without the poison every row matches the oracle; 1 and 3 splits."""
+def test_few_query_rows_with_row_masks_hide_keys(triton_device, monkeypatch, kind, heads, n_q, paged):
+    """Causal rows, each with its own mask row (broadcast over heads or one per head; one row per
+    head of a GQA group too): a left padding past a whole tile (its K/V NaN and inf: no row sees
+    it), random holes, and a key every row but the first sees, holding NaN and inf: the first row
+    stays finite and right, the others see it (NaN), and without the poison every row matches the
+    oracle; 1 and 3 splits."""
     from flashcl.triton import decode as td
 
     launched = []
     kernel = td._decode_kernel
 
-    class Spy:  # records the launch's ROW_MASK (3: bit words)
+    class Spy:  # records the launch's ROW_MASK
         def __getitem__(self, grid):
             return lambda *a, **kw: launched.append(kw["ROW_MASK"]) or kernel[grid](*a, **kw)
 
     monkeypatch.setattr(td, "_decode_kernel", Spy())
-    b, h_q, h_kv, n_q, n_kv, d, page = 2, 8, 2, 3, 150, 32, 16
+    b, h_q, h_kv, n_kv, d, page = 2, 8, 2, 150, 32, 16
     q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 85)
     g = torch.Generator().manual_seed(86)
     seen = torch.rand(b, 1 if heads == "broadcast" else h_q, n_q, n_kv, generator=g) > 0.3
@@ -639,7 +642,7 @@ def test_few_query_rows_with_row_masks_hide_keys(triton_device, monkeypatch, kin
             assert reference.rel_err(got[:, :, rows], ref_out[:, :, rows]) <= reference.TOLERANCE["float32"], splits
             if rows.stop == 1:
                 assert np.isnan(got[:, :, 1:]).any(axis=-1).all(), splits
-    assert set(launched) == {3 if kind == "bool" else 2}
+    assert set(launched) == {1 if kind == "bool" else 2}
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

@@ -136,7 +136,8 @@ from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
 @triton.jit(do_not_specialize=["n_ctx_max", "num_splits", "num_blocks", "window_left"])
 def _decode_kernel(
     Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Counters, Sinks, Slopes, KeyStart,
-    RowMask, KScales, VScales, qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left, softcap_log2,
+    RowMask, MaskWords, KScales, VScales, qk_scale_log2, n_ctx_max, num_splits, num_blocks, window_left,
+    softcap_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kpos, stride_kh, stride_kd,
     stride_vblk, stride_vpos, stride_vh, stride_vd,
@@ -145,7 +146,7 @@ def _decode_kernel(
     stride_lseb, stride_lseh,
     stride_pmb, stride_pmh, stride_pms,
     stride_pab, stride_pah, stride_pas, stride_pad,
-    stride_slb, stride_rmb, stride_rmh, stride_rmq, stride_rmk,
+    stride_slb, stride_rmb, stride_rmh, stride_rmq, stride_rmk, stride_mwb, stride_mwh,
     stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -173,11 +174,11 @@ def _decode_kernel(
     # of few rows run as this decode, prefill._rows_as_decode): its own causal cut, window and
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
-    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 2 additive, read per
-    # row (query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS); 3 bool as bit
-    # words (row_mask_words: bit g % WORD_ROWS of a key's word shows it to group row g). With
-    # MASK_PER_KEY (1 bool, 2 additive) the whole group reads one row of it (one query row; a
-    # broadcast head or MHA): it hides keys
+    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive.
+    # MASK_PER_KEY: the whole group reads one row of it (one query row; a broadcast head or MHA):
+    # it hides keys. Else a bool mask comes as MaskWords (row_mask_words: bit g % WORD_ROWS of a
+    # key's word shows it to group row g), an additive one as each row's tile (query head h is
+    # row h % QUERY_ROWS of prefill's head h // QUERY_ROWS)
     ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False, WORD_ROWS: tl.constexpr = 1,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
@@ -194,7 +195,6 @@ def _decode_kernel(
     tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
     tl.static_assert(ROW_MASK == 0 or not (MHA_FMA or STORED), "a mask: the dot path")
     tl.static_assert(not MASK_PER_KEY or (ROW_MASK != 0 and QUERY_ROWS == 1), "one mask row for the group")
-    tl.static_assert(ROW_MASK != 1 or MASK_PER_KEY, "a bool mask on several rows: bit words (ROW_MASK 3)")
     tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
 
     if USE_PDL:  # programmatic dependent launch: nothing global is touched before the wait
@@ -313,9 +313,9 @@ def _decode_kernel(
         row_pos = n_ctx - QUERY_ROWS + offs_g % QUERY_ROWS  # each row's position (QUERY_ROWS > 1)
         if MASK_PER_KEY:  # the row of the group's first head, which every head reads
             key_mask_base = RowMask + pid_b.to(tl.int64) * stride_rmb + (pid_h * GROUP).to(tl.int64) * stride_rmh
-        elif ROW_MASK == 3:  # the words of this KV head's group (or of every group: stride 0)
-            word_base = RowMask + pid_b.to(tl.int64) * stride_rmb + pid_h.to(tl.int64) * stride_rmh
-            row_bit = tl.full([BLOCK_G], 1, RowMask.dtype.element_ty) << (offs_g % WORD_ROWS)
+        elif ROW_MASK == 1:  # the words of this KV head's group (or of every group: stride 0)
+            word_base = MaskWords + pid_b.to(tl.int64) * stride_mwb + pid_h.to(tl.int64) * stride_mwh
+            row_bit = tl.full([BLOCK_G], 1, MaskWords.dtype.element_ty) << (offs_g % WORD_ROWS)
         elif ROW_MASK == 2:  # each query head's row of the mask (GROUP is a multiple of QUERY_ROWS)
             row_mask_base = (RowMask + pid_b.to(tl.int64) * stride_rmb + (heads // QUERY_ROWS) * stride_rmh
                              + (offs_g % QUERY_ROWS) * stride_rmq)
@@ -327,8 +327,8 @@ def _decode_kernel(
             if MASK_PER_KEY:  # a key the mask hides is not valid: its K/V rows are not read
                 key_mask = tl.load(key_mask_base + tok * stride_rmk, mask=valid, other=0)
                 valid = valid & (key_mask != (0 if ROW_MASK == 1 else float("-inf")))
-            elif ROW_MASK == 3:  # and a key no row's mask shows (a padded sequence's)
-                key_words = tl.load(word_base + tok * stride_rmk, mask=valid, other=0)
+            elif ROW_MASK == 1:  # and a key no row's mask shows (a padded sequence's)
+                key_words = tl.load(word_base + tok, mask=valid, other=0)
                 valid = valid & (key_words != 0)
             # locate each token's row: through the block table, or along the sequence's one chain
             if PAGED and WHOLE_PAGES:
@@ -373,7 +373,7 @@ def _decode_kernel(
             v_ptrs = v_base + row_v[:, None] + offs_dv[None, :] * stride_vd
             # with whole pages or tiles inside a page every row address is a real row: no row mask,
             # unless a window or key start hides some of them (their K/V may hold anything)
-            mask_rows: tl.constexpr = (LATE_START or MASK_PER_KEY or ROW_MASK == 3
+            mask_rows: tl.constexpr = (LATE_START or MASK_PER_KEY or ROW_MASK == 1
                                        or not (PAGED and (WHOLE_PAGES or PAGE_TILES)))
             if STORED:
                 rows_ok = valid
@@ -414,7 +414,7 @@ def _decode_kernel(
                 seen = valid[None, :] & (tok[None, :] <= row_pos[:, None])
                 if WINDOW:
                     seen = seen & (tok[None, :] >= row_pos[:, None] - window_left)
-                if ROW_MASK == 3:
+                if ROW_MASK == 1:
                     seen = seen & ((key_words[None, :] & row_bit[:, None]) != 0)
                 elif ROW_MASK == 2:  # additive: -inf hides the key
                     row_mask = tl.load(row_mask_base[:, None] + tok[None, :] * stride_rmk,
@@ -430,7 +430,7 @@ def _decode_kernel(
                 # a key one row sees and another does not (_hide_unseen_nonfinite): only a tile with
                 # such a key pays for it (the causal rows' last tiles, a window's first, a mask's
                 # edges), or with unmasked loads a slot past the end (its K/V may be anything). An
-                # additive mask's tile checks every tile (its layout made the gate cost more)
+                # additive mask's tile checks every tile (in its layout the gate cost more)
                 if ROW_MASK == 2:
                     rows_disagree = 1
                 else:
@@ -917,12 +917,12 @@ def _row_mask_words_kernel(Mask, Words, stride_mb, stride_mh, stride_mq, stride_
              mask=keys < n_kv)
 
 
-def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -> torch.Tensor:
-    """A bool rows' mask (Bm, Hm, N_q, N_kv) as the decode kernel's bit words (ROW_MASK 3): (Bm,
-    1, N_kv) over the N_q rows when Hm is 1, else (Bm, H_kv, N_kv) over each KV head's group of
-    rows (at most 64); int32 words for up to 32 rows, else int64. A key's word is a vector the
-    scores' layout takes as is, where a [rows, keys] mask tile pulled the softmax into the tile's
-    own layout (twice the instructions: docs/notes/triton-prefill.md)."""
+def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -> tuple[torch.Tensor, int]:
+    """(words, rows a word holds): a bool rows' mask (Bm, Hm, N_q, N_kv) as the decode kernel's
+    bit words (MaskWords): (Bm, 1, N_kv) over the N_q rows when Hm is 1, else (Bm, H_kv, N_kv)
+    over each KV head's group of rows (at most 64); int32 words for up to 32 rows, else int64. A
+    key's word is a vector the scores' layout takes as is, where a [rows, keys] mask tile pulled
+    the softmax into the tile's own layout (twice the instructions: docs/notes/triton-prefill.md)."""
     bm, hm, _, n_kv = mask.shape
     if group > 64:
         raise ValueError(f"row_mask_words: at most 64 rows a KV head's group, got {group}")
@@ -935,7 +935,7 @@ def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -
         mask, words, *st, words.stride(0), words.stride(1), n_kv, word_heads, GROUP=group,
         QUERY_ROWS=query_rows, WORD_ROWS=word_rows, BLOCK_W=max(2, triton.next_power_of_2(word_rows)),
         BLOCK_K=block_k)
-    return words
+    return words, word_rows
 
 
 # --------------------------------------------------------------------------- the launch
@@ -1089,19 +1089,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     var_values = (problem.window_left if "window" in flags else 0,
                   softcap * _LOG2E if "softcap" in flags else 1.0)
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
-    # the rows' mask: a dim of 1 broadcasts (stride 0); a bool one read by several rows of a group
-    # as bit words (row_mask_words: ROW_MASK 3, bit g % WORD_ROWS for group row g)
+    # the rows' mask: a dim of 1 broadcasts (stride 0); a bool one the group does not read as one
+    # row goes as bit words (row_mask_words: bit g % WORD_ROWS for group row g)
     stride_rm = ((0, 0, 0, 0) if row_mask is None
                  else tuple(st if n > 1 else 0 for st, n in zip(row_mask.stride(), row_mask.shape)))
-    mask_kind = 0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2
     mask_per_key = row_mask is not None and query_rows == 1 and (stride_rm[1] == 0 or group == 1)
-    word_rows = 1
-    if mask_kind == 1 and not mask_per_key:
-        row_mask = row_mask_words(row_mask, h_kv, group, query_rows)
-        word_rows = query_rows if row_mask.shape[1] == 1 else group
-        stride_rm = (row_mask.stride(0) if row_mask.shape[0] > 1 else 0,
-                     row_mask.stride(1) if row_mask.shape[1] > 1 else 0, 0, 1)
-        mask_kind = 3
+    words, stride_mw, word_rows = lse, (0, 0), 1
+    if row_mask is not None and row_mask.dtype == torch.bool and not mask_per_key:
+        words, word_rows = row_mask_words(row_mask, h_kv, group, query_rows)
+        stride_mw = tuple(st if n > 1 else 0 for st, n in zip(words.stride()[:2], words.shape[:2]))
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
@@ -1139,19 +1135,20 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_kernel[grid](
             q, k_cache, v_cache, block_table, context_lens if context_lens is not None else q,
             out, lse, part_m, part_l, part_acc, counters if fused else lse, *var_args,
-            row_mask if row_mask is not None else lse, scale_args[0][0], scale_args[1][0],
+            row_mask if row_mask is not None else lse, words, scale_args[0][0], scale_args[1][0],
             scale * _LOG2E, problem.n_ctx_bound, num_splits, num_blocks, *var_values,
             q.stride(0), q.stride(1), q.stride(2),
             *sk, *sv, *s_bt,
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            *s_pm, *s_pa, stride_slb, *stride_rm, *scale_args[0][1], *scale_args[1][1],
+            *s_pm, *s_pa, stride_slb, *stride_rm, *stride_mw, *scale_args[0][1], *scale_args[1][1],
             GROUP=group, BLOCK_G=block_g,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
-            ROW_MASK=mask_kind, MASK_PER_KEY=mask_per_key, WORD_ROWS=word_rows,
+            ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
+            MASK_PER_KEY=mask_per_key, WORD_ROWS=word_rows,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,
             **({"launch_pdl": True} if plan.pdl else {}),
         )

@@ -927,8 +927,7 @@ def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -
     if group > 64:
         raise ValueError(f"row_mask_words: at most 64 rows a KV head's group, got {group}")
     word_rows, word_heads = (query_rows, 1) if hm == 1 else (group, h_kv)
-    words = torch.empty(bm, word_heads, n_kv, dtype=torch.int32 if word_rows <= 32 else torch.int64,
-                        device=mask.device)
+    words = _empty((bm, word_heads, n_kv), torch.int32 if word_rows <= 32 else torch.int64, mask.device)
     st = [0 if n == 1 else x for x, n in zip(mask.stride(), mask.shape)]
     block_k = 128
     _row_mask_words_kernel[(bm * word_heads, triton.cdiv(n_kv, block_k))](
@@ -1026,7 +1025,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     heads are each query head's causal rows (the kernel's QUERY_ROWS; prefill's few-row route);
     ``row_mask``: that prefill's mask (Bm, Hm, N_q, N_kv), bool or float32 additive, contiguous,
     Bm in {1, B}, Hm in {1, H_q / query_rows} (the kernel's ROW_MASK; MASK_PER_KEY where every
-    head of a group reads the same row of it)."""
+    head of a group reads the same row of it; else a bool one for at most 64 rows a group, as
+    prefill's route has)."""
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None

@@ -174,11 +174,9 @@ def _decode_kernel(
     # of few rows run as this decode, prefill._rows_as_decode): its own causal cut, window and
     # ALiBi distances
     QUERY_ROWS: tl.constexpr = 1,
-    # the rows' own mask (prefill's, (Bm, Hm, N_q, N_kv), on that route only): 1 bool, 2 additive.
-    # MASK_PER_KEY: the whole group reads one row of it (one query row; a broadcast head or MHA):
-    # it hides keys. Else a bool mask comes as MaskWords (row_mask_words: bit g % WORD_ROWS of a
-    # key's word shows it to group row g), an additive one as each row's tile (query head h is
-    # row h % QUERY_ROWS of prefill's head h // QUERY_ROWS)
+    # prefill's mask on that route: 1 bool, 2 additive; MASK_PER_KEY: the group reads one row of it
+    # (it hides keys); else bool as MaskWords (bit g % WORD_ROWS: group row g), additive per row
+    # (query head h is row h % QUERY_ROWS of prefill's head h // QUERY_ROWS)
     ROW_MASK: tl.constexpr = 0, MASK_PER_KEY: tl.constexpr = False, WORD_ROWS: tl.constexpr = 1,
 ):
     tl.static_assert(MHA_FMA or STORED or BLOCK_G >= 16, "tl.dot needs at least 16 rows: pad the GQA group")
@@ -427,10 +425,9 @@ def _decode_kernel(
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
-                # a key one row sees and another does not (_hide_unseen_nonfinite): only a tile with
-                # such a key pays for it (the causal rows' last tiles, a window's first, a mask's
-                # edges), or with unmasked loads a slot past the end (its K/V may be anything). An
-                # additive mask's tile checks every tile (in its layout the gate cost more)
+                # only tiles with a key one row sees and another does not (or, loads unmasked, a
+                # slot past the end) hide inf/NaN V (_hide_unseen_nonfinite); an additive mask's
+                # tile checks every tile (in its layout the gate cost more: triton-prefill.md)
                 if ROW_MASK == 2:
                     rows_disagree = 1
                 else:

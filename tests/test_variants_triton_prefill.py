@@ -583,6 +583,18 @@ def test_row_mask_words_hold_each_rows_bit(triton_device, heads, n_q, h_kv):
             assert torch.equal((words[:, h] >> g) & 1 == 1, row), (h, g)
 
 
+def _record_decode_flag(monkeypatch, td, flag: str) -> list:
+    """The values of build flag ``flag`` of every _decode_kernel launch from now on."""
+    launched, kernel = [], td._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw[flag]) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(td, "_decode_kernel", Spy())
+    return launched
+
+
 def _to_pages(x, order, page):
     """(B, H_kv, N, D) as a paged cache (blocks, page, H_kv, D) whose blocks lie in ``order``."""
     b, h_kv, n, d = x.shape
@@ -605,14 +617,7 @@ def test_few_query_rows_with_row_masks_hide_keys(triton_device, monkeypatch, kin
     oracle; 1 and 3 splits."""
     from flashcl.triton import decode as td
 
-    launched = []
-    kernel = td._decode_kernel
-
-    class Spy:  # records the launch's ROW_MASK
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append(kw["ROW_MASK"]) or kernel[grid](*a, **kw)
-
-    monkeypatch.setattr(td, "_decode_kernel", Spy())
+    launched = _record_decode_flag(monkeypatch, td, "ROW_MASK")
     b, h_q, h_kv, n_kv, d, page = 2, 8, 2, 150, 32, 16
     q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 85)
     g = torch.Generator().manual_seed(86)
@@ -654,14 +659,7 @@ def test_one_query_row_with_a_mask_hides_keys(triton_device, monkeypatch, kind, 
     nothing (out 0, lse -inf); whatever the K/V a head's mask hides hold; 1 and 3 splits."""
     from flashcl.triton import decode as td
 
-    launched = []
-    kernel = td._decode_kernel
-
-    class Spy:  # records the launch's MASK_PER_KEY
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append(kw["MASK_PER_KEY"]) or kernel[grid](*a, **kw)
-
-    monkeypatch.setattr(td, "_decode_kernel", Spy())
+    launched = _record_decode_flag(monkeypatch, td, "MASK_PER_KEY")
     b, h_q, n_kv, d, page = 3, 8, 150, 32, 16
     q, k, v = _inputs(b, h_q, h_kv, 1, n_kv, d, d, torch.float32, triton_device, 83)
     g = torch.Generator().manual_seed(84)
@@ -680,19 +678,10 @@ def test_one_query_row_with_a_mask_hides_keys(triton_device, monkeypatch, kind, 
     v_bad[..., 0] = torch.where(hidden, float("nan"), v[..., 0])
     table = lens = None
     if paged:  # (blocks, page, H_kv, D) in a permuted order
-        per_seq = -(-n_kv // page)
-        order = torch.randperm(b * per_seq, generator=g)
-        table = order.view(b, per_seq).to(torch.int32).to(triton_device)
+        order = torch.randperm(b * -(-n_kv // page), generator=g)
+        table = order.view(b, -1).to(torch.int32).to(triton_device)
         lens = torch.full((b,), n_kv, dtype=torch.int32, device=triton_device)
-
-        def to_pages(x):
-            x = torch.nn.functional.pad(x, (0, 0, 0, per_seq * page - n_kv))
-            x = x.view(b, h_kv, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(b * per_seq, page, h_kv, d)
-            out = torch.empty_like(x)
-            out[order.to(x.device)] = x
-            return out
-
-        k_bad, v_bad = to_pages(k_bad), to_pages(v_bad)
+        k_bad, v_bad = _to_pages(k_bad, order, page), _to_pages(v_bad, order, page)
     ref_out, ref_lse = _oracle(q, k, v, False, d ** -0.5, mask=mask)
     for splits in (1, 3):
         out, lse = td._launch(q.reshape(b, h_q, d), k_bad, v_bad, table, lens, d ** -0.5, splits,

@@ -925,7 +925,7 @@ def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -
         raise ValueError(f"row_mask_words: at most 64 rows a KV head's group, got {group}")
     word_rows, word_heads = (query_rows, 1) if hm == 1 else (group, h_kv)
     words = _empty((bm, word_heads, n_kv), torch.int32 if word_rows <= 32 else torch.int64, mask.device)
-    st = [0 if n == 1 else x for x, n in zip(mask.stride(), mask.shape)]
+    st = _broadcast_strides(mask)
     block_k = 128
     _row_mask_words_kernel[(bm * word_heads, triton.cdiv(n_kv, block_k))](
         mask, words, *st, words.stride(0), words.stride(1), n_kv, word_heads, GROUP=group,
@@ -935,6 +935,11 @@ def row_mask_words(mask: torch.Tensor, h_kv: int, group: int, query_rows: int) -
 
 
 # --------------------------------------------------------------------------- the launch
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple:
+    """t's strides, 0 along a dim of 1 (which the kernels broadcast)."""
+    return tuple(st if n > 1 else 0 for st, n in zip(t.stride(), t.shape))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -1088,13 +1093,12 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     stride_slb = alibi_slopes.stride(0) if alibi_slopes is not None else 0
     # the rows' mask: a dim of 1 broadcasts (stride 0); a bool one the group does not read as one
     # row goes as bit words (row_mask_words: bit g % WORD_ROWS for group row g)
-    stride_rm = ((0, 0, 0, 0) if row_mask is None
-                 else tuple(st if n > 1 else 0 for st, n in zip(row_mask.stride(), row_mask.shape)))
+    stride_rm = (0, 0, 0, 0) if row_mask is None else _broadcast_strides(row_mask)
     mask_per_key = row_mask is not None and query_rows == 1 and (stride_rm[1] == 0 or group == 1)
     words, stride_mw, word_rows = lse, (0, 0), 1
     if row_mask is not None and row_mask.dtype == torch.bool and not mask_per_key:
         words, word_rows = row_mask_words(row_mask, h_kv, group, query_rows)
-        stride_mw = tuple(st if n > 1 else 0 for st, n in zip(words.stride()[:2], words.shape[:2]))
+        stride_mw = _broadcast_strides(words)[:2]
     # quantized K/V: the formats, the scales (int8: per row, strided as the rows; fp8: one)
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g

@@ -337,6 +337,66 @@ def test_default_plan_takes_gluon_for_quantized_caches(triton_device, fmt, poiso
     _check(out, lse, c, f"default plan {fmt}")
 
 
+@pytest.mark.parametrize("fmt", (None,) + FORMATS)
+@pytest.mark.parametrize("b,lens", [(1, None), (2, [32768, 20001])])
+def test_default_plan_takes_gluon_for_contiguous_caches(triton_device, fmt, b, lens, poison, gqa_calls):
+    """A contiguous cache at (B, 32/8, 32k) runs on the Gluon GQA kernel too, as pages of itself:
+    the same attention, with and without context lengths."""
+    formats = (fmt or "", fmt or "")
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "float16", b=b, h_q=32, h_kv=8, lens=lens or [32768], d=128, paged=False,
+              k_fmt=fmt, v_fmt=fmt, seed=6 + b)
+    out, lse = flashcl.decode(c["q"], c["k"], c["v"], context_lens=c["lens"] if lens else None,
+                              backend="triton", return_lse=True)
+    assert gqa_calls == [formats]
+    _check(out, lse, c, f"contiguous {fmt} b={b} lens={lens}")
+
+
+@pytest.mark.parametrize("fmt", ("int8", "q8_0", "q4_0", None))
+@pytest.mark.parametrize("b,h_kv,n_max,n_cache,expand", [(1, 2, 1000, 1000, False), (3, 2, 384, 384, False),
+                                                         (2, 1, 96, 320, False), (3, 2, 128, 128, True)])
+def test_contiguous_cache_as_pages(triton_device, fmt, b, h_kv, n_max, n_cache, expand):
+    """_as_pages: a contiguous cache (dense, the first N_max of a longer one, or one sequence
+    expanded over the batch) and its int8 row scales as paged views whose table (_page_table)
+    addresses the same rows: the paged kernel on them gives the contiguous call's result."""
+    gen = torch.Generator().manual_seed(n_max + b)
+    x = torch.randn((1 if expand else b, h_kv, n_cache, 64), generator=gen)
+    caches = [flashcl.quantize(t, fmt) if fmt else t.to(torch.float16) for t in (x, x.flip(-1))]
+    data = [c.data if fmt else c for c in caches]
+    scales = [c.scales if fmt == "int8" else None for c in caches]
+    if expand:
+        data = [t.expand(b, *t.shape[1:]) for t in data]
+        scales = [s if s is None else s.expand(b, *s.shape[1:]) for s in scales]
+    data = [t[:, :, :n_max].to(triton_device) for t in data]
+    scales = [s if s is None else s[:, :, :n_max].to(triton_device) for s in scales]
+    pages = triton_decode._as_pages((*data, *(s for s in scales if s is not None)), n_max)
+    assert pages is not None
+    views, page, seq_blocks = pages
+    table, full = triton_decode._page_table(torch.device(triton_device), b, seq_blocks, n_max // page, n_max)
+    assert n_max % page == 0 and table.shape == (b, n_max // page) and full.tolist() == [n_max] * b
+    q = torch.randn((b, 4 * h_kv, 64), generator=gen).to(torch.float16).to(triton_device)
+    lens = torch.tensor([n_max - 7 * i for i in range(b)], dtype=torch.int32, device=triton_device)
+    formats = {"k_format": fmt or "", "v_format": fmt or ""}
+    want = triton_decode._launch(q, *data, None, lens, 0.125, 2, config={}, k_scales=scales[0],
+                                 v_scales=scales[1], **formats)
+    row_scales = iter(views[2:])
+    got = triton_decode._launch(q, views[0], views[1], table, lens, 0.125, 2, config={},
+                                k_scales=next(row_scales, None), v_scales=next(row_scales, None), **formats)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-3)
+
+
+def test_contiguous_cache_with_odd_strides_keeps_its_layout():
+    """Sequence strides that are not whole rows, or that differ between K and V, take no page view."""
+    k = torch.zeros((2, 2, 64, 66))[..., :64]  # rows of 66: 128 rows a sequence, as a dense V's
+    assert triton_decode._as_pages((k, torch.zeros((2, 2, 64, 64))), 64) is not None
+    assert triton_decode._as_pages((k, torch.zeros((2, 2, 128, 64))[:, :, :64]), 64) is None
+    odd = torch.zeros(16400).as_strided((2, 2, 64, 64), (8195, 4096, 64, 1))
+    assert triton_decode._as_pages((odd, odd), 64) is None
+    assert triton_decode._as_pages((k[:1], k[:1]), 64) is not None  # one sequence: its stride is unused
+
+
 def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:
     """float64 rows whose 32-column blocks have magnitudes 10^lo .. 10^hi, one block in eight all zero."""
     *lead, d = shape

@@ -11,7 +11,9 @@ One new query token per sequence attends over its KV cache. Two cache layouts, o
 
 A contiguous cache is the paged kernel with one "block chain" per sequence: the row of token t of
 sequence b is ``b * stride_kblk + t * stride_kpos`` instead of ``block_table[b, t // PAGE_SIZE] *
-stride_kblk + (t % PAGE_SIZE) * stride_kpos`` -- the same strides, no copy into pages.
+stride_kblk + (t % PAGE_SIZE) * stride_kpos`` -- the same strides, no copy into pages. Where the
+plan of a contiguous cache's paged view (``_as_pages``: blocks of its own rows) is the Gluon GQA
+kernel, which reads pages only, that kernel reads the view.
 
 Work decomposition (grid = (H_kv, B, splits))::
 
@@ -969,6 +971,47 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+# A contiguous cache read as pages (_as_pages): the Gluon GQA kernel reads paged caches only. Its
+# tables and full lengths, per (device, shape), are kept unless made inside a CUDA-graph capture
+# (there a new tensor is not written until the graph replays).
+_PAGE_TABLES: dict = {}
+
+
+def _as_pages(caches: tuple, n_max: int) -> Optional[tuple]:
+    """Contiguous-layout tensors (B, H_kv, N_max, ...) (K/V data, int8 row scales) as the paged
+    layout (blocks, P, H_kv, ...): block b Q + j holds tokens [j P, (j + 1) P) of sequence b, Q the
+    sequence stride in blocks. Views of the same elements (the last block ends where the tensor
+    does), with the power of two P <= 256 that divides N_max and every sequence stride in rows;
+    (views, P, Q), or None where the tensors' sequence strides differ or are not whole rows."""
+    b = caches[0].shape[0]
+    rows = {t.stride(0) // t.stride(2) if t.stride(2) and t.stride(0) % t.stride(2) == 0 else -1
+            for t in caches} if b > 1 else {0}
+    if len(rows) != 1 or -1 in rows:
+        return None
+    page = 256
+    while n_max % page or next(iter(rows)) % page:
+        page //= 2
+    seq_blocks = next(iter(rows)) // page
+    return tuple(t.as_strided((seq_blocks * (b - 1) + n_max // page, page, t.shape[1], *t.shape[3:]),
+                              (page * t.stride(2), t.stride(2), t.stride(1), *t.stride()[3:]))
+                 for t in caches), page, seq_blocks
+
+
+def _page_table(device: torch.device, b: int, seq_blocks: int, pages: int, n_max: int) -> tuple:
+    """(block table (B, pages) with entry b seq_blocks + j, lengths (B,) of N_max), int32."""
+    key = (device, b, seq_blocks, pages, n_max)
+    tables = _PAGE_TABLES.get(key)
+    if tables is None:
+        seq = torch.arange(b, dtype=torch.int32, device=device)
+        tables = (seq[:, None] * seq_blocks + torch.arange(pages, dtype=torch.int32, device=device),
+                  torch.full((b,), n_max, dtype=torch.int32, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_PAGE_TABLES) >= 64:
+                _PAGE_TABLES.clear()
+            _PAGE_TABLES[key] = tables
+    return tables
+
+
 def _max_offset(t: torch.Tensor) -> int:
     """The largest element offset of a tensor view from its first element (strides are >= 0)."""
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -1032,6 +1075,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
+    if not paged and plan is None and config is None and query_rows == 1 and row_mask is None:
+        # a contiguous cache goes to the Gluon GQA kernel as pages where that kernel takes them
+        launched = _launch_as_pages(q, k_cache, v_cache, context_lens, scale, num_splits, facts,
+                                    window_left=window_left, softcap=softcap, sinks=sinks,
+                                    alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
+                                    k_format=k_format, v_format=v_format, key_start=key_start)
+        if launched is not None:
+            return launched
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
     if key_start is not None:
@@ -1164,6 +1215,34 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             USE_PDL=plan.pdl, SINKS=var_knobs["SINKS"], num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
         )
     return out, lse
+
+
+def _launch_as_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     context_lens: Optional[torch.Tensor], scale: float, num_splits: int,
+                     facts: Optional[DeviceFacts], k_scales: Optional[torch.Tensor] = None,
+                     v_scales: Optional[torch.Tensor] = None, k_format: str = "", v_format: str = "",
+                     **variants) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A contiguous cache's decode (``_launch``'s arguments) launched on its paged view
+    (_as_pages) where the plan of that view is the Gluon GQA kernel, else None (nothing launched)."""
+    n_max = k_cache.shape[2]
+    scaled = [sc for sc, fmt in ((k_scales, k_format), (v_scales, v_format)) if fmt == "int8"]
+    pages = _as_pages((k_cache, v_cache, *scaled), n_max)
+    if pages is None:
+        return None
+    views, page, seq_blocks = pages
+    table, full = _page_table(q.device, q.shape[0], seq_blocks, n_max // page, n_max)
+    lens = context_lens if context_lens is not None else full
+    row_scales = iter(views[2:])
+    k_scales, v_scales = (next(row_scales) if fmt == "int8" else sc
+                          for sc, fmt in ((k_scales, k_format), (v_scales, v_format)))
+    formats = (k_format, v_format)
+    problem = problem_of(q, views[0], views[1], table, variants["window_left"], variants["softcap"],
+                         variants["sinks"], variants["alibi_slopes"], formats, variants["key_start"])
+    plan = decode_plan.planned(problem, facts if facts is not None else facts_of(q.device), max(0, num_splits))
+    if plan.kernel != "gluon_gqa" or not decode_gluon.operands_fit(q, views[0], views[1], table, lens, formats):
+        return None
+    return _launch(q, views[0], views[1], table, lens, scale, num_splits, plan=plan, k_scales=k_scales,
+                   v_scales=v_scales, k_format=k_format, v_format=v_format, **variants)
 
 
 def _reads_words(data: torch.Tensor, fmt: str, d: int, cvt_asm: bool) -> bool:

@@ -512,6 +512,34 @@ def test_plan_routes_quantized_caches():
         dp.plan(replace(gqa, kv_formats=("q5_1", "")), facts)
 
 
+def test_plan_takes_gluon_for_quantized_short_contexts():
+    """Quantized caches take the Gluon GQA kernel at any context on grids of at most half an SM
+    count of (sequence, KV head) programs, groups 2 to 8, splits of 128 tokens or more up to its
+    own count; larger groups keep the dot path below gqa_takes' contexts (wider grids: its rule)."""
+    from dataclasses import replace
+
+    facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
+    for fmt in FORMATS:
+        formats = (fmt, fmt)
+        own = dp.gqa_splits(8, facts.sms, dp.gqa_programs_per_sm(formats))
+        for ctx, splits in ((100, 1), (1024, 8), (2048, 16), (4096, 32), (16384, own)):
+            p = dp.plan(dp.DecodeProblem(1, 32, 8, 128, 128, ctx, 2, 16, kv_formats=formats), facts)
+            assert (p.kernel, p.num_splits) == ("gluon_gqa", splits), (fmt, ctx, p.kernel, p.num_splits)
+        for b, h_q, h_kv in ((1, 16, 8), (4, 32, 8), (1, 32, 16), (8, 64, 8)):  # groups 2, 4, 8; 16 to 64 programs
+            p = dp.plan(dp.DecodeProblem(b, h_q, h_kv, 128, 128, 4096, 2, 16, kv_formats=formats), facts)
+            assert p.kernel == "gluon_gqa" and 4096 // p.num_splits >= dp.GQA_QUANTIZED_MIN_SPLIT, (fmt, b, h_q)
+        for b, h_q, h_kv in ((1, 32, 2), (2, 64, 1)):  # groups 16 and 64
+            p = dp.plan(dp.DecodeProblem(b, h_q, h_kv, 128, 128, 4096, 2, 16, kv_formats=formats), facts)
+            assert p.kernel == "dot", (fmt, b, h_q, h_kv)
+        p = dp.plan(dp.DecodeProblem(1, 32, 8, 128, 128, 4096, 2, 16, kv_formats=formats), facts, num_splits=3)
+        assert (p.kernel, p.num_splits) == ("gluon_gqa", 3)
+    plain = dp.plan(dp.DecodeProblem(1, 32, 8, 128, 128, 4096, 2, 16), facts)
+    assert plain.kernel != "gluon_gqa"  # fp16 keeps its measured rule
+    bf16 = dp.DecodeProblem(1, 32, 8, 128, 128, 4096, 2, 16, kv_formats=("int8", "int8"), q_dtype="bfloat16")
+    assert dp.plan(bf16, facts).kernel == "dot"
+    assert dp.plan(replace(bf16, q_dtype="float16"), replace(facts, gluon=False)).kernel == "dot"
+
+
 def test_compiled_with_quantized_cache_and_variants(triton_device):
     """torch.compile (fullgraph) of a step that decodes over a q4_0 K / int8 V cache with a window
     and sinks: no graph break, the op's fake kernel gives the logical head dim (inductor on CUDA,

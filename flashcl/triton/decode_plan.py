@@ -538,6 +538,27 @@ def gqa_takes(group: int, dk: int, dv: int, elt_bytes: int, num_splits: int, pro
                       and programs * num_splits >= GQA_MIN_PROGRAMS_PER_SM * facts.sms)
 
 
+# Quantized caches (GQA_QUANTIZED) also go to the Gluon GQA kernel on grids of at most half an SM
+# count of (sequence, KV head) programs, groups GQA_QUANTIZED_GROUPS, at any context: splits of
+# GQA_QUANTIZED_MIN_SPLIT tokens or more up to its own count. There the dot path ran 1.1-3.5x
+# slower (H200; docs/notes/quantized-decode.md, "Short contexts and small groups").
+GQA_QUANTIZED_GROUPS = range(2, 9)
+GQA_QUANTIZED_MIN_SPLIT = 128
+
+
+def gqa_takes_quantized(group: int, dk: int, dv: int, elt_bytes: int, programs: int, facts: DeviceFacts) -> bool:
+    """Whether the GQA kernel takes a quantized launch of ``programs`` = B * H_kv programs per
+    split whatever its context (gqa_takes' own rule covers the long ones)."""
+    return (group in GQA_QUANTIZED_GROUPS and 2 * programs <= facts.sms
+            and gqa_takes(group, dk, dv, elt_bytes, 1, programs, 0, facts, forced=True))
+
+
+def gqa_quantized_splits(programs: int, n_ctx: int, sms: int, per_sm: int) -> int:
+    """The split count of such a launch: the kernel's own (gqa_splits), at most one split per
+    GQA_QUANTIZED_MIN_SPLIT tokens of the context."""
+    return max(1, min(gqa_splits(programs, sms, per_sm), n_ctx // GQA_QUANTIZED_MIN_SPLIT))
+
+
 # --------------------------------------------------------------------------- the plan
 
 
@@ -561,7 +582,8 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     caches take _dequant_tile. The automatic split count aims at two programs per SM where
     _two_programs_per_sm, at _dequant_programs_per_sm with quantized caches, and at the GQA
     kernel's own count (gqa_splits, at gqa_programs_per_sm) where that kernel takes the launch
-    (its rule judged at two programs per SM)."""
+    (its rule judged at two programs per SM; quantized caches also where gqa_takes_quantized, at
+    gqa_quantized_splits)."""
     p = problem
     unknown = set(p.variants) - set(VARIANTS)
     if unknown:
@@ -627,6 +649,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
             if gqa_takes(group, p.dk, p.dv, p.elt_bytes, g_splits, programs, n_ctx, facts):
                 own = gqa_splits(programs, sms, gqa_per_sm)
                 gluon_gqa, splits = True, g_splits if num_splits > 0 else own
+            elif p.quantized and gqa_takes_quantized(group, p.dk, p.dv, p.elt_bytes, programs, facts):
+                own = gqa_quantized_splits(programs, n_ctx, sms, gqa_per_sm)
+                gluon_gqa, splits = True, num_splits if num_splits > 0 else own
 
     alone = programs * splits <= sms  # at most one program per SM
     quant_tile = dequant_tile is not None

@@ -354,7 +354,7 @@ def test_default_plan_takes_gluon_for_contiguous_caches(triton_device, fmt, b, l
 
 
 @pytest.mark.parametrize("fmt", ("int8", "q8_0", "q4_0", None))
-@pytest.mark.parametrize("b,h_kv,n_max,n_cache,expand", [(1, 2, 1000, 1000, False), (3, 2, 384, 384, False),
+@pytest.mark.parametrize("b,h_kv,n_max,n_cache,expand", [(1, 2, 1008, 1008, False), (3, 2, 384, 384, False),
                                                          (2, 1, 96, 320, False), (3, 2, 128, 128, True)])
 def test_contiguous_cache_as_pages(triton_device, fmt, b, h_kv, n_max, n_cache, expand):
     """_as_pages: a contiguous cache (dense, the first N_max of a longer one, or one sequence
@@ -372,9 +372,10 @@ def test_contiguous_cache_as_pages(triton_device, fmt, b, h_kv, n_max, n_cache, 
     scales = [s if s is None else s[:, :, :n_max].to(triton_device) for s in scales]
     pages = triton_decode._as_pages((*data, *(s for s in scales if s is not None)), n_max)
     assert pages is not None
-    views, page, seq_blocks = pages
-    table, full = triton_decode._page_table(torch.device(triton_device), b, seq_blocks, n_max // page, n_max)
-    assert n_max % page == 0 and table.shape == (b, n_max // page) and full.tolist() == [n_max] * b
+    views, seq_blocks = pages
+    pages = n_max // triton_decode._VIEW_PAGE
+    table, full = triton_decode._page_table(torch.device(triton_device), b, seq_blocks, pages)
+    assert table.shape == (b, pages) and full.tolist() == [n_max] * b
     q = torch.randn((b, 4 * h_kv, 64), generator=gen).to(torch.float16).to(triton_device)
     lens = torch.tensor([n_max - 7 * i for i in range(b)], dtype=torch.int32, device=triton_device)
     formats = {"k_format": fmt or "", "v_format": fmt or ""}
@@ -388,13 +389,17 @@ def test_contiguous_cache_as_pages(triton_device, fmt, b, h_kv, n_max, n_cache, 
 
 
 def test_contiguous_cache_with_odd_strides_keeps_its_layout():
-    """Sequence strides that are not whole rows, or that differ between K and V, take no page view."""
+    """Sequence strides that are not whole rows or blocks, or that differ between K and V, and
+    lengths that are not whole blocks take no page view."""
     k = torch.zeros((2, 2, 64, 66))[..., :64]  # rows of 66: 128 rows a sequence, as a dense V's
     assert triton_decode._as_pages((k, torch.zeros((2, 2, 64, 64))), 64) is not None
     assert triton_decode._as_pages((k, torch.zeros((2, 2, 128, 64))[:, :, :64]), 64) is None
     odd = torch.zeros(16400).as_strided((2, 2, 64, 64), (8195, 4096, 64, 1))
     assert triton_decode._as_pages((odd, odd), 64) is None
     assert triton_decode._as_pages((k[:1], k[:1]), 64) is not None  # one sequence: its stride is unused
+    assert triton_decode._as_pages((k[:1, :, :56], k[:1, :, :56]), 56) is None  # 56 rows: not whole blocks
+    short = torch.zeros((2, 1, 40, 64))[:, :, :32]  # 40 rows a sequence: not whole blocks
+    assert triton_decode._as_pages((short, short), 32) is None
 
 
 def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:

@@ -118,6 +118,7 @@ BLOCK_N, num_warps and num_stages; benchmarks force them on or off, the op uses 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -971,43 +972,42 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-# A contiguous cache read as pages (_as_pages): the Gluon GQA kernel reads paged caches only. Its
-# tables and full lengths, per (device, shape), are kept unless made inside a CUDA-graph capture
-# (there a new tensor is not written until the graph replays).
+# A contiguous cache read as pages (_as_pages): the Gluon GQA kernel reads paged caches only. The
+# view's blocks are _VIEW_PAGE rows, the page size its measurements used (one build of the kernel
+# a format). Tables of up to _VIEW_TABLES shapes are kept, never freed (a captured CUDA graph
+# keeps their pointers); others are made per call, as are those made inside a capture.
+_VIEW_PAGE = 16
+_VIEW_TABLES = 64
 _PAGE_TABLES: dict = {}
 
 
 def _as_pages(caches: tuple, n_max: int) -> Optional[tuple]:
     """Contiguous-layout tensors (B, H_kv, N_max, ...) (K/V data, int8 row scales) as the paged
-    layout (blocks, P, H_kv, ...): block b Q + j holds tokens [j P, (j + 1) P) of sequence b, Q the
-    sequence stride in blocks. Views of the same elements (the last block ends where the tensor
-    does), with the power of two P <= 256 that divides N_max and every sequence stride in rows;
-    (views, P, Q), or None where the tensors' sequence strides differ or are not whole rows."""
-    b = caches[0].shape[0]
+    layout (blocks, _VIEW_PAGE, H_kv, ...): block b Q + j holds tokens [j P, (j + 1) P) of
+    sequence b, Q the sequence stride in blocks. Views of the same elements (the last block ends
+    where the tensor does); (views, Q), or None where N_max or the sequence strides are not whole
+    blocks, or differ between the tensors."""
+    page, b = _VIEW_PAGE, caches[0].shape[0]
     rows = {t.stride(0) // t.stride(2) if t.stride(2) and t.stride(0) % t.stride(2) == 0 else -1
             for t in caches} if b > 1 else {0}
-    if len(rows) != 1 or -1 in rows:
+    if len(rows) != 1 or -1 in rows or n_max % page or next(iter(rows)) % page:
         return None
-    page = 256
-    while n_max % page or next(iter(rows)) % page:
-        page //= 2
     seq_blocks = next(iter(rows)) // page
     return tuple(t.as_strided((seq_blocks * (b - 1) + n_max // page, page, t.shape[1], *t.shape[3:]),
                               (page * t.stride(2), t.stride(2), t.stride(1), *t.stride()[3:]))
-                 for t in caches), page, seq_blocks
+                 for t in caches), seq_blocks
 
 
-def _page_table(device: torch.device, b: int, seq_blocks: int, pages: int, n_max: int) -> tuple:
-    """(block table (B, pages) with entry b seq_blocks + j, lengths (B,) of N_max), int32."""
-    key = (device, b, seq_blocks, pages, n_max)
+def _page_table(device: torch.device, b: int, seq_blocks: int, pages: int) -> tuple:
+    """(block table (B, pages) with entry b seq_blocks + j, lengths (B,) of pages * _VIEW_PAGE), int32."""
+    key = (device, b, seq_blocks, pages)
     tables = _PAGE_TABLES.get(key)
     if tables is None:
         seq = torch.arange(b, dtype=torch.int32, device=device)
         tables = (seq[:, None] * seq_blocks + torch.arange(pages, dtype=torch.int32, device=device),
-                  torch.full((b,), n_max, dtype=torch.int32, device=device))
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            if len(_PAGE_TABLES) >= 64:
-                _PAGE_TABLES.clear()
+                  torch.full((b,), pages * _VIEW_PAGE, dtype=torch.int32, device=device))
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing and len(_PAGE_TABLES) < _VIEW_TABLES:
             _PAGE_TABLES[key] = tables
     return tables
 
@@ -1030,17 +1030,18 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None,
-               query_rows: int = 1, row_mask: bool = False) -> DecodeProblem:
+               query_rows: int = 1, row_mask: bool = False, table_width: Optional[int] = None) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
     is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
     takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
     of the longest context hides nothing and is off (for every row: none sits past the query).
     ``kv_formats``: K's and V's quantized formats ("" plain), the caches then their data;
-    ``query_rows`` / ``row_mask``: the kernel's QUERY_ROWS / whether a ROW_MASK is on."""
+    ``query_rows`` / ``row_mask``: the kernel's QUERY_ROWS / whether a ROW_MASK is on;
+    ``table_width``: the paged caches' table width where their table is not made yet (None given)."""
     b, h_q, dk = q.shape
-    if block_table is not None:
+    if block_table is not None or table_width is not None:
         _, page_size, h_kv = k_cache.shape[:3]
-        n_ctx_bound = block_table.shape[1] * page_size
+        n_ctx_bound = (block_table.shape[1] if block_table is not None else table_width) * page_size
     else:
         _, h_kv, n_ctx_bound = k_cache.shape[:3]
         page_size = 0
@@ -1223,26 +1224,30 @@ def _launch_as_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      v_scales: Optional[torch.Tensor] = None, k_format: str = "", v_format: str = "",
                      **variants) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """A contiguous cache's decode (``_launch``'s arguments) launched on its paged view
-    (_as_pages) where the plan of that view is the Gluon GQA kernel, else None (nothing launched)."""
+    (_as_pages) where the plan of that view is the Gluon GQA kernel, else None (nothing launched).
+    The view's pages lie in address order: the kernel does not sort them."""
     n_max = k_cache.shape[2]
     scaled = [sc for sc, fmt in ((k_scales, k_format), (v_scales, v_format)) if fmt == "int8"]
     pages = _as_pages((k_cache, v_cache, *scaled), n_max)
     if pages is None:
         return None
-    views, page, seq_blocks = pages
-    table, full = _page_table(q.device, q.shape[0], seq_blocks, n_max // page, n_max)
+    views, seq_blocks = pages
+    formats = (k_format, v_format)
+    problem = problem_of(q, views[0], views[1], None, variants["window_left"], variants["softcap"],
+                         variants["sinks"], variants["alibi_slopes"], formats, variants["key_start"],
+                         table_width=n_max // _VIEW_PAGE)
+    plan = decode_plan.planned(problem, facts if facts is not None else facts_of(q.device), max(0, num_splits))
+    if plan.kernel != "gluon_gqa":
+        return None
+    table, full = _page_table(q.device, q.shape[0], seq_blocks, n_max // _VIEW_PAGE)
     lens = context_lens if context_lens is not None else full
+    if not decode_gluon.operands_fit(q, views[0], views[1], table, lens, formats):
+        return None
     row_scales = iter(views[2:])
     k_scales, v_scales = (next(row_scales) if fmt == "int8" else sc
                           for sc, fmt in ((k_scales, k_format), (v_scales, v_format)))
-    formats = (k_format, v_format)
-    problem = problem_of(q, views[0], views[1], table, variants["window_left"], variants["softcap"],
-                         variants["sinks"], variants["alibi_slopes"], formats, variants["key_start"])
-    plan = decode_plan.planned(problem, facts if facts is not None else facts_of(q.device), max(0, num_splits))
-    if plan.kernel != "gluon_gqa" or not decode_gluon.operands_fit(q, views[0], views[1], table, lens, formats):
-        return None
-    return _launch(q, views[0], views[1], table, lens, scale, num_splits, plan=plan, k_scales=k_scales,
-                   v_scales=v_scales, k_format=k_format, v_format=v_format, **variants)
+    return _launch(q, views[0], views[1], table, lens, scale, num_splits, plan=replace(plan, sort_pages=False),
+                   k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format, **variants)
 
 
 def _reads_words(data: torch.Tensor, fmt: str, d: int, cvt_asm: bool) -> bool:

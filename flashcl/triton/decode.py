@@ -1030,18 +1030,17 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor], window_left: int = -1, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                kv_formats: tuple = ("", ""), key_start: Optional[torch.Tensor] = None,
-               query_rows: int = 1, row_mask: bool = False, table_width: Optional[int] = None) -> DecodeProblem:
+               query_rows: int = 1, row_mask: bool = False) -> DecodeProblem:
     """The decode problem of these tensors (the layouts of the module docstring): its context bound
     is max_blocks * block size (paged) or N_max (contiguous, page_size 0); the variants as the op
     takes them (``window_left`` -1 and ``softcap`` 0: off). A window that reaches the first key
     of the longest context hides nothing and is off (for every row: none sits past the query).
     ``kv_formats``: K's and V's quantized formats ("" plain), the caches then their data;
-    ``query_rows`` / ``row_mask``: the kernel's QUERY_ROWS / whether a ROW_MASK is on;
-    ``table_width``: the paged caches' table width where their table is not made yet (None given)."""
+    ``query_rows`` / ``row_mask``: the kernel's QUERY_ROWS / whether a ROW_MASK is on."""
     b, h_q, dk = q.shape
-    if block_table is not None or table_width is not None:
+    if block_table is not None:
         _, page_size, h_kv = k_cache.shape[:3]
-        n_ctx_bound = (block_table.shape[1] if block_table is not None else table_width) * page_size
+        n_ctx_bound = block_table.shape[1] * page_size
     else:
         _, h_kv, n_ctx_bound = k_cache.shape[:3]
         page_size = 0
@@ -1076,20 +1075,21 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     b, h_q, dk = q.shape
     dv = _head_dim(v_cache, v_format)
     paged = block_table is not None
-    if not paged and plan is None and config is None and query_rows == 1 and row_mask is None:
-        # a contiguous cache goes to the Gluon GQA kernel as pages where that kernel takes them
-        launched = _launch_as_pages(q, k_cache, v_cache, context_lens, scale, num_splits, facts,
-                                    window_left=window_left, softcap=softcap, sinks=sinks,
-                                    alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
-                                    k_format=k_format, v_format=v_format, key_start=key_start)
-        if launched is not None:
-            return launched
     if context_lens is not None:
         context_lens = context_lens.contiguous()  # the kernels read context_lens[b] at offset b
     if key_start is not None:
         key_start = key_start.contiguous()  # and key_start[b] likewise
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
                          (k_format, v_format), key_start, query_rows, row_mask is not None)
+    if not paged and plan is None and config is None and query_rows == 1 and row_mask is None:
+        # a contiguous cache goes to the Gluon GQA kernel as pages where that kernel takes them
+        facts = facts if facts is not None else facts_of(q.device)
+        launched = _launch_as_pages(q, k_cache, v_cache, context_lens, scale, num_splits, facts, problem,
+                                    window_left=window_left, softcap=softcap, sinks=sinks,
+                                    alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
+                                    k_format=k_format, v_format=v_format, key_start=key_start)
+        if launched is not None:
+            return launched
     flags = set(problem.variants)
     if paged:
         num_blocks, page_size, h_kv = k_cache.shape[:3]
@@ -1219,29 +1219,26 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _launch_as_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     context_lens: Optional[torch.Tensor], scale: float, num_splits: int,
-                     facts: Optional[DeviceFacts], k_scales: Optional[torch.Tensor] = None,
+                     context_lens: Optional[torch.Tensor], scale: float, num_splits: int, facts: DeviceFacts,
+                     problem: DecodeProblem, k_scales: Optional[torch.Tensor] = None,
                      v_scales: Optional[torch.Tensor] = None, k_format: str = "", v_format: str = "",
                      **variants) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """A contiguous cache's decode (``_launch``'s arguments) launched on its paged view
-    (_as_pages) where the plan of that view is the Gluon GQA kernel, else None (nothing launched).
-    The view's pages lie in address order: the kernel does not sort them."""
+    """A contiguous cache's decode (``_launch``'s arguments, ``problem`` its problem) launched on
+    its paged view (_as_pages) where the plan of that view is the Gluon GQA kernel, else None
+    (nothing launched). The view's problem is the cache's with its page size: the same bound and
+    offsets. Its pages lie in address order: the kernel does not sort them."""
+    plan = decode_plan.planned(replace(problem, page_size=_VIEW_PAGE), facts, max(0, num_splits))
+    if plan.kernel != "gluon_gqa":
+        return None
     n_max = k_cache.shape[2]
     scaled = [sc for sc, fmt in ((k_scales, k_format), (v_scales, v_format)) if fmt == "int8"]
     pages = _as_pages((k_cache, v_cache, *scaled), n_max)
     if pages is None:
         return None
     views, seq_blocks = pages
-    formats = (k_format, v_format)
-    problem = problem_of(q, views[0], views[1], None, variants["window_left"], variants["softcap"],
-                         variants["sinks"], variants["alibi_slopes"], formats, variants["key_start"],
-                         table_width=n_max // _VIEW_PAGE)
-    plan = decode_plan.planned(problem, facts if facts is not None else facts_of(q.device), max(0, num_splits))
-    if plan.kernel != "gluon_gqa":
-        return None
     table, full = _page_table(q.device, q.shape[0], seq_blocks, n_max // _VIEW_PAGE)
     lens = context_lens if context_lens is not None else full
-    if not decode_gluon.operands_fit(q, views[0], views[1], table, lens, formats):
+    if not decode_gluon.operands_fit(q, views[0], views[1], table, lens, (k_format, v_format)):
         return None
     row_scales = iter(views[2:])
     k_scales, v_scales = (next(row_scales) if fmt == "int8" else sc

@@ -482,7 +482,8 @@ def _knob_option(ctx, param, values) -> dict:
 @click.option("--kv-format", "kv_format", default=None,
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
               help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored); "
-                   "with variants, also timed with them on.")
+                   "with variants, also timed with them on; Triton: contiguous caches too, against the "
+                   "contiguous float16 call.")
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl", "decode_cpu.cl"]), default="auto",
               show_default=True,
               help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, decode_cpu.cl on CPUs, else "

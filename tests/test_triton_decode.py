@@ -435,3 +435,10 @@ def test_bench_table_with_and_without_forced_splits(forced):
         assert "1: 0.0933" in last and last.rstrip().endswith("yes") and "forced split counts" in text
     else:
         assert last.rstrip().endswith("-") and "forced split counts" not in text
+    # a quantized cache: paged beside the paged call, contiguous beside the contiguous one
+    quant = {**row, "kv_format": "q4_0", "quant_ms": 0.05, "quant_min_ms": 0.049, "quant_max_ms": 0.051,
+             "quant_stored_MB": 75.5, "quant_TB_s": 1.5, "quant_ratio": 0.537, "quant_bw_vs_fp16": 0.52,
+             "quant_contig_ms": 0.048, "quant_contig_ratio": 0.512}
+    text = bd.format_table([quant])
+    assert "K/V quantized to q4_0" in text and "time x0.537" in text
+    assert "contiguous (B, H_kv, N, D): 0.0480 ms, time x0.512 of the contiguous float16 call" in text

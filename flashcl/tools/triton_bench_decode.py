@@ -246,9 +246,12 @@ def _run(shapes, dtype, block_size, splits, seed, on_row, block_order, rounds, h
         if kv_format is not None:
             for st in sets:
                 st["k_quant"], st["v_quant"] = (quantize(st[n], kv_format) for n in ("k_pages", "v_pages"))
+                st["k_quant_contig"], st["v_quant_contig"] = (quantize(st[n], kv_format) for n in ("k", "v"))
             calls["quant"] = lambda s: triton_decode.decode(
                 s["q"], s["k_quant"], s["v_quant"], block_table=s["block_table"], context_lens=s["context_lens"],
                 scale=scale)
+            calls["quant_contig"] = lambda s: triton_decode.decode(  # beside "contig": the same cache unpaged
+                s["q"], s["k_quant_contig"], s["v_quant_contig"], context_lens=s["context_lens"], scale=scale)
             q_bytes = _stored_bytes(b, h_q, h_kv, ctx, d, elt, kv_format)
             if var is not None:  # what a model with both runs (e.g. softcap on a q8_0 cache)
                 calls["quant_variants"] = lambda s: triton_decode.decode(
@@ -289,6 +292,8 @@ def _run(shapes, dtype, block_size, splits, seed, on_row, block_order, rounds, h
                 "quant_max_ms": t["quant"]["max_ms"], "quant_stored_MB": round(q_bytes / 1e6, 1),
                 "quant_TB_s": q_bytes / (t_q * 1e-3) / 1e12, "quant_ratio": t_q / t_auto["median_ms"],
                 "quant_bw_vs_fp16": (q_bytes / t_q) / (nbytes / t_auto["median_ms"]),
+                "quant_contig_ms": t["quant_contig"]["median_ms"],
+                "quant_contig_ratio": t["quant_contig"]["median_ms"] / t_contig["median_ms"],
             })
             if var is not None:
                 rows[-1].update({"quant_var_ms": t["quant_variants"]["median_ms"],
@@ -419,6 +424,9 @@ def format_table(rows, command: str | None = None) -> str:
             out.append(f"  {r['shape']}: {r['quant_ms']:.4f} ms ({r['quant_min_ms']:.4f}-{r['quant_max_ms']:.4f}), "
                        f"{r['quant_stored_MB']:.0f} MB stored, {r['quant_TB_s']:.2f} TB/s; time x{r['quant_ratio']:.3f}"
                        f", bandwidth x{r['quant_bw_vs_fp16']:.3f} of {r['dtype']}")
+            if r.get("quant_contig_ms") is not None:
+                out.append(f"    contiguous (B, H_kv, N, D): {r['quant_contig_ms']:.4f} ms, time "
+                           f"x{r['quant_contig_ratio']:.3f} of the contiguous {r['dtype']} call")
             if r.get("quant_var_ms") is not None:
                 out.append(f"    with variants {r['variants']}: {r['quant_var_ms']:.4f} ms, "
                            f"x{r['quant_var_ratio']:.3f} of the {r['kv_format']} call without them")

@@ -38,18 +38,19 @@ def main() -> None:
         sets = [{"k": rand(b, h_kv, n, D), "v": rand(b, h_kv, n, D), "q": rand(b, h_q, D)}
                 for _ in range(rotation_count(kv_bytes))]
         fmt = args.kv_format
+        quant = f"flashcl.decode {fmt}"  # the quantized cache's call, where --kv-format is given
         stored = {"flashcl.decode": kv_bytes, "SDPA": kv_bytes}
         if fmt:
             for x in sets:
                 x["kq"], x["vq"] = flashcl.quantize(x["k"], fmt), flashcl.quantize(x["v"], fmt)
             qt = sets[0]["kq"]
             scales = qt.scales.nbytes if fmt in ("int8", "fp8_e4m3") else 0  # ggml's d lie in the data
-            stored[f"flashcl.decode {fmt}"] = 2 * (qt.data.nbytes + scales)
+            stored[quant] = 2 * (qt.data.nbytes + scales)
         calls = {"flashcl.decode": lambda x: flashcl.decode(x["q"], x["k"], x["v"]),
                  "SDPA": lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"], x["v"],
                                                                   enable_gqa=True)}
         if fmt:
-            calls[f"flashcl.decode {fmt}"] = lambda x: flashcl.decode(x["q"], x["kq"], x["vq"])
+            calls[quant] = lambda x: flashcl.decode(x["q"], x["kq"], x["vq"])
         want = calls["SDPA"](sets[0])[:, :, 0].float()
         for name in calls:
             if name != "SDPA":  # the quantized cache's own error is well inside this bound at these sizes
@@ -57,7 +58,7 @@ def main() -> None:
         timed = device_and_host(calls, sets, args.rounds)
         for name, r in timed.items():
             us = 1e3 * r["median_ms"]
-            ratio = f"  {r['median_ms'] / timed['flashcl.decode']['median_ms']:.3f}x fp16" if fmt in name else ""
+            ratio = f"  {r['median_ms'] / timed['flashcl.decode']['median_ms']:.3f}x fp16" if name == quant else ""
             print(f"({b}, {h_q}/{h_kv}, {n:6d}, {D})  {name:22s} device {us:7.1f} us "
                   f"({1e3 * r['min_ms']:.1f}-{1e3 * r['max_ms']:.1f})  {stored[name] / us / 1e6:5.2f} TB/s{ratio}",
                   flush=True)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import flashcl
 from flashcl.tools.cuda_timing import device_and_host, rotation_count
+from flashcl.tools.triton_bench_decode import _ROW_BYTES
 
 D = 128
 SHAPES = [(1, 32, 8, 4096), (1, 32, 8, 8192), (1, 32, 8, 16384), (1, 32, 8, 32768), (1, 16, 8, 32768),
@@ -43,9 +44,7 @@ def main() -> None:
         if fmt:
             for x in sets:
                 x["kq"], x["vq"] = flashcl.quantize(x["k"], fmt), flashcl.quantize(x["v"], fmt)
-            qt = sets[0]["kq"]
-            scales = qt.scales.nbytes if fmt in ("int8", "fp8_e4m3") else 0  # ggml's d lie in the data
-            stored[quant] = 2 * (qt.data.nbytes + scales)
+            stored[quant] = 2 * b * h_kv * n * _ROW_BYTES[fmt](D)
         calls = {"flashcl.decode": lambda x: flashcl.decode(x["q"], x["k"], x["v"]),
                  "SDPA": lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"], x["v"],
                                                                   enable_gqa=True)}

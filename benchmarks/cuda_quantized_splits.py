@@ -20,21 +20,18 @@ import torch
 import flashcl
 from flashcl.triton import decode as triton_decode
 from flashcl.tools.cuda_timing import interleaved_rounds, rotation_count, time_graph
+from flashcl.tools.triton_bench_decode import _make_inputs
 
 D, PAGE = 128, 16
 
 
-def _sets(b: int, h_q: int, h_kv: int, n: int, formats, gen) -> list:
-    """Input sets past L2 (at most 8): q, fp16 pages, a random table, full lengths, each format's caches."""
-    blocks = b * (n // PAGE)
+def _sets(b: int, h_q: int, h_kv: int, n: int, formats, gen, device: str = "cuda") -> list:
+    """Input sets past L2 (at most 8): the bench's (q, pages in random order, table, lengths) with
+    each format's paged caches."""
     sets = []
-    for _ in range(min(rotation_count(2 * blocks * PAGE * h_kv * D * 2), 8)):
-        k, v = (torch.randn(blocks, PAGE, h_kv, D, device="cuda", dtype=torch.float16, generator=gen)
-                for _ in range(2))
-        x = {"q": torch.randn(b, h_q, D, device="cuda", dtype=torch.float16, generator=gen), "k": k, "v": v,
-             "table": torch.randperm(blocks, device="cuda", generator=gen).view(b, -1).to(torch.int32),
-             "lens": torch.full((b,), n, dtype=torch.int32, device="cuda")}
-        x.update({fmt: (flashcl.quantize(k, fmt), flashcl.quantize(v, fmt)) for fmt in formats})
+    for _ in range(min(rotation_count(2 * b * n * h_kv * D * 2), 8)):
+        x = _make_inputs((b, h_q, h_kv, n), torch.float16, PAGE, gen, torch.device(device), "random", D)
+        x.update({fmt: tuple(flashcl.quantize(x[n], fmt) for n in ("k_pages", "v_pages")) for fmt in formats})
         sets.append(x)
     return sets
 
@@ -43,8 +40,8 @@ def _forced(x, fmt: str, splits: int):
     """The Gluon GQA kernel forced at ``splits`` on the set's ``fmt`` caches."""
     kq, vq = x[fmt]
     scaled = fmt in ("int8", "fp8_e4m3")
-    return triton_decode._launch(x["q"], kq.data, vq.data, x["table"], x["lens"], 1 / math.sqrt(D), splits,
-                                 config={"gluon_gqa": True}, k_scales=kq.scales if scaled else None,
+    return triton_decode._launch(x["q"], kq.data, vq.data, x["block_table"], x["context_lens"], 1 / math.sqrt(D),
+                                 splits, config={"gluon_gqa": True}, k_scales=kq.scales if scaled else None,
                                  v_scales=vq.scales if scaled else None, k_format=fmt, v_format=fmt)[0]
 
 
@@ -62,11 +59,11 @@ def main() -> None:
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
     for b, h_q, h_kv, n in shapes:
         sets = _sets(b, h_q, h_kv, n, formats, gen)
-        calls = {"fp16": lambda x: flashcl.decode(x["q"], x["k"], x["v"], block_table=x["table"],
-                                                  context_lens=x["lens"])}
+        calls = {"fp16": lambda x: flashcl.decode(x["q"], x["k_pages"], x["v_pages"], block_table=x["block_table"],
+                                                  context_lens=x["context_lens"])}
         for fmt in formats:
             calls[f"{fmt} default"] = lambda x, fmt=fmt: flashcl.decode(
-                x["q"], *x[fmt], block_table=x["table"], context_lens=x["lens"])
+                x["q"], *x[fmt], block_table=x["block_table"], context_lens=x["context_lens"])
             for s in (s for s in counts if n // s >= 64):  # a split of one 64-key tile at least
                 calls[f"{fmt} gluon s={s}"] = lambda x, fmt=fmt, s=s: _forced(x, fmt, s)
         want = calls["fp16"](sets[0]).float()

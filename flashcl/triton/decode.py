@@ -988,11 +988,16 @@ def _as_pages(caches: tuple, n_max: int) -> Optional[tuple]:
     where the tensor does); (views, Q), or None where N_max or the sequence strides are not whole
     blocks, or differ between the tensors."""
     page, b = _VIEW_PAGE, caches[0].shape[0]
-    rows = {t.stride(0) // t.stride(2) if t.stride(2) and t.stride(0) % t.stride(2) == 0 else -1
-            for t in caches} if b > 1 else {0}
-    if len(rows) != 1 or -1 in rows or n_max % page or next(iter(rows)) % page:
+    seq_rows = 0  # one sequence: its stride is never used
+    if b > 1:
+        strides = {t.stride(0) // t.stride(2) if t.stride(2) and t.stride(0) % t.stride(2) == 0 else -1
+                   for t in caches}
+        if len(strides) != 1:
+            return None
+        (seq_rows,) = strides
+    if seq_rows < 0 or seq_rows % page or n_max % page:
         return None
-    seq_blocks = next(iter(rows)) // page
+    seq_blocks = seq_rows // page
     return tuple(t.as_strided((seq_blocks * (b - 1) + n_max // page, page, t.shape[1], *t.shape[3:]),
                               (page * t.stride(2), t.stride(2), t.stride(1), *t.stride()[3:]))
                  for t in caches), seq_blocks
@@ -1231,18 +1236,17 @@ def _launch_as_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if plan.kernel != "gluon_gqa":
         return None
     n_max = k_cache.shape[2]
-    scaled = [sc for sc, fmt in ((k_scales, k_format), (v_scales, v_format)) if fmt == "int8"]
-    pages = _as_pages((k_cache, v_cache, *scaled), n_max)
+    row_scales = [sc for sc, fmt in ((k_scales, k_format), (v_scales, v_format)) if fmt == "int8"]
+    pages = _as_pages((k_cache, v_cache, *row_scales), n_max)
     if pages is None:
         return None
     views, seq_blocks = pages
+    k_scales = views[2] if k_format == "int8" else k_scales  # K's row scales come first, then V's
+    v_scales = views[-1] if v_format == "int8" else v_scales
     table, full = _page_table(q.device, q.shape[0], seq_blocks, n_max // _VIEW_PAGE)
     lens = context_lens if context_lens is not None else full
     if not decode_gluon.operands_fit(q, views[0], views[1], table, lens, (k_format, v_format)):
         return None
-    row_scales = iter(views[2:])
-    k_scales, v_scales = (next(row_scales) if fmt == "int8" else sc
-                          for sc, fmt in ((k_scales, k_format), (v_scales, v_format)))
     return _launch(q, views[0], views[1], table, lens, scale, num_splits, plan=replace(plan, sort_pages=False),
                    k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format, **variants)
 

@@ -2,7 +2,8 @@
 sm_90 on a machine without a GPU (ptxas and cuobjdump come with Triton's NVIDIA backend).
 
     python benchmarks/gqa_sass.py [--formats fp16,int8,fp8_e4m3,q8_0,q4_0] [--splits 4]
-        [--variants softcap+sinks+alibi+window] [--max-registers N] [--group 8] [--out DIR]
+        [--variants softcap+sinks+alibi+window] [--max-registers N] [--group 8] [--q-dtype bfloat16]
+        [--out DIR]
 
 Each build is launch_gqa's own (its layouts, tiles ahead and constexprs) for (1, 8 x group / 8,
 1024 keys) paged 16, compiled through a stand-in driver that reports an sm_90 target; the launch
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="'+'-joined: softcap, sinks, alibi, window")
     ap.add_argument("--max-registers", type=int, default=0, help="the build's register cap (0: none)")
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--q-dtype", default="float16", choices=("float16", "bfloat16"),
+                    help="q's dtype (and the plain cache's)")
     ap.add_argument("--out", default=None, help="also write each build's PTX and SASS here")
     args = ap.parse_args()
     driver.set_active(_Sm90())
@@ -77,14 +80,15 @@ def main() -> int:
     tools = os.path.join(os.path.dirname(nvidia.__file__), "bin")
     variants = set(filter(None, args.variants.split("+")))
     b, h_kv, page, blocks, g, ns = 1, 8, 16, 64, args.group, args.splits
-    q = torch.randn(b, h_kv * g, 128, dtype=torch.float16)
+    dtype = getattr(torch, args.q_dtype)
+    q = torch.randn(b, h_kv * g, 128, dtype=dtype)
     table = torch.arange(blocks, dtype=torch.int32).reshape(1, blocks)
     lens = torch.tensor([blocks * page], dtype=torch.int32)
-    out = torch.empty(b, h_kv * g, 128, dtype=torch.float16)
+    out = torch.empty(b, h_kv * g, 128, dtype=dtype)
     lse = torch.empty(b, h_kv * g, dtype=torch.float32)
     part_m = torch.empty(b, h_kv * g, ns, dtype=torch.float32)
     part_acc = torch.empty(b, h_kv * g, ns, 128, dtype=torch.float32)
-    x = torch.randn(blocks, page, h_kv, 128, dtype=torch.float16)
+    x = torch.randn(blocks, page, h_kv, 128, dtype=dtype)
     for fmt in args.formats.split(","):
         data, scales, kf = x, None, ""
         if fmt != "fp16":
@@ -113,7 +117,7 @@ def main() -> int:
             return 1
         kernel = list(cache.values())[-1]
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
-        name = f"{fmt}_s{ns}_{'+'.join(sorted(variants)) or 'plain'}_r{args.max_registers}_g{g}"
+        name = f"{fmt}_s{ns}_{'+'.join(sorted(variants)) or 'plain'}_r{args.max_registers}_g{g}_{args.q_dtype}"
         folder = args.out or os.path.join(os.environ.get("TMPDIR", "/tmp"), "gqa_sass")
         os.makedirs(folder, exist_ok=True)
         cubin = os.path.join(folder, name + ".cubin")

@@ -274,6 +274,36 @@ def test_gluon_gqa_quantized_with_variants(triton_device, k_fmt, v_fmt, poison, 
     assert gqa_calls == [formats] * len(splits)
 
 
+@pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("q8_0", "q8_0"),
+                                         ("q4_0", "q4_0"), ("q8_0", None), (None, "int8")])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gluon_gqa_bf16_q(triton_device, k_fmt, v_fmt, splits, poison, gqa_calls):
+    """bf16 q on quantized caches (quantized from bf16; one side plain bf16): the Gluon GQA kernel
+    takes q in fp16 at a power of two per row. Rows of magnitudes 2^-100 to 2^100 within one
+    group (huge and tiny logits), a row of zeros and rows with values 2^-20 of their largest,
+    against the oracle on the values as stored (dequantized to float32: in bf16, the dequantized
+    values' rounding alone moves a 2^100 logit's lse by up to 2e-3 of it)."""
+    formats = (k_fmt or "", v_fmt or "")
+    if not _gluon_gqa_runs(triton_device, formats):
+        pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
+    c = _case(triton_device, "bfloat16", b=2, h_q=32, h_kv=8, lens=[1500, 77], d=128, k_fmt=k_fmt,
+              v_fmt=v_fmt, seed=splits)
+    q = c["q"].float()
+    q[0, 0] *= 2.0 ** -100
+    q[0, 1] *= 2.0 ** 100 / q[0, 1].abs().max()  # logits past 2^100: the softmax of one key
+    q[0, 2] = 0.0
+    q[1, 4, ::2] *= 2.0 ** -20  # half its values far below the row's largest
+    q[1, 5] *= 2.0 ** 60
+    c["q"] = q.to(torch.bfloat16)
+    ref_kw = {"block_table": c["block_table"].cpu().numpy(), "context_lens": np.array([1500, 77]),
+              "scale": 1.0 / math.sqrt(128), "return_lse": True}
+    k, v = (dataclasses.replace(x, dtype=torch.float32) if f else _np(x) for x, f in ((c["k"], k_fmt), (c["v"], v_fmt)))
+    c["ref"], c["ref_lse"] = reference.decode_attention(_np(c["q"]), k, v, **ref_kw)
+    out, lse = _forced_gqa(c, formats, splits)
+    assert gqa_calls == [formats] and out.dtype == torch.bfloat16
+    _check(out, lse, c, f"gluon gqa bf16 q {formats} splits={splits}")
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_gluon_gqa_two_tiles_unused_entries(triton_device, fmt, splits, poison, gqa_calls):
@@ -326,12 +356,14 @@ def test_words_need_an_int32_view():
         assert not decode_gluon.operands_fit(q, odd, odd, table, lens, (fmt, fmt))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_default_plan_takes_gluon_for_quantized_caches(triton_device, fmt, poison, gqa_calls):
-    """At (1, 32/8, 32k) the default plan runs every quantized format on the Gluon GQA kernel."""
+def test_default_plan_takes_gluon_for_quantized_caches(triton_device, fmt, dtype, poison, gqa_calls):
+    """At (1, 32/8, 32k) the default plan runs every quantized format on the Gluon GQA kernel, for
+    fp16 and bf16 q."""
     if not _gluon_gqa_runs(triton_device, (fmt,)):
         pytest.skip("the Gluon GQA kernel runs on CUDA with Gluon (fp8: sm_89+)")
-    c = _case(triton_device, "float16", b=1, h_q=32, h_kv=8, lens=[32768], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
+    c = _case(triton_device, dtype, b=1, h_q=32, h_kv=8, lens=[32768], d=128, k_fmt=fmt, v_fmt=fmt, seed=5)
     out, lse = _run(c, None)
     assert gqa_calls == [(fmt, fmt)]
     _check(out, lse, c, f"default plan {fmt}")
@@ -463,9 +495,9 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
 
 
 def test_plan_routes_quantized_caches():
-    """On a Hopper with Gluon, quantized K/V of every format with fp16 q take the Gluon GQA kernel
-    where its rule takes the launch (at its own split count), and the dot path elsewhere: MHA,
-    bf16 q, fp8 before sm_89, the kernel turned off. The dot path reads whole pages at
+    """On a Hopper with Gluon, quantized K/V of every format with fp16 or bf16 q take the Gluon GQA
+    kernel where its rule takes the launch (at its own split count), and the dot path elsewhere: MHA,
+    float32 q, fp8 before sm_89, the kernel turned off. The dot path reads whole pages at
     four programs per SM; int8 and fp8 alone take the word tile, q8_0 and q4_0 their own tiles, a
     mix with a ggml format the ggml tile; an unknown format is refused. No quantized cache takes
     the MHA loop."""
@@ -497,7 +529,9 @@ def test_plan_routes_quantized_caches():
     for formats in (("int8", ""), ("", "fp8_e4m3"), ("fp8_e4m3", "int8"), ("q8_0", "int8"), ("", "q8_0"),
                     ("int8", "q4_0")):
         assert dp.plan(replace(gqa, kv_formats=formats), facts).kernel == "gluon_gqa", formats
-    for problem, f in ((replace(gqa, kv_formats=("int8", "int8"), q_dtype="bfloat16"), facts),
+    for fmt in FORMATS:
+        assert dp.plan(replace(gqa, kv_formats=(fmt, ""), q_dtype="bfloat16"), facts).kernel == "gluon_gqa", fmt
+    for problem, f in ((replace(gqa, kv_formats=("int8", "int8"), q_dtype="float32", elt_bytes=4), facts),
                        (replace(gqa, kv_formats=("fp8_e4m3", "fp8_e4m3")), replace(facts, capability=(8, 0)))):
         assert dp.plan(problem, f).kernel == "dot", problem
     assert dp.plan(replace(gqa, kv_formats=("int8", "int8")), replace(facts, capability=(8, 0))).kernel == "gluon_gqa"
@@ -541,8 +575,9 @@ def test_plan_takes_gluon_for_quantized_short_contexts():
     plain = dp.plan(dp.DecodeProblem(1, 32, 8, 128, 128, 4096, 2, 16), facts)
     assert plain.kernel != "gluon_gqa"  # fp16 keeps its measured rule
     bf16 = dp.DecodeProblem(1, 32, 8, 128, 128, 4096, 2, 16, kv_formats=("int8", "int8"), q_dtype="bfloat16")
-    assert dp.plan(bf16, facts).kernel == "dot"
-    assert dp.plan(replace(bf16, q_dtype="float16"), replace(facts, gluon=False)).kernel == "dot"
+    assert dp.plan(bf16, facts) == replace(dp.plan(replace(bf16, q_dtype="float16"), facts), problem=bf16)
+    assert dp.plan(replace(bf16, q_dtype="float32", elt_bytes=4), facts).kernel == "dot"
+    assert dp.plan(bf16, replace(facts, gluon=False)).kernel == "dot"
 
 
 def test_compiled_with_quantized_cache_and_variants(triton_device):

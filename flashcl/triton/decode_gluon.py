@@ -511,6 +511,17 @@ if gluon is not None:
         return gl.convert_layout(x, LF, assert_trivial=True)
 
     @gluon.jit
+    def _fp16_rows(q):
+        """q [W, D, R] (float32 of bf16) in fp16 for the mma with fp16 K values, each row r at the power
+        of two that puts its largest |q| in [2^13, 2^14): its values exact down to 2^-27 of that one
+        (bf16 has 8 significant bits, fp16 11); and the inverse powers [W, R], for its scores."""
+        top = (gl.max(gl.abs(q), 1).to(gl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent
+        e = gl.minimum(140 - top, 126)  # 2^e |q| < 2^14; 2^-126 the least inverse (a normal float)
+        scale = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        return (q * gl.expand_dims(scale, 1)).to(gl.float16), inv
+
+    @gluon.jit
     def _ggml_load(base, row, col, mask, EVICT: gl.constexpr, L4: gl.constexpr, IS_K: gl.constexpr,
                    FMT: gl.constexpr):
         """A q8_0 / q4_0 tile's windows (_gqa_ggml_layouts): the units of each lane ([W, 16, C, U]
@@ -859,7 +870,8 @@ if gluon is not None:
         their lane slices), become q * d in the same places (_ggml_values). int8's row scales,
         read a tile ahead in the scores' layout, multiply the fp32 scores (K) and p before its
         fp16 rounding (V), as the Triton kernel applies them; fp8's one scale per tensor
-        multiplies the score scale (K) and the state's acc at the end (V).
+        multiplies the score scale (K) and the state's acc at the end (V). The mma with quantized
+        values is fp16's: a bf16 q enters it scaled per row by a power of two (_fp16_rows), P in fp16.
 
         The variants (WINDOW, SOFTCAP, ALIBI, SINKS, KEY_START) as decode's kernel applies them,
         with its functions: the softcap and ALiBi on each warp's scores (score_variants), the sink
@@ -932,6 +944,9 @@ if gluon is not None:
         row_q = _vec3(R, 2, QL)
         q = gl.load(Q + pid_b.to(gl.int64) * stride_qb + (pid_h * GROUP + row_q) * stride_qh + col_q
                     + _vec3(W, 0, QL) * 0, mask=(row_q < GROUP) & (col_q < D), other=0.0)
+        if K_FMT != "" and Q.dtype.element_ty != gl.float16:  # bf16 q against fp16 K values
+            q, q_inv = _fp16_rows(q.to(gl.float32))
+            qk_scale_log2 = qk_scale_log2 * gl.expand_dims(gl.convert_layout(q_inv, ROWS), 1)
         q = gl.convert_layout(q, B_L)
 
         # K and V read the same entries: top follows K's (the masked rows use none)
@@ -956,7 +971,7 @@ if gluon is not None:
 
         key_s = _vec3(W, 0, MMA) * 16 + _vec3(16, 1, MMA)  # the key of each score row
         ROW_SCALES: gl.constexpr = (K_FMT == "int8") or (V_FMT == "int8")
-        PV_T: gl.constexpr = Q.dtype.element_ty if V_FMT != "" else V.dtype.element_ty  # V^T P^T's operand type
+        PV_T: gl.constexpr = gl.float16 if V_FMT != "" else V.dtype.element_ty  # V^T P^T's operand type
         if K_FMT == "fp8_e4m3":
             qk_scale_log2 = qk_scale_log2 * gl.load(KScales)
         if ROW_SCALES:

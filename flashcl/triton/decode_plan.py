@@ -63,7 +63,7 @@ class DecodeProblem:
     variants: tuple = ()
     window_left: int = -1
     kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
-    q_dtype: str = "float16"  # q's torch dtype name: the byte permutes of quantized caches need fp16
+    q_dtype: str = "float16"  # q's torch dtype name: the GQA kernel reads quantized caches for fp16 / bf16 q
     query_rows: int = 1  # > 1: the heads are causal query rows (the dot path's QUERY_ROWS)
     row_mask: bool = False  # the rows' own mask (prefill's; the dot path's ROW_MASK)
 
@@ -518,12 +518,13 @@ def gqa_registers(per_sm: int) -> int:
 
 
 def gqa_reads(kv_formats: tuple, q_dtype: str, facts: DeviceFacts) -> bool:
-    """Whether the GQA kernel reads caches of these formats: plain, or GQA_QUANTIZED with fp16 q
-    (its byte permutes), fp8_e4m3 on sm_89 or newer (its convert instruction)."""
+    """Whether the GQA kernel reads caches of these formats: plain, or GQA_QUANTIZED with fp16 or
+    bf16 q (its byte permutes give fp16 values; a bf16 q enters their mma in fp16, scaled per row
+    by a power of two: exact), fp8_e4m3 on sm_89 or newer (its convert instruction)."""
     formats = set(kv_formats) - {""}
     if not formats:
         return True
-    return (formats <= set(GQA_QUANTIZED) and q_dtype == "float16"
+    return (formats <= set(GQA_QUANTIZED) and q_dtype in ("float16", "bfloat16")
             and ("fp8_e4m3" not in formats or tuple(facts.capability) >= (8, 9)))
 
 

@@ -28,6 +28,10 @@
 #define FLASHCL_CAT_(a, b) a##b
 #define FLASHCL_CAT(a, b) FLASHCL_CAT_(a, b)
 
+/* An additive mask value at or below this hides its key, as -inf does: scores are in log2 units,
+ * where a lower value overflows float32 (flashcl.reference.MASK_HIDES_AT; finfo(float32).min). */
+#define MASK_HIDES_AT (-2.3586e38f)
+
 /* Local arrays read through vector-typed pointers are declared with this: vloadN only promises
  * element alignment, so a compiler may split it into scalar loads (NVIDIA's does), while a
  * vector-typed access is one wide load -- valid because the array is aligned and every offset is

@@ -114,7 +114,7 @@
 #define MASK_SEES(batch, h, key) (ROW_MASK_AT(batch, h, key) != 0)
 #define MASK_ADD(batch, h, key) 0.0f
 #else
-#define MASK_SEES(batch, h, key) (ROW_MASK_AT(batch, h, key) != -INFINITY)
+#define MASK_SEES(batch, h, key) (ROW_MASK_AT(batch, h, key) > MASK_HIDES_AT)
 #define MASK_ADD(batch, h, key) (ROW_MASK_AT(batch, h, key) * M_LOG2E_F)
 #endif
 #undef ROWS_DIFFER

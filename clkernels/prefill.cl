@@ -288,10 +288,8 @@ void flash_prefill(__global const store_t *q, __global const store_t *k,
                 visible = visible & (mask_values(mask_row, n0 + VEC * jv, n_kv) != (floatV)(0.0f));
 #elif MASK_KIND == 2
             const floatV add = mask_values(mask_row, n0 + VEC * jv, n_kv);
-            visible = visible & (add != (floatV)(-INFINITY));
-            /* a finite value stays finite: finfo(float32).min (transformers' masks) times log2(e)
-             * would overflow to -inf and hide a key the mask shows */
-            sv[jv] += fmax(add * M_LOG2E_F, (floatV)(-FLT_MAX));
+            visible = visible & (add > (floatV)(MASK_HIDES_AT));
+            sv[jv] += add * M_LOG2E_F;
 #endif
             sv[jv] = select((floatV)(-INFINITY), sv[jv], visible);
             maxv = fmax(maxv, sv[jv]);

@@ -60,7 +60,7 @@
 #define HAS_ALIBI 0       // 1: s -= alibi[b, head] * |p - j| (slopes in natural-log units)
 #endif
 #ifndef MASK_KIND
-#define MASK_KIND 0       // 0: no mask; 1: bool mask (uchar, 0 hides); 2: additive float (-inf hides)
+#define MASK_KIND 0       // 0: no mask; 1: bool mask (uchar, 0 hides); 2: additive float (MASK_HIDES_AT hides)
 #endif
 #if MASK_KIND < 0 || MASK_KIND > 2
 #error "MASK_KIND must be 0 (none), 1 (bool) or 2 (additive float)"

@@ -277,10 +277,8 @@ void flash_prefill_tiles(__global const store_t *q, __global const store_t *k,
                     visible = visible && mask_row[min(col, n_kv - 1)] != 0;
 #elif MASK_KIND == 2
                 const float add = mask_row[min(col, n_kv - 1)];
-                visible = visible && add != -INFINITY;
-                /* a finite value stays finite: finfo(float32).min (transformers' masks) times log2(e)
-                 * would overflow to -inf and hide a key the mask shows */
-                s[a][b] += fmax(add * M_LOG2E_F, -FLT_MAX);
+                visible = visible && add > MASK_HIDES_AT;
+                s[a][b] += add * M_LOG2E_F;
 #endif
                 s[a][b] = visible ? s[a][b] : -INFINITY;
                 mx = fmax(mx, s[a][b]);

@@ -16,6 +16,7 @@ import numpy as np
 
 from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .quant import dtype_name as _dtype_name
+from .reference import MASK_HIDES_AT
 from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
@@ -201,6 +202,7 @@ def _check_softcap(softcap) -> Optional[float]:
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     if not (math.isfinite(float(softcap)) and float(softcap) > 0):
         raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
+    _check_kernel_range(np.asarray([float(softcap)]), "softcap")
     return float(softcap)
 
 
@@ -220,7 +222,7 @@ def _per_head(x, name: str, shapes: tuple):
         if bad.any():
             allowed = "finite values" if name == "alibi_slopes" else "finite values or -inf (no sink)"
             raise ValueError(f"{name}: expected {allowed}, got {host[bad].flat[0]}")
-        _check_float32_range(host, name, both_signs=name == "alibi_slopes")
+        _check_kernel_range(host, name, both_signs=name == "alibi_slopes")
     if _is_torch(arr):
         import torch
 
@@ -238,14 +240,18 @@ def _values_checkable(x) -> bool:
     return not x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _check_float32_range(x: np.ndarray, name: str, both_signs: bool = False) -> None:
-    """Kernels take these values as float32: a finite value past its range would become inf. A
-    mask's or a sink's large negative value becomes -inf, which hides the key or the sink as meant."""
+# The largest value the kernels take (sinks, slopes, masks, softcap): they compute x log2(e) in
+# float32. A mask's or a sink's value at or below -KERNEL_RANGE hides the key or the sink instead.
+KERNEL_RANGE = -MASK_HIDES_AT
+
+
+def _check_kernel_range(x: np.ndarray, name: str, both_signs: bool = False) -> None:
+    """Finite values above KERNEL_RANGE (both signs: in magnitude) would become inf in the kernels."""
     finite = x[np.isfinite(x)]
     top = (np.abs(finite) if both_signs else finite).max(initial=0.0)
-    if top > np.finfo(np.float32).max:
-        raise ValueError(f"{name}: {top:.3g} is past float32's range, which the kernels compute in "
-                         "(it would become inf)")
+    if top > KERNEL_RANGE:
+        raise ValueError(f"{name}: {top:.3g} is past the kernels' range, {KERNEL_RANGE:.4g} (they compute "
+                         "in float32, in log2 units: it would become inf)")
 
 
 def _slopes(x, b: int, h_q: int):
@@ -271,13 +277,21 @@ def _check_mask(mask, b: int, h_q: int, n_q: int, n_kv: int) -> np.ndarray:
     full = (b, h_q, n_q, n_kv)
     if any(s not in (1, f) for s, f in zip(shape4, full)):
         raise ValueError(f"mask: shape {tuple(arr.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
-    if kind != "bool" and np.isnan(arr).any():
-        raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
-    if kind == "float64":
-        _check_float32_range(arr, "mask")
+    if kind != "bool":
+        _check_additive_mask(arr)
     target = (shape4[0], shape4[1], n_q, n_kv)
     arr = np.broadcast_to(arr.reshape(shape4), target)
     return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "bool" else np.float32)
+
+
+def _check_additive_mask(arr: np.ndarray) -> None:
+    """No NaN, no +inf, nothing past the kernels' range (one pass: the largest value)."""
+    top = arr.max(initial=-np.inf)
+    if np.isnan(top):
+        raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
+    if np.isposinf(top):
+        raise ValueError("mask: an additive mask holds +inf (use -inf to hide a key)")
+    _check_kernel_range(np.asarray([top]), "mask")
 
 
 def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
@@ -290,10 +304,8 @@ def _check_mask_torch(mask, kind: str, b: int, h_q: int, n_q: int, n_kv: int):
     shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     if any(s not in (1, f) for s, f in zip(shape4, full)):
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to (B, H_q, N_q, N_kv) = {full}")
-    if kind != "bool" and _values_checkable(mask) and bool(torch.isnan(mask).any()):
-        raise ValueError("mask: an additive mask holds NaN (use -inf to hide a key)")
-    if kind == "float64" and _values_checkable(mask):
-        _check_float32_range(mask.detach().numpy(), "mask")
+    if kind != "bool" and _values_checkable(mask):
+        _check_additive_mask(mask.detach().float().numpy() if kind == "bfloat16" else mask.detach().numpy())
     out = mask.reshape(shape4).expand(shape4[0], shape4[1], n_q, n_kv)
     return out.to(torch.bool if kind == "bool" else torch.float32).contiguous()
 

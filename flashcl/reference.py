@@ -35,6 +35,10 @@ from .quant import QuantizedTensor, dequantize
 # accumulates in float32). bfloat16 keeps 8 mantissa bits: rounding the output alone costs ~2e-3.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
+# An additive mask value at or below this hides its key, as -inf does: the kernels score in log2
+# units, where a lower value overflows float32 (transformers pads float32 masks with finfo.min).
+MASK_HIDES_AT = -2.3586e38
+
 
 def rel_err(got, ref) -> float:
     """``||got - ref|| / ||ref||`` in float64; against an all-zero reference, ``||got||``."""
@@ -120,7 +124,7 @@ def logits(q, k, *, scale: float | None = None, causal: bool = False, window=Non
 
     Order (flashcl.variants): scale, softcap ``c * tanh(s / c)``, ALiBi ``- slope * |p - j|``
     with p = i + N_kv - N_q, additive mask. Visible: causal, window, a boolean mask's True, an
-    additive mask's value other than -inf. ``alibi_slopes`` is (H_q,) or (B, H_q); ``mask`` is
+    additive mask's value above MASK_HIDES_AT. ``alibi_slopes`` is (H_q,) or (B, H_q); ``mask`` is
     broadcastable to (B, H_q, N_q, N_kv), bool or float.
     """
     q, k = _as4d(q), _as4d(k)
@@ -145,8 +149,9 @@ def logits(q, k, *, scale: float | None = None, causal: bool = False, window=Non
             visible = visible & mask
         else:
             add = mask.astype(np.float64)
-            s = s + np.where(np.isneginf(add), 0.0, add)
-            visible = visible & ~np.isneginf(add)
+            hidden = add <= MASK_HIDES_AT
+            s = s + np.where(hidden, 0.0, add)
+            visible = visible & ~hidden
     return s, np.broadcast_to(visible, s.shape)
 
 

@@ -11,7 +11,8 @@ this order:
 
 Key j is visible to row i when every rule that is on allows it: causal (``j <= p``), window
 (``p - left <= j <= p + right``, -1 unbounded), a boolean mask's True, an additive mask's value
-other than -inf. A hidden key never influences the row (its K or V may hold NaN or inf). A sink is
+above ``reference.MASK_HIDES_AT`` (-inf, and float32's finfo.min, which transformers pads with,
+hide: scores are in log2 units in the kernels, where such a value overflows). A hidden key never influences the row (its K or V may hold NaN or inf). A sink is
 a key of value zero with logit ``sinks[h]`` that every row sees: it joins the softmax normalizer,
 adds nothing to the output, and is part of the returned lse.
 """
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import numpy as np
+
+from .reference import MASK_HIDES_AT
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Variants:
                   inputs' device for Triton), or None.
     alibi_slopes  float32 (B, H_q) (a (H_q,) input is broadcast over the batch), or None.
     mask          prefill only: 4-D (B or 1, H_q or 1, N_q, N_kv), bool (True = may attend) or
-                  float32 (additive; -inf hides), or None.
+                  float32 (additive; -inf and values at or below MASK_HIDES_AT hide), or None.
     """
 
     window: Optional[Tuple[int, int]] = None
@@ -79,10 +82,15 @@ def key_range(first_pos: int, last_pos: int, n_kv: int, *, causal: bool,
     return lo, max(lo, hi)
 
 
+def mask_visible(mask: np.ndarray) -> np.ndarray:
+    """Where a bool mask is True or an additive one above MASK_HIDES_AT (-inf and finfo.min hide)."""
+    return mask if mask.dtype == np.bool_ else mask > MASK_HIDES_AT
+
+
 def mask_block_map(mask: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     """uint8 (Bm, Hm, ceil(N_q / block_m), ceil(N_kv / block_n)): 1 where the (query block, key
     tile) holds a key some row may see, 0 where the tile is wholly hidden and is skipped."""
-    visible = mask if mask.dtype == np.bool_ else (mask != -np.inf)
+    visible = mask_visible(mask)
     bm, hm, n_q, n_kv = visible.shape
     tq, tk = -(-n_q // block_m), -(-n_kv // block_n)
     padded = np.zeros((bm, hm, tq * block_m, tk * block_n), dtype=bool)

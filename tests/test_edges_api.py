@@ -174,16 +174,21 @@ def test_merge_states_makes_a_positive_infinite_lse_nan(lib):
 
 # --------------------------------------------------------------------------- variant arrays
 
-def test_float64_mask_past_float32_range_is_refused(cpu_device):
-    """A positive value past float32 would become +inf; a negative one becomes -inf, which hides
-    the key as float64's minimum (transformers' "hide") means it to."""
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_mask_past_the_kernels_range(cpu_device, dtype):
+    """A positive value past the kernels' range (x log2(e) in float32) or +inf is refused; a
+    negative one at or below MASK_HIDES_AT hides the key, as float32's and float64's minimum
+    (transformers' "hide") mean it to."""
     q = np.zeros((1, 1, 2, 32), np.float32)
     k = v = np.ones((1, 1, 4, 32), np.float32)
-    mask = np.zeros((2, 4))
-    mask[1, 0] = 1e39
-    with pytest.raises(ValueError, match="mask: 1e\\+39 is past float32's range"):
-        flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
-    for hide in (-np.inf, np.finfo(np.float64).min, -1e39):
+    mask = np.zeros((2, 4), dtype)
+    for bad, match in ((3e38, "3e\\+38 is past the kernels' range"), (np.inf, "holds \\+inf")):
+        mask[1, 0] = bad
+        with pytest.raises(ValueError, match=f"mask: .*{match}"):
+            flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+    hides = [-np.inf, np.finfo(np.float32).min, reference.MASK_HIDES_AT]
+    hides += [np.finfo(np.float64).min, -1e39] if dtype == np.float64 else []
+    for hide in hides:
         mask[1, 0], mask[0] = 0.0, hide
         out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
         assert (out[0, 0, 0] == 0).all() and (out[0, 0, 1] == 1).all()
@@ -192,8 +197,10 @@ def test_float64_mask_past_float32_range_is_refused(cpu_device):
 @pytest.mark.parametrize("name, value, match", [
     ("sinks", np.nan, "finite values or -inf"),
     ("sinks", np.inf, "finite values or -inf"),
-    ("sinks", 1e300, "past float32's range"),
-    ("alibi_slopes", -1e300, "past float32's range"),
+    ("sinks", 1e300, "past the kernels' range"),
+    ("sinks", 3e38, "past the kernels' range"),
+    ("alibi_slopes", -1e300, "past the kernels' range"),
+    ("alibi_slopes", 3e38, "past the kernels' range"),
     ("alibi_slopes", np.nan, "finite values"),
     ("alibi_slopes", -np.inf, "finite values"),
 ])

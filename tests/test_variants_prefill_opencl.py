@@ -246,22 +246,25 @@ def test_mask_empties_rows_and_tiles(cl_device, layout, kind):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_additive_mask_of_float32_min(cl_device, layout):
-    """transformers masks with finfo(float32).min, not -inf: such keys stay visible (their weight
-    underflows to 0), and a row whose keys all carry it averages V uniformly, as the oracle does.
-    (Its lse saturates in the kernels' log2 domain, so only out is compared on such rows.)"""
+    """transformers pads float32 masks with finfo(float32).min, not -inf: at or below
+    reference.MASK_HIDES_AT a value hides its key as -inf does (in the kernels' log2 units it
+    overflows), so a row whose keys all carry it sees none (out 0, lse -inf), NaN in V at those
+    keys never leaks, and just above it a key stays visible with that bias."""
     b, h_q, h_kv, n_q, n_kv, dk, dv = SHAPE
     rng = _rng("finfo", layout)
     q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, "float32")
     lowest = np.finfo(np.float32).min
     mask = np.where(rng.random((b, 1, n_q, n_kv)) < 0.5, lowest, 0.0).astype(np.float32)
     mask[:, :, 5] = lowest
+    mask[:, :, 6] = np.nextafter(np.float32(reference.MASK_HIDES_AT), np.float32(0))  # the most negative shown
+    mask[:, :, 6, 1] = 0.0
+    v[:, :, 2] = np.nan  # key 2: hidden from every row
+    mask[:, :, :, 2] = lowest
     var = Variants(mask=mask)
     out, lse = Runner(cl_device, q, k, v, n_kv, True, LAYOUTS[layout], var)(q, k, v, var)
     ref_out, ref_lse = oracle(q, k[:, :, :n_kv], v[:, :, :n_kv], True, var)
-    assert_close(out, ref_out, "float32", f"{layout} finfo.min mask")
-    normal = np.ones(lse.shape, bool)
-    normal[:, :, 5] = False
-    assert_matches(out, lse, ref_out, ref_lse, "float32", f"{layout} finfo.min mask", rows=normal)
+    assert np.all(out[:, :, 5] == 0) and np.all(np.isneginf(lse[:, :, 5]))
+    assert_matches(out, lse, ref_out, ref_lse, "float32", f"{layout} finfo.min mask")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -243,6 +243,30 @@ def test_mask_empties_rows_and_tiles(triton_device):
     _check(q, k, v, causal=True, device=triton_device, mask=bias)
 
 
+@pytest.mark.parametrize("n_q", [1, 4, 37])
+def test_mask_of_float32_min_hides(triton_device, n_q):
+    """An additive value at or below reference.MASK_HIDES_AT (float32's finfo.min, which
+    transformers pads with) hides its key as -inf does, on the prefill kernel (37 rows) and the
+    few-row route (1: one mask row for the group; 4: a mask per row): a row whose keys all carry
+    it sees none, NaN in V at such a key never leaks, and just above it a key stays visible."""
+    b, h_q, h_kv, n_kv, d = 1, 4, 2, 70, 32
+    q, k, v = _inputs(b, h_q, h_kv, n_q, n_kv, d, d, torch.float32, triton_device, 91 + n_q)
+    lowest = torch.finfo(torch.float32).min
+    gen = torch.Generator().manual_seed(n_q)
+    mask = torch.where(torch.rand(b, 1, n_q, n_kv, generator=gen) < 0.5, lowest, 0.0)
+    mask[..., 2] = lowest  # hidden from every row, its V NaN
+    v[:, :, 2] = float("nan")
+    shown = float(np.nextafter(np.float32(reference.MASK_HIDES_AT), np.float32(0)))
+    mask[..., -1, :] = shown  # the last row: every key at the most negative value that shows it,
+    mask[..., -1, 1] = 0.0    # but key 1
+    mask[..., -1, 2] = lowest
+    if n_q > 1:
+        mask[..., 0, :] = lowest  # a row that sees nothing
+    out, lse = _check(q, k, v, causal=False, device=triton_device, mask=mask.to(triton_device))
+    if n_q > 1:
+        assert not out[0, :, 0].any() and torch.isneginf(lse[0, :, 0]).all()
+
+
 def test_mask_broadcast_and_strided_batch(triton_device):
     """A (N_q, N_kv) mask broadcast over batch and heads, and a (B, 1, ..) one per batch."""
     t = forced_tile(triton_device)

@@ -12,7 +12,7 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..reference import causal_mask, window_mask
-from ..variants import Variants, mask_block_map
+from ..variants import Variants, mask_block_map, mask_visible
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
                      host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
                      wait_for_inputs, QUANT_CODES)
@@ -182,8 +182,8 @@ ARGS = (
     ("sinks", "__global const float *", "HAS_SINKS: (H_q,) float32 sink logits, natural log"),
     ("alibi", "__global const float *", "HAS_ALIBI: (B, H_q) float32 ALiBi slopes, natural log"),
     ("mask", "__global const mask_t *", "MASK_KIND 1 (mask_t uchar, 0 hides) or 2 (mask_t float, "
-                                        "additive, -inf hides): (Bm, Hm, N_q, N_kv), Bm in {1, B}, "
-                                        "Hm in {1, H_q}"),
+                                        "additive, -inf or any value <= MASK_HIDES_AT hides): (Bm, Hm, N_q, "
+                                        "N_kv), Bm in {1, B}, Hm in {1, H_q}"),
     *((f"mask_{s}", "const ulong", f"MASK_KIND: mask {what} stride in elements (0 broadcasts)")
       for s, what in (("sb", "batch"), ("sh", "head"), ("sn", "row"))),
     ("tile_map", "__global const uchar *", "MASK_KIND: (Bm, Hm, ceil(N_q / BLOCK_M), ceil(N_kv / "
@@ -201,7 +201,7 @@ ARGS = (
 def mask_tile_map(mask: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     """The kernels' tile_map of a 4-D mask: uint8 per (query block, key tile), 0 when every key
     is hidden (the tile is skipped), 1 when some is (guarded per key), 2 when none is."""
-    visible = mask if mask.dtype == np.bool_ else (mask != -np.inf)
+    visible = mask_visible(mask)
     if block_n % 8:
         some_visible = mask_block_map(visible, block_m, block_n)
         some_hidden = mask_block_map(~visible, block_m, block_n)  # padding counts as not hidden
@@ -388,13 +388,10 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
     and the window (left, right) but that key (a left-padded batch's): every row of the sequence
     sees, of the keys the band (causal and the window) shows it, exactly those from that key on,
     the same in every head. int32 (B,), N_kv where no row sees a key. None for any other mask (a
-    hole, rows or heads that differ, an additive value other than 0 and -inf)."""
-    if mask.dtype == np.bool_:
-        vis = mask
-    else:
-        vis = mask == 0
-        if not (vis | (mask == -np.inf)).all():
-            return None
+    hole, rows or heads that differ, an additive value that neither is 0 nor hides)."""
+    vis = mask_visible(mask)
+    if mask.dtype != np.bool_ and not ((mask == 0) | ~vis).all():
+        return None
     n_q, n_kv = vis.shape[-2:]
     band = window_mask(n_q, n_kv, window if window is not None else (-1, -1))  # bottom-right
     if causal:
@@ -411,8 +408,7 @@ def mask_key_start(mask: np.ndarray, b: int, *, causal: bool = False, window=Non
 def mask_first_keys(mask: np.ndarray, b: int) -> np.ndarray:
     """int32 (B,): the first key any row of each sequence sees by a mask (Bm, Hm, N_q, N_kv), N_kv
     where none does: no row sees a key before it."""
-    vis = mask if mask.dtype == np.bool_ else mask != -np.inf
-    seen = vis.any(axis=(1, 2))  # (Bm, N_kv)
+    seen = mask_visible(mask).any(axis=(1, 2))  # (Bm, N_kv)
     first = np.where(seen.any(axis=-1), seen.argmax(axis=-1), mask.shape[-1])
     return np.ascontiguousarray(np.broadcast_to(first, (b,)), dtype=np.int32)
 

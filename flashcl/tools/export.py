@@ -715,8 +715,9 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
                 "mask": "MASK_KIND 1: uchar (Bm, Hm, N_q, N_kv), Bm in {1, B}, Hm in {1, H_q}, a stride of 0 "
                         "broadcasts; tile_map (Bm, Hm, ceil(N_q / BLOCK_M), ceil(N_kv / BLOCK_N)) uchar per "
                         "(query block, key tile) of the mask alone: 0 every key hidden (the tile is skipped), "
-                        "1 some hidden, 2 none; an additive float mask (-inf hides) is MASK_KIND 2 with the "
-                        "same arguments (flashcl.opencl.prefill.mask_tile_map computes the map)",
+                        "1 some hidden, 2 none; an additive float mask (-inf or <= MASK_HIDES_AT hides) is "
+                        "MASK_KIND 2 with the same arguments (flashcl.opencl.prefill.mask_tile_map computes "
+                        "the map)",
             },
             "example_values": {"prefill_window": [ex["WINDOW_LEFT"], right],
                                "decode_window_left": ex["DECODE_WINDOW_LEFT"], "softcap": ex["SOFTCAP"],

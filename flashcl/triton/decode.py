@@ -129,7 +129,7 @@ from triton.language.extra import cuda as tl_cuda
 from ..quant import QuantizedTensor
 from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words, skips_dispatcher
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
-from .score_variants import _LOG2E, LOG2E, join_sink, score_variants
+from .score_variants import _LOG2E, LOG2E, MASK_HIDES_AT, join_sink, score_variants
 
 # --------------------------------------------------------------------------- kernels
 
@@ -327,7 +327,7 @@ def _decode_kernel(
                 valid = valid & (tok >= first_key)
             if MASK_PER_KEY:  # a key the mask hides is not valid: its K/V rows are not read
                 key_mask = tl.load(key_mask_base + tok * stride_rmk, mask=valid, other=0)
-                valid = valid & (key_mask != (0 if ROW_MASK == 1 else float("-inf")))
+                valid = valid & ((key_mask != 0) if ROW_MASK == 1 else (key_mask > MASK_HIDES_AT))
             elif ROW_MASK == 1:  # and a key no row's mask shows (a padded sequence's)
                 key_words = tl.load(word_base + tok, mask=valid, other=0)
                 valid = valid & (key_words != 0)
@@ -417,10 +417,10 @@ def _decode_kernel(
                     seen = seen & (tok[None, :] >= row_pos[:, None] - window_left)
                 if ROW_MASK == 1:
                     seen = seen & ((key_words[None, :] & row_bit[:, None]) != 0)
-                elif ROW_MASK == 2:  # additive: -inf hides the key
+                elif ROW_MASK == 2:  # additive: -inf (or any value at or below MASK_HIDES_AT) hides the key
                     row_mask = tl.load(row_mask_base[:, None] + tok[None, :] * stride_rmk,
                                        mask=mask_g[:, None] & valid[None, :], other=0)
-                    seen = seen & (row_mask != float("-inf"))
+                    seen = seen & (row_mask > MASK_HIDES_AT)
                     s = s + row_mask * LOG2E
                 s = tl.where(seen, s, float("-inf"))
                 # a row may see no key of a tile yet: shift it by 0, so exp2 gives 0, not NaN

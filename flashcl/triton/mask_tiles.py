@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .score_variants import MASK_HIDES_AT
+
 MAP_GRAIN = tl.constexpr(16)  # the smallest tile of the prefill's tile space: one map serves all
 MAP_PAD = tl.constexpr(128)   # map rows and columns padded to the largest tile (no bounds checks)
 MAP_SEEN = tl.constexpr(1)     # block-map bits
@@ -46,7 +48,7 @@ def _block_map_kernel(Mask, Map, stride_mb, stride_mh, stride_mq, stride_pb, str
             + rows.to(tl.int64)[:, None] * stride_mq + cols[None, :])
     if ADDITIVE:
         x = tl.load(ptrs, mask=inside, other=0.0)
-        seen = x != float("-inf")
+        seen = x > MASK_HIDES_AT
         plain = x == 0.0
     else:
         seen = tl.load(ptrs, mask=inside, other=1) != 0

@@ -85,6 +85,7 @@ from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
 from . import interpreting, mask_tiles, on_device_of, quant_words, skips_dispatcher
+from .score_variants import MASK_HIDES_AT
 from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(s) = exp2(s * log2(e))
@@ -362,7 +363,7 @@ def _attend_tile(acc, l_i, m_i, q, k_src, v_src, off_b, off_hkv, start_n, offs_n
             if MASK == MASK_BOOL:
                 allowed = mask_tile != 0
             else:
-                allowed = mask_tile != float("-inf")
+                allowed = mask_tile > MASK_HIDES_AT
                 s = s + mask_tile * LOG2E_K
             # a select, as for seen below; seen itself takes the mask only where CLEAN_V reads it
             # (folding it in there costs registers: ptxas spilled and serialized the wgmma)

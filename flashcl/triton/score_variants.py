@@ -7,8 +7,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..reference import MASK_HIDES_AT as _MASK_HIDES_AT
+
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 LOG2E = tl.constexpr(_LOG2E)  # the same, for the kernels
+MASK_HIDES_AT = tl.constexpr(_MASK_HIDES_AT)  # an additive mask value at or below it hides its key
 
 
 @triton.jit

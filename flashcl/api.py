@@ -17,6 +17,7 @@ import numpy as np
 from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .quant import dtype_name as _dtype_name
 from .reference import MASK_HIDES_AT
+from .tables import check_tables
 from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
@@ -183,6 +184,11 @@ def _host_array(x, name: str) -> np.ndarray:
     raise TypeError(f"{name}: expected a numpy array, a torch tensor or a pyopencl Array, got {type(x).__name__}")
 
 
+def _check_bool(x, name: str) -> None:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
 def _check_window(window) -> Optional[Tuple[int, int]]:
     if window is None:
         return None
@@ -209,6 +215,8 @@ def _check_softcap(softcap) -> Optional[float]:
 def _per_head(x, name: str, shapes: tuple):
     """sinks / alibi_slopes as float32 of one of ``shapes``: a torch tensor stays torch on its
     device (no host round trip under CUDA graphs or torch.compile), anything else becomes numpy."""
+    if not isinstance(x, (list, tuple)) and not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array of float32 values, got {type(x).__name__}")
     kind = _dtype_name(x) if not isinstance(x, (list, tuple)) else "list"
     if kind not in ("float32", "float64", "float16", "bfloat16", "list"):
         raise TypeError(f"{name}: expected float32 values, got {kind}")
@@ -392,8 +400,8 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
     rank, qs, ks, vs = _prefill_shapes(q, k, v)
     _check_quantized("prefill", chosen, q, {"k": k, "v": v})
     scale = _check_scale(scale)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _check_bool(causal, "causal")
+    _check_bool(return_lse, "return_lse")
     if params is not None and not isinstance(params, dict):
         raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
     if scale is None:
@@ -403,11 +411,12 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
 
     if chosen == "triton":
         _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"))
-        from .triton import prefill as triton_prefill
+        from .triton import one_call_at_a_time, prefill as triton_prefill
 
-        return triton_prefill.prefill(q, k, v, causal=bool(causal), scale=scale,
-                                      return_lse=return_lse, params=params,
-                                      variants=_variants_on_torch(variants, q))
+        with one_call_at_a_time():
+            return triton_prefill.prefill(q, k, v, causal=bool(causal), scale=scale,
+                                          return_lse=return_lse, params=params,
+                                          variants=_variants_on_torch(variants, q))
 
     _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"))
     from .opencl import prefill as cl_prefill
@@ -421,9 +430,9 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
 # --------------------------------------------------------------------------- decode
 
 def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=None) -> dict:
-    """Validate a decode call; return its geometry. Values of block_table/context_lens are checked
-    by the backends that hold them (a device tensor is not read back here); key_start's need no
-    check (any int32 has a meaning)."""
+    """Validate a decode call; return its geometry. Values of host block_table/context_lens are
+    checked by tables.check_tables (a device tensor is not read back); key_start's need no check
+    (any int32 has a meaning)."""
     if len(q.shape) != 3:
         raise ValueError(f"q: expected (B, H_q, DK) for decode, got shape {tuple(q.shape)}")
     b, h_q, dk = (int(s) for s in q.shape)
@@ -468,6 +477,8 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
         raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
     if b == 0:
         raise ValueError("empty batch: q.shape[0] == 0")
+    if h_q == 0:
+        raise ValueError("no query heads: q.shape[1] == 0")
     _check_head_dim("q/k_cache", dk)
     _check_head_dim("v_cache", vs[3])
     return {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": vs[3], "paged": paged,
@@ -511,6 +522,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     geo = _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start)
     _check_quantized("decode", chosen, q, {"k_cache": k_cache, "v_cache": v_cache})
     scale = _check_scale(scale)
+    _check_bool(return_lse, "return_lse")
     num_splits = _check_num_splits(num_splits)
     if params is not None and not isinstance(params, dict):
         raise TypeError(f"params: expected a dict of tile parameters, got {type(params).__name__}")
@@ -521,12 +533,14 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
 
     if chosen == "triton":
         _common_dtype(tensors, ("float32", "float16", "bfloat16"))
-        from .triton import decode as triton_decode
+        check_tables(geo, block_table, context_lens)  # torch CPU tables (the interpreter's); CUDA ones are not read
+        from .triton import decode as triton_decode, one_call_at_a_time
 
-        return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
-                                    context_lens=context_lens, scale=scale,
-                                    num_splits=num_splits, return_lse=return_lse,
-                                    variants=_variants_on_torch(variants, q), key_start=key_start)
+        with one_call_at_a_time():
+            return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
+                                        context_lens=context_lens, scale=scale,
+                                        num_splits=num_splits, return_lse=return_lse,
+                                        variants=_variants_on_torch(variants, q), key_start=key_start)
 
     _common_dtype(tensors, ("float32", "float16"))
     from .opencl import decode as cl_decode

@@ -230,7 +230,7 @@ def _dequantize_ggml(data, fmt: str, ops):
         nib = data[..., 2:]
         q = ops.cast(ops.concat([nib & 0x0F, nib >> 4], axis=-1), "float32") - ops.f32(8, d)
     out = q * d
-    return out.reshape(*out.shape[:-2], -1)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])  # -1 fails on 0 rows
 
 
 # --------------------------------------------------------------------------- entry points
@@ -260,6 +260,8 @@ def quantize(x, fmt: str) -> QuantizedTensor:
     pyopencl Array of float32/float16; any shape ending in the head dim) to ``fmt`` (one of
     FORMATS) along its last dim. data/scales are of ``x``'s kind (torch on its device, pyopencl
     on its queue)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"quantize takes a numpy array, a torch tensor or a pyopencl Array, got {type(x).__name__}")
     return _quantize(x, fmt, dtype_name(x))
 
 
@@ -281,8 +283,8 @@ def _quantize(x, fmt: str, logical: str) -> QuantizedTensor:
     """quantize, its range checks judged for a cache of dtype ``logical`` (quantize_into: the
     cache's, whatever kind the new tokens came in)."""
     _check_fmt(fmt)
-    if len(x.shape) < 1:
-        raise ValueError("quantize needs at least one dim (the head dim)")
+    if len(x.shape) < 1 or x.shape[-1] == 0:
+        raise ValueError(f"quantize needs a head dim (the last) of at least 1, got shape {tuple(x.shape)}")
     if fmt == "fp8_e4m3":
         return _quantize_fp8(x)
     xf = _float32_of(x)
@@ -355,6 +357,8 @@ def _quantize_fp8(x) -> QuantizedTensor:
 def dequantize(qt: QuantizedTensor):
     """The values ``qt`` holds, in its original dtype and kind (numpy, torch on its device, or a
     pyopencl Array on its queue)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"dequantize takes a flashcl.QuantizedTensor, got {type(qt).__name__}")
     _check_fmt(qt.fmt)
     if qt.fmt == "fp8_e4m3":
         out = qt.data.float() * qt.scales

@@ -233,3 +233,78 @@ def test_quantize_takes_either_byte_order(fmt):
     assert flashcl.quantize(swapped, fmt).dtype == np.float32
     got, want = (flashcl.dequantize(flashcl.quantize(a, fmt)) for a in (swapped, x))
     np.testing.assert_array_equal(got, want)
+
+
+def test_triton_host_tables_are_checked():
+    """The Triton route reads torch CPU tables (the interpreter's) as the OpenCL one does: bad
+    values raise before any launch, naming the entry (CUDA tables are not read back)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    q = torch.zeros(2, 4, 32)
+    pages = torch.zeros(6, 4, 2, 32)
+    table = torch.tensor([[5, 40, 3], [1, 2, 4]], dtype=torch.int32)
+
+    def call(table, lens):
+        flashcl.decode(q, pages, pages, block_table=table, context_lens=torch.tensor(lens, dtype=torch.int32),
+                       backend="triton")
+
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 40 is out of range"):
+        call(table, [11, 5])
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = -1 is negative"):
+        call(table, [2, -1])
+    with pytest.raises(ValueError, match=r"context_lens\[0\] = 13 exceeds the cache"):
+        call(table, [13, 5])
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = 9 exceeds the cache \(N_max = 8\)"):
+        flashcl.decode(q, torch.zeros(2, 2, 8, 32), torch.zeros(2, 2, 8, 32),
+                       context_lens=torch.tensor([3, 9], dtype=torch.int32), backend="triton")
+
+
+def test_quantize_refuses_what_it_cannot_take():
+    """Not an array, an empty head dim, not a QuantizedTensor: clear errors. Empty leading dims
+    quantize and dequantize in every format."""
+    with pytest.raises(TypeError, match="quantize takes a numpy array"):
+        flashcl.quantize([[1.0] * 32], "q8_0")
+    with pytest.raises(ValueError, match="head dim"):
+        flashcl.quantize(np.zeros((3, 0), np.float32), "int8")
+    with pytest.raises(TypeError, match="dequantize takes a flashcl.QuantizedTensor"):
+        flashcl.dequantize(np.ones(3))
+    for fmt in ("q8_0", "q4_0", "int8"):
+        assert flashcl.dequantize(flashcl.quantize(np.zeros((0, 2, 64), np.float32), fmt)).shape == (0, 2, 64)
+
+
+def test_flags_and_per_head_arrays_are_typed(cpu_device):
+    q = np.zeros((1, 2, 4, 32), np.float32)
+    k = v = np.zeros((1, 1, 4, 32), np.float32)
+    with pytest.raises(TypeError, match="return_lse: expected a bool, got str"):
+        flashcl.prefill(q, k, v, device=cpu_device, return_lse="no")
+    with pytest.raises(TypeError, match="return_lse: expected a bool, got int"):
+        flashcl.decode(q[:, :, 0], k, v, device=cpu_device, return_lse=1)
+    with pytest.raises(TypeError, match="sinks: expected an array of float32 values, got float"):
+        flashcl.prefill(q, k, v, device=cpu_device, sinks=1.0)
+    with pytest.raises(ValueError, match="no query heads"):
+        flashcl.decode(np.zeros((1, 0, 32), np.float32), k, v, device=cpu_device)
+    with pytest.raises(ValueError, match="softcap: .* past the kernels' range"):
+        flashcl.prefill(q, k, v, device=cpu_device, softcap=3e38)
+
+
+def test_triton_calls_from_several_threads():
+    """Prefill and decode calls from several threads at once give each thread's single-threaded
+    result (under the interpreter, whose launches share process state, one at a time)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 24, 32, generator=gen) for h in (4, 2, 2))
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    pages = k[0].transpose(0, 1).reshape(3, 8, 2, 32)
+    lens = torch.tensor([21], dtype=torch.int32)
+    calls = [lambda: flashcl.prefill(q, k, v, causal=True, backend="triton"),
+             lambda: flashcl.decode(q[:, :, -1], pages, pages, block_table=table, context_lens=lens,
+                                    backend="triton", num_splits=2),
+             lambda: flashcl.prefill(q[:, :, :3], k, v, causal=True, backend="triton")]  # the few-row route
+    alone = [call() for call in calls]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: calls[i % 3](), range(18)))
+    for i, got in enumerate(results):
+        assert torch.equal(got, alone[i % 3]), i

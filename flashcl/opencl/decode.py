@@ -33,6 +33,7 @@ import pyopencl.array as cla
 
 from .. import tuning
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
+from ..tables import check_tables, host_ints as _host_ints
 from ..variants import window_bounds
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
                      host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
@@ -807,39 +808,6 @@ def _quantized_addressing(qt: QuantizedTensor, fmt: str, paged: bool, piece: int
 
 
 # --------------------------------------------------------------------------- host-side checks
-
-def _host_ints(x):
-    """numpy / torch CPU int32 array -> numpy; None for device arrays (not read back)."""
-    if x is None or isinstance(x, cla.Array):
-        return None
-    return _host(x)
-
-
-def check_tables(geo: dict, block_table, context_lens) -> None:
-    """Values of host-side tables: every context length within the cache, every block id a
-    sequence uses within [0, num_blocks). Raises ValueError naming the batch index and value."""
-    lens = _host_ints(context_lens)
-    paged = geo["paged"]
-    if lens is not None:
-        cap = geo["N_max"]
-        where = "max_blocks * block_size" if paged else "N_max"
-        for i, n in enumerate(lens.tolist()):
-            if n < 0:
-                raise ValueError(f"context_lens[{i}] = {n} is negative")
-            if n > cap:
-                raise ValueError(f"context_lens[{i}] = {n} exceeds the cache ({where} = {cap})")
-    table = _host_ints(block_table)
-    if paged and table is not None and lens is not None:
-        bs, nb = geo["block_size"], geo["num_blocks"]
-        for i, n in enumerate(lens.tolist()):
-            used = table[i, : -(-n // bs)]
-            bad = (used < 0) | (used >= nb)
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise ValueError(f"block_table[{i}, {j}] = {int(used[j])} is out of range: sequence {i} "
-                                 f"(context_lens {n}) uses blocks 0..{len(used) - 1}, block ids must be "
-                                 f"in [0, num_blocks={nb})")
-
 
 def _host(x) -> np.ndarray:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)

@@ -2,6 +2,9 @@
 
 import contextlib
 import os
+import threading
+
+_INTERPRETER = threading.Lock()
 
 
 def interpreting() -> bool:
@@ -9,6 +12,12 @@ def interpreting() -> bool:
     tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton 3.9 interpreter), so
     there the kernels run bf16 dots on fp32 copies."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def one_call_at_a_time():
+    """A context that runs one flashcl call at a time under the interpreter, whose launches share
+    process state (threads calling at once failed with its internal errors); a no-op on GPUs."""
+    return _INTERPRETER if interpreting() else contextlib.nullcontext()
 
 
 def on_device_of(t):

@@ -90,14 +90,16 @@ def _common_kind(tensors: dict) -> str:
     return next(iter(kinds.values()))
 
 
-def _common_dtype(tensors: dict, allowed: tuple[str, ...]) -> str:
+def _common_dtype(tensors: dict, allowed: tuple[str, ...], backend: str) -> str:
     dtypes = {name: _dtype_name(x) for name, x in tensors.items()}
     first = next(iter(dtypes.values()))
     if any(d != first for d in dtypes.values()):
         desc = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise TypeError(f"inputs must share one dtype; got {desc}")
     if first not in allowed:
-        raise TypeError(f"dtype {first} is not supported by this backend; expected one of {allowed}")
+        hint = " (bfloat16 runs on CUDA tensors with Triton; here convert to float16 or float32)" \
+            if first == "bfloat16" else ""
+        raise TypeError(f"dtype {first} is not supported by the {backend} backend; expected one of {allowed}{hint}")
     return first
 
 
@@ -410,7 +412,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
                          sinks=sinks, alibi_slopes=alibi_slopes, mask=mask)
 
     if chosen == "triton":
-        _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"))
+        _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"), "Triton")
         from .triton import one_call_at_a_time, prefill as triton_prefill
 
         with one_call_at_a_time():
@@ -418,7 +420,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
                                           return_lse=return_lse, params=params,
                                           variants=_variants_on_torch(variants, q))
 
-    _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"))
+    _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"), "OpenCL")
     from .opencl import prefill as cl_prefill
 
     variants = _variants_on_host(variants)
@@ -532,7 +534,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
 
     if chosen == "triton":
-        _common_dtype(tensors, ("float32", "float16", "bfloat16"))
+        _common_dtype(tensors, ("float32", "float16", "bfloat16"), "Triton")
         check_tables(geo, block_table, context_lens)  # torch CPU tables (the interpreter's); CUDA ones are not read
         from .triton import decode as triton_decode, one_call_at_a_time
 
@@ -542,7 +544,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
                                         num_splits=num_splits, return_lse=return_lse,
                                         variants=_variants_on_torch(variants, q), key_start=key_start)
 
-    _common_dtype(tensors, ("float32", "float16"))
+    _common_dtype(tensors, ("float32", "float16"), "OpenCL")
     from .opencl import decode as cl_decode
 
     variants = _variants_on_host(variants)

@@ -308,3 +308,10 @@ def test_triton_calls_from_several_threads():
         results = list(pool.map(lambda i: calls[i % 3](), range(18)))
     for i, got in enumerate(results):
         assert torch.equal(got, alone[i % 3]), i
+
+
+def test_bfloat16_on_opencl_names_the_backend_and_the_way_out(cpu_device):
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(1, 2, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 is not supported by the OpenCL backend.*convert to float16"):
+        flashcl.prefill(x, x, x, device=cpu_device)

@@ -392,3 +392,13 @@ def test_registration_names_flashcl_for_both_interfaces():
     assert "flash" not in name   # transformers would route it to its flash-attention loader
     assert AttentionInterface()[name] is fcl_hf.attention_forward
     assert ALL_MASK_ATTENTION_FUNCTIONS[name] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def test_check_names_models_that_would_not_run_flashcl():
+    """Every model family above runs through the attention interface; a model with its own
+    attention code (Bloom) is named by check(), since transformers accepts the name for it too."""
+    for build in MODELS.values():
+        fcl_hf.check(build())
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=32, n_head=2, n_layer=1))
+    with pytest.raises(ValueError, match="BloomForCausalLM computes attention with its own code"):
+        fcl_hf.check(bloom)

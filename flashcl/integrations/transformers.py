@@ -16,6 +16,10 @@ inside that band (padding, packed sequences, custom patterns). A decode step who
 sequence a suffix of its keys (a left-padded batch) runs as ``flashcl.decode`` with each
 sequence's first key (``key_start``), which never reads the padding. Softcap (Gemma 2) and sinks
 (gpt-oss's ``s_aux``) map to flashcl's variants; GQA runs without repeating K/V.
+
+Only models whose attention goes through transformers' attention interface run flashcl.
+transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl
+and misread the SDPA-style mask registered with it: ``check(model)`` raises for them.
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ def register() -> str:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return NAME
+
+
+def check(model) -> None:
+    """Raise ValueError unless ``model``'s attention runs through transformers' attention
+    interface, where ``attn_implementation=register()`` takes effect (its class's
+    ``_supports_attention_backend``); such a model otherwise computes wrong results silently."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(f"{type(model).__name__} computes attention with its own code, not through "
+                         f"transformers' attention interface: flashcl ({NAME!r}) would not run and its "
+                         "mask would be misread; load it with attn_implementation='eager' or 'sdpa'")
 
 
 @dataclass(frozen=True)

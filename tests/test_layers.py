@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashcl"
 # Each module (dotted, relative to flashcl) by the first prefix that matches, most specific first.
 LAYERS = (
     ("data", ("_version", "_resources", "errors", "reference", "profiles", "tuning", "quant",
-              "variants")),
+              "variants", "tables")),
     ("backend", ("opencl", "triton")),
     ("api", ("api", "__init__")),
     ("tools", ("tools", "integrations")),

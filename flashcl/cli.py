@@ -481,9 +481,9 @@ def _knob_option(ctx, param, values) -> dict:
               help="ALiBi slopes (2^(-8 (h + 1) / H_q) for query head h), timed the same way.")
 @click.option("--kv-format", "kv_format", default=None,
               type=click.Choice(["float16", "q8_0", "q4_0", "int8", "fp8_e4m3"]),
-              help="Quantized KV cache format, timed next to the float16 cache (bytes counted as stored); "
-                   "with variants, also timed with them on; Triton: contiguous caches too, against the "
-                   "contiguous float16 call.")
+              help="Quantized KV cache format, timed next to the plain cache of --dtype (bytes counted as "
+                   "stored); with variants, also timed with them on; Triton: contiguous caches too, against "
+                   "the contiguous plain call.")
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl", "decode_cpu.cl"]), default="auto",
               show_default=True,
               help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, decode_cpu.cl on CPUs, else "
@@ -707,12 +707,14 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
     if report.interrupted:
         if as_json:
             _echo_json(report.as_dict())
-        if no_save:
-            _fail(f"interrupted after {len(report.results)} configurations (--no-save: nothing kept)",
-                  EXIT_INTERRUPTED)
+        if no_save or not report.resume_file:
+            _fail(f"interrupted after {len(report.results)} configurations (nothing kept: "
+                  f"{'--no-save' if no_save else 'no resume file could be written'})", EXIT_INTERRUPTED)
         _fail(f"interrupted; {len(report.results)} configurations kept in {report.resume_file}; "
               f"rerun with --resume to continue", EXIT_INTERRUPTED)
     if report.winner is not None and not no_save:
+        kept = ("the measurements are kept: rerun with --resume" if report.resume_file
+                else "no resume file could be written either")
         try:
             tuner.save(report, output)
         except TuningDatabaseError as exc:
@@ -720,10 +722,10 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
                 _echo_json(report.as_dict())
             else:
                 click.echo(tuner.format_report(report))
-            _fail(f"{exc} (the measurements are kept: rerun with --resume)", EXIT_DATABASE)
+            _fail(f"{exc} ({kept})", EXIT_DATABASE)
         except OSError as exc:
-            _fail(f"cannot write the tuning database ({exc}); choose another file with --output (the "
-                  f"measurements are kept: rerun with --resume)", EXIT_DATABASE)
+            _fail(f"cannot write the tuning database ({exc}); choose another file with --output ({kept})",
+                  EXIT_DATABASE)
     tuner.remove_resume_file(report)  # saved, or no winner to save (--no-save: there is none)
     if as_json:
         _echo_json(report.as_dict())

@@ -303,6 +303,18 @@ def test_ctrl_c_in_tune_is_one_line_exit_130(cpu_device, monkeypatch):
     assert "BLOCK_M BLOCK_N" not in r.stdout
 
 
+def test_a_tuning_folder_that_is_a_file_is_one_line(cpu_device, tmp_path, monkeypatch):
+    """The tuning folder cannot be made (a file holds its path): the sweep runs without a resume
+    file, then the save fails as one error line that says nothing was kept."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHCL_TUNING_DIR", str(blocker))
+    r = run("tune", "--device", "adreno", "--param", "BLOCK_M=64", "--param", "BLOCK_N=16", "--param",
+            "DV_TILE=32", "--no-isolate")
+    line = _one_error_line(r, 4)
+    assert "cannot write the tuning database" in line and "no resume file could be written either" in line
+
+
 # --------------------------------------------------------------------------- output
 
 def _strict_json(text):

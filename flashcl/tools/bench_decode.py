@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyopencl as cl
@@ -238,6 +238,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         choice = choose_params(handle, prob, params, ctx)
         if params is None and layout is not None and is_rows(choice.params) != (layout == "rows"):
             choice = choose_params(handle, prob, layout_params(handle, prob, layout), ctx)
+            choice = replace(choice, source=f"untuned {layout} layout (--kernel)", reason="")
         return choice
 
     queue = handle.queue
@@ -435,7 +436,7 @@ def format_decode(rows, cond: dict) -> str:
         lines.append("# with variants (auto splits from the keys the query sees; ratio = variant ms / plain auto ms):")
         for r in rows:
             lines.append(f"#   {r.shape:24} {r.variants}: splits {r.var_auto_splits}, {r.var_ms:.3f} ms vs "
-                         f"{r.auto_ms:.3f} ms plain, ratio {r.var_ratio:.3f} ({1 / r.var_ratio:.1f}x faster), "
+                         f"{r.auto_ms:.3f} ms plain, ratio {r.var_ratio:.3f} (plain / variant {1 / r.var_ratio:.2f}), "
                          f"{r.var_gbps:.1f} GB/s, rel err {r.var_rel_err:.1e}; forced splits (ms): "
                          + " ".join(f"{s}:{t:.3f}" for s, t in r.var_forced_ms.items()))
     if any(r.kv_format for r in rows):
@@ -444,7 +445,8 @@ def format_decode(rows, cond: dict) -> str:
         for r in rows:
             lines.append(f"#   {r.shape:24} {r.kv_format}: {r.quant_bytes / 1e6:.1f} MB, splits {r.quant_auto_splits}, "
                          f"{r.quant_ms:.3f} ms vs {r.quant_plain_ms:.3f} ms {r.dtype}, ratio {r.quant_ratio:.3f}, "
-                         f"{r.quant_tbps:.3g} TB/s vs {r.bytes_moved / (r.quant_plain_ms * 1e-3) / 1e12:.3g}, rel err {r.quant_rel_err:.1e} "
+                         f"{r.quant_tbps * 1e3:.1f} GB/s vs {r.bytes_moved / (r.quant_plain_ms * 1e-3) / 1e9:.1f}, "
+                         f"rel err {r.quant_rel_err:.1e} "
                          f"[{r.quant_kernel}]")
             if r.variants and not np.isnan(r.quant_var_ms):
                 lines.append(f"#     with {r.variants}: {r.quant_var_ms:.3f} ms, ratio {r.quant_var_ratio:.3f} to "

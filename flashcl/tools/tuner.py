@@ -1145,7 +1145,11 @@ def run_sweep(target: Target, shape, dtype: str, *, kernel: str = "prefill", qui
                 raw = runner.evaluate(p)
             raws.append(raw)
             if write_resume:
-                _save_resume(rpath, raws)
+                try:
+                    _save_resume(rpath, raws)
+                except OSError as exc:  # the sweep goes on; an interruption then loses its results
+                    write_resume = False
+                    report.notes.append(f"cannot keep a resume file at {rpath} ({exc}): the sweep runs without one")
             res = _finish(raw, target, kernel, shape, dtype)
             report.results.append(res)
             if on_result:

@@ -166,6 +166,7 @@ def test_export_measured_on_pocl_builds_and_runs(cpu_device, tmp_path, request):
     check_manifest(out, m, dtype="float16", mode="measured")
     handle = runtime.get_device(cpu_device)
     assert m["target"]["device"] == handle.name and m["target"]["driver"] == handle.driver
+    assert any("decode_cpu.cl" in n and "not exported" in n for n in m["notes"])  # the CPU's own decode
 
     # the parameters, grids and head sections are the library's own for each shape
     for shape, causal in (((1, 8, 2, 256, 64), True), ((2, 4, 4, 100, 64), False)):

@@ -649,6 +649,10 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
     if target.handle is not None and target.handle.is_nvidia:
         notes.append("decode_mma.cl (NVIDIA tensor cores, fp16) is not exported: flashcl runs it on sm_80+ "
                      "where this export's decode.cl is the portable path")
+    if target.is_cpu:
+        notes.append("decode_cpu.cl (flashcl's decode on CPU devices) is not exported: this export's decode.cl "
+                     "is the GPU layout, several times slower on a CPU (compare with flashcl bench decode "
+                     "--kernel decode.cl and --kernel decode_cpu.cl)")
     return {
         "format": FORMAT, "flashcl": __version__, "date": date, "command": command,
         "target": {"device": target.name, "mode": target.mode, "profile": target.profile.name,
@@ -674,7 +678,8 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
                     "decode": {"file": pick_d.file, **{k: list(v) if isinstance(v, tuple) else v
                                                       for k, v in EXAMPLE_DECODE.items()}},
                     "device": "the first device of the first platform that builds every source; "
-                              "FLASHCL_EXAMPLE_DEVICE=P:D picks one"},
+                              "FLASHCL_EXAMPLE_DEVICE=P:D picks one, numbered in the order this program's ICD "
+                              "loader lists them (not flashcl devices')"},
     }
 
 
@@ -1228,8 +1233,18 @@ static int pick_device(char **texts, env_t *e)
                 return 1;
         }
     }
-    fprintf(stderr, "error: %s\n", wp >= 0 ? "FLASHCL_EXAMPLE_DEVICE names no device that builds the sources"
-                                           : "no OpenCL device builds the exported sources");
+    if (wp >= 0) {
+        cl_uint nd = 0;
+        int exists = wp < (int)np && wp < 16
+                     && clGetDeviceIDs(platforms[wp], CL_DEVICE_TYPE_ALL, 0, NULL, &nd) == CL_SUCCESS && wd < (int)nd;
+        if (exists)
+            fprintf(stderr, "error: FLASHCL_EXAMPLE_DEVICE=%s does not build the sources\n", want);
+        else
+            fprintf(stderr, "error: FLASHCL_EXAMPLE_DEVICE=%s names no device: this program's ICD loader sees %u "
+                            "platform(s), numbered from 0 in its own order (not flashcl devices')\n", want, np);
+        return 0;
+    }
+    fprintf(stderr, "error: no OpenCL device builds the exported sources\n");
     return 0;
 }
 

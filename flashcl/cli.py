@@ -330,7 +330,8 @@ def _triton_conditions(command: str) -> dict:
 @click.option("--repeats", default=10, show_default=True, type=click.IntRange(1),
               help="Timed runs per shape (median reported).")
 @click.option("--params", "params", default=None, callback=_params_option,
-              help='Tile override as JSON, e.g. \'{"BLOCK_M":64,...}\'.')
+              help='Tile override as JSON, a whole tile (flashcl show-config lists its parameters), '
+                   'e.g. \'{"BLOCK_M":64,"BLOCK_N":32,"DV_TILE":64}\'; not merged with the tuned one.')
 @click.option("--no-check", is_flag=True, help="Skip the error check against the float64 oracle.")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
               help="Triton: interleaved rounds, each timing every implementation once.")

@@ -12,9 +12,10 @@ this order:
 Key j is visible to row i when every rule that is on allows it: causal (``j <= p``), window
 (``p - left <= j <= p + right``, -1 unbounded), a boolean mask's True, an additive mask's value
 above ``reference.MASK_HIDES_AT`` (-inf, and float32's finfo.min, which transformers pads with,
-hide: scores are in log2 units in the kernels, where such a value overflows). A hidden key never influences the row (its K or V may hold NaN or inf). A sink is
-a key of value zero with logit ``sinks[h]`` that every row sees: it joins the softmax normalizer,
-adds nothing to the output, and is part of the returned lse.
+hide: scores are in log2 units in the kernels, where such a value overflows). A hidden key never
+influences the row (its K or V may hold NaN or inf). A sink is a key of value zero with logit
+``sinks[h]`` that every row sees: it joins the softmax normalizer, adds nothing to the output, and
+is part of the returned lse.
 """
 
 from __future__ import annotations

@@ -16,8 +16,13 @@ def interpreting() -> bool:
 
 def one_call_at_a_time():
     """A context that runs one flashcl call at a time under the interpreter, whose launches share
-    process state (threads calling at once failed with its internal errors); a no-op on GPUs."""
-    return _INTERPRETER if interpreting() else contextlib.nullcontext()
+    process state (threads calling at once failed with its internal errors); a no-op on GPUs and
+    while torch.compile traces (a lock cannot enter its graph)."""
+    import torch
+
+    if not interpreting() or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _INTERPRETER
 
 
 def on_device_of(t):

@@ -17,7 +17,7 @@ import numpy as np
 from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .quant import dtype_name as _dtype_name
 from .reference import MASK_HIDES_AT
-from .tables import check_tables
+from .tables import check_tables, torch_readable
 from .variants import Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
@@ -241,13 +241,9 @@ def _per_head(x, name: str, shapes: tuple):
 
 
 def _values_checkable(x) -> bool:
-    """Whether a small per-call array's values may be read on the host: not a CUDA tensor (no
-    device sync) and not inside torch.compile (a read would break the graph)."""
-    if not _is_torch(x):
-        return True
-    import torch
-
-    return not x.is_cuda and not torch.compiler.is_compiling()
+    """Whether a small per-call array's values may be read on the host (tables.torch_readable;
+    numpy and pyopencl arrays always)."""
+    return not _is_torch(x) or torch_readable(x)
 
 
 # The largest value the kernels take (sinks, slopes, masks, softcap): they compute x log2(e) in

@@ -7,16 +7,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def torch_readable(x) -> bool:
+    """Whether a torch tensor's values may be read on the host: not on a GPU (no device sync) and
+    not inside torch.compile (a read would break the graph)."""
+    import torch
+
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def host_ints(x):
     """numpy / torch CPU integer array -> numpy; None for None and device arrays (not read back)."""
     if x is None or type(x).__module__.split(".")[0] == "pyopencl":
         return None
     if type(x).__module__.split(".")[0] == "torch":
-        import torch
-
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return None
-        return x.detach().numpy()
+        return x.detach().numpy() if torch_readable(x) else None
     return np.asarray(x)
 
 

@@ -159,21 +159,15 @@ def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
         return None  # SDPA's is_causal is top-left aligned; only square causal is comparable
     f = torch.nn.functional.scaled_dot_product_attention
     f(qt, kt, vt, **kw)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(qt, kt, vt, **kw)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _median_wall_ms(lambda i: f(qt, kt, vt, **kw), repeats)
 
 
-def _wall_ms(run, queue, repeats: int) -> float:
-    """A call's wall clock, launch to wait, median over ``repeats`` (as the peer's is timed)."""
+def _median_wall_ms(call, repeats: int) -> float:
+    """The median wall clock of ``call(i)`` (a whole call, to its result) over ``repeats`` calls."""
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        run(i)
-        queue.finish()
+        call(i)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -273,7 +267,8 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
 
                 row.peer = f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads)"
                 row.peer_gflops = prob.flops / (peer_ms * 1e-3) / 1e9
-                row.wall_ms = _wall_ms(runs["plain"], handle.queue, max(3, repeats // 2))
+                row.wall_ms = _median_wall_ms(lambda i: (runs["plain"](i), handle.queue.finish()),
+                                              max(3, repeats // 2))
                 row.ratio = peer_ms / row.wall_ms
         rows.append(row)
         if progress:

@@ -156,7 +156,7 @@ def test_plan_properties(device):
             if p.kernel == "gluon_gqa":
                 assert pr.n_ctx_bound >= dp.GQA_MIN_CONTEXT * p.num_splits, pr
             else:
-                tile = dp._tile_config(pr.elt_bytes, p.block_dk, p.block_dv)["BLOCK_N"]
+                tile = dp._tile_config(pr.elt_bytes, p.block_dk, p.block_dv, pr.quantized)["BLOCK_N"]
                 assert -(-pr.n_ctx_bound // tile) >= dp._MIN_TILES_PER_SPLIT * p.num_splits, pr
         assert (p.merge == "none") is (p.num_splits == 1)
         assert p.merge != "fused" or 2 <= p.num_splits <= 4
@@ -374,7 +374,8 @@ def test_small_head_rows_rule():
     assert rows(8, 32, 32, d=32) == rows(32, 32, 8, d=32) == 128
     assert rows(1, 32, 8, d=64, ctx=32768) == rows(1, 32, 8, d=96, ctx=32768) == 128  # one program per SM
     assert rows(1, 32, 8, d=32, ctx=32768) == rows(1, 32, 8, d=16, ctx=32768) == 256
-    assert rows(1, 32, 8, d=192, dv=128, ctx=32768) == rows(1, 32, 8, elt=4, ctx=32768) == 32  # the default
+    assert rows(1, 32, 8, d=192, dv=128, ctx=32768) == 32  # the default
+    assert rows(1, 32, 8, elt=4, ctx=32768) == 64  # float32's ring of 2 stages
     assert rows(1, 32, 8, d=32, ctx=32768, config={"num_stages": 3}) == 64  # the config sets the tile
     # sm_89: the d = 96 ring of 128 rows (128 KB) does not fit
     assert rows(1, 32, 8, d=96, ctx=32768, smem=99 * 1024) == 64
@@ -384,8 +385,8 @@ def test_small_head_rows_rule():
 
 def test_two_programs_per_sm_rule():
     """Split launches of groups of 17 to 32 whose tile holds under 32 KB of K+V (heads up to 64 in
-    2-byte types) aim at two programs per SM (within the split cap); unsplit launches, heads
-    padded to 128, fp32, groups of 16 and of 64 keep one program per SM."""
+    2-byte types) aim at two programs per SM (within the split cap), as float32 K/V do; unsplit
+    launches, heads padded to 128, groups of 16 and of 64 keep one program per SM."""
     def splits(b, h_q, h_kv, ctx, d=64, elt=2):
         p = plan(problem(b, h_q, h_kv, ctx, d=d, elt=elt), SMS_132_SMEM)
         assert p.num_splits == p.auto_splits
@@ -397,7 +398,8 @@ def test_two_programs_per_sm_rule():
     assert splits(8, 32, 1, 16384) == 33 and splits(4, 32, 1, 32768) == 66
     assert splits(4, 32, 1, 16384) == 64 and splits(2, 32, 1, 32768) == 128  # capped: 4 tiles a split, 128
     assert splits(128, 32, 1, 512) == 1  # unsplit at one program per SM: stays unsplit
-    assert splits(16, 32, 1, 4096, d=128) == splits(16, 32, 1, 4096, elt=4) == 8  # 32 KB tiles
+    assert splits(16, 32, 1, 4096, d=128) == 8  # 32 KB tiles
+    assert splits(16, 32, 1, 4096, elt=4) == 16 and splits(1, 32, 8, 32768, d=128, elt=4) == 33  # float32 K/V
     assert splits(16, 32, 1, 4096, d=96) == 8  # padded to 128
     assert splits(16, 64, 1, 4096) == splits(8, 32, 2, 4096) == 8  # groups of 64 and of 16
     # a forced count is launched as given

@@ -286,6 +286,9 @@ def _auto_knobs(num_splits: int) -> dict:
 _SMEM_BUDGET = 72 * 1024
 _NUM_STAGES = 3
 _NUM_WARPS = 4  # GQA groups of 2 to 4 run the default tile on 2 (_two_warps_pay)
+# float32's IEEE tl.dot runs on CUDA cores, compute-bound: 64 rows on 2 stages beat 32 rows on 3
+# by 2.2x at (1, 32/8, 32k) ("float32 K/V")
+_FP32_STAGES = 2
 
 
 def _next_pow2(n: int) -> int:
@@ -296,14 +299,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tile_config(elt_bytes: int, block_dk: int, block_dv: int) -> dict:
+def _tile_config(elt_bytes: int, block_dk: int, block_dv: int, quantized: bool = False) -> dict:
     """BLOCK_N, num_warps, num_stages: the largest KV tile (<= 64 rows) whose pipeline fits the
     budget; 64 KiB of K+V in flight per program at d = 128 is far above what HBM needs per SM
-    (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB)."""
+    (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB). Plain 4-byte K/V keep their rows on a
+    shorter ring (_FP32_STAGES)."""
     block_n = 64
-    while block_n > 16 and (_NUM_STAGES - 1) * block_n * (block_dk + block_dv) * elt_bytes > _SMEM_BUDGET:
+    stages = _FP32_STAGES if elt_bytes == 4 and not quantized else _NUM_STAGES
+    while block_n > 16 and (stages - 1) * block_n * (block_dk + block_dv) * elt_bytes > _SMEM_BUDGET:
         block_n //= 2
-    return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES}
+    return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": stages}
 
 
 # The long tile: where a program has its SM to itself and streams a long split, 128 rows on 8 warps
@@ -387,9 +392,10 @@ def choose_num_splits(sm_count: int, batch_heads: int, n_ctx_bound: int, block_n
 def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int, elt_bytes: int) -> bool:
     """A split launch aims at two programs per SM for groups of 17 to 32 whose tile holds under
     _TILE_BYTES_ALONE of K+V (heads up to 64 in 2-byte types): one such program keeps too few bytes
-    in flight to stream for its SM alone ("Two programs per SM")."""
-    return (_SMALL_HEAD_MAX_GROUP < group <= 32
-            and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
+    in flight to stream for its SM alone ("Two programs per SM"); and for 4-byte K/V, whose
+    compute-bound dot a second program overlaps ("float32 K/V")."""
+    return elt_bytes == 4 or (_SMALL_HEAD_MAX_GROUP < group <= 32
+                              and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 
 
 # Quantized caches: programs per SM their split launches aim at (_dequant_programs_per_sm), and
@@ -601,7 +607,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     group = p.h_q // p.h_kv
     paged = p.page_size > 0
     block_dk, block_dv = max(16, _next_pow2(p.dk)), max(16, _next_pow2(p.dv))
-    cfg = {**_tile_config(p.elt_bytes, block_dk, block_dv), **_KNOBS, **(config or {})}
+    cfg = {**_tile_config(p.elt_bytes, block_dk, block_dv, p.quantized), **_KNOBS, **(config or {})}
     unknown = set(cfg) - set(_KNOBS) - set(_TILE_KEYS)
     if unknown:
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")

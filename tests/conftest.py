@@ -1,7 +1,9 @@
 """Device gating for the whole suite (in one place; nothing touched at import).
 
 OpenCL tests take the ``cl_device`` fixture, parametrized over every OpenCL device present
-(Oclgrind left out unless asked). Narrow with FLASHCL_TEST_DEVICES=substring[,substring...].
+(Oclgrind left out unless asked; of two installs of one platform, such as PoCL from PyPI beside
+the system's, the one flashcl picks). Narrow with FLASHCL_TEST_DEVICES=substring[,substring...];
+``all`` takes every device but Oclgrind.
 Triton tests take ``triton_device``: "cuda" when a GPU is present, else "cpu" under
 TRITON_INTERPRET=1, which must be set before triton compiles anything, hence here.
 """
@@ -30,8 +32,9 @@ if _HAS_TRITON and not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Devices left out because their compiler fails while another device of their type works (a PoCL
-# 3.0 from PyPI next to a newer PoCL on a CPU that its LLVM 14 does not know): name -> why.
+# Devices left out, name -> why: a compiler that fails while another device of its type works (a
+# PoCL 3.0 from PyPI next to a newer PoCL on a CPU that its LLVM 14 does not know), or a second
+# install of a platform already tested (the suite's OpenCL half would run twice).
 _LEFT_OUT: dict = {}
 
 
@@ -39,7 +42,8 @@ _LEFT_OUT: dict = {}
 def _opencl_devices():
     """(id, "P:D") for every usable OpenCL device, Oclgrind excluded. A device whose compiler
     fails is left out only where another device of its type (CPU, GPU) builds; alone, it stays,
-    and its tests fail with the build log."""
+    and its tests fail with the build log. Unless FLASHCL_TEST_DEVICES names devices, a platform
+    installed twice is tested once, on the device of it that builds first (flashcl's own pick)."""
     try:
         import pyopencl as cl
 
@@ -49,6 +53,9 @@ def _opencl_devices():
     from flashcl.opencl.runtime import compiler_error
 
     wanted = [w.strip().lower() for w in os.environ.get("FLASHCL_TEST_DEVICES", "").split(",") if w.strip()]
+    every = wanted == ["all"]
+    if every:
+        wanted = []
     found = []
     for pi, p in enumerate(platforms):
         for di, d in enumerate(p.get_devices()):
@@ -60,18 +67,26 @@ def _opencl_devices():
             found.append((f"{p.name.split()[0]}-{d.name.split()[0]}-{pi}:{di}", f"{pi}:{di}", d))
     kind = lambda d: d.type & (cl.device_type.CPU | cl.device_type.GPU)  # noqa: E731
     working = {kind(d) for _, _, d in found if compiler_error(d) is None}
+    tested: dict = {}  # (platform name, device type) -> (id, driver) of its device that is tested
     for dev_id, _, d in found:
         error = compiler_error(d)
         if error is not None and kind(d) in working:
             lines = error.splitlines() or ["?"]
             _LEFT_OUT[dev_id] = next((x.strip() for x in lines if x.strip().startswith("error:")), lines[0])
+            continue
+        same = (d.platform.name, kind(d))
+        if same in tested and not (wanted or every):
+            first, first_driver = tested[same]
+            _LEFT_OUT[dev_id] = (f"a second install of {d.platform.name} (driver {d.driver_version}; {first} "
+                                 f"runs {first_driver}); FLASHCL_TEST_DEVICES=all tests it too")
+            continue
+        tested.setdefault(same, (dev_id, d.driver_version))
     return [(dev_id, spec) for dev_id, spec, _ in found if dev_id not in _LEFT_OUT]
 
 
 def pytest_report_header(config):
     _opencl_devices()
-    return [f"OpenCL device left out, its compiler fails (another of its type builds): {dev_id}: {why}"
-            for dev_id, why in _LEFT_OUT.items()]
+    return [f"OpenCL device left out: {dev_id}: {why}" for dev_id, why in _LEFT_OUT.items()]
 
 
 def pytest_generate_tests(metafunc):

@@ -375,7 +375,8 @@ def test_small_head_rows_rule():
     assert rows(1, 32, 8, d=64, ctx=32768) == rows(1, 32, 8, d=96, ctx=32768) == 128  # one program per SM
     assert rows(1, 32, 8, d=32, ctx=32768) == rows(1, 32, 8, d=16, ctx=32768) == 256
     assert rows(1, 32, 8, d=192, dv=128, ctx=32768) == 32  # the default
-    assert rows(1, 32, 8, elt=4, ctx=32768) == 64  # float32's ring of 2 stages
+    assert rows(1, 32, 8, elt=4, ctx=32768) == 64  # float32's ring of 2 stages (d = 128 only)
+    assert rows(1, 32, 8, d=256, elt=4, ctx=8192) == 16
     assert rows(1, 32, 8, d=32, ctx=32768, config={"num_stages": 3}) == 64  # the config sets the tile
     # sm_89: the d = 96 ring of 128 rows (128 KB) does not fit
     assert rows(1, 32, 8, d=96, ctx=32768, smem=99 * 1024) == 64

@@ -286,8 +286,8 @@ def _auto_knobs(num_splits: int) -> dict:
 _SMEM_BUDGET = 72 * 1024
 _NUM_STAGES = 3
 _NUM_WARPS = 4  # GQA groups of 2 to 4 run the default tile on 2 (_two_warps_pay)
-# float32's IEEE tl.dot runs on CUDA cores, compute-bound: 64 rows on 2 stages beat 32 rows on 3
-# by 2.2x at (1, 32/8, 32k) ("float32 K/V")
+# float32's IEEE tl.dot runs on CUDA cores, compute-bound: at d = 128 64 rows on 2 stages beat 32
+# rows on 3 by 2.2x at (1, 32/8, 32k); at d = 256 32 rows on 2 ran 6x slower than 16 on 3 ("float32 K/V")
 _FP32_STAGES = 2
 
 
@@ -302,10 +302,11 @@ def _cdiv(a: int, b: int) -> int:
 def _tile_config(elt_bytes: int, block_dk: int, block_dv: int, quantized: bool = False) -> dict:
     """BLOCK_N, num_warps, num_stages: the largest KV tile (<= 64 rows) whose pipeline fits the
     budget; 64 KiB of K+V in flight per program at d = 128 is far above what HBM needs per SM
-    (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB). Plain 4-byte K/V keep their rows on a
-    shorter ring (_FP32_STAGES)."""
+    (Little's law: ~3 TB/s x ~1 us / 132 SMs ~ 23 KB). Plain 4-byte K/V of heads padded to 128
+    keep their rows on a shorter ring (_FP32_STAGES)."""
     block_n = 64
-    stages = _FP32_STAGES if elt_bytes == 4 and not quantized else _NUM_STAGES
+    fp32_ring = elt_bytes == 4 and not quantized and max(block_dk, block_dv) == 128
+    stages = _FP32_STAGES if fp32_ring else _NUM_STAGES
     while block_n > 16 and (stages - 1) * block_n * (block_dk + block_dv) * elt_bytes > _SMEM_BUDGET:
         block_n //= 2
     return {"BLOCK_N": block_n, "num_warps": _NUM_WARPS, "num_stages": stages}

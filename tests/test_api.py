@@ -70,6 +70,27 @@ def test_pyopencl_arrays_stay_on_the_device(cl_device):
     assert_close(out.get(), reference.attention(q, k, v, causal=True), "float32", "pyopencl path")
 
 
+def test_device_may_name_where_pyopencl_arrays_are(cl_device):
+    """device= beside pyopencl Array inputs: their device (by name, handle or Device), queue or
+    context runs the call on their queue; another queue, context or device is a ValueError."""
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    h = get_device(cl_device)
+    q, k, v = _qkv(np.random.default_rng(5))
+    qd, kd, vd = (cla.to_device(h.queue, x) for x in (q, k, v))
+    ref = reference.attention(q, k, v, causal=True)
+    for dev in (cl_device, h, h.device, h.queue, h.context):
+        out = flashcl.prefill(qd, kd, vd, causal=True, device=dev)
+        assert out.queue == h.queue
+        assert_close(out.get(), ref, "float32", f"device={dev!r}")
+    other_context = cl.Context([h.device])
+    others = [d for p in cl.get_platforms() for d in p.get_devices() if d != h.device]
+    for dev in [cl.CommandQueue(other_context), other_context] + others[:1]:
+        with pytest.raises(ValueError, match="not where the pyopencl Array inputs are"):
+            flashcl.prefill(qd, kd, vd, device=dev)
+
+
 def test_pyopencl_array_views_with_offsets(cl_device):
     """A slice of a larger device array (non-zero offset, strided heads) is read in place."""
     import pyopencl.array as cla

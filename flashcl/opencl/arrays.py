@@ -10,12 +10,13 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from ..quant import BLOCK_BYTES, QK
-from .runtime import DeviceHandle, get_device
+from .runtime import DeviceHandle, get_device, named_device
 
 
 def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
-    """pyopencl Array inputs run on their own queue (and must share a context); anything else on
-    ``device`` (docs/design.md §1, device)."""
+    """pyopencl Array inputs run on their own queue (and must share a context), which ``device``
+    may name (their device, or their queue or context itself); anything else on ``device``
+    (docs/design.md §1, device)."""
     on_device = {name: t for name, t in tensors.items() if isinstance(t, cla.Array)}
     if not on_device:
         return get_device(device)
@@ -25,7 +26,13 @@ def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
         raise ValueError(f"{', '.join(on_device)} are pyopencl Arrays of different contexts "
                          f"({', '.join(others)} differ from the first)")
     if device is not None:
-        raise ValueError("device= cannot be combined with pyopencl Array inputs (they carry their queue)")
+        queue, context = first.queue, first.context
+        own = (device.int_ptr == queue.int_ptr if isinstance(device, cl.CommandQueue)
+               else device.int_ptr == context.int_ptr if isinstance(device, cl.Context)
+               else named_device(device).int_ptr == queue.device.int_ptr)
+        if not own:
+            raise ValueError(f"device={device!r} is not where the pyopencl Array inputs are: they run on their "
+                             f"own queue, on {queue.device.name.strip()}; leave device= out or name that one")
     return get_device(first.queue)
 
 

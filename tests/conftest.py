@@ -53,8 +53,8 @@ def _opencl_devices():
     from flashcl.opencl.runtime import compiler_error
 
     wanted = [w.strip().lower() for w in os.environ.get("FLASHCL_TEST_DEVICES", "").split(",") if w.strip()]
-    every = wanted == ["all"]
-    if every:
+    chosen = bool(wanted)  # FLASHCL_TEST_DEVICES set: every device it takes is tested
+    if wanted == ["all"]:
         wanted = []
     found = []
     for pi, p in enumerate(platforms):
@@ -75,7 +75,7 @@ def _opencl_devices():
             _LEFT_OUT[dev_id] = next((x.strip() for x in lines if x.strip().startswith("error:")), lines[0])
             continue
         same = (d.platform.name, kind(d))
-        if same in tested and not (wanted or every):
+        if same in tested and not chosen:
             first, first_driver = tested[same]
             _LEFT_OUT[dev_id] = (f"a second install of {d.platform.name} (driver {d.driver_version}; {first} "
                                  f"runs {first_driver}); FLASHCL_TEST_DEVICES=all tests it too")

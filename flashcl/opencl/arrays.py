@@ -10,7 +10,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from ..quant import BLOCK_BYTES, QK
-from .runtime import DeviceHandle, get_device, named_device
+from .runtime import DeviceHandle, get_device
 
 
 def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
@@ -26,10 +26,12 @@ def handle_for_inputs(tensors: dict, device) -> DeviceHandle:
         raise ValueError(f"{', '.join(on_device)} are pyopencl Arrays of different contexts "
                          f"({', '.join(others)} differ from the first)")
     if device is not None:
-        queue, context = first.queue, first.context
-        own = (device.int_ptr == queue.int_ptr if isinstance(device, cl.CommandQueue)
-               else device.int_ptr == context.int_ptr if isinstance(device, cl.Context)
-               else named_device(device).int_ptr == queue.device.int_ptr)
+        queue = first.queue
+        if isinstance(device, (cl.CommandQueue, cl.Context)):  # theirs itself, not another on their device
+            own = device.int_ptr == (queue if isinstance(device, cl.CommandQueue) else first.context).int_ptr
+        else:
+            named = device if isinstance(device, cl.Device) else get_device(device).device
+            own = named.int_ptr == queue.device.int_ptr
         if not own:
             raise ValueError(f"device={device!r} is not where the pyopencl Array inputs are: they run on their "
                              f"own queue, on {queue.device.name.strip()}; leave device= out or name that one")

@@ -334,19 +334,6 @@ def _handle_for_device(dev: cl.Device, context=None, queue=None) -> DeviceHandle
         return h
 
 
-def named_device(spec) -> cl.Device:
-    """The OpenCL device a ``device=`` value names (as get_device resolves it), no handle made."""
-    if isinstance(spec, DeviceHandle):
-        return spec.device
-    if isinstance(spec, cl.CommandQueue):
-        return spec.device
-    if isinstance(spec, cl.Context):
-        return spec.devices[0]
-    if isinstance(spec, cl.Device):
-        return spec
-    return get_device(spec).device
-
-
 def get_device(spec=None) -> DeviceHandle:
     """Resolve ``device=`` (docs/design.md §1) to a cached DeviceHandle.
 

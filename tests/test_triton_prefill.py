@@ -3,7 +3,7 @@
 Tiny shapes run everywhere (natively on CUDA, under TRITON_INTERPRET=1 on CPU); the full matrix
 (N up to 4096, head dims up to 256, every dtype) runs on CUDA only.
 
-Tolerances: flashcl.reference.TOLERANCE (relative error against float64; IEEE dots in float32),
+Tolerances: flashcl.reference.TOLERANCE (relative error against float64; tf32x3 dots in float32),
 and for float16 and bfloat16 at most twice the error of plain torch attention in that dtype.
 bfloat16 keeps 8 significant bits: rounding the exact output alone costs ~1.5e-3, and P is rounded
 to bfloat16 for the tensor-core P @ V, as in every flash-attention kernel (~4e-3, like torch's).
@@ -292,6 +292,19 @@ def test_softmax_overlap_tile_rule():
         assert overlap not in _candidates(**facts), facts
     assert plain in _candidates(q_bucket=2048) and plain in _candidates(dk=96, dv=96)
     assert not any(t[6] for t in _candidates(tma_ok=False, wgmma=False, smem=101376))
+
+
+def test_float32_tile_rule():
+    """float32 runs tf32x3 tensor-core dots: tiles of 32 rows and 32 keys stay in, and the K/V ring
+    plus Q must fit 3/4 of shared memory (the rest goes to the dots' operand splits; on an H200
+    160 KiB by _tile_fits' formula launched, 192 KiB did not)."""
+    d64 = dict(dk=64, dv=64, bdk=64, bdv=64)
+    d256 = dict(dk=256, dv=256, bdk=256, bdv=256)
+    assert (128, 32, 8, 2, False, None, False) in _candidates(elt=4)  # the fastest timed at d = 128
+    assert (128, 64, 8, 3, False, None, False) in _candidates(elt=4, **d64)  # and at d = 64
+    kept = _candidates(elt=4, **d256)
+    assert (32, 32, 8, 2, False, None, False) in kept and all(t[0] == 32 for t in kept)
+    assert (64, 32, 4, 2, False, None, False) in tp._TILE_SPACE  # 192 KiB at d = 256: left out
 
 
 def test_op_schema_is_stable():

@@ -6,6 +6,10 @@ import threading
 
 _INTERPRETER = threading.Lock()
 
+# float32 dots as three TF32 tensor-core products (hi*hi + hi*lo + lo*hi): as close to the float64
+# oracle as IEEE dots on CUDA cores, 2.5-5x their speed (docs/notes/triton-prefill.md, "float32 dots")
+FLOAT32_DOTS = "tf32x3"
+
 
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: the kernels run in Triton's CPU interpreter (how CI tests them). Its

@@ -127,7 +127,8 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ..quant import QuantizedTensor
-from . import decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words, skips_dispatcher
+from . import (FLOAT32_DOTS, decode_gluon, decode_plan, ggml_stored, interpreting, on_device_of, quant_words,
+               skips_dispatcher)
 from .decode_plan import DecodePlan, DecodeProblem, DeviceFacts, _next_pow2, facts_of
 from .score_variants import _LOG2E, LOG2E, MASK_HIDES_AT, join_sink, score_variants
 
@@ -155,6 +156,7 @@ def _decode_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, HAS_LENS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     # the launch knobs (see _KNOBS)
     EARLY_PAGES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FUSED: tl.constexpr = False, MERGE_STAGES: tl.constexpr = 3, BLOCK_GM: tl.constexpr = 1,
@@ -398,7 +400,7 @@ def _decode_kernel(
                 if UPCAST_DOT:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
 
             # scores in the log2 domain; tokens past the end are -inf
             if K_FMT == "int8" or K_FMT == "fp8_e4m3":
@@ -460,9 +462,10 @@ def _decode_kernel(
                 acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
                                                        v.to(q.dtype), v_tail.to(q.dtype))
             elif V_FMT == "int8" or V_FMT == "fp8_e4m3":
-                acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v,
+                                                    input_precision=DOT_PRECISION)
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
     if PAGED:
@@ -1205,6 +1208,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
+            DOT_PRECISION=FLOAT32_DOTS if q.dtype == torch.float32 else "ieee",
             ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
             MASK_PER_KEY=mask_per_key, WORD_ROWS=word_rows,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **knobs, **var_knobs, **quant,

@@ -286,8 +286,8 @@ def _auto_knobs(num_splits: int) -> dict:
 _SMEM_BUDGET = 72 * 1024
 _NUM_STAGES = 3
 _NUM_WARPS = 4  # GQA groups of 2 to 4 run the default tile on 2 (_two_warps_pay)
-# float32's IEEE tl.dot runs on CUDA cores, compute-bound: at d = 128 64 rows on 2 stages beat 32
-# rows on 3 by 2.2x at (1, 32/8, 32k); at d = 256 32 rows on 2 ran 6x slower than 16 on 3 ("float32 K/V")
+# float32 (tf32x3 dots): at d = 128 64 rows on 2 stages led ten tiles at (1, 32/8, 32k) (3 stages: 22%
+# slower); at d = 256 16 rows on 3, the 2-byte rule's tile, led ("float32 K/V")
 _FP32_STAGES = 2
 
 
@@ -394,7 +394,7 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
     """A split launch aims at two programs per SM for groups of 17 to 32 whose tile holds under
     _TILE_BYTES_ALONE of K+V (heads up to 64 in 2-byte types): one such program keeps too few bytes
     in flight to stream for its SM alone ("Two programs per SM"); and for 4-byte K/V, whose
-    compute-bound dot a second program overlaps ("float32 K/V")."""
+    dots a second program overlaps (32-33 splits 82 us at (1, 32/8, 32k), 16: 116; "float32 K/V")."""
     return elt_bytes == 4 or (_SMALL_HEAD_MAX_GROUP < group <= 32
                               and block_n * (block_dk + block_dv) * elt_bytes < _TILE_BYTES_ALONE)
 

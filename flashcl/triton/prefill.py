@@ -44,7 +44,8 @@ fp16 d in float32, int8 / fp8 values exactly in q's dtype with their scale appli
 scores (int8 K), to P (int8 V), or once per tensor (fp8: folded into the score scale, applied to
 the finished rows).
 
-Accumulation is float32; float32 inputs use IEEE dots (Triton's default would be TF32).
+Accumulation is float32; float32 inputs take tf32x3 dots (FLOAT32_DOTS; Triton's default, one TF32
+product, keeps 10 bits of each operand).
 
 Non-finite inputs: a key a row cannot see never reaches that row, whatever its K or V holds: the
 masked tiles select scores with tl.where, keys past N_kv load as 0, and a causal, windowed or
@@ -84,7 +85,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
 from ..variants import Variants, window_bounds
-from . import interpreting, mask_tiles, on_device_of, quant_words, skips_dispatcher
+from . import FLOAT32_DOTS, interpreting, mask_tiles, on_device_of, quant_words, skips_dispatcher
 from .score_variants import MASK_HIDES_AT
 from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
 
@@ -906,8 +907,9 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
       that one too (measured: next to _TILE_SPACE).
     - The TMA 64 x 64 tile comes in two variants, with and without SOFTMAX_OVERLAP; where
       _overlap_pays the overlapped one is the only one timed, elsewhere the plain one.
-    - float32 runs IEEE dots on FMA units with both operands in registers: beyond 64 x 32 tiles
-      on 8 warps ptxas spills thousands of registers and compiles for tens of seconds.
+    - float32 (tf32x3 dots, FLOAT32_DOTS) takes tiles of 32 rows too (at head dim 256 nothing
+      larger fits), any BLOCK_N, and 3/4 of the shared memory for the K/V ring and Q: the rest
+      goes to the dots' operand splits (H200: 160 KiB by the formula below ran, 192 KiB did not).
     - 16-bit: wgmma (sm_90) works on 64-row slices per warpgroup, so BLOCK_M >= 64; the
       accumulator and score tile must fit _MAX_TILE_REGS; BLOCK_N 32 only pays where K/V tiles
       are large (DK + DV >= 512).
@@ -928,8 +930,9 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
     if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk in (64, 128) and q_bucket >= 1024:
         return False  # the baseline too: TMA led it on every such shape, the autotuner did not see it
     if elt == 4:
-        if bm * bn > 64 * 32 or num_warps != 8:
+        if bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
             return False
+        smem = smem * 3 // 4
     else:
         if bm < 64 or bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
             return False
@@ -1177,7 +1180,7 @@ def _launch(q, k, v, causal: bool, scale: float, return_lse: bool, params: dict 
     meta = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
                 IS_CAUSAL=causal, RETURN_LSE=return_lse, UPCAST_DOTS=upcast, **var.flags,
                 K_FMT=k_format, V_FMT=v_format, MASK_TMA=mask_tma,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32")
+                DOT_PRECISION=FLOAT32_DOTS if q.dtype == torch.float32 else "ieee" if upcast else "tf32")
 
     def grid(META):  # 1-D: the kernel maps program ids to (query block, batch * head) itself
         return (triton.cdiv(n_q, META["BLOCK_M"]) * b * h_q,)

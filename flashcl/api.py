@@ -254,7 +254,7 @@ KERNEL_RANGE = -MASK_HIDES_AT
 def _check_kernel_range(x: np.ndarray, name: str, both_signs: bool = False) -> None:
     """Finite values above KERNEL_RANGE (both signs: in magnitude) would become inf in the kernels."""
     finite = x[np.isfinite(x)]
-    top = (np.abs(finite) if both_signs else finite).max(initial=0.0)
+    top = float((np.abs(finite) if both_signs else finite).max(initial=0.0))  # float16 cannot hold the range
     if top > KERNEL_RANGE:
         raise ValueError(f"{name}: {top:.3g} is past the kernels' range, {KERNEL_RANGE:.4g} (they compute "
                          "in float32, in log2 units: it would become inf)")
@@ -287,7 +287,8 @@ def _check_mask(mask, b: int, h_q: int, n_q: int, n_kv: int) -> np.ndarray:
         _check_additive_mask(arr)
     target = (shape4[0], shape4[1], n_q, n_kv)
     arr = np.broadcast_to(arr.reshape(shape4), target)
-    return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "bool" else np.float32)
+    with np.errstate(over="ignore"):  # float64 values below float32's range hide their key as -inf does
+        return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "bool" else np.float32)
 
 
 def _check_additive_mask(arr: np.ndarray) -> None:

@@ -5,6 +5,8 @@ variant arrays."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -174,23 +176,27 @@ def test_merge_states_makes_a_positive_infinite_lse_nan(lib):
 
 # --------------------------------------------------------------------------- variant arrays
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 def test_mask_past_the_kernels_range(cpu_device, dtype):
     """A positive value past the kernels' range (x log2(e) in float32) or +inf is refused; a
     negative one at or below MASK_HIDES_AT hides the key, as float32's and float64's minimum
-    (transformers' "hide") mean it to."""
+    (transformers' "hide") mean it to, and no mask dtype's range check or cast warns."""
     q = np.zeros((1, 1, 2, 32), np.float32)
     k = v = np.ones((1, 1, 4, 32), np.float32)
     mask = np.zeros((2, 4), dtype)
     for bad, match in ((3e38, "3e\\+38 is past the kernels' range"), (np.inf, "holds \\+inf")):
+        if dtype == np.float16 and np.isfinite(bad):
+            continue  # past float16's range
         mask[1, 0] = bad
         with pytest.raises(ValueError, match=f"mask: .*{match}"):
             flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
-    hides = [-np.inf, np.finfo(np.float32).min, reference.MASK_HIDES_AT]
+    hides = [-np.inf] if dtype == np.float16 else [-np.inf, np.finfo(np.float32).min, reference.MASK_HIDES_AT]
     hides += [np.finfo(np.float64).min, -1e39] if dtype == np.float64 else []
     for hide in hides:
         mask[1, 0], mask[0] = 0.0, hide
-        out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = flashcl.prefill(q, k, v, mask=mask, device=cpu_device)
         assert (out[0, 0, 0] == 0).all() and (out[0, 0, 1] == 1).all()
 
 

@@ -182,8 +182,11 @@ def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):
     with torch.no_grad():
         want = _build("gemma2", "eager", torch_device).generate(ids, **kwargs)
         got = _build("gemma2", fcl_hf.register(), torch_device).generate(ids, **kwargs)
-    assert flashcl_calls
     assert torch.equal(got.cpu(), want.cpu()), f"flashcl {got.tolist()}\n eager   {want.tolist()}"
+    steps = [kw for name, kw in flashcl_calls if name == "decode"]  # not masked one-row prefills
+    assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
+    cut = [kw for kw in steps if kw["context_lens"] is not None]  # the global layers' unwritten slots
+    assert cut and all(int(kw["context_lens"][0]) < max(LENGTHS) + NEW_TOKENS for kw in cut)
 
 
 @pytest.mark.filterwarnings("ignore:A custom logits processor:UserWarning")
@@ -277,14 +280,23 @@ def test_padding_keeps_the_mask_and_the_band_still_holds_it():
     np.testing.assert_array_equal(plan.mask.numpy(), band)
 
 
-def test_a_static_cache_mask_is_cut_to_the_keys_and_keeps_hiding_empty_slots():
-    """A mask over more slots than the keys passed is cut (as eager does); keys before the
-    diagonal's bottom-right position that the mask hides keep it."""
+def test_a_static_cache_mask_leaves_out_the_keys_no_row_sees():
+    """A mask over more slots than the keys passed is cut to them (as eager does), and keys that
+    no row sees from some point on (a static cache's unwritten slots) are left out of the plan:
+    the written keys' causal pattern remains, and a decode step needs no mask; a key hidden
+    before the last seen one keeps the mask."""
     vis = np.zeros((1, 1, 4, 16), dtype=bool)
     vis[0, 0, :, :4] = np.tril(np.ones((4, 4), dtype=bool))   # 4 tokens in a 16-slot cache
     plan = fcl_hf.plan_for_mask(torch.from_numpy(vis), 4, 8)
-    assert plan.causal and plan.mask is not None and plan.mask.shape[-1] == 8
-    np.testing.assert_array_equal(plan.mask.numpy()[0, 0], vis[0, 0, :, :8])
+    assert plan == fcl_hf.Plan(causal=True, window=None, mask=None, keys=4)
+    step = np.zeros((2, 1, 1, 16), dtype=bool)
+    step[0, 0, 0, :6], step[1, 0, 0, 2:6] = True, True       # the next token; row 1 left-padded
+    plan = fcl_hf.plan_for_mask(torch.from_numpy(step), 1, 10)
+    assert plan.keys == 6 and plan.mask is None and plan.key_start.tolist() == [0, 2]
+    vis[0, 0, :, 1] = False
+    plan = fcl_hf.plan_for_mask(torch.from_numpy(vis), 4, 8)
+    assert plan.keys == 4 and plan.causal
+    np.testing.assert_array_equal(plan.mask.numpy()[0, 0], vis[0, 0, :, :4])
 
 
 def test_a_float_bias_is_kept_additive_and_hidden_keys_become_minus_inf():
@@ -395,10 +407,13 @@ def test_registration_names_flashcl_for_both_interfaces():
 
 
 def test_check_names_models_that_would_not_run_flashcl():
-    """Every model family above runs through the attention interface; a model with its own
-    attention code (Bloom) is named by check(), since transformers accepts the name for it too."""
+    """Every model family above runs through the attention interface, and so does StableLM, whose
+    class lacks the _supports_attention_backend flag; a model with its own attention code (Bloom)
+    is named by check(), since transformers accepts the name for it too."""
     for build in MODELS.values():
         fcl_hf.check(build())
+    fcl_hf.check(transformers.StableLmForCausalLM(transformers.StableLmConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=32, n_head=2, n_layer=1))
     with pytest.raises(ValueError, match="BloomForCausalLM computes attention with its own code"):
         fcl_hf.check(bloom)

@@ -24,7 +24,8 @@ and misread the SDPA-style mask registered with it: ``check(model)`` raises for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
 from .. import api
@@ -52,12 +53,22 @@ def register() -> str:
 
 def check(model) -> None:
     """Raise ValueError unless ``model``'s attention runs through transformers' attention
-    interface, where ``attn_implementation=register()`` takes effect (its class's
-    ``_supports_attention_backend``); such a model otherwise computes wrong results silently."""
-    if not getattr(type(model), "_supports_attention_backend", False):
+    interface, where ``attn_implementation=register()`` takes effect: its class says so
+    (``_supports_attention_backend``), or one of its modules' methods looks the attention function
+    up in ``ALL_ATTENTION_FUNCTIONS`` (many models that do so, StableLM, BART, Qwen3.5, lack the
+    flag). A model with its own attention code otherwise computes wrong results silently."""
+    if not (getattr(type(model), "_supports_attention_backend", False) or _calls_interface(model)):
         raise ValueError(f"{type(model).__name__} computes attention with its own code, not through "
                          f"transformers' attention interface: flashcl ({NAME!r}) would not run and its "
                          "mask would be misread; load it with attn_implementation='eager' or 'sdpa'")
+
+
+def _calls_interface(model) -> bool:
+    """Whether a method of one of ``model``'s module classes reads the global
+    ``ALL_ATTENTION_FUNCTIONS`` (the names its bytecode loads, under any decorators)."""
+    methods = (inspect.unwrap(fn) for cls in {type(m) for m in model.modules()}
+               for fn in vars(cls).values() if callable(fn))
+    return any("ALL_ATTENTION_FUNCTIONS" in fn.__code__.co_names for fn in methods if hasattr(fn, "__code__"))
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,14 @@ class Plan:
     None when they, and ``key_start`` where given, show exactly those keys, else a bool mask or a
     float32 additive one. ``key_start``: one query row whose mask shows each sequence, in every
     head, the keys from its first visible one on (the band's, a left-padded batch's): those
-    first keys, int32 (B or 1,), for decode."""
+    first keys, int32 (B or 1,), for decode. ``keys``: where no row sees a key from some point on
+    (a static cache's unwritten slots), the keys before it, which the plan is of; else None."""
 
     causal: bool
     window: Optional[Tuple[int, int]]
     mask: Any
     key_start: Any = None
+    keys: Optional[int] = None
 
 
 def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
@@ -80,8 +93,13 @@ def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
     float (the dtype's minimum or -inf hides, as transformers' eager masks do)."""
     import torch
 
-    if mask.dim() != 4 or mask.shape[-2] != n_q or mask.shape[-1] < n_kv:
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"attention_mask: expected bool (True = attend) or an additive float mask, got {mask.dtype}")
+    if mask.dim() != 4 or mask.shape[-2] != n_q:
         raise ValueError(f"attention_mask: expected (B, 1 or H, {n_q}, >= {n_kv}), got {tuple(mask.shape)}")
+    if mask.shape[-1] < n_kv:  # eager and SDPA would stretch it over the keys it does not cover
+        raise ValueError(f"attention_mask: covers {mask.shape[-1]} keys, the layer attends {n_kv} (shape "
+                         f"{tuple(mask.shape)}): the model built it for another layer's cache")
     mask = mask[..., :n_kv]  # a static cache's mask covers all of its slots
     if mask.dtype == torch.bool:
         visible, bias = mask, None
@@ -93,6 +111,9 @@ def plan_for_mask(mask, n_q: int, n_kv: int) -> Plan:
     seen = count > 0
     if not bool(seen.any()):
         return Plan(causal=False, window=None, mask=visible)
+    keys = n_kv - int(visible.flatten(0, 2).any(0).flip(0).to(torch.uint8).argmax())
+    if keys < n_kv:  # the keys no row sees are left out, so a static cache's step is a decode too
+        return replace(plan_for_mask(mask[..., :keys], n_q, keys), keys=keys)
 
     # Per row: first and last visible key, relative to the row's bottom-right position p.
     pos = torch.arange(n_q, device=mask.device) + (n_kv - n_q)
@@ -178,10 +199,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
     variants = {"scale": scaling, "window": plan.window, "softcap": softcap, "sinks": s_aux}
     if n_q == 1 and plan.mask is None:
-        starts = plan.key_start
+        starts, lens = plan.key_start, None
         if starts is not None:
             starts = starts.expand(query.shape[0]).contiguous()  # a mask of batch 1 serves every row
-        out = api.decode(query[:, :, 0], key, value, key_start=starts, **variants)[:, :, None]
+        if plan.keys is not None:  # the cache's leading keys, read in place
+            lens = torch.full((query.shape[0],), plan.keys, dtype=torch.int32, device=query.device)
+        out = api.decode(query[:, :, 0], key, value, key_start=starts, context_lens=lens, **variants)[:, :, None]
     else:
+        if plan.keys is not None:
+            key, value = key[:, :, :plan.keys], value[:, :, :plan.keys]
         out = api.prefill(query, key, value, causal=plan.causal, mask=plan.mask, **variants)
     return out.transpose(1, 2).contiguous(), None

@@ -299,6 +299,15 @@ def test_a_static_cache_mask_leaves_out_the_keys_no_row_sees():
     np.testing.assert_array_equal(plan.mask.numpy()[0, 0], vis[0, 0, :, :4])
 
 
+def test_masks_the_plan_cannot_read_are_named():
+    """An integer 4-D mask (eager would add its 0/1 values) and a mask narrower than the layer's
+    keys (MiniMax builds a padded batch's mask from a linear-attention layer's empty cache)."""
+    with pytest.raises(TypeError, match="attention_mask: expected bool .* got torch.int64"):
+        fcl_hf.plan_for_mask(torch.ones((1, 1, 2, 4), dtype=torch.int64), 2, 4)
+    with pytest.raises(ValueError, match="covers 1 keys, the layer attends 10"):
+        fcl_hf.plan_for_mask(torch.ones((2, 1, 1, 1), dtype=torch.bool), 1, 10)
+
+
 def test_a_float_bias_is_kept_additive_and_hidden_keys_become_minus_inf():
     vis = _band(4, 6, -1, 0)
     bias = torch.where(torch.from_numpy(vis), torch.full((), 0.25), torch.tensor(torch.finfo(torch.float32).min))

@@ -186,7 +186,9 @@ def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):
     steps = [kw for name, kw in flashcl_calls if name == "decode"]  # not masked one-row prefills
     assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
     cut = [kw for kw in steps if kw["context_lens"] is not None]  # the global layers' unwritten slots
-    assert cut and all(int(kw["context_lens"][0]) < max(LENGTHS) + NEW_TOKENS for kw in cut)
+    assert cut
+    if torch_device == "cpu":  # on CUDA generate() compiles the steps into CUDA graphs that reuse them
+        assert all(int(kw["context_lens"][0]) < max(LENGTHS) + NEW_TOKENS for kw in cut)
 
 
 @pytest.mark.filterwarnings("ignore:A custom logits processor:UserWarning")

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import warnings
 
@@ -158,6 +159,9 @@ class _Main(click.Group):
                 _fail(str(exc), EXIT_DEVICE_FAILED)
             except ValueError as exc:  # the API's checks of what the options asked for
                 _fail(str(exc), EXIT_USAGE)
+            except MemoryError as exc:  # a --shape whose inputs the host cannot hold
+                _fail(f"out of host memory for the inputs of the shapes asked for ({exc or 'MemoryError'}); "
+                      "ask for smaller --shape values", EXIT_USAGE)
             finally:
                 _log.removeHandler(_stderr_log)
                 _log.setLevel(logging.NOTSET)
@@ -187,9 +191,10 @@ def devices(as_json, include_oclgrind):
         _fail(str(exc), EXIT_NO_DEVICE)
     if as_json:
         _echo_report(_run_conditions(), rows)
-        return
     if not rows:
         _fail("no OpenCL device found; install one, e.g. pip install 'flashcl[pocl]'", EXIT_NO_DEVICE)
+    if as_json:
+        return
     click.echo(f"{'id':5} {'platform':28} {'device':44} {'type':5} {'CUs':>4} {'local KiB':>9} "
                f"{'max WG':>6} {'fp16':5} {'profile':10} builds")
     for r in rows:
@@ -271,11 +276,25 @@ def _variant_kwargs(window, softcap, mask=None, sinks=False, alibi=False) -> dic
     """The benchmark tools' ``variants`` keyword: each row is timed with these variants on and,
     in the same run, without them (the plain kernel next to the variant). ``sinks`` / ``alibi``:
     drawn by the tool (True)."""
+    from .api import _check_softcap, _check_window
+
+    try:  # the API's checks: a window held at 2^30, a softcap finite and within the kernels' range
+        window, softcap = _check_window(window), _check_softcap(softcap)
+    except ValueError as exc:
+        _fail(f"--{str(exc)}", EXIT_USAGE)
     variants = {k: v for k, v in (("window", window), ("softcap", softcap), ("mask", mask),
                                   ("sinks", sinks or None), ("alibi_slopes", alibi or None)) if v is not None}
-    if softcap is not None and not softcap > 0:
-        _fail(f"--softcap: expected a float > 0, got {softcap}", EXIT_USAGE)
     return {"variants": variants} if variants else {}
+
+
+def _check_errors(dtype: str, measured) -> None:
+    """Exit 1 where an error against the oracle, ``measured`` = [(what, rel_err)], is past the
+    dtype's tolerance or not a number (a NaN output is never within it)."""
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    bad = [(what, err) for what, err in measured if not err <= tol]
+    if bad:
+        _fail(f"{len(bad)} shape(s) exceed the {dtype} tolerance {tol:g}: " +
+              ", ".join(f"{what} err {err:.2e}" for what, err in bad), EXIT_CHECK_FAILED)
 
 
 def _check_bench_kv_format(kv_format: str, backend: str, kernel: str, head_dims) -> None:
@@ -393,12 +412,9 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
         _echo_report(cond, b.rows_as_dicts(rows))
     else:
         click.echo(b.format_prefill(rows, cond))
-    tol = 2e-3 if dtype == "float16" else 1e-5
-    bad = [(r.shape + (f" {r.kv_format}" if quantized else ""), err) for r in rows
-           for quantized, err in ((False, r.rel_err), (True, r.quant_rel_err)) if err == err and err > tol]
-    if bad:
-        _fail(f"{len(bad)} shape(s) exceed the {dtype} tolerance {tol:g}: " +
-              ", ".join(f"{shape} err {err:.2e}" for shape, err in bad), EXIT_CHECK_FAILED)
+    if not no_check:
+        _check_errors(dtype, [(f"{r.shape} {r.variants}".strip(), r.rel_err) for r in rows] +
+                      [(f"{r.shape} {r.kv_format}", r.quant_rel_err) for r in rows if r.kv_format])
 
 
 # --------------------------------------------------------------------------- bench decode
@@ -578,6 +594,11 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         _echo_report(cond, b.rows_as_dicts(rows))
     else:
         click.echo(bd.format_decode(rows, cond))
+    _check_errors(dtype, [(r.shape, r.rel_err) for r in rows] +
+                  [(f"{r.shape} {r.variants}", r.var_rel_err) for r in rows if r.variants] +
+                  [(f"{r.shape} {r.kv_format}", r.quant_rel_err) for r in rows if r.kv_format] +
+                  [(f"{r.shape} {r.kv_format} {r.variants}", r.quant_var_rel_err)
+                   for r in rows if r.kv_format and r.variants])
 
 
 # --------------------------------------------------------------------------- tune
@@ -606,6 +627,8 @@ def _parse_overrides(items, kernel: str = "prefill") -> dict:
             out[name] = [int(v) for v in vals]
         except ValueError:
             raise click.BadParameter(f"{item!r}: values must be integers", param_hint="--param") from None
+        if name.startswith("SPLIT_") and min(out[name]) < 1:  # the split rule's waves and keys a split
+            raise click.BadParameter(f"{item!r}: values must be >= 1", param_hint="--param")
     return out
 
 
@@ -671,6 +694,9 @@ def tune(device, kernel, shape, dtype, quick, params, repeats, retime, timeout, 
             import matplotlib  # noqa: F401
         except ImportError:
             _fail("--plot needs matplotlib; pip install 'flashcl[plot]' (or drop --plot)", EXIT_MISSING_DEP)
+        folder = os.path.dirname(os.path.abspath(plot_file))
+        if not os.access(folder, os.W_OK):  # found before the sweep, not after it
+            _fail(f"--plot {plot_file}: cannot write into {folder}", EXIT_USAGE)
     overrides = _parse_overrides(params, kernel)
     target = tuner.resolve_target(device, require_device=require_device)
     # first line of output: what is measured, or that the profile's model stands in

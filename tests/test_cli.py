@@ -226,6 +226,10 @@ def _one_error_line(r, code):
     (["show-config", "--device", "adreno", "--d", "264"], "head dim 264 is not supported"),
     (["show-config", "--dtype", "float64"], "float64"),
     (["no-such-command"], "no-such-command"),
+    (["bench", "prefill", "--softcap", "1e39"], "--softcap: 1e+39 is past the kernels' range"),
+    (["bench", "decode", "--softcap", "inf"], "--softcap: expected a finite float > 0"),
+    (["tune", "--kernel", "decode", "--param", "SPLIT_WAVES=0"], "values must be >= 1"),
+    (["tune", "--plot", "/no/such/folder/sweep.png"], "cannot write into /no/such/folder"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, why):
     """Checked before any device is touched: none of these needs one."""
@@ -457,3 +461,9 @@ def test_every_json_has_one_schema(cpu_device, tuning_dir):
         data = _strict_json(r.stdout)
         assert isinstance(data["conditions"], dict) and isinstance(data["rows"], list), args
         assert data["conditions"]["flashcl"] and data["conditions"]["command"], args
+
+
+def test_shapes_past_host_memory_are_one_line_exit_2(cpu_device):
+    """numpy's MemoryError for inputs no host holds, in the benchmark and the tuning worker."""
+    assert "out of host memory" in _one_error_line(
+        run("bench", "prefill", "--device", "cpu", "--repeats", "1", "--shape", "1000000,64,64,1000000,256,1"), 2)

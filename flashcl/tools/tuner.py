@@ -688,6 +688,8 @@ class IsolatedRunner:
             kind, payload = "error", f"it died (exit code {self.proc.exitcode})"
         if kind != "ready":
             self.close()
+            if str(payload).startswith("MemoryError"):  # the problem's inputs, not the device
+                raise MemoryError(f"the tuning worker: {payload}")
             raise TunerError(f"the tuning worker could not open the device: {payload}")
         self.ready = True
 

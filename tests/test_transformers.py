@@ -371,6 +371,7 @@ def _qkv(requires_grad=False):
     ({"output_attentions": True}, "attention weights"),
     ({"indices": torch.zeros(1, 4, 2, dtype=torch.long)}, "indices"),  # sparse attention's top-k keys
     ({"block_indices": torch.zeros(1, 4, 1, dtype=torch.long)}, "block_indices"),
+    ({"sinks": torch.zeros(1, 2, 4, 1)}, "sinks"),  # Inkling2's per-token sinks
 ])
 def test_unsupported_calls_raise_before_any_kernel(kwargs, match, flashcl_calls):
     with torch.no_grad(), pytest.raises(ValueError, match=match):

@@ -34,10 +34,11 @@ from .. import api
 NAME = "fcl"
 
 # Keywords that describe inputs flashcl would otherwise misread: packed varlen batches (FA's
-# cu_seqlens), additive position biases (T5-style) and sparse attention's selected keys
-# (DeepSeek-V3.2's indexer: indices, block_indices) carry structure the mask does not show.
+# cu_seqlens), additive position biases (T5-style), sparse attention's selected keys
+# (DeepSeek-V3.2's indexer: indices, block_indices) and per-token sinks (Inkling2's `sinks`;
+# gpt-oss's per-head ones come as s_aux) carry structure the mask does not show.
 _UNSUPPORTED = ("position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k",
-                "indices", "block_indices")
+                "indices", "block_indices", "sinks")
 
 
 def register() -> str:

@@ -113,15 +113,15 @@ _stderr_log = _StderrLog()
 @contextlib.contextmanager
 def _compiler_output_to_log():
     """PyOpenCL warns (CompilerWarning) whenever a build log is not empty, PoCL's notes included;
-    a failed build raises instead. Printed, they would land between the rows of a table."""
+    a failed build raises instead. Printed, they would land between the rows of a table. Other
+    warnings are one line on stderr, as errors are (not Python's file, line and source)."""
     with warnings.catch_warnings():
-        show = warnings.showwarning
-
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if category.__name__ == "CompilerWarning":
                 _log.info("compiler output: %s", message)
             else:
-                show(message, category, filename, lineno, file, line)
+                _log.debug("%s at %s:%s", category.__name__, filename, lineno)
+                click.echo(f"warning: {_one_line(message)}", err=True)
 
         warnings.showwarning = showwarning
         yield

@@ -382,6 +382,26 @@ def test_compiler_warnings_go_to_the_log(cpu_device, monkeypatch, tuning_dir):
     assert "compiler output" not in r.stdout
 
 
+def test_other_warnings_are_one_line(cpu_device, monkeypatch, tuning_dir):
+    """A library's warning during a command: "warning: ..." on stderr, not Python's file, line
+    and source line between a table's rows."""
+    import warnings
+
+    from flashcl.tools import tuner
+
+    sweep = tuner.run_sweep
+
+    def warns(*a, **k):
+        warnings.warn("an entry was skipped\nsecond line", UserWarning)
+        return sweep(*a, **k)
+
+    monkeypatch.setattr(tuner, "run_sweep", warns)
+    r = run("tune", "--device", "adreno", "--param", "BLOCK_M=64", "--param", "BLOCK_N=16", "--param",
+            "DV_TILE=32", "--no-isolate", "--no-save")
+    assert r.exit_code == 0, r.output
+    assert "warning: an entry was skipped second line" in r.stderr and "UserWarning" not in r.stderr
+
+
 def test_commands_share_one_default_dtype():
     commands = [cli.tune, cli.show_config, cli.bench_prefill, cli.bench_decode]
     assert {next(p.default for p in c.params if p.name == "dtype") for c in commands} == {cli.DEFAULT_DTYPE}

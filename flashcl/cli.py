@@ -66,7 +66,8 @@ def _handle(device):
     try:
         return get_device(device)
     except (ValueError, RuntimeError) as exc:
-        _fail(f"{exc}. Run `flashcl devices` to see what is attached.", EXIT_NO_DEVICE)
+        hint = "" if "flashcl devices" in str(exc) else ". Run `flashcl devices` to see what is attached."
+        _fail(f"{exc}{hint}", EXIT_NO_DEVICE)
 
 
 def _finite(x):
@@ -198,7 +199,8 @@ def devices(as_json, include_oclgrind):
     click.echo(f"{'id':5} {'platform':28} {'device':44} {'type':5} {'CUs':>4} {'local KiB':>9} "
                f"{'max WG':>6} {'fp16':5} {'profile':10} builds")
     for r in rows:
-        click.echo(f"{r['id']:5} {r['platform'][:28]:28} {r['device'][:44]:44} {r['type'][:5]:5} "
+        kind = next((t for t in ("GPU", "CPU", "ACCELERATOR") if t in r["type"]), r["type"])  # PoCL: "ALL | CPU"
+        click.echo(f"{r['id']:5} {r['platform'][:28]:28} {r['device'][:44]:44} {kind[:5]:5} "
                    f"{r['compute_units']:4d} {r['local_mem_kib']:9d} {r['max_work_group']:6d} "
                    f"{str(r['fp16']):5} {r['profile']:10} {r['builds']}")
     if not all(r["compiles"] for r in rows):
@@ -978,7 +980,7 @@ def export_kernels(device, out, shapes, dtype, variants, kv_format, require_devi
               help="Sample memory and cache sizes every N calls.")
 @click.option("--check-every", default=50, show_default=True, type=click.IntRange(1),
               help="Compare every N-th call against the float64 oracle.")
-@click.option("--max-growth", default=0.10, show_default=True, type=float,
+@click.option("--max-growth", default=0.10, show_default=True, type=click.FloatRange(0),
               help="Fail when the last quarter's mean RSS exceeds the second quarter's by more.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def soak(device, backend, calls, every, check_every, max_growth, as_json):

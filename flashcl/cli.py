@@ -299,6 +299,14 @@ def _check_errors(dtype: str, measured) -> None:
               ", ".join(f"{what} err {err:.2e}" for what, err in bad), EXIT_CHECK_FAILED)
 
 
+def _quantized_kv_format(kv_format, dtype: str):
+    """--kv-format as the tools take it: None for the plain cache, which float16 names where
+    --dtype is float16 (elsewhere it would be timed as nothing: exit 2)."""
+    if kv_format == "float16" and dtype != "float16":
+        _fail(f"--kv-format float16 is the plain cache of --dtype float16, not of --dtype {dtype}", EXIT_USAGE)
+    return None if kv_format == "float16" else kv_format
+
+
 def _check_bench_kv_format(kv_format: str, backend: str, kernel: str, head_dims) -> None:
     """Exit 2 where the backend's ``kernel`` does not take ``kv_format`` or a head dim is not whole
     ggml blocks (before any build)."""
@@ -377,7 +385,8 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
         _fail("--mask causal: it stands in for causal=True, so every --shape must be causal (last field 1)",
               EXIT_USAGE)
     extra = _variant_kwargs(window, softcap, mask)
-    if kv_format not in (None, "float16"):
+    kv_format = _quantized_kv_format(kv_format, dtype)
+    if kv_format is not None:
         if extra:
             _fail("--kv-format: time it without --window/--softcap/--mask (the quantized call is the plain one)",
                   EXIT_USAGE)
@@ -532,7 +541,8 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
             raise click.BadParameter(f"'{b_},{h_q},{h_kv},{ctx}': {exc}", param_hint=["--shape"]) from None
     shape_list = list(shapes) or None
     extra = _variant_kwargs(window, softcap, sinks=sinks, alibi=alibi)
-    if kv_format not in (None, "float16"):
+    kv_format = _quantized_kv_format(kv_format, dtype)
+    if kv_format is not None:
         extra["kv_format"] = kv_format
         _check_bench_kv_format(kv_format, backend, "decode", {head_dim})
     if backend == "triton" and kernel != "auto":

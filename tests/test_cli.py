@@ -230,6 +230,7 @@ def _one_error_line(r, code):
     (["bench", "decode", "--softcap", "inf"], "--softcap: expected a finite float > 0"),
     (["tune", "--kernel", "decode", "--param", "SPLIT_WAVES=0"], "values must be >= 1"),
     (["tune", "--plot", "/no/such/folder/sweep.png"], "cannot write into /no/such/folder"),
+    (["bench", "decode", "--dtype", "float32", "--kv-format", "float16"], "not of --dtype float32"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, why):
     """Checked before any device is touched: none of these needs one."""

@@ -484,7 +484,10 @@ def test_every_json_has_one_schema(cpu_device, tuning_dir):
         assert data["conditions"]["flashcl"] and data["conditions"]["command"], args
 
 
-def test_shapes_past_host_memory_are_one_line_exit_2(cpu_device):
+def test_shapes_past_host_memory_are_one_line_exit_2(cpu_device, tuning_dir):
     """numpy's MemoryError for inputs no host holds, in the benchmark and the tuning worker."""
     assert "out of host memory" in _one_error_line(
         run("bench", "prefill", "--device", "cpu", "--repeats", "1", "--shape", "1000000,64,64,1000000,256,1"), 2)
+    assert "out of host memory" in _one_error_line(
+        run("tune", "--device", "cpu", "--quick", "--kernel", "decode", "--shape", "100000,64,64,10000000,128",
+            "--no-save"), 2)

@@ -304,7 +304,7 @@ def test_float32_tile_rule():
     assert (128, 64, 8, 3, False, None, False) in _candidates(elt=4, **d64)  # and at d = 64
     kept = _candidates(elt=4, **d256)
     assert (32, 32, 8, 2, False, None, False) in kept and all(t[0] == 32 for t in kept)
-    assert (64, 32, 4, 2, False, None, False) in tp._TILE_SPACE  # 192 KiB at d = 256: left out
+    assert (64, 32, 4, 2, False, None, False) in tp._TILE_SPACE  # 192 KiB at d = 256: not kept
 
 
 def test_op_schema_is_stable():

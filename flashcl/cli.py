@@ -292,7 +292,9 @@ def _variant_kwargs(window, softcap, mask=None, sinks=False, alibi=False) -> dic
 def _check_errors(dtype: str, measured) -> None:
     """Exit 1 where an error against the oracle, ``measured`` = [(what, rel_err)], is past the
     dtype's tolerance or not a number (a NaN output is never within it)."""
-    tol = 2e-3 if dtype == "float16" else 1e-5
+    from .reference import TOLERANCE
+
+    tol = TOLERANCE[dtype]
     bad = [(what, err) for what, err in measured if not err <= tol]
     if bad:
         _fail(f"{len(bad)} shape(s) exceed the {dtype} tolerance {tol:g}: " +

@@ -910,9 +910,9 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
     - float32 (tf32x3 dots, FLOAT32_DOTS) takes tiles of 32 rows too (at head dim 256 nothing
       larger fits), any BLOCK_N, and 3/4 of the shared memory for the K/V ring and Q: the rest
       goes to the dots' operand splits (H200: 160 KiB by the formula below ran, 192 KiB did not).
-    - 16-bit: wgmma (sm_90) works on 64-row slices per warpgroup, so BLOCK_M >= 64; the
-      accumulator and score tile must fit _MAX_TILE_REGS; BLOCK_N 32 only pays where K/V tiles
-      are large (DK + DV >= 512).
+    - The accumulator and score tile must fit _MAX_TILE_REGS. 16-bit: wgmma (sm_90) works on
+      64-row slices per warpgroup, so BLOCK_M >= 64; BLOCK_N 32 only pays where K/V tiles are
+      large (DK + DV >= 512).
     - The K/V pipeline, num_stages x BLOCK_N x (DK + DV), plus on sm_90 the Q tile that wgmma
       reads from shared memory, must fit (sm_89 ~100 KB, A100 ~164 KB, H100 ~227 KB).
     """
@@ -929,15 +929,12 @@ def _tile_fits(bm: int, bn: int, num_warps: int, num_stages: int, use_tma: bool,
         return False  # its TMA twin was faster on every shape timed (next to _TILE_SPACE)
     if tma_ok and not use_tma and bm == 128 and elt == 2 and bdk in (64, 128) and q_bucket >= 1024:
         return False  # the baseline too: TMA led it on every such shape, the autotuner did not see it
+    if bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
+        return False
     if elt == 4:
-        if bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
-            return False
         smem = smem * 3 // 4
-    else:
-        if bm < 64 or bm * (bdv + bn) // (32 * num_warps) > _MAX_TILE_REGS:
-            return False
-        if bn < 64 and bdk + bdv < 512:
-            return False
+    elif bm < 64 or (bn < 64 and bdk + bdv < 512):
+        return False
     q_tile = bm * bdk * elt if wgmma else 0
     return num_stages * bn * (bdk + bdv) * elt + q_tile <= smem
 

@@ -262,9 +262,12 @@ def test_public_api_dispatch(triton_device):
     ({"BLOCK_M": 48, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}, "power of two"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 0, "num_stages": 2}, "positive int"),
     ({"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "SOFTMAX_OVERLAP": 1}, "expected a bool"),
+    ({"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "dtype": torch.float32}, "illegal memory"),
 ])
 def test_bad_params(triton_device, params, match):
-    q, k, v = _inputs(1, 1, 1, 4, 4, 16, 16, torch.float16, triton_device, 1)
+    params = dict(params)
+    dtype = params.pop("dtype", torch.float16)
+    q, k, v = _inputs(1, 1, 1, 4, 4, 16, 16, dtype, triton_device, 1)
     with pytest.raises(ValueError, match=match):
         tp.prefill(q, k, v, params=params)
 

@@ -1346,9 +1346,9 @@ def _prefill_fake(q, k, v, causal, scale, return_lse, block_m=0, block_n=0, num_
 
 # --------------------------------------------------------------------------- entry point
 
-def _tile_params(params: dict | None) -> tuple[int, int, int, int, bool, int, bool]:
-    """Validate a ``params`` dict: BLOCK_M, BLOCK_N, num_warps, num_stages, optionally USE_TMA,
-    maxnreg (a register cap per thread) and SOFTMAX_OVERLAP."""
+def _tile_params(params: dict | None, dtype) -> tuple[int, int, int, int, bool, int, bool]:
+    """Validate a ``params`` dict for inputs of ``dtype``: BLOCK_M, BLOCK_N, num_warps, num_stages,
+    optionally USE_TMA, maxnreg (a register cap per thread) and SOFTMAX_OVERLAP."""
     if params is None:
         return (0, 0, 0, 0, False, 0, False)
     unknown = set(params) - set(_PARAM_KEYS)
@@ -1363,6 +1363,10 @@ def _tile_params(params: dict | None) -> tuple[int, int, int, int, bool, int, bo
     for name in ("BLOCK_M", "BLOCK_N"):
         if params[name] < 16 or params[name] & (params[name] - 1):
             raise ValueError(f"params[{name!r}]: expected a power of two >= 16, got {params[name]}")
+    if dtype == torch.float32 and (params["BLOCK_M"], params["BLOCK_N"], params["num_warps"]) == (64, 16, 8):
+        # H200, Triton 3.6: at every head dim and stage count tried; no other tile (triton-prefill.md)
+        raise ValueError("params: a 64 x 16 tile on 8 warps makes an illegal memory access with float32 "
+                         f"inputs ({FLOAT32_DOTS} dots); take 4 warps or BLOCK_N >= 32")
     use_tma, overlap = params.get("USE_TMA", False), params.get("SOFTMAX_OVERLAP", False)
     for name, flag in (("USE_TMA", use_tma), ("SOFTMAX_OVERLAP", overlap)):
         if not isinstance(flag, bool):
@@ -1455,7 +1459,7 @@ def prefill(q, k, v, *, causal: bool = False, scale: float | None = None, return
         scale = 1.0 / math.sqrt(q.shape[-1])
     var = _variant_op_args(variants, q, k)
     op = _prefill_impl if skips_dispatcher(q, k, v, *var[2:], k_scales, v_scales) else _prefill_op
-    out, lse = op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params), *var,
+    out, lse = op(q, k, v, bool(causal), float(scale), bool(return_lse), *_tile_params(params, q.dtype), *var,
                   k_scales, v_scales, k_format, v_format)
     if squeeze:
         out = out.squeeze(0)

@@ -170,6 +170,9 @@ def _decode_kernel(
     # int8 / fp8 K / V read as aligned 32-bit words (_load_words); CVT_ASM: quantized bytes become
     # fp16 through PTX byte permutes (quant_words), not per-element casts
     K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
+    # float32 q against int8 / fp8 / q4_0 (stored order) K or V: their tiles in bf16, q or p in
+    # three bf16 parts (quant_words.dot)
+    K_PARTS: tl.constexpr = False, V_PARTS: tl.constexpr = False,
     # q4_0 K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
     # the group's rows per block); TAIL_K / TAIL_V: the positions of a row past its head dim;
     # STORED_ALIGN: the 32-bit words every row starts on (the loads' width)
@@ -309,6 +312,8 @@ def _decode_kernel(
             q = q.to(tl.float32)
             if STORED:
                 q_tail = q_tail.to(tl.float32)
+        k_type = tl.bfloat16 if K_PARTS else q.dtype  # the dequantized tiles' type
+        v_type = tl.bfloat16 if V_PARTS else q.dtype
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         if ALIBI:  # the group's slopes, in the log2 domain
@@ -389,18 +394,19 @@ def _decode_kernel(
                 d_k = ggml_stored.scales(K, row_k, rows_ok, DK // 32)
                 v, v_tail = ggml_stored.tile(V, row_v, rows_ok, DV, TAIL_V, CVT_ASM, STORED_ALIGN)
                 d_v = ggml_stored.scales(V, row_v, rows_ok, DV // 32)
-                s = ggml_stored.scores(q, q_tail, k.to(q.dtype), k_tail.to(q.dtype), d_k, BLOCK_G) * qk_scale_log2
+                s = ggml_stored.scores(q, q_tail, k.to(k_type), k_tail.to(q.dtype), d_k, BLOCK_G, K_PARTS,
+                                       UPCAST_DOT, DOT_PRECISION) * qk_scale_log2
             else:
                 k, k_scale = _load_kv(k_ptrs, k_base, row_k, KScales + pid_h.to(tl.int64) * stride_ksh + srow_k,
                                       offs_dk, valid, stride_kd, K_FMT, DK, BLOCK_DK, mask_rows, K_WORDS, CVT_ASM,
-                                      q.dtype)
+                                      k_type)
                 v, v_scale = _load_kv(v_ptrs, v_base, row_v, VScales + pid_h.to(tl.int64) * stride_vsh + srow_v,
                                       offs_dv, valid, stride_vd, V_FMT, DV, BLOCK_DV, mask_rows, V_WORDS, CVT_ASM,
-                                      q.dtype)
+                                      v_type)
                 if UPCAST_DOT:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+                s = quant_words.dot(q, tl.trans(k), None, K_PARTS, UPCAST_DOT, DOT_PRECISION) * qk_scale_log2
 
             # scores in the log2 domain; tokens past the end are -inf
             if K_FMT == "int8" or K_FMT == "fp8_e4m3":
@@ -460,7 +466,10 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             if STORED:  # d of rows past the end may be anything: 0 (their p is 0)
                 acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
-                                                       v.to(q.dtype), v_tail.to(q.dtype))
+                                                       v.to(v_type), v_tail.to(q.dtype), V_PARTS, UPCAST_DOT,
+                                                       DOT_PRECISION)
+            elif V_PARTS:
+                acc = quant_words.dot(p * v_scale[None, :], v, acc * alpha[:, None], True, UPCAST_DOT, "")
             elif V_FMT == "int8" or V_FMT == "fp8_e4m3":
                 acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v,
                                                     input_precision=DOT_PRECISION)
@@ -1172,6 +1181,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         quant.update(K_WORDS=_reads_words(k_cache, k_format, dk, cvt_asm),
                      V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))
+    # float32 q against values that bf16 holds exactly: 16-bit tiles, q and p in parts (quant_words.dot)
+    exact = ("int8", "fp8_e4m3", "q4_0") if quant.get("STORED") else ("int8", "fp8_e4m3")
+    quant.update(K_PARTS=q.dtype == torch.float32 and k_format in exact,
+                 V_PARTS=q.dtype == torch.float32 and v_format in exact)
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens, (k_format, v_format)):
@@ -1207,7 +1220,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             DK=dk, DV=dv, BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv,
             BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
             PAGED=paged, HAS_LENS=context_lens is not None, SPLIT=split,
-            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), QUERY_ROWS=query_rows,
+            UPCAST_DOT=interpreting() and (q.dtype == torch.bfloat16 or quant["K_PARTS"] or quant["V_PARTS"]),
+            QUERY_ROWS=query_rows,
             DOT_PRECISION=FLOAT32_DOTS if q.dtype == torch.float32 else "ieee",
             ROW_MASK=0 if row_mask is None else 1 if row_mask.dtype == torch.bool else 2,
             MASK_PER_KEY=mask_per_key, WORD_ROWS=word_rows,

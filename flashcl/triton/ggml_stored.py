@@ -154,20 +154,23 @@ def load_q(q_rows, heads_ok, stride_d, D: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
-def scores(q_main, q_tail, k_main, k_tail, d_k, G: tl.constexpr):
+def scores(q_main, q_tail, k_main, k_tail, d_k, G: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):
     """s [G, rows] = sum over blocks j of d_k[j] * (q's block j . K's block j), fp32: the main
-    positions by one dot of the stacked q, the tail on CUDA cores."""
+    positions by one dot of the stacked q (quant_words.dot), the tail on CUDA cores."""
     NB: tl.constexpr = d_k.shape[0]
-    s = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
+    s = quant_words.dot(q_main, tl.trans(k_main), None, PARTS, UPCAST, DOT_PRECISION)
     s = tl.sum(tl.reshape(s, [NB, G, k_main.shape[0]]) * d_k[:, None, :], 0)
     t = tl.sum(q_tail.to(tl.float32)[:, None, :] * k_tail.to(tl.float32)[None, :, :], 2)
     return s + t * last_block(d_k)[None, :]
 
 
 @triton.jit
-def accumulate(acc_main, acc_tail, alpha, p, d_v, v_main, v_tail):
+def accumulate(acc_main, acc_tail, alpha, p, d_v, v_main, v_tail, PARTS: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     """acc * alpha + P @ V: main per stacked row, P's row (j, m) p[m] * d_v[j] (fp32 p [G, rows],
-    d_v [NB, rows], zeros at rows past the end) scaled by 2^-e_j into the dot's type; the tail
+    d_v [NB, rows], zeros at rows past the end) scaled by 2^-e_j into the dot's type (PARTS: float32,
+    quant_words.dot splits it); the tail
     [G, rows, TAIL] per key on CUDA cores (summed over the keys once, at the end)."""
     NB: tl.constexpr = d_v.shape[0]
     G: tl.constexpr = p.shape[0]
@@ -176,8 +179,11 @@ def accumulate(acc_main, acc_tail, alpha, p, d_v, v_main, v_tail):
     down = ((254 - e) << 23).to(tl.float32, bitcast=True)
     up = per_block((e << 23).to(tl.float32, bitcast=True), G)[:, None]
     pp = p[None, :, :] * (d_v * down[:, None])[:, None, :]
-    pp = tl.reshape(pp, [NB * G, p.shape[1]]).to(v_main.dtype)
-    acc_main = acc_main * stack(alpha, NB)[:, None] + tl.dot(pp, v_main, input_precision="ieee") * up
+    pp = tl.reshape(pp, [NB * G, p.shape[1]])
+    if not PARTS:
+        pp = pp.to(v_main.dtype)
+    pv = quant_words.dot(pp, v_main, None, PARTS, UPCAST, DOT_PRECISION)
+    acc_main = acc_main * stack(alpha, NB)[:, None] + pv * up
     tail = (last_block(d_v)[:, None] * v_tail.to(tl.float32))[None, :, :]
     acc_tail = acc_tail * alpha[:, None, None] + p[:, :, None] * tail
     return acc_main, acc_tail

@@ -165,3 +165,29 @@ def words_to_f16(w, FMT: tl.constexpr):
         return tl.inline_asm_elementwise(
             asm=Q4_0_F16_PTX,
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def dot(a, b, acc, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b (acc None: a @ b). PARTS: a is float32 and b a bf16 tile of values bf16 holds
+    exactly (int8, fp8_e4m3, q4_0's nibbles); a goes as three bf16 parts, 8 bits each and all 24 of
+    float32's, so a is their sum exactly and the three 16-bit dots lose nothing to a float32 tile's
+    (the cache's values never widened to float32 nor split for tf32x3). UPCAST (the interpreter):
+    the 16-bit dots in float32. Else one dot of ``DOT_PRECISION``."""
+    if PARTS:
+        a0 = a.to(tl.bfloat16)
+        rest = a - a0.to(tl.float32)
+        a1 = rest.to(tl.bfloat16)
+        a2 = (rest - a1.to(tl.float32)).to(tl.bfloat16)
+        if UPCAST:
+            b = b.to(tl.float32)
+            acc = tl.dot(a2.to(tl.float32), b, acc, input_precision="ieee")
+            acc = tl.dot(a1.to(tl.float32), b, acc, input_precision="ieee")
+            acc = tl.dot(a0.to(tl.float32), b, acc, input_precision="ieee")
+        else:  # the smallest part first: the tensor cores' sums truncate, relative to their largest term
+            acc = tl.dot(a2, b, acc)
+            acc = tl.dot(a1, b, acc)
+            acc = tl.dot(a0, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc

@@ -65,5 +65,7 @@ def check_out_and_lse(out, lse, ref, ref_lse, dtype: str, what: str, lse_rtol: f
     seen = np.isfinite(ref_lse)
     assert (np.isneginf(got) == ~seen).all(), f"{what}: lse -inf at {np.argwhere(np.isneginf(got) != ~seen)[:4]}"
     lerr = np.abs(got[seen] - ref_lse[seen]).max(initial=0.0)
-    at = np.unravel_index(np.argmax(np.abs(np.where(seen, got - ref_lse, 0))), got.shape)
+    diff = np.zeros_like(got)
+    diff[seen] = got[seen] - ref_lse[seen]
+    at = np.unravel_index(np.argmax(np.abs(diff)), got.shape)
     assert lerr <= lse_rtol * max(1.0, np.abs(ref_lse[seen]).max(initial=1.0)), f"{what}: lse err {lerr:.2e} at {at}"

@@ -312,8 +312,9 @@ def _decode_kernel(
             q = q.to(tl.float32)
             if STORED:
                 q_tail = q_tail.to(tl.float32)
-        k_type = tl.bfloat16 if K_PARTS else q.dtype  # the dequantized tiles' type
-        v_type = tl.bfloat16 if V_PARTS else q.dtype
+        # the dequantized tiles' type (the interpreter's int8 -> bf16 casts reinterpret bits: float32 there)
+        k_type = tl.bfloat16 if K_PARTS and not UPCAST_DOT else q.dtype
+        v_type = tl.bfloat16 if V_PARTS and not UPCAST_DOT else q.dtype
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         if ALIBI:  # the group's slopes, in the log2 domain

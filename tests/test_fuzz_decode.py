@@ -132,7 +132,7 @@ def _poison_mask(call: dict, case: dict, rows_shape: tuple) -> np.ndarray:
     return hidden
 
 
-def _cache(x, fmt, hidden, to_kind):
+def _poisoned(x, fmt, hidden, to_kind):
     """(the clean cache, the poisoned one) in the backend's kind: plain (``to_kind`` of x) or a
     QuantizedTensor; hidden rows NaN (plain) or bytes 0xFF (quantized; int8's row scale NaN)."""
     if not fmt:
@@ -162,7 +162,7 @@ def _check(call: dict, run, to_kind, to_numpy) -> None:
     q64 = to_numpy(q)  # q as rounded to its dtype
     rows = case["k"].shape[:3]
     hidden = _poison_mask(call, case, rows)
-    (k_clean, k_dirty), (v_clean, v_dirty) = (_cache(case[n], call[f"{n}_fmt"], hidden, to_kind) for n in ("k", "v"))
+    (k_clean, k_dirty), (v_clean, v_dirty) = (_poisoned(case[n], call[f"{n}_fmt"], hidden, to_kind) for n in ("k", "v"))
     k_ref, v_ref = ((c if call[f"{n}_fmt"] else to_numpy(c)) for n, c in (("k", k_clean), ("v", v_clean)))
     var = case["variants"]
     ref_out, ref_lse = reference.decode_attention(
@@ -190,22 +190,25 @@ def test_opencl_decode_fuzz(cl_device, call):
 @_fuzz(12)
 @given(call=decode_calls("triton"))
 def test_triton_decode_fuzz(triton_device, call):
-    torch = pytest.importorskip("torch")
-    dtype = getattr(torch, call["dtype"])
-
-    def to_kind(x):
-        x = np.asarray(x)
-        if x.dtype.kind in "iu":
-            return torch.from_numpy(x).to(triton_device)
-        return torch.from_numpy(np.ascontiguousarray(x)).to(device=triton_device, dtype=dtype)
+    to_kind, to_numpy, on_device = torch_kinds(triton_device, call["dtype"])
 
     def run(q, k, v, case, var):
-        tens = {n: (None if x is None else to_kind(x)) for n, x in (("table", case["table"]), ("lens", case["lens"]),
-                                                                     ("key_start", case["key_start"]))}
-        var = {n: (x if x is None or isinstance(x, (tuple, float)) else torch.from_numpy(x).to(triton_device))
-               for n, x in var.items()}
-        return flashcl.decode(q, k, v, block_table=tens["table"], context_lens=tens["lens"],
-                              key_start=tens["key_start"], num_splits=call["num_splits"], backend="triton",
-                              return_lse=True, **var)
+        tables = [None if case[n] is None else on_device(case[n]) for n in ("table", "lens", "key_start")]
+        return flashcl.decode(q, k, v, block_table=tables[0], context_lens=tables[1], key_start=tables[2],
+                              num_splits=call["num_splits"], backend="triton", return_lse=True,
+                              **{n: on_device(x) for n, x in var.items()})
 
-    _check(call, run, to_kind, lambda x: x.detach().to("cpu", torch.float64).numpy())
+    _check(call, run, to_kind, to_numpy)
+
+
+def torch_kinds(device: str, dtype_name: str) -> tuple:
+    """The Triton half's conversions: (to_kind: a float array as a tensor of the call's dtype on
+    ``device``; to_numpy: a tensor back as float64; on_device: an array as it is on ``device``,
+    None, tuples and floats unchanged)."""
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, dtype_name)
+
+    def on_device(x):
+        return x if x is None or isinstance(x, (tuple, float)) else torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+    return (lambda x: on_device(x).to(dtype), lambda x: x.detach().to("cpu", torch.float64).numpy(), on_device)

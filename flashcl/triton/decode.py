@@ -54,7 +54,8 @@ int8 and fp8 rows on 4-byte boundaries are read as 32-bit words (_load_words: pi
 byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4_0 K and V with
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
 (ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
-The plan keeps quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the
+With float32 q, int8 / fp8 / stored q4_0 tiles stay bf16 (their values exactly) and q and p
+enter the dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the
 Gluon GQA kernel a launch, that kernel also reads every format with fp16 q
 (decode_plan.GQA_QUANTIZED). docs/notes/quantized-decode.md has the measurements.
 
@@ -470,7 +471,7 @@ def _decode_kernel(
                                                        v.to(v_type), v_tail.to(q.dtype), V_PARTS, UPCAST_DOT,
                                                        DOT_PRECISION)
             elif V_PARTS:
-                acc = quant_words.dot(p * v_scale[None, :], v, acc * alpha[:, None], True, UPCAST_DOT, "")
+                acc = quant_words.dot(p * v_scale[None, :], v, acc * alpha[:, None], True, UPCAST_DOT, DOT_PRECISION)
             elif V_FMT == "int8" or V_FMT == "fp8_e4m3":
                 acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v,
                                                     input_precision=DOT_PRECISION)

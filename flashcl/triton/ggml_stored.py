@@ -169,9 +169,9 @@ def scores(q_main, q_tail, k_main, k_tail, d_k, G: tl.constexpr, PARTS: tl.const
 def accumulate(acc_main, acc_tail, alpha, p, d_v, v_main, v_tail, PARTS: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """acc * alpha + P @ V: main per stacked row, P's row (j, m) p[m] * d_v[j] (fp32 p [G, rows],
-    d_v [NB, rows], zeros at rows past the end) scaled by 2^-e_j into the dot's type (PARTS: float32,
-    quant_words.dot splits it); the tail
-    [G, rows, TAIL] per key on CUDA cores (summed over the keys once, at the end)."""
+    d_v [NB, rows], zeros at rows past the end) scaled by 2^-e_j into the dot's type (PARTS: kept
+    float32 for quant_words.dot to split); the tail [G, rows, TAIL] per key on CUDA cores (summed
+    over the keys once, at the end)."""
     NB: tl.constexpr = d_v.shape[0]
     G: tl.constexpr = p.shape[0]
     # 2^-e_j and 2^e_j from the exponent of block j's largest |d| (bits of fp32; never 0 or 255)

@@ -304,6 +304,28 @@ def test_gluon_gqa_bf16_q(triton_device, k_fmt, v_fmt, splits, poison, gqa_calls
     _check(out, lse, c, f"gluon gqa bf16 q {formats} splits={splits}")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "q4_0"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_float32_q_in_bf16_parts(triton_device, fmt, splits, poison):
+    """float32 q against int8, fp8 and q4_0 (stored order: d = 128, paged) K and V: bf16 tiles,
+    q and p as three bf16 parts (quant_words.dot), exact over float32's range short of its top:
+    rows of magnitudes 2^-100 to 2^100 in one group, a row of zeros, a row with values 2^-20 of
+    its largest."""
+    c = _case(triton_device, "float32", b=2, h_q=8, h_kv=2, lens=[300, 41], d=128, k_fmt=fmt, v_fmt=fmt,
+              seed=splits)
+    q = c["q"]
+    q[0, 0] *= 2.0 ** -100
+    q[0, 1] *= 2.0 ** 100 / q[0, 1].abs().max()
+    q[0, 2] = 0.0
+    q[1, 4, ::2] *= 2.0 ** -20
+    q[1, 5] *= 2.0 ** 60
+    ref_kw = {"block_table": c["block_table"].cpu().numpy(), "context_lens": np.array([300, 41]),
+              "scale": 1.0 / math.sqrt(128), "return_lse": True}
+    c["ref"], c["ref_lse"] = reference.decode_attention(_np(q), c["k"], c["v"], **ref_kw)
+    out, lse = _run(c, splits)
+    _check(out, lse, c, f"float32 q {fmt} splits={splits}")
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_gluon_gqa_two_tiles_unused_entries(triton_device, fmt, splits, poison, gqa_calls):

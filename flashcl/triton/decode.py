@@ -55,9 +55,10 @@ byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
 (ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
 With float32 q, int8 / fp8 / stored q4_0 tiles stay bf16 (their values exactly) and q and p
-enter the dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the
-Gluon GQA kernel a launch, that kernel also reads every format with fp16 q
-(decode_plan.GQA_QUANTIZED). docs/notes/quantized-decode.md has the measurements.
+enter the dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps
+quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the Gluon GQA kernel a
+launch, that kernel also reads every format with fp16 q (decode_plan.GQA_QUANTIZED).
+docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
 (max_blocks * PAGE_SIZE bounds the context) and the device's facts, never of context_lens values:
@@ -314,6 +315,8 @@ def _decode_kernel(
             if STORED:
                 q_tail = q_tail.to(tl.float32)
         # the dequantized tiles' type (the interpreter's int8 -> bf16 casts reinterpret bits: float32 there)
+        tl.static_assert(not K_PARTS or K_FMT == "int8" or K_FMT == "fp8_e4m3" or STORED, "K_PARTS: values bf16 holds")
+        tl.static_assert(not V_PARTS or V_FMT == "int8" or V_FMT == "fp8_e4m3" or STORED, "V_PARTS: values bf16 holds")
         k_type = tl.bfloat16 if K_PARTS and not UPCAST_DOT else q.dtype
         v_type = tl.bfloat16 if V_PARTS and not UPCAST_DOT else q.dtype
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)

@@ -1346,7 +1346,7 @@ def _prefill_fake(q, k, v, causal, scale, return_lse, block_m=0, block_n=0, num_
 
 # --------------------------------------------------------------------------- entry point
 
-def _tile_params(params: dict | None, dtype) -> tuple[int, int, int, int, bool, int, bool]:
+def _tile_params(params: dict | None, dtype: torch.dtype) -> tuple[int, int, int, int, bool, int, bool]:
     """Validate a ``params`` dict for inputs of ``dtype``: BLOCK_M, BLOCK_N, num_warps, num_stages,
     optionally USE_TMA, maxnreg (a register cap per thread) and SOFTMAX_OVERLAP."""
     if params is None:
@@ -1366,7 +1366,7 @@ def _tile_params(params: dict | None, dtype) -> tuple[int, int, int, int, bool, 
     if dtype == torch.float32 and (params["BLOCK_M"], params["BLOCK_N"], params["num_warps"]) == (64, 16, 8):
         # H200, Triton 3.6: at every head dim and stage count tried; no other tile (triton-prefill.md)
         raise ValueError("params: a 64 x 16 tile on 8 warps makes an illegal memory access with float32 "
-                         f"inputs ({FLOAT32_DOTS} dots); take 4 warps or BLOCK_N >= 32")
+                         f"inputs ({FLOAT32_DOTS} dots); take another tile (4 warps, or BLOCK_N >= 32)")
     use_tma, overlap = params.get("USE_TMA", False), params.get("SOFTMAX_OVERLAP", False)
     for name, flag in (("USE_TMA", use_tma), ("SOFTMAX_OVERLAP", overlap)):
         if not isinstance(flag, bool):

@@ -171,9 +171,10 @@ def words_to_f16(w, FMT: tl.constexpr):
 def dot(a, b, acc, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + a @ b (acc None: a @ b). PARTS: a is float32 and b a bf16 tile of values bf16 holds
     exactly (int8, fp8_e4m3, q4_0's nibbles); a goes as three bf16 parts, 8 bits each and all 24 of
-    float32's, so a is their sum exactly and the three 16-bit dots lose nothing to a float32 tile's
-    (the cache's values never widened to float32 nor split for tf32x3). UPCAST (the interpreter):
-    the 16-bit dots in float32. Else one dot of ``DOT_PRECISION``."""
+    float32's, so a is their sum exactly for |a| in [2^-110, 3.39e38] (below, bits under 2^-133 are
+    dropped; above, bf16's largest, the part and the row become NaN), and the three 16-bit dots lose
+    nothing to a float32 tile's (the cache's values never widened to float32 nor split for tf32x3).
+    UPCAST (the interpreter): the 16-bit dots in float32. Else one dot of ``DOT_PRECISION``."""
     if PARTS:
         a0 = a.to(tl.bfloat16)
         rest = a - a0.to(tl.float32)

@@ -12,7 +12,7 @@ scale). The oracle attends the clean caches; out and lse must match it within th
 tolerance, NaN-free.
 
 Derandomized (a failure reproduces). FLASHCL_FUZZ_EXAMPLES sets the examples per backend (default
-6 on OpenCL, which builds programs for each new combination: ~50 s an example on a cold 2-core
+3 on OpenCL, which builds programs for each new combination: ~50 s an example on a cold 2-core
 PoCL; 12 on Triton), FLASHCL_FUZZ_SEED another sequence of them (processes side by side).
 """
 
@@ -174,7 +174,7 @@ def _check(call: dict, run, to_kind, to_numpy) -> None:
                       lse_rtol=max(1e-4, reference.TOLERANCE[dtype]))
 
 
-@_fuzz(6)
+@_fuzz(3)
 @given(call=decode_calls("opencl"))
 def test_opencl_decode_fuzz(cl_device, call):
     dtype = np.dtype(call["dtype"])

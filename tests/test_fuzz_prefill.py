@@ -100,7 +100,7 @@ def _check(call: dict, run, to_kind, to_numpy) -> None:
                       lse_rtol=max(1e-4, reference.TOLERANCE[call["dtype"]]))
 
 
-@_fuzz(6)
+@_fuzz(3)
 @given(call=prefill_calls("opencl"))
 def test_opencl_prefill_fuzz(cl_device, call):
     dtype = np.dtype(call["dtype"])

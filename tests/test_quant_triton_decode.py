@@ -326,6 +326,44 @@ def test_float32_q_in_bf16_parts(triton_device, fmt, splits, poison):
     _check(out, lse, c, f"float32 q {fmt} splits={splits}")
 
 
+_DOTS_PROBE = """
+import sys, torch, flashcl
+from flashcl.triton import decode as d
+launches = []
+kernel = d._decode_kernel
+class Spy:
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            launches.append({n: meta[n] for n in ("DOT_PRECISION", "K_PARTS", "V_PARTS")})
+            return kernel[grid](*args, **meta)
+        return launch
+d._decode_kernel = Spy()
+q, k = torch.randn(1, 4, 64, device=sys.argv[1]), torch.randn(1, 2, 20, 64, device=sys.argv[1])
+flashcl.decode(q, flashcl.quantize(k, "int8"), flashcl.quantize(k, "int8"), backend="triton")
+print(flashcl.triton.FLOAT32_DOTS, launches)
+"""
+
+
+@pytest.mark.parametrize("dots, want", [
+    (None, "tf32x3 [{'DOT_PRECISION': 'tf32x3', 'K_PARTS': True, 'V_PARTS': True}]"),
+    ("ieee", "ieee [{'DOT_PRECISION': 'ieee', 'K_PARTS': False, 'V_PARTS': False}]"),
+    ("tf32", "expected 'tf32x3' or 'ieee', got 'tf32'"),
+])
+def test_float32_dots_switch(triton_device, dots, want):
+    """FLASHCL_TRITON_FLOAT32_DOTS=ieee: float32 dots as IEEE FMAs and float32 tiles against
+    quantized caches (the bf16 parts off); another value is an error naming the two."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FLASHCL_TRITON_FLOAT32_DOTS"}
+    if dots:
+        env["FLASHCL_TRITON_FLOAT32_DOTS"] = dots
+    run = subprocess.run([sys.executable, "-c", _DOTS_PROBE, triton_device], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert want in run.stdout + run.stderr, run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_gluon_gqa_two_tiles_unused_entries(triton_device, fmt, splits, poison, gqa_calls):

@@ -6,9 +6,19 @@ import threading
 
 _INTERPRETER = threading.Lock()
 
+
+def _float32_dots() -> str:
+    """How float32 dots run: $FLASHCL_TRITON_FLOAT32_DOTS, "tf32x3" (the default) or "ieee"."""
+    value = os.environ.get("FLASHCL_TRITON_FLOAT32_DOTS", "tf32x3")
+    if value not in ("tf32x3", "ieee"):
+        raise ValueError(f"FLASHCL_TRITON_FLOAT32_DOTS: expected 'tf32x3' or 'ieee', got {value!r}")
+    return value
+
+
 # float32 dots as three TF32 tensor-core products (hi*hi + hi*lo + lo*hi): as close to the float64
-# oracle as IEEE dots on CUDA cores, 2.5-5x their speed (docs/notes/triton-prefill.md, "float32 dots")
-FLOAT32_DOTS = "tf32x3"
+# oracle as IEEE dots on CUDA cores, 2.5-5x their speed (docs/notes/triton-prefill.md, "float32 dots");
+# "ieee" keeps FMA dots on CUDA cores, and float32 tiles against quantized caches
+FLOAT32_DOTS = _float32_dots()
 
 
 def interpreting() -> bool:

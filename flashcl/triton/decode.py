@@ -1188,8 +1188,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))
     # float32 q against values that bf16 holds exactly: 16-bit tiles, q and p in parts (quant_words.dot)
     exact = ("int8", "fp8_e4m3", "q4_0") if quant.get("STORED") else ("int8", "fp8_e4m3")
-    quant.update(K_PARTS=q.dtype == torch.float32 and k_format in exact,
-                 V_PARTS=q.dtype == torch.float32 and v_format in exact)
+    parts = q.dtype == torch.float32 and FLOAT32_DOTS == "tf32x3"
+    quant.update(K_PARTS=parts and k_format in exact, V_PARTS=parts and v_format in exact)
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
                                                                                context_lens, (k_format, v_format)):

@@ -107,14 +107,11 @@ def _host_case(call: dict) -> dict:
         case["where"] = [[(int(table[i, j // bs]), j % bs) for j in range(n)] for i, n in enumerate(lens)]
     case["lens"] = np.asarray(lens, np.int32)
     case["key_start"] = rng.integers(0, np.maximum(case["lens"], 1) + 1).astype(np.int32) if call["key_start"] else None
-    var = {"window": call["window"], "softcap": call["softcap"]}
-    var["sinks"] = rng.standard_normal(h_q).astype(np.float32) if call["sinks"] else None
-    if call["alibi"]:
-        var["alibi_slopes"] = (rng.uniform(0, 0.3, (h_q,) if call["alibi"] == "head" else (b, h_q))
-                               .astype(np.float32))
-    else:
-        var["alibi_slopes"] = None
-    case["variants"] = var
+    case["variants"] = {
+        "window": call["window"], "softcap": call["softcap"],
+        "sinks": rng.standard_normal(h_q).astype(np.float32) if call["sinks"] else None,
+        "alibi_slopes": (rng.uniform(0, 0.3, (h_q,) if call["alibi"] == "head" else (b, h_q)).astype(np.float32)
+                         if call["alibi"] else None)}
     return case
 
 

@@ -64,13 +64,10 @@ def _host_case(call: dict) -> dict:
     if call["alibi"]:
         var["alibi_slopes"] = rng.uniform(0, 0.3, (h_q,) if call["alibi"] == "head" else (b, h_q)).astype(np.float32)
     seen = np.ones((b, h_q, n_q, n_kv), bool)
-    pos = np.arange(n_q)[:, None] + n_kv - n_q  # each row's bottom-right aligned position
-    keys = np.arange(n_kv)[None, :]
     if call["causal"]:
-        seen &= keys <= pos
+        seen &= reference.causal_mask(n_q, n_kv)
     if call["window"] is not None:
-        left, right = call["window"]
-        seen &= ((keys >= pos - left) | (left < 0)) & ((keys <= pos + right) | (right < 0))
+        seen &= reference.window_mask(n_q, n_kv, call["window"])
     if call["mask"]:
         shape = {"rows": (n_q, n_kv), "batch": (b, 1, n_q, n_kv), "heads": (1, h_q, n_q, n_kv),
                  "full": (b, h_q, n_q, n_kv)}[call["mask_shape"]]

@@ -85,6 +85,17 @@ def test_a_variant_that_kills_the_compiler_is_left_out(cpu_device, fresh_probe, 
                         params={"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 64, "VEC": 16})
 
 
+def test_a_child_that_dies_after_its_last_verdict_keeps_them(cpu_device, fresh_probe, monkeypatch):
+    """A driver that aborts at exit (or a child timed out after its last verdict) costs nothing:
+    every verdict stands (it was a StopIteration out of the probe)."""
+    site = fresh_probe / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, os\natexit.register(os.abort)\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    caps = probe.capabilities(_device(cpu_device))
+    assert caps.error is None and all(v.ok for v in caps.verdicts.values()), caps.verdicts
+
+
 def test_a_device_whose_compiler_fails_is_reported_not_selected(cpu_device, fresh_probe, monkeypatch):
     """A device failing the baseline variant does not build: `compiler_error` says why, and a
     call on it raises KernelBuildError with that log before anything is built."""

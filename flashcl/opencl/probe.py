@@ -216,9 +216,9 @@ def _probe(dev, ident: dict) -> Capabilities:
             else:
                 verdicts[msg["variant"]] = Verdict(msg["ok"], msg.get("log", ""))
                 running = None
-        if died != 0:
-            victim = running or next(n for n in todo if n not in verdicts)
-            if victim not in verdicts:
+        if died != 0:  # a child may also die after its last verdict (at exit, or timed out then)
+            victim = running or next((n for n in todo if n not in verdicts), None)
+            if victim is not None and victim not in verdicts:
                 how = f"signal {-died}" if isinstance(died, int) and died < 0 else f"exit {died}"
                 tail = "\n".join(err.strip().splitlines()[-20:])
                 verdicts[victim] = Verdict(False, f"the OpenCL compiler or runtime killed the process "

@@ -80,16 +80,20 @@
 #endif
 
 /* ---- problem constants set by the host ------------------------------------------------------ */
-#include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
+#include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF, STORE_BF16 */
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
 #endif
 
 /* ---- derived constants and impossible combinations ------------------------------------------ */
-#if STORE_HALF
+#if STORE_2B
 #define VW 8              // elements per 16-byte chunk
-typedef uint4 raw_t;      // a chunk as loaded; converted to float8 with vload_half8
+typedef uint4 raw_t;      // a chunk as loaded; converted to float8 by to_float
+#if STORE_HALF
 typedef half store_t;
+#else
+typedef ushort store_t;   // bfloat16 bits
+#endif
 #else
 #define VW 4
 typedef float4 raw_t;
@@ -132,8 +136,13 @@ typedef float store_t;
 
 #if VW == 8
 #define HSUM_W(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
+#if STORE_HALF
 #define LOAD_W(p, i) vload_half8((i), (p))
 #define STORE_W(x, i, p) vstore_half8_rte((x), (i), (p))
+#else
+#define LOAD_W(p, i) BF16_LOAD(8, (i), (p))
+#define STORE_W(x, i, p) BF16_STORE(8, (x), (i), (p))
+#endif
 #else
 #define HSUM_W(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))
 #define LOAD_W(p, i) vload4((i), (p))
@@ -148,6 +157,9 @@ static inline floatW to_float(raw_t r)
 {
 #if STORE_HALF
     return vload_half8(0, (const __private half *)&r);
+#elif STORE_BF16  /* element 2i in the low half of word i */
+    const uint hi = 0xffff0000u;
+    return as_float8((uint8)(r.x << 16, r.x & hi, r.y << 16, r.y & hi, r.z << 16, r.z & hi, r.w << 16, r.w & hi));
 #else
     return r;
 #endif
@@ -537,6 +549,8 @@ void flash_decode_merge(__global const float *part_m, __global const float *part
             a += red_acc[g * HEAD_DV + d];
 #if STORE_HALF
         vstore_half_rte(a * inv_l, d, o_row);
+#elif STORE_BF16
+        o_row[d] = bf16_round(a * inv_l);
 #else
         o_row[d] = a * inv_l;
 #endif

@@ -241,6 +241,8 @@ static inline bool context_ok(const int n, const int capacity)
 
 #if STORE_HALF
 #define RAW_NAN ((raw_t)(0x7e007e00u))   /* 8 half NaNs */
+#elif STORE_BF16
+#define RAW_NAN ((raw_t)(0x7fc07fc0u))   /* 8 bfloat16 NaNs */
 #else
 #define RAW_NAN ((raw_t)(NAN))
 #endif
@@ -307,7 +309,7 @@ static inline raw_t load_chunk(__global const raw_t *rows, const int j, __global
 #define V_SCALES (__global const float *)0, 0
 #endif
 
-#if STORE_HALF
+#if STORE_2B
 #define RAW_OF_BITS(x) (x)
 #define BITS_OF_RAW(x) (x)
 #else

@@ -22,7 +22,7 @@
 #define BLOCK_N 8         // keys per online-softmax step (1..64)
 #endif
 
-#include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF */
+#include "common.h"   /* HEAD_DK, HEAD_DV (required), STORE_HALF, STORE_BF16 */
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
 #endif
@@ -39,6 +39,11 @@ typedef uint4 raw_t;      // a 16-byte chunk (decode_common.h's row addressing c
 typedef half store_t;
 #define LOADV(p, i) FLASHCL_CAT(vload_half, VEC)((i), (p))
 #define STOREV(x, i, p) FLASHCL_CAT(FLASHCL_CAT(vstore_half, VEC), _rte)((x), (i), (p))
+#elif STORE_BF16
+typedef uint4 raw_t;
+typedef ushort store_t;   // bfloat16 bits
+#define LOADV(p, i) BF16_LOAD(VEC, (i), (p))
+#define STOREV(x, i, p) BF16_STORE(VEC, (x), (i), (p))
 #else
 typedef float4 raw_t;
 typedef float store_t;
@@ -55,8 +60,8 @@ typedef float store_t;
 #if HEAD_DK % VEC != 0 || HEAD_DV % VEC != 0
 #error "VEC must divide both head dims"
 #endif
-#if STORE_HALF && VEC == 4
-#error "half rows are read 8 values at a time at least (16-byte chunks)"
+#if STORE_2B && VEC == 4
+#error "2-byte rows are read 8 values at a time at least (16-byte chunks)"
 #endif
 
 /* The loops over the group's heads and over a row's vectors are unrolled here: PoCL's LLVM left

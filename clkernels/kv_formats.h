@@ -28,9 +28,9 @@
 #error "q8_0 / q4_0 V caches need HEAD_DV a multiple of 32 (ggml blocks)"
 #endif
 
-/* Dequantized values as flashcl.dequantize gives them: a float16 cache's (STORE_HALF, common.h)
- * rounded to fp16, as the oracle and the tensor-core kernels attend them (left in float32, large
- * logits made the half-ulp differences errors past the float16 tolerance). */
+/* Dequantized values as flashcl.dequantize gives them: a float16 (bfloat16) cache's (STORE_HALF,
+ * STORE_BF16: common.h) rounded to fp16 (bf16), as the oracle and the tensor-core kernels attend
+ * them (left in float32, large logits made the half-ulp differences errors past the tolerance). */
 #if STORE_HALF
 #define FLASHCL_AS_STORED(N)                                                                 \
 static inline float##N as_stored##N(const float##N x)                                        \
@@ -38,6 +38,12 @@ static inline float##N as_stored##N(const float##N x)                           
     ushort h[N];  /* through a private array: no half arithmetic without cl_khr_fp16 */     \
     vstore_half##N##_rte(x, 0, (__private half *)h);                                         \
     return vload_half##N(0, (const __private half *)h);                                      \
+}
+#elif STORE_BF16
+#define FLASHCL_AS_STORED(N)                                                                 \
+static inline float##N as_stored##N(const float##N x)                                        \
+{                                                                                            \
+    return as_float##N(convert_uint##N(bf16_round##N(x)) << 16);                             \
 }
 #else
 #define FLASHCL_AS_STORED(N) static inline float##N as_stored##N(const float##N x) { return x; }

@@ -1,10 +1,11 @@
-/* Storage type vs compute type (docs/design.md §4): data may be stored as half, arithmetic is float32.
+/* Storage type vs compute type (docs/design.md §4): data may be stored as half or bfloat16,
+ * arithmetic is float32.
  * Half data is read and written with vload_halfN/vstore_halfN, which every OpenCL 1.2 device has,
- * so no kernel here needs cl_khr_fp16.
+ * so no kernel here needs cl_khr_fp16; bfloat16 data as ushort bits (common.h: BF16_LOAD, BF16_STORE).
  *
  *   store_t          element type of the global buffers
  *   LOAD4(p, i)      float4 from elements p[4i .. 4i+3]
- *   STORE4(x, i, p)  float4 x to elements p[4i .. 4i+3] (round to nearest even for half)
+ *   STORE4(x, i, p)  float4 x to elements p[4i .. 4i+3] (rounded to nearest even for 2-byte types)
  *   stage_transposed a block of rows into local memory, transposed (see below)
  */
 #ifndef FLASHCL_STORAGE_H
@@ -14,6 +15,10 @@
 typedef half store_t;
 #define LOAD4(p, i) vload_half4((i), (p))
 #define STORE4(x, i, p) vstore_half4_rte((x), (i), (p))
+#elif STORE_BF16
+typedef ushort store_t;
+#define LOAD4(p, i) BF16_LOAD(4, (i), (p))
+#define STORE4(x, i, p) BF16_STORE(4, (x), (i), (p))
 #else
 typedef float store_t;
 #define LOAD4(p, i) vload4((i), (p))

@@ -97,9 +97,7 @@ def _common_dtype(tensors: dict, allowed: tuple[str, ...], backend: str) -> str:
         desc = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise TypeError(f"inputs must share one dtype; got {desc}")
     if first not in allowed:
-        hint = " (bfloat16 runs on CUDA tensors with Triton; here convert to float16 or float32)" \
-            if first == "bfloat16" else ""
-        raise TypeError(f"dtype {first} is not supported by the {backend} backend; expected one of {allowed}{hint}")
+        raise TypeError(f"dtype {first} is not supported by the {backend} backend; expected one of {allowed}")
     return first
 
 
@@ -417,7 +415,7 @@ def prefill(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Option
                                           return_lse=return_lse, params=params,
                                           variants=_variants_on_torch(variants, q))
 
-    _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16"), "OpenCL")
+    _common_dtype({"q": q, "k": k, "v": v}, ("float32", "float16", "bfloat16"), "OpenCL")
     from .opencl import prefill as cl_prefill
 
     variants = _variants_on_host(variants)
@@ -541,7 +539,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
                                         num_splits=num_splits, return_lse=return_lse,
                                         variants=_variants_on_torch(variants, q), key_start=key_start)
 
-    _common_dtype(tensors, ("float32", "float16"), "OpenCL")
+    _common_dtype(tensors, ("float32", "float16", "bfloat16"), "OpenCL")
     from .opencl import decode as cl_decode
 
     variants = _variants_on_host(variants)

@@ -402,8 +402,6 @@ def bench_prefill(device, backend, preset, shapes, dtype, repeats, params, no_ch
         else:
             click.echo(tb.format_table(rows))
         return
-    if dtype == "bfloat16":
-        _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
     from .tools import bench_prefill as b
 
     handle = _handle(device)
@@ -582,8 +580,6 @@ def bench_decode(device, backend, preset, shapes, dtype, head_dim, block_size, b
         else:
             click.echo(tb.format_table(rows, command))
         return
-    if dtype == "bfloat16":
-        _fail("the OpenCL kernels take float32 or float16 (bfloat16 is Triton-only)", EXIT_USAGE)
     if splits is not None or sweep_tiles or knobs:
         _fail("--splits, --sweep-tiles and --knob are options of --backend triton", EXIT_USAGE)
     from .tools import bench_prefill as b

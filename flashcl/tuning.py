@@ -522,8 +522,13 @@ ROWS_SPLIT_WAVES = 1
 ROWS_SPLIT_KEYS = 16384
 
 
+def storage_bytes(dtype: str) -> int:
+    """Bytes of an element as the kernels store it: 2 for float16 and bfloat16, 4 for float32."""
+    return 2 if dtype in ("float16", "bfloat16") else 4
+
+
 def chunk_elems(dtype: str) -> int:
-    return CHUNK_BYTES // (2 if dtype == "float16" else 4)
+    return CHUNK_BYTES // storage_bytes(dtype)
 
 
 def lanes(dk: int, dv: int, dtype: str) -> int:
@@ -554,7 +559,7 @@ def _decode_local_bytes(p: dict, dims: Dims) -> int:
     block_n = rows * p["UNROLL"]
     floats = dims.group * block_n * (ln + 1) + dims.group * block_n + 2 * rows * dims.group
     floats += rows * nht * dims.dv if rows > 1 else 4
-    tile = block_n * (dims.dk + dims.dv) * (2 if dims.dtype == "float16" else 4) if nht > 1 else CHUNK_BYTES
+    tile = block_n * (dims.dk + dims.dv) * storage_bytes(dims.dtype) if nht > 1 else CHUNK_BYTES
     return 4 * floats + tile
 
 
@@ -652,7 +657,7 @@ def decode_layout_defaults(layout: str, profile: DeviceProfile, dims: Dims, lim:
 
 def _rows_vecs(d: Dims) -> list:
     """decode_cpu.cl's vector widths for the head dims: 4, 8, 16 dividing both (8 at least for half)."""
-    return [w for w in (4, 8, 16) if d.dk % w == 0 and d.dv % w == 0 and not (d.dtype == "float16" and w < 8)]
+    return [w for w in (4, 8, 16) if d.dk % w == 0 and d.dv % w == 0 and not (storage_bytes(d.dtype) == 2 and w < 8)]
 
 
 def _decode_rows_defaults(profile: DeviceProfile, dims: Dims, lim: dict) -> dict:
@@ -725,7 +730,7 @@ _DECODE_ROWS_CONSTRAINTS = (
                "half rows are read 8 values at a time at least",
                lambda p, d, lim: None if p["VEC"] in _rows_vecs(d) else
                f"VEC={p['VEC']} must divide DK={d.dk} and DV={d.dv}"
-               + (" and be at least 8 for float16" if d.dtype == "float16" else "")),
+               + (f" and be at least 8 for {d.dtype}" if storage_bytes(d.dtype) == 2 else "")),
     *_MERGE_CONSTRAINTS,
 )
 
@@ -882,6 +887,8 @@ def _deeper_than(x, levels: int) -> bool:
 
 
 _DB_DTYPES = ("float32", "float16")   # what the OpenCL kernels are tuned for
+# bfloat16 calls take float16's entries: the same 2-byte rows, loads and tiles, only the widening differs
+_DB_DTYPE_OF = {"bfloat16": "float16"}
 _MAX_DB_BYTES = 64 << 20             # far past any real database (an entry is ~1 KB)
 
 
@@ -1156,7 +1163,7 @@ def lookup(kernel: str, dev: DeviceKey, *, dtype: str, dk: int, dv: int, causal:
     An entry whose parameters fail ``validate`` (a hand-edited file, a database from another
     device) is skipped with a warning naming the file; the next match or the defaults are used.
     """
-    problem = _problem_key(kernel, dtype, dk, dv, causal)
+    problem = _problem_key(kernel, _DB_DTYPE_OF.get(dtype, dtype), dk, dv, causal)
     files_by_folder = database_files()
     bucket = seq_bucket(n)
     for level, match in _LEVELS:

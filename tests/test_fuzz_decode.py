@@ -45,7 +45,7 @@ def _fuzz(examples: int):
 
 GGML = ("q8_0", "q4_0")
 BACKENDS = {  # dtypes, quantized formats
-    "opencl": (("float32", "float16"), ("q8_0", "q4_0", "int8")),
+    "opencl": (("float32", "float16", "bfloat16"), ("q8_0", "q4_0", "int8")),
     "triton": (("float32", "float16", "bfloat16"), ("q8_0", "q4_0", "int8", "fp8_e4m3")),
 }
 
@@ -174,14 +174,14 @@ def _check(call: dict, run, to_kind, to_numpy) -> None:
 @_fuzz(3)
 @given(call=decode_calls("opencl"))
 def test_opencl_decode_fuzz(cl_device, call):
-    dtype = np.dtype(call["dtype"])
+    to_kind, to_numpy, on_host = opencl_kinds(call["dtype"])
 
     def run(q, k, v, case, var):
-        return flashcl.decode(q, k, v, block_table=case["table"], context_lens=case["lens"],
-                              key_start=case["key_start"], num_splits=call["num_splits"], device=cl_device,
-                              return_lse=True, **var)
+        table, lens, key_start = (on_host(case[n]) for n in ("table", "lens", "key_start"))
+        return flashcl.decode(q, k, v, block_table=table, context_lens=lens, key_start=key_start,
+                              num_splits=call["num_splits"], device=cl_device, return_lse=True, **var)
 
-    _check(call, run, lambda x: x.astype(dtype), lambda x: np.asarray(x, np.float64))
+    _check(call, run, to_kind, to_numpy)
 
 
 @_fuzz(12)
@@ -196,6 +196,15 @@ def test_triton_decode_fuzz(triton_device, call):
                               **{n: on_device(x) for n, x in var.items()})
 
     _check(call, run, to_kind, to_numpy)
+
+
+def opencl_kinds(dtype_name: str) -> tuple:
+    """The OpenCL half's (to_kind, to_numpy, on_host: a table as q's kind of array): numpy
+    arrays, or torch CPU tensors for bfloat16 (numpy has none)."""
+    if dtype_name == "bfloat16":
+        return torch_kinds("cpu", dtype_name)
+    dtype = np.dtype(dtype_name)
+    return lambda x: x.astype(dtype), lambda x: np.asarray(x, np.float64), lambda x: x
 
 
 def torch_kinds(device: str, dtype_name: str) -> tuple:

@@ -24,7 +24,7 @@ import flashcl  # noqa: E402
 from flashcl import reference  # noqa: E402
 
 from ._check import check_out_and_lse  # noqa: E402
-from .test_fuzz_decode import BACKENDS, GGML, _fuzz, _poisoned, torch_kinds  # noqa: E402
+from .test_fuzz_decode import BACKENDS, GGML, _fuzz, _poisoned, opencl_kinds, torch_kinds  # noqa: E402
 
 MASK_SHAPES = ("rows", "batch", "heads", "full")  # (N_q, N_kv), (B, 1, ..), (1, H_q, ..), (B, H_q, ..)
 
@@ -100,12 +100,10 @@ def _check(call: dict, run, to_kind, to_numpy) -> None:
 @_fuzz(3)
 @given(call=prefill_calls("opencl"))
 def test_opencl_prefill_fuzz(cl_device, call):
-    dtype = np.dtype(call["dtype"])
-
     def run(q, k, v, var):
         return flashcl.prefill(q, k, v, causal=call["causal"], device=cl_device, return_lse=True, **var)
 
-    _check(call, run, lambda x: x.astype(dtype), lambda x: np.asarray(x, np.float64))
+    _check(call, run, *opencl_kinds(call["dtype"])[:2])
 
 
 @_fuzz(12)

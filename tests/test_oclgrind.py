@@ -16,7 +16,8 @@ more splits than blocks (empty splits), block_size 1, paged and contiguous, MHA 
 K/V tile staged or not — with problems a few dozen keys long: Oclgrind is ~1000x slower than PoCL.
 The hardening cases run checks of tests/test_hardening_kernels.py on small shapes: the guarded
 P V product of causal prefill with poisoned K/V, and decode on out-of-range device-resident
-tables, where Oclgrind's bounds checks are what proves that nothing is read out of bounds.
+tables, where Oclgrind's bounds checks are what proves that nothing is read out of bounds. The
+bfloat16 cases run tests/test_bfloat16_opencl.py's checks (torch CPU tensors) on small shapes.
 """
 
 from __future__ import annotations
@@ -211,6 +212,23 @@ HARDENING_CASES = [
 ]
 
 
+def B(name, check, **kwargs):
+    return pytest.param({"kernel": "bfloat16", "call": check, "kwargs": kwargs}, id=name)
+
+
+# test_bfloat16_opencl.py's checks on small shapes: each kernel's bfloat16 loads and rounded stores
+BFLOAT16_CASES = [
+    B("bf16-prefill-rows-causal", "check_prefill", layout="rows", causal=True, n_q=9, n_kv=20, dk=32, dv=16),
+    B("bf16-prefill-tiles", "check_prefill", layout="tiles", causal=False, n_q=9, n_kv=20, dk=32, dv=32),
+    B("bf16-decode-lanes-paged-split", "check_decode", kernel="decode.cl", paged=True, splits=3, n=40, dk=32,
+      dv=16),
+    B("bf16-decode-rows-paged-split", "check_decode", kernel="decode_cpu.cl", paged=True, splits=3, n=40,
+      dk=32, dv=16),
+    # (not the few-row route: its default decode_cpu.cl tile is VEC=16, NO_UNINIT_CHECK_VEC16's case)
+    B("bf16-q4_0-prefill-and-decodes", "check_quantized", fmt="q4_0", n=40, n_q=3, layouts=["rows"]),
+]
+
+
 # --------------------------------------------------------------------------- subprocess worker
 
 def keep_decode_workspaces() -> None:
@@ -256,6 +274,10 @@ def _worker(spec_json: str) -> None:
         if "poison" in kwargs:
             kwargs["poison"] = hard.POISONS[kwargs["poison"]]
         getattr(hard, spec["call"])("oclgrind", **kwargs)
+    elif spec["kernel"] == "bfloat16":
+        from tests import test_bfloat16_opencl as bf
+
+        getattr(bf, spec["call"])("oclgrind", **spec["kwargs"])
     elif spec["kernel"] == "prefill":
         b, h_q, h_kv, n_q, n_kv, dk, dv = spec["shape"]
         q, k, v = pre._inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, spec["dtype"])
@@ -314,6 +336,12 @@ def test_decode_under_oclgrind(spec, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", HARDENING_CASES)
 def test_hardening_under_oclgrind(spec, tmp_path):
+    _run_case(spec, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", BFLOAT16_CASES)
+def test_bfloat16_under_oclgrind(spec, tmp_path):
     _run_case(spec, tmp_path)
 
 

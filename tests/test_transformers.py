@@ -135,6 +135,26 @@ def test_logits_match_eager_on_a_left_padded_batch(family, torch_device, flashcl
     assert err <= TOL, f"{family}: logits differ from eager by {err:.2e}"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_bfloat16_models_are_as_close_to_float32_as_eager(family, torch_device, flashcl_calls):
+    """A bfloat16 model (CPU devices read bfloat16 K/V as OpenCL ushort bits) against the float32
+    run of the same rounded weights: flashcl's attention, float32 inside and its output rounded
+    once, must stay as close to it as transformers' own bfloat16 eager attention."""
+    ids, mask = _padded_batch(torch_device)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool().cpu()
+    logits = {}
+    with torch.no_grad():
+        for name, implementation, dtype in (("float32", "eager", torch.float32), ("eager", "eager", None),
+                                            ("flashcl", fcl_hf.register(), None)):
+            model = _build(family, implementation, torch_device).to(torch.bfloat16)
+            out = model.to(dtype or torch.bfloat16)(ids, attention_mask=mask, position_ids=position_ids).logits
+            logits[name] = out.float().cpu()[real].numpy()
+    assert len(flashcl_calls) == _COMMON["num_hidden_layers"] and flashcl_calls[0][0] == "prefill", flashcl_calls
+    eager, ours = (rel_err(logits[n], logits["float32"]) for n in ("eager", "flashcl"))
+    assert ours <= 1.25 * eager + 1e-3, f"{family}: flashcl {ours:.2e} from float32, eager bfloat16 {eager:.2e}"
+
+
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_greedy_generation_matches_eager(family, torch_device, flashcl_calls):
     ids, mask = _padded_batch(torch_device)

@@ -152,10 +152,22 @@ def launch_and_read(queue, enqueue, *arrays) -> list:
         raise
 
 
+def host_view(x) -> np.ndarray:
+    """numpy / torch CPU -> numpy over the same memory (torch's bfloat16 as its uint16 bits)."""
+    if not hasattr(x, "detach"):
+        return np.asarray(x)
+    x = x.detach().cpu()
+    if str(x.dtype) == "torch.bfloat16":
+        import torch
+
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
+
+
 def native_host(x) -> np.ndarray:
     """numpy / torch CPU -> a C-contiguous numpy array in the machine's byte order (a '>f4' array
-    read as little-endian floats would be garbage, mostly NaN)."""
-    host = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    read as little-endian floats would be garbage, mostly NaN); bfloat16 as its uint16 bits."""
+    host = host_view(x)
     if not host.dtype.isnative:
         host = host.astype(host.dtype.newbyteorder("="))
     return np.ascontiguousarray(host)
@@ -177,7 +189,47 @@ def check_fits(handle: DeviceHandle, buffers: dict) -> None:
 
 
 def nbytes(shape, dtype) -> int:
-    return math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+    return math.prod(int(n) for n in shape) * storage_dtype(dtype).itemsize
+
+
+def storage_dtype(dtype) -> np.dtype:
+    """The numpy dtype of a buffer of ``dtype`` (a name or a numpy dtype): bfloat16 as its uint16 bits."""
+    return np.dtype(np.uint16) if str(dtype) == "bfloat16" else np.dtype(dtype)
+
+
+def bf16_bits(x) -> np.ndarray:
+    """Float values -> their bfloat16 bits (uint16), rounded to nearest even, NaN kept NaN (as
+    torch and the kernels round)."""
+    x = np.asarray(x, np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def to_stored(x, dtype: str) -> np.ndarray:
+    """Float values as a buffer of ``dtype`` holds them (bfloat16: bf16_bits)."""
+    return bf16_bits(x) if dtype == "bfloat16" else np.asarray(x, dtype)
+
+
+def from_stored(x: np.ndarray, dtype: str) -> np.ndarray:
+    """A buffer of ``dtype`` read back as its values (bfloat16 bits as float32)."""
+    return (x.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else x
+
+
+def storage_defines(dtype: str) -> dict:
+    """The kernels' storage defines (clkernels/common.h) of a float32, float16 or bfloat16 problem."""
+    return {"STORE_HALF": dtype == "float16", "STORE_BF16": dtype == "bfloat16"}
+
+
+def host_result(out: np.ndarray, like, dtype: str):
+    """A result read back (``out``, in its storage_dtype) as the caller's kind: torch for torch
+    inputs (``like``), else numpy; bfloat16 from its bits (numpy has no bfloat16 of its own)."""
+    if hasattr(like, "detach"):
+        import torch
+
+        t = torch.from_numpy(out)
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return out.view(like.dtype) if dtype == "bfloat16" else out
 
 
 def wait_for_inputs(queue, tensors) -> None:
@@ -204,7 +256,7 @@ def row_bytes(fmt: str | None, d: int, dtype: str) -> int:
     """Bytes of one stored K or V row of d values: plain (fmt None), ggml blocks of 32 values, or
     int8 values and their float32 row scale."""
     if fmt is None:
-        return d * np.dtype(dtype).itemsize
+        return d * storage_dtype(dtype).itemsize
     if fmt in BLOCK_BYTES:
         return d // QK * BLOCK_BYTES[fmt]
     return d + 4

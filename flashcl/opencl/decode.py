@@ -36,8 +36,8 @@ from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
 from ..tables import check_tables, host_ints as _host_ints
 from ..variants import window_bounds
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
-                     host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
-                     wait_for_inputs, QUANT_CODES)
+                     host_result, host_to_device, launch_and_read, native_host, nbytes, row_bytes, storage_defines,
+                     storage_dtype, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch_sequence, probe_errors, spill_report
 
 KERNEL = "decode"
@@ -177,7 +177,7 @@ class DecodeProblem:
     dk: int
     dv: int
     paged: bool
-    dtype: str  # "float32" | "float16"
+    dtype: str  # "float32" | "float16" | "bfloat16"
     k_fmt: str | None = None   # quantized K cache format (QUANT_CODES), None: dtype rows
     v_fmt: str | None = None
 
@@ -198,7 +198,7 @@ class DecodeProblem:
         row_bytes: (DK or DV) · e plain, 34 or 18 per 32 values for q8_0 / q4_0, D + 4 for int8
         (its float32 row scale). Block table, context lengths and split-k partials are overhead,
         not counted."""
-        e = np.dtype(self.dtype).itemsize
+        e = storage_dtype(self.dtype).itemsize
         per_key = row_bytes(self.k_fmt, self.dk, self.dtype) + row_bytes(self.v_fmt, self.dv, self.dtype)
         return self.h_kv * ctx_total * per_key + self.b * self.h_q * (self.dk + self.dv) * e
 
@@ -419,7 +419,7 @@ def program_defines(prob: DecodeProblem, params: dict, *, row_shuffle: bool = Fa
     ``variant_flags``: DecodeVariants.flags() (none: the plain kernels)."""
     return {
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
-        "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+        **storage_defines(prob.dtype), "PAGED": prob.paged,
         "ROW_SHUFFLE": row_shuffle, "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": merge_only,
         **{k: params[k] for k in _PARAM_NAMES}, **(variant_flags or {}), **quant_defines(prob),
     }
@@ -429,7 +429,7 @@ def merge_defines(prob: DecodeProblem, params: dict, *, unroll_merge: bool = Tru
     """The ``-D`` defines of decode.cl built for flash_decode_merge alone (MERGE_ONLY), where
     decode_mma.cl or decode_cpu.cl runs the decode kernels: the merge depends on the output's
     head dim and storage and on MERGE_WG only."""
-    return {"HEAD_DK": prob.dv, "HEAD_DV": prob.dv, "GROUP": 1, "STORE_HALF": prob.dtype == "float16",
+    return {"HEAD_DK": prob.dv, "HEAD_DV": prob.dv, "GROUP": 1, **storage_defines(prob.dtype),
             "MERGE_WG": params["MERGE_WG"], "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": 1, "HEAD_TILE": 1}
 
 
@@ -437,7 +437,7 @@ def rows_defines(prob: DecodeProblem, params: dict, variant_flags=None) -> dict:
     """The ``-D`` defines of decode_cpu.cl (the "rows" layout)."""
     return {
         "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
-        "STORE_HALF": prob.dtype == "float16", "PAGED": prob.paged,
+        **storage_defines(prob.dtype), "PAGED": prob.paged,
         "BLOCK_N": params["BLOCK_N"], "VEC": params["VEC"], **(variant_flags or {}), **quant_defines(prob),
     }
 
@@ -911,7 +911,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,), borrow=not is_cl)
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,), borrow=not is_cl) if geo["paged"] else lens_d
     empty = cla.empty if is_cl else HostBuffer.empty
-    out = empty(queue, (b, h_q, geo["DV"]), np.dtype(dtype))
+    out = empty(queue, (b, h_q, geo["DV"]), storage_dtype(dtype))
     lse = empty(queue, (b, h_q), np.float32)
     wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens, key_start))
     if is_cl:
@@ -920,8 +920,5 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
         return (out, lse) if return_lse else out
     out_h, lse_h = launch_and_read(queue, lambda: kern(qd, kd, vd, out, lse, table_d, lens_d, scale, num_splits,
                                                        variants=var), out, lse)
-    if hasattr(q, "detach"):  # torch CPU in, torch out
-        import torch
-
-        out_h, lse_h = torch.from_numpy(out_h), torch.from_numpy(lse_h)
+    out_h, lse_h = host_result(out_h, q, dtype), host_result(lse_h, q, "float32")
     return (out_h, lse_h) if return_lse else out_h

@@ -14,8 +14,8 @@ from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..reference import causal_mask, window_mask
 from ..variants import Variants, mask_block_map, mask_visible
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
-                     host_to_device, launch_and_read, native_host, nbytes, row_bytes, to_device_4d,
-                     wait_for_inputs, QUANT_CODES)
+                     host_result, host_to_device, host_view, launch_and_read, native_host, nbytes, row_bytes,
+                     storage_defines, storage_dtype, to_device_4d, wait_for_inputs, QUANT_CODES)
 from .runtime import DeviceHandle, build, check_variant, launch, probe_errors, spill_report
 
 KERNEL = "prefill"
@@ -32,7 +32,7 @@ class PrefillProblem:
     dk: int
     dv: int
     causal: bool
-    dtype: str  # "float32" | "float16"
+    dtype: str  # "float32" | "float16" | "bfloat16"
     k_fmt: str | None = None  # quantized K cache format (QUANT_CODES), None: dtype rows
     v_fmt: str | None = None
 
@@ -115,7 +115,7 @@ def program(prob: PrefillProblem, params: dict, *, write_lse: bool = True,
     whatever it is). ``flags``: the variants compiled in (``Variants.flags()``; None or all off:
     the plain kernel)."""
     defines = {
-        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "STORE_HALF": prob.dtype == "float16",
+        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, **storage_defines(prob.dtype),
         "IS_CAUSAL": prob.causal, "WRITE_LSE": write_lse,
         "BLOCK_M": params["BLOCK_M"], "BLOCK_N": params["BLOCK_N"], "DV_TILE": params["DV_TILE"],
         "UNROLL_LOOPS": unroll_loops, **variant_defines(flags),
@@ -498,8 +498,7 @@ def _overlap(a, b) -> bool:
     """Whether host arrays ``a`` and ``b`` (numpy, torch CPU, or a QuantizedTensor's data) may share
     memory (their address ranges meet; no copy is made to tell)."""
     a, b = (x.data if isinstance(x, QuantizedTensor) else x for x in (a, b))
-    a, b = (x.detach().numpy() if hasattr(x, "detach") else np.asarray(x) for x in (a, b))
-    return np.may_share_memory(a, b)
+    return np.may_share_memory(host_view(a), host_view(b))
 
 
 def _packs_group(handle: DeviceHandle, n_q: int, h_q: int, h_kv: int, is_cl: bool, params, variants) -> bool:
@@ -585,7 +584,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     kd = qd if k is q else operand(k, k_fmt)
     vd = qd if v is q else kd if v is k else operand(v, v_fmt)
     empty = cla.empty if is_cl else HostBuffer.empty
-    out = empty(queue, (b, h_q, n_q, dv), np.dtype(dtype))
+    out = empty(queue, (b, h_q, n_q, dv), storage_dtype(dtype))
     lse = empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, list(inputs.values()))
     if is_cl:
@@ -599,9 +598,6 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     if rank == 3:
         out_h = out_h.reshape(h_q, n_q, dv)
         lse_h = lse_h.reshape(h_q, n_q) if lse_h is not None else None
-    if hasattr(q, "detach"):  # torch CPU in, torch out
-        import torch
-
-        out_h = torch.from_numpy(out_h)
-        lse_h = torch.from_numpy(lse_h) if lse_h is not None else None
+    out_h = host_result(out_h, q, dtype)
+    lse_h = host_result(lse_h, q, "float32") if lse_h is not None else None
     return (out_h, lse_h) if return_lse else out_h

@@ -47,6 +47,7 @@ from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported
 from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, is_rows, layout_params,
                              mean_keys_seen, quantized_to_device)
 from ..variants import Variants
+from ..opencl.arrays import from_stored, storage_dtype, to_stored
 from ..opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
@@ -145,9 +146,13 @@ def copy_count(handle: DeviceHandle, nbytes: int) -> int:
     return int(max(1, min(-(-3 * cache // max(nbytes, 1)), memory // max(nbytes, 1), 8)))
 
 
-def device_sets(handle: DeviceHandle, rng, q, k, v, table, lens, block_order: str = "random") -> list:
-    """The inputs on the device, copy_count copies of them rotated through by the timed calls so
-    that every call reads its K/V from DRAM; each copy past the first with its own block table."""
+def device_sets(handle: DeviceHandle, rng, q, k, v, table, lens, block_order: str = "random",
+                dtype: str | None = None) -> list:
+    """The inputs on the device (q, k, v stored as ``dtype``; None: as they are), copy_count copies
+    of them rotated through by the timed calls so that every call reads its K/V from DRAM; each
+    copy past the first with its own block table."""
+    if dtype is not None:
+        q, k, v = (to_stored(x, dtype) for x in (q, k, v))
     b, copies = table.shape[0], copy_count(handle, k.nbytes + v.nbytes)
     return [[cla.to_device(handle.queue, x) for x in
              (q, k, v, table if c == 0 else _block_table(rng, k.shape[0], b, block_order), lens)]
@@ -155,33 +160,36 @@ def device_sets(handle: DeviceHandle, rng, q, k, v, table, lens, block_order: st
 
 
 def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int = HEAD_DIM):
-    """q and a paged cache holding every sequence ctx long, blocks in ``block_order``."""
+    """q and a paged cache holding every sequence ctx long, blocks in ``block_order``: values of
+    ``dtype`` (bfloat16's as float32; device_sets stores them)."""
     if block_order not in BLOCK_ORDERS:
         raise ValueError(f"block_order: expected one of {BLOCK_ORDERS}, got {block_order!r}")
     b, h_q, h_kv, ctx = shape
     blocks = -(-ctx // block_size)
     num_blocks = b * blocks
-    q = rng.standard_normal((b, h_q, head_dim), dtype=np.float32).astype(dtype)
-    k = rng.standard_normal((num_blocks, block_size, h_kv, head_dim), dtype=np.float32).astype(dtype)
-    v = rng.standard_normal((num_blocks, block_size, h_kv, head_dim), dtype=np.float32).astype(dtype)
+    q, k, v = (from_stored(to_stored(rng.standard_normal(s, dtype=np.float32), dtype), dtype)
+               for s in ((b, h_q, head_dim), *[(num_blocks, block_size, h_kv, head_dim)] * 2))
     table = _block_table(rng, num_blocks, b, block_order)
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
 
 
-def _cpu_peer(q, k, v, table, ctx: int, scale: float, repeats: int, copies: int, flashcl_ms: float) -> dict:
-    """torch's CPU SDPA on the same decode, the peer a CPU user would call: float32, GQA by
-    enable_gqa, the paged cache gathered into contiguous copies outside the timing and rotated
-    through as many as flashcl's run rotates; wall clock a call, as ``flashcl_ms`` (flashcl's
-    enqueue-to-wait time a call) is. {} without torch, or one without enable_gqa (< 2.5)."""
+def _cpu_peer(q, k, v, table, ctx: int, scale: float, repeats: int, copies: int, flashcl_ms: float,
+              dtype: str) -> dict:
+    """torch's CPU SDPA on the same decode, the peer a CPU user would call: float32 (bfloat16 for
+    a bfloat16 run, as a bfloat16 model calls it), GQA by enable_gqa, the paged cache gathered into
+    contiguous copies outside the timing and rotated through as many as flashcl's run rotates;
+    wall clock a call, as ``flashcl_ms`` (flashcl's enqueue-to-wait time a call) is. {} without
+    torch, or one without enable_gqa (< 2.5)."""
     try:
         import torch
     except ImportError:
         return {}
     b, h_q, d = q.shape
+    on = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     rows = lambda x: x[table].reshape(b, -1, *x.shape[2:])[:, :ctx].transpose(0, 2, 1, 3)  # noqa: E731
     kc, vc = (np.ascontiguousarray(rows(x), dtype=np.float32) for x in (k, v))
-    sets = [[torch.from_numpy(x.copy()) for x in (kc, vc)] for _ in range(copies)]
-    qt = torch.from_numpy(np.ascontiguousarray(q[:, :, None], dtype=np.float32))
+    sets = [[torch.from_numpy(x.copy()).to(on) for x in (kc, vc)] for _ in range(copies)]
+    qt = torch.from_numpy(np.ascontiguousarray(q[:, :, None], dtype=np.float32)).to(on)
     f = torch.nn.functional.scaled_dot_product_attention
     kw = {"scale": scale, "enable_gqa": h_q != k.shape[2]}
     try:
@@ -194,7 +202,8 @@ def _cpu_peer(q, k, v, table, ctx: int, scale: float, repeats: int, copies: int,
         f(qt, *sets[i % copies], **kw)
         times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
-    return dict(peer=f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads)", peer_ms=ms,
+    return dict(peer=f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads) on contiguous "
+                     f"{str(on).removeprefix('torch.')} copies of the cache", peer_ms=ms,
                 wall_ms=flashcl_ms, peer_speedup=ms / flashcl_ms)
 
 
@@ -250,9 +259,9 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
         choice = choose(prob, ctx)
         kern = DecodeKernel(handle, prob, choice.params, verbose=verbose_build, tensor_cores=tensor_cores)
         q, k, v, table, lens = _inputs(rng, shape, dtype, block_size, block_order, head_dim)
-        sets = device_sets(handle, rng, q, k, v, table, lens, block_order)
+        sets = device_sets(handle, rng, q, k, v, table, lens, block_order, dtype)
         copies = len(sets)
-        out = cla.empty(queue, (b, h_q, head_dim), np.dtype(dtype))
+        out = cla.empty(queue, (b, h_q, head_dim), storage_dtype(dtype))
         lse = cla.empty(queue, (b, h_q), np.float32)
         scale = head_dim ** -0.5
 
@@ -277,7 +286,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
 
         def rel_err_of_first(kw, k=k, v=v):
             """Relative error of sequence 0's first GQA group against the oracle (on the cache k, v)."""
-            got = out.get()[:1, :g].astype(np.float64)
+            got = from_stored(out.get(), dtype)[:1, :g].astype(np.float64)
             kw = {**kw, **{n: kw[n][..., :g] for n in ("sinks", "alibi_slopes") if n in kw}}
             if "alibi_slopes" in kw:
                 kw["alibi_slopes"] = kw["alibi_slopes"][:1]
@@ -392,7 +401,7 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
                 t0 = time.perf_counter()
                 run(auto)(i % copies)[-1].wait()
                 walls.append((time.perf_counter() - t0) * 1e3)
-            peer_fields = _cpu_peer(q, k, v, table, ctx, scale, repeats, copies, statistics.median(walls))
+            peer_fields = _cpu_peer(q, k, v, table, ctx, scale, repeats, copies, statistics.median(walls), dtype)
         row = DecodeRow(
             shape=f"({b},{h_q}/{h_kv},{ctx},{head_dim})", dtype=dtype, block_size=block_size,
             block_order=block_order,
@@ -452,7 +461,7 @@ def format_decode(rows, cond: dict) -> str:
                 lines.append(f"#     with {r.variants}: {r.quant_var_ms:.3f} ms, ratio {r.quant_var_ratio:.3f} to "
                              f"{r.kv_format} without them, rel err {r.quant_var_rel_err:.1e}")
     if any(r.peer for r in rows):
-        lines.append(f"# peer: {rows[0].peer} on contiguous float32 copies of the cache, rotated as flashcl's; "
+        lines.append(f"# peer: {rows[0].peer}, rotated as flashcl's; "
                      f"both wall clock a call (flashcl: launch to wait; speedup = peer ms / flashcl ms):")
         for r in rows:
             lines.append(f"#   {r.shape:24} {r.peer_ms:.3f} ms vs {r.wall_ms:.3f} ms, speedup {r.peer_speedup:.2f}")

@@ -38,7 +38,7 @@ from .. import quant, reference
 from ..api import QUANTIZED_KV_FORMATS
 from . import shapes
 from .._version import __version__
-from ..opencl.arrays import row_bytes
+from ..opencl.arrays import from_stored, row_bytes, storage_dtype, to_stored
 from ..opencl.decode import quantized_to_device
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
@@ -137,23 +137,26 @@ def _describe(var: Variants) -> str:
 
 
 def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
-    """Relative error of batch 0's first KV group, last CHECK_ROWS rows, against the oracle
-    (k and v as the kernel attended them: dequantized for a quantized call)."""
+    """Relative error of batch 0's first KV group, last CHECK_ROWS rows of ``out`` (its values, on
+    the host), against the oracle (k and v as the kernel attended them: dequantized for a
+    quantized call)."""
     g = q.shape[1] // k.shape[1]
     rows = min(CHECK_ROWS, q.shape[2])
     kw = {} if var is None else {"window": var.window, "softcap": var.softcap}
     if var is not None and var.mask is not None:
         kw["mask"] = var.mask[:1, :1, -rows:]
     ref = reference.attention(q[:1, :g, -rows:], k[:1, :1], v[:1, :1], causal=causal, scale=scale, **kw)
-    return reference.rel_err(out.get()[:1, :g, -rows:], ref)
+    return reference.rel_err(out[:1, :g, -rows:], ref)
 
 
-def _torch_cpu_sdpa(q, k, v, causal, scale, repeats):
+def _torch_cpu_sdpa(q, k, v, causal, scale, repeats, dtype: str):
+    """torch's CPU SDPA on float32 copies (bfloat16 ones for a bfloat16 run), median ms a call."""
     try:
         import torch
     except ImportError:
         return None
-    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    on = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    qt, kt, vt = (torch.from_numpy(np.asarray(x, np.float32)).to(on) for x in (q, k, v))
     kw = {"is_causal": causal, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
     if causal and q.shape[2] != k.shape[2]:
         return None  # SDPA's is_causal is top-left aligned; only square causal is comparable
@@ -210,12 +213,12 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         prob = PrefillProblem(b, h_q, h_kv, n, n, d, d, causal, dtype)
         choice = choose_params(handle, prob, params)
         kern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia)
-        q = rng.standard_normal((b, h_q, n, d)).astype(dtype)
-        k = rng.standard_normal((b, h_kv, n, d)).astype(dtype)
-        v = rng.standard_normal((b, h_kv, n, d)).astype(dtype)
+        # values of dtype (bfloat16's as float32), stored as dtype on the device
+        q, k, v = (from_stored(to_stored(rng.standard_normal(s), dtype), dtype)
+                   for s in ((b, h_q, n, d), (b, h_kv, n, d), (b, h_kv, n, d)))
         scale = 1.0 / np.sqrt(d)
-        qd, kd, vd = (cla.to_device(handle.queue, x) for x in (q, k, v))
-        out = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+        qd, kd, vd = (cla.to_device(handle.queue, to_stored(x, dtype)) for x in (q, k, v))
+        out = cla.empty(handle.queue, (b, h_q, n, d), storage_dtype(dtype))
         # the calls of this shape, timed taking turns: plain first, then each extra one
         runs = {"plain": lambda i: kern(qd, kd, vd, out, None, scale)}
         if var is not None:
@@ -224,7 +227,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             vchoice = choose_params(handle, vprob, params)
             vkern = PrefillKernel(handle, vprob, vchoice.params, write_lse=False, verbose=handle.is_nvidia,
                                   flags=vvar.flags())
-            vout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+            vout = cla.empty(handle.queue, (b, h_q, n, d), storage_dtype(dtype))
             runs["variants"] = lambda i: vkern(qd, kd, vd, vout, None, scale, variants=vvar)
         if kv_format is not None:
             qprob = PrefillProblem(b, h_q, h_kv, n, n, d, d, causal, dtype, kv_format, kv_format)
@@ -232,7 +235,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             qkern = PrefillKernel(handle, qprob, qchoice.params, write_lse=False, verbose=handle.is_nvidia)
             qk, qv = quant.quantize(k, kv_format), quant.quantize(v, kv_format)
             qkd, qvd = (quantized_to_device(x, handle.queue) for x in (qk, qv))
-            qout = cla.empty(handle.queue, (b, h_q, n, d), np.dtype(dtype))
+            qout = cla.empty(handle.queue, (b, h_q, n, d), storage_dtype(dtype))
             runs["quant"] = lambda i: qkern(qd, qkd, qvd, qout, None, scale)
         if len(runs) == 1:
             timed = {"plain": event_times(runs["plain"], repeats)}
@@ -240,7 +243,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             timed = dict(zip(runs, _interleaved_times(list(runs.values()), repeats)))
         times = timed["plain"]
         med = statistics.median(times)
-        err = _check(q, k, v, out, causal, scale, None) if check else float("nan")
+        err = _check(q, k, v, from_stored(out.get(), dtype), causal, scale, None) if check else float("nan")
         row = PrefillRow(
             shape=f"({b},{h_q}/{h_kv},{n},{d})", dtype=dtype, causal=causal,
             params=_params_text(choice.params),
@@ -250,22 +253,22 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         if kv_format is not None:
             qtimes = timed["quant"]
             qmed = statistics.median(qtimes)
-            qerr = (_check(q, quant.dequantize(qk), quant.dequantize(qv), qout, causal, scale, None)
-                    if check else float("nan"))
+            qerr = float("nan")
+            if check:
+                qerr = _check(q, quant.dequantize(qk), quant.dequantize(qv), from_stored(qout.get(), dtype),
+                              causal, scale, None)
             row.kv_format, row.quant_kv_bytes = kv_format, kv_bytes(b, h_kv, n, d, dtype, kv_format)
             row.quant_params = _params_text(qchoice.params)
             row.quant_ms, row.quant_min_ms, row.quant_max_ms = qmed, min(qtimes), max(qtimes)
             row.quant_gflops = prob.flops / (qmed * 1e-3) / 1e9
             row.quant_ratio, row.quant_rel_err = qmed / med, qerr
         if peer and handle.is_cpu:
-            peer_ms = _torch_cpu_sdpa(q.astype(np.float32) if dtype == "float16" else q,
-                                      k.astype(np.float32) if dtype == "float16" else k,
-                                      v.astype(np.float32) if dtype == "float16" else v,
-                                      causal, scale, max(3, repeats // 2))
+            peer_ms = _torch_cpu_sdpa(q, k, v, causal, scale, max(3, repeats // 2), dtype)
             if peer_ms is not None:
                 import torch
 
-                row.peer = f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads)"
+                row.peer = (f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads, "
+                            f"{'bfloat16' if dtype == 'bfloat16' else 'float32'})")
                 row.peer_gflops = prob.flops / (peer_ms * 1e-3) / 1e9
                 row.wall_ms = _median_wall_ms(lambda i: (runs["plain"](i), handle.queue.finish()),
                                               max(3, repeats // 2))
@@ -283,7 +286,8 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
                 shape=row.shape, dtype=dtype, causal=vcausal,
                 params=_params_text(vchoice.params), params_source=vchoice.source,
                 median_ms=vmed, min_ms=min(vtimes), max_ms=max(vtimes), gflops=vflops / (vmed * 1e-3) / 1e9,
-                rel_err=_check(q, k, v, vout, vcausal, scale, vvar) if check else float("nan"),
+                rel_err=(_check(q, k, v, from_stored(vout.get(), dtype), vcausal, scale, vvar) if check
+                         else float("nan")),
                 spill=_spill_text(vkern.spills(), handle.is_cpu), variants=_describe(vvar), plain_ms=med,
                 vs_plain=med / vmed, kv_bytes=row.kv_bytes)
             rows.append(vrow)

@@ -166,6 +166,22 @@ def test_bench_decode_head_dim(cpu_device):
     assert row["rel_err"] < 1e-2
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_bench_bfloat16_on_opencl(cpu_device, kind):
+    """bfloat16 on the OpenCL backend: values stored as their bits, read back for the error (a
+    quantized cache beside the decode); torch's SDPA, the peer, in bfloat16 too."""
+    pytest.importorskip("torch")
+    shape = ["--shape", "1,4,2,64", "--head-dim", "64", "--kv-format", "q8_0"] if kind == "decode" else \
+        ["--shape", "1,4,2,40,64,1"]
+    r = run("bench", kind, "--device", "cpu", "--dtype", "bfloat16", "--repeats", "1", *shape, "--json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["dtype"] == "bfloat16" and 1e-4 < row["rel_err"] < 1.6e-2  # bfloat16's rounding, not exact
+    assert "bfloat16" in row["peer"]
+    if kind == "decode":
+        assert row["quant_rel_err"] < 1.6e-2
+
+
 def test_bench_decode_kernel_option(cpu_device):
     """--kernel decode.cl reaches the kernel (the row names it) with a quantized cache timed beside."""
     r = run("bench", "decode", "--device", "cpu", "--shape", "1,4,2,64", "--head-dim", "64", "--repeats", "1",

@@ -113,6 +113,18 @@ def test_valid_decode_entry_is_used(cpu_device, tuning_dir):
     assert got.params == params and "hand.json" in got.source
 
 
+def test_bfloat16_calls_take_the_float16_entry(cpu_device, tuning_dir):
+    """bfloat16 rows are float16's bytes and tiles: a float16 entry is a bfloat16 call's choice."""
+    from flashcl.opencl.decode import DecodeProblem, choose_params
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cpu_device)
+    params = {"ROWS": 2, "UNROLL": 2, "HEAD_TILE": 2, "MERGE_WG": 32}
+    _write(tuning_dir, "decode", h, params, dtype="float16", dk=64, dv=64, causal=False, n=70)
+    got = choose_params(h, DecodeProblem(2, 8, 2, 64, 64, True, "bfloat16"), n_ctx=70)
+    assert got.params == params and "hand.json" in got.source
+
+
 def test_a_handle_keeps_its_choices_while_the_database_is_unchanged(cpu_device, tuning_dir, monkeypatch):
     """A call looks the database up once per problem class and length bucket while its files are
     the same versions (the lookup and its checks cost more than the rest of a small PoCL call);

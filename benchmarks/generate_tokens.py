@@ -1,11 +1,12 @@
 """Greedy generation of a small random-weight Llama through flashcl's transformers integration,
 against transformers' eager and SDPA attention in the same process: milliseconds per new token.
 
-    python benchmarks/generate_tokens.py [--device cpu|cuda] [--layers 8] [--prompt 256] [--new 32]
-        [--padded-batch B]
+    python benchmarks/generate_tokens.py [--device cpu|cuda] [--dtype D] [--layers 8] [--prompt 256]
+        [--new 32] [--padded-batch B]
 
 cpu: torch CPU tensors, attention on flashcl's OpenCL device ($FLASHCL_DEVICE, else its
-default); cuda: the Triton kernels. float32 on the CPU, float16 on CUDA; nothing is downloaded.
+default); cuda: the Triton kernels. float32 on the CPU, float16 on CUDA unless --dtype says
+otherwise (float32, float16 or bfloat16); nothing is downloaded.
 Each implementation generates once to warm up, then three times; the median is printed.
 ``--padded-batch B``: B prompts at once, sequence i left-padded by i * prompt / (2 B) tokens (its
 attention mask hides them: what batched generation of prompts of unequal lengths does). Run it
@@ -24,12 +25,11 @@ import transformers
 from flashcl.integrations import transformers as fcl_hf
 
 
-def model_for(layers: int, device: str) -> transformers.LlamaForCausalLM:
+def model_for(layers: int, device: str, dtype: torch.dtype) -> transformers.LlamaForCausalLM:
     cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                                    num_hidden_layers=layers, intermediate_size=1024, vocab_size=1000,
                                    max_position_embeddings=4096)
     torch.manual_seed(0)
-    dtype = torch.float16 if device == "cuda" else torch.float32
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
@@ -52,12 +52,15 @@ def ms_per_token(model, ids, new: int, device: str, attention_mask=None) -> floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                    help="the model's dtype (default: float32 on the CPU, float16 on CUDA)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new", type=int, default=32, help="new tokens")
     ap.add_argument("--padded-batch", type=int, default=0, help="B left-padded prompts at once (0: one prompt)")
     opt = ap.parse_args()
-    model = model_for(opt.layers, opt.device)
+    dtype = getattr(torch, opt.dtype or ("float16" if opt.device == "cuda" else "float32"))
+    model = model_for(opt.layers, opt.device, dtype)
     batch = max(opt.padded_batch, 1)
     ids = torch.randint(1, 1000, (batch, opt.prompt), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -65,7 +68,8 @@ def main() -> None:
         pad = i * opt.prompt // (2 * batch)
         ids[i, :pad], mask[i, :pad] = 0, 0
     ids, mask = ids.to(opt.device), mask.to(opt.device)
-    print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}"
+    print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}, "
+          f"{str(dtype).removeprefix('torch.')}"
           + (f", {batch} left-padded prompts" if opt.padded_batch else ""))
     for name in (fcl_hf.register(), "sdpa", "eager"):
         model.set_attn_implementation(name)

@@ -97,7 +97,8 @@ def _common_dtype(tensors: dict, allowed: tuple[str, ...], backend: str) -> str:
         desc = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise TypeError(f"inputs must share one dtype; got {desc}")
     if first not in allowed:
-        raise TypeError(f"dtype {first} is not supported by the {backend} backend; expected one of {allowed}")
+        hint = " (bfloat16 as torch tensors or numpy arrays of ml_dtypes.bfloat16)" if backend == "OpenCL" else ""
+        raise TypeError(f"dtype {first} is not supported by the {backend} backend; expected one of {allowed}{hint}")
     return first
 
 

@@ -262,7 +262,7 @@ def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None
     Returns out (B, H_q, DV) and, on request, lse (B, H_q).
     """
     k_cache, v_cache = _dense(k_cache), _dense(v_cache)
-    q = np.asarray(q, dtype=np.float64)
+    q = np.asarray(_dense(q), dtype=np.float64)
     b, h_q = q.shape[:2]
     slopes = None if alibi_slopes is None else np.broadcast_to(
         np.asarray(alibi_slopes, dtype=np.float64), (b, h_q))

@@ -1,4 +1,4 @@
-"""bfloat16 on the OpenCL kernels (torch CPU tensors: numpy has no bfloat16): every kernel reads
+"""bfloat16 on the OpenCL kernels (torch CPU tensors; numpy has no bfloat16 of its own): every kernel reads
 the values as the high half of a float32 and rounds its output once, to nearest even. Checked
 against the float64 oracle: the output is the oracle's value rounded to bfloat16 (not merely near
 it), over both prefill layouts, decode.cl and decode_cpu.cl, contiguous and paged caches, split
@@ -155,3 +155,22 @@ def test_nan_in_q_stays_nan_and_merge_states_takes_bfloat16(cl_device):
     keep = ~np.isnan(ref)
     assert out.dtype == torch.bfloat16
     assert np.abs(out.double().numpy() - ref)[keep].max() <= 2e-2 * np.abs(ref[keep]).max()
+
+
+def test_ml_dtypes_arrays_come_back_in_their_dtype(cl_device):
+    """numpy and pyopencl arrays of ml_dtypes.bfloat16 run too; the result keeps their dtype."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import pyopencl.array as cla
+
+    from flashcl.opencl.runtime import get_device
+
+    q, k, v = _bf16((1, 4, 6, 32), 16), _bf16((1, 2, 30, 32), 17), _bf16((1, 2, 30, 32), 18)
+    q_np, k_np, v_np = (x.float().numpy().astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    ref = reference.attention(_f64(q), _f64(k), _f64(v), causal=True)
+    out = flashcl.prefill(q_np, k_np, v_np, causal=True, device=cl_device)
+    assert out.dtype == ml_dtypes.bfloat16
+    assert_rounded_oracle(torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16), ref, "numpy ml_dtypes")
+    queue = get_device(cl_device).queue
+    out = flashcl.prefill(*(cla.to_device(queue, x) for x in (q_np, k_np, v_np)), causal=True)
+    assert out.dtype == ml_dtypes.bfloat16
+    assert_rounded_oracle(torch.from_numpy(out.get().astype(np.float32)).to(torch.bfloat16), ref, "pyopencl")

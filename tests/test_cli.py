@@ -176,10 +176,10 @@ def test_bench_bfloat16_on_opencl(cpu_device, kind):
     r = run("bench", kind, "--device", "cpu", "--dtype", "bfloat16", "--repeats", "1", *shape, "--json")
     assert r.exit_code == 0, r.output
     (row,) = json.loads(r.stdout)["rows"]
-    assert row["dtype"] == "bfloat16" and 1e-4 < row["rel_err"] < 1.6e-2  # bfloat16's rounding, not exact
+    assert row["dtype"] == "bfloat16" and 1e-4 < row["rel_err"] < 1e-2  # bfloat16's rounding, not exact
     assert "bfloat16" in row["peer"]
     if kind == "decode":
-        assert row["quant_rel_err"] < 1.6e-2
+        assert row["quant_rel_err"] < 1e-2
 
 
 def test_bench_decode_kernel_option(cpu_device):

@@ -132,3 +132,12 @@ def test_decode_reference_paged_equals_contiguous():
     a = ref.decode_attention(q, kc, vc, context_lens=lens)
     p = ref.decode_attention(q, kp, vp, block_table=table, context_lens=lens)
     np.testing.assert_allclose(a, p, rtol=1e-13, atol=1e-13)
+
+
+def test_decode_attention_reads_torch_bfloat16():
+    """q, K and V as torch bfloat16 tensors (what the OpenCL and Triton calls take) read as their values."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(shape).to(torch.bfloat16) for shape in ((2, 4, 16), (2, 2, 9, 16), (2, 2, 9, 16)))
+    got = ref.decode_attention(q, k, v, context_lens=np.array([9, 4]))
+    want = ref.decode_attention(*(x.double().numpy() for x in (q, k, v)), context_lens=np.array([9, 4]))
+    np.testing.assert_array_equal(got, want)

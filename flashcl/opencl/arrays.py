@@ -216,6 +216,11 @@ def from_stored(x: np.ndarray, dtype: str) -> np.ndarray:
     return (x.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else x
 
 
+def stored_values(x, dtype: str) -> np.ndarray:
+    """Float values as ``dtype`` holds them (rounded to it; bfloat16's as float32)."""
+    return from_stored(to_stored(x, dtype), dtype)
+
+
 def storage_defines(dtype: str) -> dict:
     """The kernels' storage defines (clkernels/common.h) of a float32, float16 or bfloat16 problem."""
     return {"STORE_HALF": dtype == "float16", "STORE_BF16": dtype == "bfloat16"}

@@ -911,7 +911,7 @@ def decode(q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: 
     lens_d = _int_to_device(context_lens, queue, fill=geo["N_max"], shape=(b,), borrow=not is_cl)
     table_d = _int_to_device(block_table, queue, fill=0, shape=(1,), borrow=not is_cl) if geo["paged"] else lens_d
     empty = cla.empty if is_cl else HostBuffer.empty
-    out = empty(queue, (b, h_q, geo["DV"]), storage_dtype(dtype))
+    out = empty(queue, (b, h_q, geo["DV"]), q.dtype if is_cl else storage_dtype(dtype))
     lse = empty(queue, (b, h_q), np.float32)
     wait_for_inputs(queue, (q, *stored.values(), block_table, context_lens, key_start))
     if is_cl:

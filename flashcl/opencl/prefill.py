@@ -584,7 +584,7 @@ def prefill(q, k, v, *, rank: int, shapes, causal: bool, scale: float, device, p
     kd = qd if k is q else operand(k, k_fmt)
     vd = qd if v is q else kd if v is k else operand(v, v_fmt)
     empty = cla.empty if is_cl else HostBuffer.empty
-    out = empty(queue, (b, h_q, n_q, dv), storage_dtype(dtype))
+    out = empty(queue, (b, h_q, n_q, dv), q.dtype if is_cl else storage_dtype(dtype))
     lse = empty(queue, (b, h_q, n_q), np.float32) if return_lse else None
     wait_for_inputs(queue, list(inputs.values()))
     if is_cl:

@@ -36,26 +36,29 @@ VARIANTS = {
     "prefill-vec8": ("prefill", "float32", {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 8}),
     "prefill-vec16": ("prefill", "float32", {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 16}),
     "prefill-half": ("prefill", "float16", {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}),
+    "prefill-bf16": ("prefill", "bfloat16", {"BLOCK_M": 16, "BLOCK_N": 16, "DV_TILE": 32, "VEC": 4}),
     "prefill-tiles": ("prefill", "float32", {"VARIANT": "tiles", "BLOCK_M": 64, "BLOCK_N": 16,
                                              "DV_TILE": 32, "TILE_M": 8, "TILE_N": 2, "UNROLL_K": 4}),
     "decode": ("decode", "float32", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
     "decode-half": ("decode", "float16", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
+    "decode-bf16": ("decode", "bfloat16", {"ROWS": 2, "UNROLL": 1, "HEAD_TILE": 2, "MERGE_WG": 64}),
     # decode_cpu.cl at its widest: 16-wide vectors and a 16-key tile (the 16-wide exp2 and fma)
     "decode-rows": ("decode", "float32", {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}),
     "decode-rows-half": ("decode", "float16", {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}),
+    "decode-rows-bf16": ("decode", "bfloat16", {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 16, "MERGE_WG": 64}),
 }
+_SUFFIX = {"float16": "-half", "bfloat16": "-bf16"}  # the 2-byte storages' own variants
 BASELINE = "prefill-vec4"
 
 
 def variants_for(kernel: str, dtype: str, params: dict) -> list[str]:
     """The probed variants a launch of ``kernel`` with ``params`` depends on."""
     if kernel == "decode":
-        name = "decode-rows" if params.get("VARIANT") == "rows" else "decode"
-        return [name + "-half" if dtype == "float16" else name]
+        return [("decode-rows" if params.get("VARIANT") == "rows" else "decode") + _SUFFIX.get(dtype, "")]
     if params.get("VARIANT", "rows") == "tiles":
         return ["prefill-tiles"]
     names = [f"prefill-vec{params.get('VEC', 4)}"]
-    return names + ["prefill-half"] if dtype == "float16" else names
+    return names + ["prefill" + _SUFFIX[dtype]] if dtype in _SUFFIX else names
 
 
 @dataclass(frozen=True)
@@ -247,15 +250,25 @@ def _run_variant(spec: str, name: str) -> str | None:
 
     kind, dtype, params = VARIANTS[name]
     rng = np.random.default_rng(0)
+    if dtype == "bfloat16":  # torch's (numpy has none); without torch no call can pass bfloat16
+        try:
+            import torch
+        except ImportError:
+            return None
+
+    def values(shape):
+        x = rng.standard_normal(shape)
+        return torch.from_numpy(x).to(torch.bfloat16) if dtype == "bfloat16" else x.astype(dtype)
+
     if kind == "prefill":
-        q = rng.standard_normal((1, 2, 37, 32)).astype(dtype)
-        k, v = (rng.standard_normal((1, 1, 45, 32)).astype(dtype) for _ in range(2))
+        q = values((1, 2, 37, 32))
+        k, v = (values((1, 1, 45, 32)) for _ in range(2))
         out = prefill.prefill(q, k, v, rank=4, shapes=(q.shape, k.shape, v.shape), causal=True,
                               scale=32 ** -0.5, device=spec, params=params, return_lse=False)
         ref = reference.attention(q, k, v, causal=True)
     else:
-        q = rng.standard_normal((2, 4, 32)).astype(dtype)
-        k, v = (rng.standard_normal((6, 16, 2, 32)).astype(dtype) for _ in range(2))
+        q = values((2, 4, 32))
+        k, v = (values((6, 16, 2, 32)) for _ in range(2))
         table = np.array([[3, 0, 5], [1, 4, 2]], dtype=np.int32)
         lens = np.array([40, 33], dtype=np.int32)
         geo = {"B": 2, "H_q": 4, "H_kv": 2, "DK": 32, "DV": 32, "paged": True, "block_size": 16,
@@ -263,6 +276,7 @@ def _run_variant(spec: str, name: str) -> str | None:
         out = decode.decode(q, k, v, geo=geo, block_table=table, context_lens=lens, scale=32 ** -0.5,
                             num_splits=2, device=spec, params=params, return_lse=False)
         ref = reference.decode_attention(q, k, v, block_table=table, context_lens=lens)
+    out = out.float().numpy() if dtype == "bfloat16" else out
     err, tol = reference.rel_err(out, ref), reference.TOLERANCE[dtype]
     return None if err <= tol else f"wrong result: relative error {err:.2e} against the oracle (> {tol:g})"
 

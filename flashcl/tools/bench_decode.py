@@ -47,7 +47,7 @@ from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported
 from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, is_rows, layout_params,
                              mean_keys_seen, quantized_to_device)
 from ..variants import Variants
-from ..opencl.arrays import from_stored, storage_dtype, to_stored
+from ..opencl.arrays import from_stored, storage_dtype, stored_values, to_stored
 from ..opencl.runtime import DeviceHandle, event_times
 
 HEAD_DIM = 128
@@ -167,7 +167,7 @@ def _inputs(rng, shape, dtype, block_size, block_order="random", head_dim: int =
     b, h_q, h_kv, ctx = shape
     blocks = -(-ctx // block_size)
     num_blocks = b * blocks
-    q, k, v = (from_stored(to_stored(rng.standard_normal(s, dtype=np.float32), dtype), dtype)
+    q, k, v = (stored_values(rng.standard_normal(s, dtype=np.float32), dtype)
                for s in ((b, h_q, head_dim), *[(num_blocks, block_size, h_kv, head_dim)] * 2))
     table = _block_table(rng, num_blocks, b, block_order)
     return q, k, v, table, np.full(b, ctx, dtype=np.int32)
@@ -376,7 +376,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             quant_ms, plain_turn_ms = statistics.median(quant_turns), statistics.median(plain_turns)
             quant_err = float("nan")
             if check:
-                k_deq, v_deq = (quant.dequantize(x)[:, :, :1] for x in (qk, qv))  # the oracle reads KV head 0
+                # the oracle reads KV head 0, its values rounded to dtype as the kernel rounds them
+                k_deq, v_deq = (stored_values(quant.dequantize(x)[:, :, :1], dtype) for x in (qk, qv))
                 for ev in run_quant(0):
                     ev.wait()
                 quant_err = rel_err_of_first({}, k_deq, v_deq)

@@ -38,7 +38,7 @@ from .. import quant, reference
 from ..api import QUANTIZED_KV_FORMATS
 from . import shapes
 from .._version import __version__
-from ..opencl.arrays import from_stored, row_bytes, storage_dtype, to_stored
+from ..opencl.arrays import from_stored, row_bytes, storage_dtype, stored_values, to_stored
 from ..opencl.decode import quantized_to_device
 from ..opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from ..opencl.runtime import DeviceHandle, event_times
@@ -214,7 +214,7 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
         choice = choose_params(handle, prob, params)
         kern = PrefillKernel(handle, prob, choice.params, write_lse=False, verbose=handle.is_nvidia)
         # values of dtype (bfloat16's as float32), stored as dtype on the device
-        q, k, v = (from_stored(to_stored(rng.standard_normal(s), dtype), dtype)
+        q, k, v = (stored_values(rng.standard_normal(s), dtype)
                    for s in ((b, h_q, n, d), (b, h_kv, n, d), (b, h_kv, n, d)))
         scale = 1.0 / np.sqrt(d)
         qd, kd, vd = (cla.to_device(handle.queue, to_stored(x, dtype)) for x in (q, k, v))
@@ -255,8 +255,8 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
             qmed = statistics.median(qtimes)
             qerr = float("nan")
             if check:
-                qerr = _check(q, quant.dequantize(qk), quant.dequantize(qv), from_stored(qout.get(), dtype),
-                              causal, scale, None)
+                qk_deq, qv_deq = (stored_values(quant.dequantize(x), dtype) for x in (qk, qv))  # as the kernel rounds
+                qerr = _check(q, qk_deq, qv_deq, from_stored(qout.get(), dtype), causal, scale, None)
             row.kv_format, row.quant_kv_bytes = kv_format, kv_bytes(b, h_kv, n, d, dtype, kv_format)
             row.quant_params = _params_text(qchoice.params)
             row.quant_ms, row.quant_min_ms, row.quant_max_ms = qmed, min(qtimes), max(qtimes)

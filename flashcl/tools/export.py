@@ -414,7 +414,7 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
     kernels), each exported in sources of its own; ``kv_format`` (one of KV_FORMATS) stores K and
     V in every source. None of them gives the plain export."""
     if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype: the OpenCL kernels take float32 or float16, got {dtype!r}")
+        raise ValueError(f"dtype: flashcl export writes float32 and float16 kernels, got {dtype!r}")
     prefill_shapes = DEFAULT_PREFILL if prefill_shapes is None else tuple(prefill_shapes)
     decode_shapes = DEFAULT_DECODE if decode_shapes is None else tuple(decode_shapes)
     if not prefill_shapes or not decode_shapes:

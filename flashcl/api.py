@@ -431,9 +431,13 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
     """Validate a decode call; return its geometry. Values of host block_table/context_lens are
     checked by tables.check_tables (a device tensor is not read back); key_start's need no check
     (any int32 has a meaning)."""
-    if len(q.shape) != 3:
-        raise ValueError(f"q: expected (B, H_q, DK) for decode, got shape {tuple(q.shape)}")
-    b, h_q, dk = (int(s) for s in q.shape)
+    if len(q.shape) not in (3, 4):
+        raise ValueError(f"q: expected (B, H_q, DK) or (B, H_q, N_q, DK) for decode, got shape {tuple(q.shape)}")
+    b, h_q, dk = (int(s) for s in (*q.shape[:2], q.shape[-1]))
+    n_q = int(q.shape[2]) if len(q.shape) == 4 else 1
+    if not 1 <= n_q <= DECODE_ROWS:
+        raise ValueError(f"q: a decode takes 1 to {DECODE_ROWS} query rows per sequence (q.shape[2]), got "
+                         f"{n_q}; prefill takes more")
     if len(k_cache.shape) != 4 or len(v_cache.shape) != 4:
         raise ValueError(f"k_cache/v_cache must be 4-D, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     ks, vs = tuple(int(s) for s in k_cache.shape), tuple(int(s) for s in v_cache.shape)
@@ -473,6 +477,9 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
         raise ValueError(f"q has head dim {dk} but k_cache has {dkk}")
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv} (MHA, GQA or MQA)")
+    if n_q > 1 and h_q // h_kv * n_q > DECODE_GROUP_ROWS:
+        raise ValueError(f"q: {n_q} query rows of a group of {h_q // h_kv} query heads make {h_q // h_kv * n_q} "
+                         f"rows per KV head; a decode takes at most {DECODE_GROUP_ROWS}")
     if b == 0:
         raise ValueError("empty batch: q.shape[0] == 0")
     if h_q == 0:
@@ -480,7 +487,39 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
     _check_head_dim("q/k_cache", dk)
     _check_head_dim("v_cache", vs[3])
     return {"B": b, "H_q": h_q, "H_kv": h_kv, "DK": dk, "DV": vs[3], "paged": paged,
-            "block_size": block_size, "num_blocks": num_blocks, "N_max": n_max}
+            "block_size": block_size, "num_blocks": num_blocks, "N_max": n_max, "N_q": n_q}
+
+
+# A decode of several query rows per sequence (speculative decoding's verification, a short chunk)
+# runs each query head's rows as heads of its KV head's group (the kernels' QUERY_ROWS).
+DECODE_ROWS = 16        # query rows per sequence
+DECODE_GROUP_ROWS = 64  # rows per KV head: query heads of its group x query rows
+
+
+def _as_rows(q, variants: Optional[Variants], geo: dict):
+    """A decode of q (B, H_q, N_q, DK) as the kernels run it: q (B, H_q N_q, DK), the geometry's
+    H_q the rows, sinks and ALiBi slopes repeated per row (a head's rows are its values')."""
+    n_q = geo["N_q"]
+    if _is_cl_array(q) and not q.flags.c_contiguous:
+        raise ValueError("q: a 4-D pyopencl Array for decode must be C-contiguous (its rows become heads)")
+    rows = q.reshape(geo["B"], geo["H_q"] * n_q, geo["DK"])
+    if variants is not None:
+        def per_row(x):
+            if x is None:
+                return None
+            return x.repeat_interleave(n_q, dim=-1) if _is_torch(x) else np.repeat(np.asarray(x), n_q, axis=-1)
+
+        variants = dataclasses.replace(variants, sinks=per_row(variants.sinks),
+                                       alibi_slopes=per_row(variants.alibi_slopes))
+    return rows, variants, {**geo, "H_q": geo["H_q"] * n_q}
+
+
+def _of_rows(result, geo: dict, return_lse: bool):
+    """A decode's out (B, H_q N_q, DV) and lse (B, H_q N_q) as the call's (B, H_q, N_q, ...)."""
+    out, lse = result if return_lse else (result, None)
+    b, h_q, n_q = geo["B"], geo["H_q"], geo["N_q"]
+    out = out.reshape(b, h_q, n_q, geo["DV"])
+    return (out, lse.reshape(b, h_q, n_q)) if return_lse else out
 
 
 def _check_num_splits(num_splits):
@@ -498,9 +537,13 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
            window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
            sinks: Optional[Array] = None, alibi_slopes: Optional[Array] = None,
            key_start: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
-    """One new query token per sequence attending over its KV cache (flash-decoding).
+    """New query tokens of each sequence attending over its KV cache (flash-decoding).
 
-    q (B, H_q, DK). Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
+    q (B, H_q, DK), one token per sequence, or (B, H_q, N_q, DK): each sequence's last N_q tokens
+    (1 to DECODE_ROWS, at most DECODE_GROUP_ROWS rows per KV head counting its group's heads;
+    speculative decoding's verification), causal among themselves: row i sits at position
+    context_lens[b] - N_q + i, as prefill's bottom-right causal, and out / lse gain the N_q axis.
+    Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
     optional context_lens (B,) int32. Paged cache (vLLM layout): k_cache (num_blocks, block_size,
     H_kv, DK), v_cache (num_blocks, block_size, H_kv, DV), block_table (B, max_blocks) int32,
     context_lens (B,) int32. ``num_splits``: None picks the split-k count, 1 is single pass.
@@ -528,7 +571,22 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
         scale = 1.0 / math.sqrt(geo["DK"])
     variants = _variants(b=geo["B"], h_q=geo["H_q"], n_q=None, n_kv=None, window=window,
                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    if len(q.shape) == 4:  # rows: each query head's rows are heads of its group (QUERY_ROWS)
+        rows, row_variants, row_geo = _as_rows(q, variants, geo)
+        result = _decode_on(chosen, rows, k_cache, v_cache, geo=row_geo, block_table=block_table,
+                            context_lens=context_lens, scale=scale, num_splits=num_splits, device=device,
+                            params=params, return_lse=return_lse, variants=row_variants, key_start=key_start,
+                            query_rows=geo["N_q"])
+        return _of_rows(result, geo, return_lse)
+    return _decode_on(chosen, q, k_cache, v_cache, geo=geo, block_table=block_table, context_lens=context_lens,
+                      scale=scale, num_splits=num_splits, device=device, params=params, return_lse=return_lse,
+                      variants=variants, key_start=key_start)
 
+
+def _decode_on(chosen: str, q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float,
+               num_splits, device, params, return_lse: bool, variants, key_start, query_rows: int = 1):
+    """A validated decode on the backend ``chosen`` (``query_rows``: _as_rows's QUERY_ROWS)."""
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if chosen == "triton":
         _common_dtype(tensors, ("float32", "float16", "bfloat16"), "Triton")
         check_tables(geo, block_table, context_lens)  # torch CPU tables (the interpreter's); CUDA ones are not read
@@ -538,7 +596,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
             return triton_decode.decode(q, k_cache, v_cache, block_table=block_table,
                                         context_lens=context_lens, scale=scale,
                                         num_splits=num_splits, return_lse=return_lse,
-                                        variants=_variants_on_torch(variants, q), key_start=key_start)
+                                        variants=_variants_on_torch(variants, q), key_start=key_start,
+                                        query_rows=query_rows)
 
     _common_dtype(tensors, ("float32", "float16", "bfloat16"), "OpenCL")
     from .opencl import decode as cl_decode
@@ -549,7 +608,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     return cl_decode.decode(q, k_cache, v_cache, geo=geo, block_table=block_table,
                             context_lens=context_lens, scale=scale, num_splits=num_splits,
                             device=device, params=params, return_lse=return_lse,
-                            variants=variants, key_start=key_start)
+                            variants=variants, key_start=key_start, query_rows=query_rows)
 
 
 # --------------------------------------------------------------------------- merge

@@ -272,9 +272,11 @@ def dtype_name(x) -> str:
     """The name of ``x``'s dtype ('float16', ...; numpy of either byte order, torch, pyopencl); a
     QuantizedTensor's is its logical dtype (the one it was quantized from)."""
     dtype = x.dtype
+    if type(dtype).__module__ == "torch":  # not through the cache: torch.compile cannot hash its numpy keys
+        return str(dtype).replace("torch.", "")
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = str(dtype).replace("torch.", "") if type(dtype).__module__ == "torch" else np.dtype(dtype).name
+        name = np.dtype(dtype).name
         _DTYPE_NAMES[dtype] = name
     return name
 

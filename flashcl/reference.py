@@ -253,9 +253,10 @@ def partitioned_attention(q, k, v, num_partitions: int, *, causal: bool = False,
 def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None,
                      scale: float | None = None, return_lse: bool = False, window=None,
                      softcap: float | None = None, sinks=None, alibi_slopes=None, key_start=None):
-    """Single-token decode against a contiguous or paged cache (see flashcl.decode for layouts).
+    """Decode against a contiguous or paged cache (see flashcl.decode for layouts).
 
-    q (B, H_q, DK); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
+    q (B, H_q, DK), or (B, H_q, N_q, DK): the sequence's last N_q tokens, causal among themselves
+    (row i at position context_lens[b] - N_q + i; out and lse gain the N_q axis); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
     paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks). The query
     of sequence b sits at position context_lens[b] - 1 (for window and ALiBi) and sees no key
     before key_start[b] where given. Caches may be QuantizedTensors (attended dequantized).
@@ -281,10 +282,11 @@ def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None
             v = np.asarray(v_cache[blocks], dtype=np.float64).reshape(-1, *v_cache.shape[2:])[:n]
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
         seen = None if key_start is None else np.arange(n) >= int(key_start[i])
-        o, lse = attention(q[i][:, None, :], k, v, scale=scale, return_lse=True, window=window,
+        rows = q[i] if q.ndim == 4 else q[i][:, None, :]
+        o, lse = attention(rows, k, v, causal=True, scale=scale, return_lse=True, window=window,
                            softcap=softcap, sinks=sinks,
                            alibi_slopes=None if slopes is None else slopes[i], mask=seen)
-        outs.append(o[:, 0])
-        lses.append(lse[:, 0])
+        outs.append(o if q.ndim == 4 else o[:, 0])
+        lses.append(lse if q.ndim == 4 else lse[:, 0])
     out, lse = np.stack(outs), np.stack(lses)
     return (out, lse) if return_lse else out

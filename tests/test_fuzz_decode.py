@@ -5,7 +5,7 @@ Each call draws a dtype; 1-3 sequences of 0-70 keys (the edges of the drawn bloc
 among them); MHA, GQA or MQA; head dims, DK != DV; a contiguous or a paged cache (block size 1-32, a
 permuted table whose unused entries are out of range); K and V each plain or in a quantized
 format the backend takes; a window, softcap, sinks, ALiBi slopes per head or per sequence,
-key_start; a split count. Every key a row may not see (past its length, before its key_start,
+key_start; a split count; one query token per sequence or its last 1-4 (q 4-D). Every key a row may not see (past its length, before its key_start,
 left of its window, in a block no table entry names) holds NaN: plain caches NaN values,
 quantized ones bytes 0xFF (a NaN ggml d, a NaN fp8 value, an int8 value of -1 with a NaN row
 scale). The oracle attends the clean caches; out and lse must match it within the dtype's
@@ -68,15 +68,17 @@ def decode_calls(draw, backend: str) -> dict:
         "softcap": draw(st.one_of(st.none(), st.floats(0.5, 30.0))),
         "sinks": draw(st.booleans()), "alibi": draw(st.sampled_from((None, "head", "batch"))),
         "key_start": draw(st.booleans()), "num_splits": draw(st.sampled_from((None, 1, 2, 3, 5))),
+        "n_q": draw(st.sampled_from((None, 1, 3, 4))),  # None: q (B, H_q, DK); else its last n_q rows
         "q_scale": draw(st.sampled_from((1.0, 4.0))), "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
 
 def _first_seen(call: dict, key_start) -> list:
-    """Each sequence's first key its query may see (window and key_start; the query sits last)."""
+    """Each sequence's first key its queries may see (window and key_start; its first query row
+    sits at the length less the rows)."""
     firsts = []
     for i, n in enumerate(call["lens"]):
-        first = 0 if call["window"] is None else max(0, n - 1 - call["window"][0])
+        first = 0 if call["window"] is None else max(0, n - (call["n_q"] or 1) - call["window"][0])
         firsts.append(max(first, 0 if key_start is None else int(key_start[i])))
     return firsts
 
@@ -88,7 +90,8 @@ def _host_case(call: dict) -> dict:
     b, h_kv, lens, bs = len(call["lens"]), call["h_kv"], call["lens"], call["block_size"]
     h_q = h_kv * call["group"]
     n_max = max(max(lens), 1)
-    case = {"q": rng.standard_normal((b, h_q, call["dk"])) * call["q_scale"]}
+    rows = () if call["n_q"] is None else (call["n_q"],)
+    case = {"q": rng.standard_normal((b, h_q, *rows, call["dk"])) * call["q_scale"]}
     if bs is None:
         case["k"], case["v"] = (rng.standard_normal((b, h_kv, n_max, d)) for d in (call["dk"], call["dv"]))
         case["table"] = None

@@ -312,8 +312,10 @@ def test_custom_op_opcheck(triton_device):
 
 def test_torch_compile_fullgraph(triton_device):
     """A compiled function calling decode has no graph break (inductor on CUDA; on CPU the
-    aot_eager backend, which still traces the whole graph and runs the fake kernel)."""
+    aot_eager backend, which still traces the whole graph and runs the fake kernel), also after
+    numpy calls in the process (dtype_name's cache of numpy dtypes broke torch 2.11's trace)."""
     c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[9, 30], dk=32, seed=7)
+    flashcl.quant.dtype_name(np.zeros(1, np.int32))
     torch._dynamo.reset()
 
     def step(q, k, v, bt, lens):

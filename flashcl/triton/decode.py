@@ -200,7 +200,7 @@ def _decode_kernel(
     tl.static_assert((K_FMT == "" and V_FMT == "") or not MHA_FMA, "quantized K/V: the dot path")
     # the group's rows see different keys
     ROWS_DIFFER: tl.constexpr = QUERY_ROWS > 1 or (ROW_MASK != 0 and not MASK_PER_KEY)
-    tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED or KEY_START), "query rows: the dot path")
+    tl.static_assert(not ROWS_DIFFER or not (MHA_FMA or STORED), "query rows: the dot path")
     tl.static_assert(ROW_MASK == 0 or not (MHA_FMA or STORED), "a mask: the dot path")
     tl.static_assert(not MASK_PER_KEY or (ROW_MASK != 0 and QUERY_ROWS == 1), "one mask row for the group")
     tl.static_assert(GROUP % QUERY_ROWS == 0, "a query head's rows lie in one group")
@@ -1313,11 +1313,11 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                  k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
                  k_format: str = "", v_format: str = "",
-                 key_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 key_start: Optional[torch.Tensor] = None, query_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """flashcl::decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table,
     Tensor? context_lens, float scale, int num_splits, int window_left=-1, float softcap=0.,
     Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? k_scales=None, Tensor? v_scales=None,
-    str k_format="", str v_format="", Tensor? key_start=None) -> (Tensor out, Tensor lse)
+    str k_format="", str v_format="", Tensor? key_start=None, int query_rows=1) -> (Tensor out, Tensor lse)
 
     q (B, H_q, DK); paged (block_table given) or contiguous cache as in the module docstring.
     num_splits 0 = choose from the shapes and the SM count; out (B, H_q, DV) q.dtype,
@@ -1327,13 +1327,15 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (B,) contiguous: sequence b sees no key before key_start[b]. Quantized caches
     (flashcl.quant): k_cache / v_cache are a QuantizedTensor's ``data``, ``k_format`` /
     ``v_format`` its format ("" plain), ``k_scales`` / ``v_scales`` its ``scales`` (int8,
-    fp8_e4m3; q8_0 and q4_0 read d from the data). Inputs are not mutated.
+    fp8_e4m3; q8_0 and q4_0 read d from the data). ``query_rows`` > 1: head h is causal row
+    h % query_rows of its sequence's last positions (flashcl.decode of several rows). Inputs are
+    not mutated.
     """
     with on_device_of(q):
         return _launch(q, k_cache, v_cache, block_table, context_lens, scale, num_splits,
                        window_left=window_left, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
                        k_scales=k_scales, v_scales=v_scales, k_format=k_format, v_format=v_format,
-                       key_start=key_start)
+                       key_start=key_start, query_rows=query_rows)
 
 
 # the op, for torch.compile, tracing and dispatch modes; eager calls may skip it (skips_dispatcher)
@@ -1342,7 +1344,7 @@ decode_op = torch.library.custom_op("flashcl::decode", mutates_args=())(_decode_
 
 @decode_op.register_fake
 def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_left=-1, softcap=0.0, sinks=None,
-      alibi_slopes=None, k_scales=None, v_scales=None, k_format="", v_format="", key_start=None):
+      alibi_slopes=None, k_scales=None, v_scales=None, k_format="", v_format="", key_start=None, query_rows=1):
     b, h_q, _ = q.shape
     return q.new_empty((b, h_q, _head_dim(v_cache, v_format))), q.new_empty((b, h_q), dtype=torch.float32)
 
@@ -1350,13 +1352,13 @@ def _(q, k_cache, v_cache, block_table, context_lens, scale, num_splits, window_
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            block_table: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
            scale: float, num_splits: Optional[int] = None, return_lse: bool = False, variants=None,
-           key_start: Optional[torch.Tensor] = None):
+           key_start: Optional[torch.Tensor] = None, query_rows: int = 1):
     """Backend entry of ``flashcl.decode`` (inputs already validated there). Traceable by
     torch.compile (fullgraph) and capturable in a CUDA graph: nothing here syncs with the device.
     ``variants``: a flashcl.variants.Variants (no mask) or None; k_cache / v_cache may be
     QuantizedTensors (flashcl.quant), passed to the op as their data, format and scales;
-    ``key_start``: int32 (B,), moved to q's device."""
-    var = {}
+    ``key_start``: int32 (B,), moved to q's device; ``query_rows``: the op's (flashcl.api._as_rows)."""
+    var = {"query_rows": query_rows} if query_rows > 1 else {}
     if key_start is not None:
         var["key_start"] = key_start.to(q.device)
     if variants is not None:

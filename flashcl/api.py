@@ -503,15 +503,7 @@ def _as_rows(q, variants: Optional[Variants], geo: dict):
     if _is_cl_array(q) and not q.flags.c_contiguous:
         raise ValueError("q: a 4-D pyopencl Array for decode must be C-contiguous (its rows become heads)")
     rows = q.reshape(geo["B"], geo["H_q"] * n_q, geo["DK"])
-    if variants is not None:
-        def per_row(x):
-            if x is None:
-                return None
-            return x.repeat_interleave(n_q, dim=-1) if _is_torch(x) else np.repeat(np.asarray(x), n_q, axis=-1)
-
-        variants = dataclasses.replace(variants, sinks=per_row(variants.sinks),
-                                       alibi_slopes=per_row(variants.alibi_slopes))
-    return rows, variants, {**geo, "H_q": geo["H_q"] * n_q}
+    return rows, None if variants is None else variants.per_row(n_q), {**geo, "H_q": geo["H_q"] * n_q}
 
 
 def _of_rows(result, geo: dict, return_lse: bool):

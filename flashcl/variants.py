@@ -20,7 +20,7 @@ is part of the returned lse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -56,6 +56,16 @@ class Variants:
     @property
     def mask_is_bool(self) -> bool:
         return self.mask is not None and "bool" in str(self.mask.dtype)
+
+    def per_row(self, n_q: int) -> "Variants":
+        """These variants for each query head's N_q rows run as heads of its group (the decode
+        kernels' QUERY_ROWS): sinks and ALiBi slopes repeated per row, the rest as they are."""
+        def rows(x):
+            if x is None:
+                return None
+            return x.repeat_interleave(n_q, dim=-1) if hasattr(x, "repeat_interleave") else np.repeat(x, n_q, axis=-1)
+
+        return replace(self, sinks=rows(self.sinks), alibi_slopes=rows(self.alibi_slopes))
 
     def flags(self) -> dict:
         """Which variants are on, by name (what kernels specialize on at compile time)."""

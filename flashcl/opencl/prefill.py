@@ -476,9 +476,7 @@ def _prefill_rows_as_decode(q, k, v, *, rank: int, shapes, causal: bool, scale: 
     if not isinstance(q, cla.Array) and any(_overlap(q, x) for x in (k, v)):  # a second buffer over K/V's memory
         q3 = q3.copy() if isinstance(q3, np.ndarray) else q3.clone()
     if variants is not None:
-        per_row = {name: None if x is None else np.repeat(np.asarray(x, np.float32), n_q, axis=-1)
-                   for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
-        variants = replace(variants, mask=None, **per_row)
+        variants = replace(variants, mask=None).per_row(n_q)
     out, lse = decode(q3, k4, v4, geo=geo, block_table=None, context_lens=None, scale=scale, num_splits=None,
                       device=device, params=None, return_lse=True, variants=variants, key_start=key_start,
                       query_rows=n_q if causal and n_q > 1 else 1,

@@ -1320,9 +1320,7 @@ def _rows_as_decode(q, k, v, causal: bool, scale: float, variants, *, k_format: 
     var, row_mask = {}, None
     if variants is not None:
         row_mask = variants.mask
-        per_row = {name: None if x is None else x.repeat_interleave(n_q, dim=-1)
-                   for name, x in (("sinks", variants.sinks), ("alibi_slopes", variants.alibi_slopes))}
-        var = triton_decode.op_variants(replace(variants, mask=None, **per_row), rows)
+        var = triton_decode.op_variants(replace(variants, mask=None).per_row(n_q), rows)
     out, lse = triton_decode._launch(rows, k, v, None, None, scale, 0, k_format=k_format, v_format=v_format,
                                      k_scales=k_scales, v_scales=v_scales, row_mask=row_mask,
                                      query_rows=n_q if causal and n_q > 1 else 1, **var)

@@ -18,7 +18,7 @@ from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .quant import dtype_name as _dtype_name
 from .reference import MASK_HIDES_AT
 from .tables import check_tables, torch_readable
-from .variants import Variants
+from .variants import DECODE_GROUP_ROWS, DECODE_ROWS, Variants
 
 if TYPE_CHECKING:  # the array types the API takes; none is imported at run time
     import pyopencl
@@ -437,7 +437,7 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
     n_q = int(q.shape[2]) if len(q.shape) == 4 else 1
     if not 1 <= n_q <= DECODE_ROWS:
         raise ValueError(f"q: a decode takes 1 to {DECODE_ROWS} query rows per sequence (q.shape[2]), got "
-                         f"{n_q}; prefill takes more")
+                         f"{n_q}; longer chunks run as a prefill over a contiguous cache")
     if len(k_cache.shape) != 4 or len(v_cache.shape) != 4:
         raise ValueError(f"k_cache/v_cache must be 4-D, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     ks, vs = tuple(int(s) for s in k_cache.shape), tuple(int(s) for s in v_cache.shape)
@@ -490,12 +490,6 @@ def _decode_shapes(q, k_cache, v_cache, block_table, context_lens, key_start=Non
             "block_size": block_size, "num_blocks": num_blocks, "N_max": n_max, "N_q": n_q}
 
 
-# A decode of several query rows per sequence (speculative decoding's verification, a short chunk)
-# runs each query head's rows as heads of its KV head's group (the kernels' QUERY_ROWS).
-DECODE_ROWS = 16        # query rows per sequence
-DECODE_GROUP_ROWS = 64  # rows per KV head: query heads of its group x query rows
-
-
 def _as_rows(q, variants: Optional[Variants], geo: dict):
     """A decode of q (B, H_q, N_q, DK) as the kernels run it: q (B, H_q N_q, DK), the geometry's
     H_q the rows, sinks and ALiBi slopes repeated per row (a head's rows are its values')."""
@@ -532,17 +526,18 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
     """New query tokens of each sequence attending over its KV cache (flash-decoding).
 
     q (B, H_q, DK), one token per sequence, or (B, H_q, N_q, DK): each sequence's last N_q tokens
-    (1 to DECODE_ROWS, at most DECODE_GROUP_ROWS rows per KV head counting its group's heads;
-    speculative decoding's verification), causal among themselves: row i sits at position
-    context_lens[b] - N_q + i, as prefill's bottom-right causal, and out / lse gain the N_q axis.
+    (1 to DECODE_ROWS; with N_q > 1 at most DECODE_GROUP_ROWS rows per KV head counting its
+    group's heads; speculative decoding's verification; a pyopencl q C-contiguous), causal among
+    themselves: row i sits at position context_lens[b] - N_q + i, as prefill's bottom-right causal.
     Contiguous cache: k_cache (B, H_kv, N_max, DK), v_cache (B, H_kv, N_max, DV),
     optional context_lens (B,) int32. Paged cache (vLLM layout): k_cache (num_blocks, block_size,
     H_kv, DK), v_cache (num_blocks, block_size, H_kv, DV), block_table (B, max_blocks) int32,
     context_lens (B,) int32. ``num_splits``: None picks the split-k count, 1 is single pass.
     Either cache may be a flashcl.QuantizedTensor of q's kind and dtype, in a format the backend
     takes (QUANTIZED_KV_FORMATS); it reaches the kernels as it is, dequantized inside them.
-    Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32. Variants as for prefill (no
-    mask); the query of sequence b sits at position context_lens[b] - 1. ``key_start`` (B,)
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q) float32 (with N_q: (B, H_q, N_q, DV) and
+    (B, H_q, N_q)). Variants as for prefill (no mask), at each row's position (a 3-D q's:
+    context_lens[b] - 1). ``key_start`` (B,)
     int32, the same kind as q: sequence b sees no key before key_start[b] (a left-padded batch's
     padding; values <= 0 hide nothing, at or past the length every key: that row is zeros).
     """

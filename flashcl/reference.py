@@ -255,12 +255,13 @@ def decode_attention(q, k_cache, v_cache, *, block_table=None, context_lens=None
                      softcap: float | None = None, sinks=None, alibi_slopes=None, key_start=None):
     """Decode against a contiguous or paged cache (see flashcl.decode for layouts).
 
-    q (B, H_q, DK), or (B, H_q, N_q, DK): the sequence's last N_q tokens, causal among themselves
-    (row i at position context_lens[b] - N_q + i; out and lse gain the N_q axis); contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,);
-    paged k_cache (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks). The query
-    of sequence b sits at position context_lens[b] - 1 (for window and ALiBi) and sees no key
-    before key_start[b] where given. Caches may be QuantizedTensors (attended dequantized).
-    Returns out (B, H_q, DV) and, on request, lse (B, H_q).
+    q (B, H_q, DK), or (B, H_q, N_q, DK): the sequence's last N_q tokens, causal among themselves;
+    contiguous k_cache (B, H_kv, N_max, DK) with optional context_lens (B,); paged k_cache
+    (num_blocks, block_size, H_kv, DK) with block_table (B, max_blocks). Row i of sequence b sits
+    at position context_lens[b] - N_q + i (N_q = 1 for a 3-D q; for window and ALiBi) and sees no
+    key before key_start[b] where given. Caches may be QuantizedTensors (attended dequantized).
+    Returns out (B, H_q, DV) and, on request, lse (B, H_q), each with an N_q axis before the last
+    for a 4-D q.
     """
     k_cache, v_cache = _dense(k_cache), _dense(v_cache)
     q = np.asarray(_dense(q), dtype=np.float64)

@@ -27,6 +27,11 @@ import numpy as np
 
 from .reference import MASK_HIDES_AT
 
+# A decode of several query rows per sequence (flashcl.decode of a 4-D q; prefill's few-row
+# routes) runs each query head's rows as heads of its KV head's group (the kernels' QUERY_ROWS).
+DECODE_ROWS = 16        # query rows per sequence
+DECODE_GROUP_ROWS = 64  # rows per KV head: the query heads of its group x their rows
+
 
 @dataclass(frozen=True)
 class Variants:

@@ -10,7 +10,7 @@ import pytest
 
 import flashcl
 from flashcl import reference
-from flashcl.api import DECODE_GROUP_ROWS, DECODE_ROWS
+from flashcl.variants import DECODE_GROUP_ROWS, DECODE_ROWS
 
 from ._check import check_out_and_lse
 
@@ -41,7 +41,7 @@ def _each_row_alone(run, q, k, v, table, lens, variants):
     return np.stack(outs, axis=2), np.stack(lses, axis=2)
 
 
-@pytest.mark.parametrize("n_q", [1, 3, 8])
+@pytest.mark.parametrize("n_q", [1, 3, 8, DECODE_ROWS])  # 16 rows of a group of 4: DECODE_GROUP_ROWS
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_rows_are_their_tokens_decoded_alone_opencl(cl_device, n_q, splits):
     q, k, v, table, lens, variants = _case(n_q)
@@ -68,7 +68,7 @@ def test_rows_are_their_tokens_decoded_alone_triton(triton_device, n_q):
     tv = {name: x if isinstance(x, (tuple, float)) else torch.from_numpy(x).to(triton_device)
           for name, x in variants.items()}
 
-    def run(q, k, v, table, lens, variants):
+    def run(q, k, v, table, lens, _variants):  # the variants: tv, on the device
         q, lens = (torch.from_numpy(x).to(triton_device) if isinstance(x, np.ndarray) else x for x in (q, lens))
         out, lse = flashcl.decode(q, k, v, block_table=table, context_lens=lens, return_lse=True, backend="triton",
                                   **tv)

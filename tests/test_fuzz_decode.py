@@ -5,8 +5,9 @@ Each call draws a dtype; 1-3 sequences of 0-70 keys (the edges of the drawn bloc
 among them); MHA, GQA or MQA; head dims, DK != DV; a contiguous or a paged cache (block size 1-32, a
 permuted table whose unused entries are out of range); K and V each plain or in a quantized
 format the backend takes; a window, softcap, sinks, ALiBi slopes per head or per sequence,
-key_start; a split count; one query token per sequence or its last 1-4 (q 4-D). Every key a row may not see (past its length, before its key_start,
-left of its window, in a block no table entry names) holds NaN: plain caches NaN values,
+key_start; a split count; one query token per sequence or its last 1-4 (q 4-D). Every key a
+row may not see (past its length, before its key_start, left of its window, in a block no table
+entry names) holds NaN: plain caches NaN values,
 quantized ones bytes 0xFF (a NaN ggml d, a NaN fp8 value, an int8 value of -1 with a NaN row
 scale). The oracle attends the clean caches; out and lse must match it within the dtype's
 tolerance, NaN-free.

@@ -84,7 +84,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import KernelLaunchError
 from ..quant import BLOCK_BYTES, FORMATS, QK, QuantizedTensor
-from ..variants import Variants, window_bounds
+from ..variants import DECODE_GROUP_ROWS, DECODE_ROWS, Variants, window_bounds
 from . import FLOAT32_DOTS, interpreting, mask_tiles, on_device_of, quant_words, skips_dispatcher
 from .score_variants import MASK_HIDES_AT
 from .mask_tiles import LIST_HEADER, MAP_GRAIN, MAP_PAD, MAP_SEEN
@@ -1280,12 +1280,6 @@ def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             out, lse = _launch(q, k, v, causal, scale, return_lse, params, variants=variants, k_format=k_format,
                                v_format=v_format, k_scales=k_scales, v_scales=v_scales)
     return out, (lse if return_lse else lse.new_empty((0,)))
-
-
-# The most query rows a prefill runs as a decode, and the most rows of one KV head's group (its
-# GQA group x N_q: the decode kernel's BLOCK_G)
-DECODE_ROWS = 16
-DECODE_GROUP_ROWS = 64
 
 
 def _runs_as_decode(q, k, causal: bool, variants) -> bool:

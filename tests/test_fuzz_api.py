@@ -226,8 +226,8 @@ def decode_calls(draw):
             bad = draw(st.sampled_from(BAD_DTYPES))
             c["q"], c["k"], c["v"] = (x.astype(bad) for x in (c["q"], c["k"], c["v"]))
 
-        def q_rank(c):
-            c["q"] = c["q"][:, :, None, :]
+        def q_rank(c):  # 4-D is a decode of rows; 2-D and 5-D are neither
+            c["q"] = c["q"][:, :, None, None, :] if draw(st.booleans()) else c["q"][0]
 
         def cache_rank(c):
             c["k"] = c["k"][0]

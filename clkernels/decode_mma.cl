@@ -33,7 +33,8 @@
  *
  * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
  * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
- * (as every tensor-core flash attention does), keys past the split's end score -inf and read the
+ * (as every tensor-core flash attention does). A bfloat16 cache (STORE_BF16, plain rows) takes the
+ * bf16 MMA, P as two bf16 parts (hi + lo: 16 significant bits, past fp16's 11) in two MMAs. Keys past the split's end score -inf and read the
  * row of its last key (a visible row: P = 0 times finite values, and no zero-fill or branch per
  * row in the loop), and the tables are checked as in decode.cl (decode_common.h): a
  * context length outside [0, capacity] or a used block id outside [0, num_blocks) reads nothing
@@ -70,8 +71,11 @@
 #define QUANT_V_AHEAD 1
 #endif
 
-#if !STORE_HALF
-#error "decode_mma.cl: fp16 storage only (an fp32 cache would need TF32 products: not exact)"
+#if !STORE_2B
+#error "decode_mma.cl: fp16 or bf16 storage only (an fp32 cache would need TF32 products: not exact)"
+#endif
+#if STORE_BF16 && (K_QUANT || V_QUANT)
+#error "decode_mma.cl: quantized caches dequantize to fp16 words: fp16 q only"
 #endif
 #if GROUP < 1
 #error "GROUP must be positive"
@@ -84,7 +88,19 @@
 #endif
 
 typedef uint4 raw_t;      // one 16-byte chunk of a K/V row: 8 halves
+#if STORE_HALF
 typedef half store_t;
+#define STORE_OUT(x, i, p) vstore_half_rte((x), (i), (p))
+#define STORE_OUT4(x, i, p) vstore_half4_rte((x), (i), (p))
+#define EXPONENT_BITS 0x7c00u     // an fp16 word's exponent: all ones for inf and NaN
+#define MMA_TYPE "f16"
+#else
+typedef ushort store_t;   // bfloat16 bits
+#define STORE_OUT(x, i, p) ((p)[i] = bf16_round(x))
+#define STORE_OUT4(x, i, p) BF16_STORE(4, (x), (i), (p))
+#define EXPONENT_BITS 0x7f80u
+#define MMA_TYPE "bf16"
+#endif
 #define DECODE_NV_PTX (!MMA_EMULATE)
 #define QPIECE 8          // dims per dequantized piece of a quantized row: 4 words of f16 pairs
 #include "decode_common.h"
@@ -176,7 +192,13 @@ static inline uint transpose8_emulated(const uint w, __local warp_scratch *ws)
 }
 #define TRANSPOSE8(w) transpose8_emulated((w), ws)
 
-/* D = A B + C with the fragment layout of mma.sync.m16n8k16.row.col.f32.f16.f16.f32 */
+/* one 16-bit MMA input as float: fp16 or bf16 bits */
+static inline float in_to_float(const uint bits)
+{
+    return STORE_BF16 ? as_float(bits << 16) : half_to_float(bits);
+}
+
+/* D = A B + C with the fragment layout of mma.sync.m16n8k16.row.col.f32.{f16,bf16}.f32 */
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
                              const uint b0, const uint b1, __local warp_scratch *ws)
 {
@@ -194,14 +216,18 @@ static inline void mma_16816(float d[4], const uint a0, const uint a1, const uin
             /* B[kk][col]: lane col * 4 + (kk % 8) / 2, register (kk >= 8) */
             const uint bw = ws->b[2 * (col * 4 + (kk % 8) / 2) + (kk >= 8)];
             /* the element with the lower k index is in the lower half */
-            sum = fma(half_to_float((kk & 1) ? aw >> 16 : aw & 0xffffu),
-                      half_to_float((kk & 1) ? bw >> 16 : bw & 0xffffu), sum);
+            sum = fma(in_to_float((kk & 1) ? aw >> 16 : aw & 0xffffu),
+                      in_to_float((kk & 1) ? bw >> 16 : bw & 0xffffu), sum);
         }
         d[r] += sum;
     }
 }
 #define MMA(d, a0, a1, a2, a3, b0, b1) mma_16816((d), (a0), (a1), (a2), (a3), (b0), (b1), ws)
-#define PACK_HALF2(lo, hi) (float_to_half(lo) | (float_to_half(hi) << 16))
+#if STORE_BF16
+#define PACK2(lo, hi) ((uint)bf16_round(lo) | ((uint)bf16_round(hi) << 16))
+#else
+#define PACK2(lo, hi) (float_to_half(lo) | (float_to_half(hi) << 16))
+#endif
 
 #else
 #define WARP_XOR(x, mask) warp_xor((x), (mask))
@@ -217,7 +243,7 @@ static inline uint transpose8(const uint w)
 static inline void mma_16816(float d[4], const uint a0, const uint a1, const uint a2, const uint a3,
                              const uint b0, const uint b1)
 {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
@@ -225,13 +251,13 @@ static inline void mma_16816(float d[4], const uint a0, const uint a1, const uin
 }
 #define MMA(d, a0, a1, a2, a3, b0, b1) mma_16816((d), (a0), (a1), (a2), (a3), (b0), (b1))
 
-static inline uint pack_half2(const float lo, const float hi)
+static inline uint pack2(const float lo, const float hi)
 {
-    uint r;  /* cvt.rn.f16x2.f32 d, a, b puts a in the upper half */
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    uint r;  /* cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the upper half */
+    asm("cvt.rn." MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-#define PACK_HALF2(lo, hi) pack_half2((lo), (hi))
+#define PACK2(lo, hi) pack2((lo), (hi))
 #endif
 
 /* the 16-bit halves of two words side by side: (lo(a), lo(b)) or (hi(a), hi(b)), one byte
@@ -417,7 +443,7 @@ static inline void piece_words(const int fmt, const raw_t piece, const bool scal
     }
 #endif
     for (int i = 0; i < 4; ++i)
-        dst[i] = PACK_HALF2(f[2 * i], f[2 * i + 1]);
+        dst[i] = PACK2(f[2 * i], f[2 * i + 1]);
 }
 
 /* a lane's part of a row as load_pieces left it (np pieces from dim e0), as 4 np words of f16
@@ -455,8 +481,8 @@ static inline void hide_nonfinite_v(uint vw[4][NTV / 2], const int t0, const int
     for (int r = 0; r < 4; ++r)
         for (int d = 0; d < NTV / 2; ++d) {
             const uint w = vw[r][d];
-            const uint nonfinite = (((w & 0x7c00u) == 0x7c00u) ? 0xffffu : 0u)
-                                   | (((w & 0x7c000000u) == 0x7c000000u) ? 0xffff0000u : 0u);
+            const uint nonfinite = (((w & EXPONENT_BITS) == EXPONENT_BITS) ? 0xffffu : 0u)
+                                   | (((w & (EXPONENT_BITS << 16)) == (EXPONENT_BITS << 16)) ? 0xffff0000u : 0u);
             vw[r][d] = w & ~nonfinite;
             bad |= (nonfinite != 0u) ? 1u << (2 * c + (r & 1) + 8 * (r >> 1)) : 0u;
         }
@@ -497,7 +523,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
     DECODE_SPAN(ROUND)  /* k0, k1, n_used, ctx_ok (else no key and a NaN state), bt_row, k_base, ... */
     const int rounds = (k1 - k0 + ROUND - 1) / ROUND;  /* every warp runs them all (uniform barriers) */
 
-    /* Q^T's B fragments, exact fp16 bits, n-tile h = heads 8h .. 8h + 7 of this work-group
+    /* Q^T's B fragments, q's exact bits, n-tile h = heads 8h .. 8h + 7 of this work-group
      * (heads past G are zeros): word qb[h][s][e] holds dims c*KQ + 4s + 2e, +1 of head g + 8h */
     uint qb[NH][KSTEPS][2];
     for (int h = 0; h < NH; ++h) {
@@ -656,8 +682,12 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         /* online softmax per head: its 16 keys are on the 8 lanes of one c (3 shuffles for the
          * max); each lane keeps its own share of the sum (added up once, at the end). P^T's B
          * fragments (pb[h][0]: keys 2c, 2c+1 of head g + 8h; pb[h][1]: keys 8+2c, 9+2c) are the
-         * transposes of the 8 x 8 blocks whose rows (keys) the lanes hold. */
+         * transposes of the 8 x 8 blocks whose rows (keys) the lanes hold. bf16: pb holds P's
+         * high parts, p_lo the rest (p - hi is exact in fp32), each rounded to bf16. */
         uint pb[NH][2];
+#if STORE_BF16
+        uint p_lo[NH][2];
+#endif
         for (int h = 0; h < NH; ++h) {
             float x[4], p[4], alpha[2];
             for (int r = 0; r < 4; ++r) {
@@ -684,8 +714,13 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
             for (int d = 0; d < MTV; ++d)
                 for (int r = 0; r < 4; ++r)
                     acc[d][h][r] *= alpha[r & 1];
-            pb[h][0] = TRANSPOSE8(PACK_HALF2(p[0], p[1]));
-            pb[h][1] = TRANSPOSE8(PACK_HALF2(p[2], p[3]));
+            const uint p01 = PACK2(p[0], p[1]), p23 = PACK2(p[2], p[3]);
+            pb[h][0] = TRANSPOSE8(p01);
+            pb[h][1] = TRANSPOSE8(p23);
+#if STORE_BF16
+            p_lo[h][0] = TRANSPOSE8(PACK2(p[0] - as_float(p01 << 16), p[1] - as_float(p01 & 0xffff0000u)));
+            p_lo[h][1] = TRANSPOSE8(PACK2(p[2] - as_float(p23 << 16), p[3] - as_float(p23 & 0xffff0000u)));
+#endif
         }
 
 #if V_QUANT && !V_AHEAD
@@ -704,8 +739,12 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
         for (int d = 0; d < MTV; ++d) {
             const uint a0 = PAIR_LO(vw[0][d], vw[1][d]), a1 = PAIR_HI(vw[0][d], vw[1][d]);
             const uint a2 = PAIR_LO(vw[2][d], vw[3][d]), a3 = PAIR_HI(vw[2][d], vw[3][d]);
-            for (int h = 0; h < NH; ++h)
+            for (int h = 0; h < NH; ++h) {
+#if STORE_BF16
+                MMA(acc[d][h], a0, a1, a2, a3, p_lo[h][0], p_lo[h][1]);  /* the smaller part first */
+#endif
                 MMA(acc[d][h], a0, a1, a2, a3, pb[h][0], pb[h][1]);
+            }
         }
     }
 #undef LOAD_K
@@ -770,7 +809,7 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
             }
         } else {
             const float inv_l = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;  /* no key: zeros */
-            vstore_half_rte(a * inv_l, dim, out + o_off + batch * o_sb + head * o_sh);
+            STORE_OUT(a * inv_l, dim, out + o_off + batch * o_sb + head * o_sh);
             if (dim == 0)
                 lse[(ulong)batch * h_q + head] = lse_of_state(mx, l_all);
         }
@@ -859,8 +898,8 @@ void flash_decode_fused(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, __global int 
             a = fma((float4)(w), (float4)(src[0], src[1], src[2], src[3]), a);
         }
         const float inv_l = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
-        __global half *o_row = out + o_off + batch * o_sb + head * o_sh;
-        vstore_half4_rte(a * inv_l, c, o_row);
+        __global store_t *o_row = out + o_off + batch * o_sb + head * o_sh;
+        STORE_OUT4(a * inv_l, c, o_row);
         if (c == 0)
             lse[(ulong)batch * h_q + head] = lse_of_state(m_all, l_all);
     }

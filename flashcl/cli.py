@@ -514,7 +514,7 @@ def _knob_option(ctx, param, values) -> dict:
                    "the contiguous plain call.")
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl", "decode_cpu.cl"]), default="auto",
               show_default=True,
-              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16, decode_cpu.cl on CPUs, else "
+              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16 or bfloat16, decode_cpu.cl on CPUs, else "
                    "decode.cl), decode.cl everywhere (the kernel Adreno and GPU float32 calls run) or "
                    "decode_cpu.cl everywhere.")
 @click.option("--knob", "knobs", multiple=True, callback=_knob_option,

@@ -144,6 +144,54 @@ def test_variants(cl_device):
     assert_rounded_oracle(out, ref, "decode with variants")
 
 
+# (H_q, H_kv, DK, DV): a GQA group of 4, a partial second n-tile (12), two work-groups per KV head (32)
+MMA_CASES = [(8, 2, 128, 128), (12, 1, 96, 64), (32, 1, 64, 64)]
+
+
+def check_tensor_core_kernel(device, h_q: int, h_kv: int, dk: int, dv: int, fused: bool, lens=(1, 17, 300),
+                             splits=(1, 3, 40)):
+    """decode_mma.cl on a bfloat16 cache (the bf16 MMA, P in two bf16 parts): the real PTX on NVIDIA
+    (sm_80+), its emulation elsewhere. Paged in a permuted table, split-k in two launches or one
+    (``fused``); the output is the oracle rounded to bfloat16."""
+    import pyopencl.array as cla
+
+    from flashcl.opencl.arrays import from_stored
+    from flashcl.opencl.decode import DecodeKernel, DecodeProblem, choose_params, tensor_cores_ok
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(device)
+    b, bs, lens = len(lens), 16, np.array(lens, np.int32)
+    prob = DecodeProblem(b, h_q, h_kv, dk, dv, True, "bfloat16")
+    mode = True if tensor_cores_ok(h, prob) else "emulate"
+    kern = DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=mode, fused_merge=fused)
+    per_seq = -(-int(lens.max()) // bs)
+    table = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(h_q)).reshape(b, per_seq)
+    q = _bf16((b, h_q, dk), 20 + h_q, 4.0)
+    k, v = _bf16((b * per_seq, bs, h_kv, dk), 21), _bf16((b * per_seq, bs, h_kv, dv), 22)
+    bits = [cla.to_device(h.queue, x.view(torch.int16).numpy().view(np.uint16)) for x in (q, k, v)]
+    td, ld = cla.to_device(h.queue, table.to(torch.int32).numpy()), cla.to_device(h.queue, lens)
+    ref, ref_lse = reference.decode_attention(_f64(q), _f64(k), _f64(v), block_table=table.numpy(),
+                                              context_lens=lens, return_lse=True)
+    # one out and lse for every call (Oclgrind's uninitialized-value tracking goes stale where a
+    # released buffer's slot is reused: test_oclgrind.keep_decode_workspaces)
+    out, lse = cla.empty(h.queue, (b, h_q, dv), np.uint16), cla.empty(h.queue, (b, h_q), np.float32)
+    for n in splits:
+        out.fill(0x7fc0)  # NaN until written
+        lse.fill(np.nan)
+        kern(*bits, out, lse, td, ld, dk ** -0.5, n)[-1].wait()
+        got = torch.from_numpy(from_stored(out.get(), "bfloat16")).to(torch.bfloat16)
+        what = f"decode_mma.cl ({mode}) bfloat16 fused={fused} splits={n}"
+        assert_rounded_oracle(got, ref, what)
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_core_kernel(cl_device, h_q, h_kv, dk, dv, fused):
+    """1-key sequences, more splits than keys, partial n-tiles, two work-groups per KV head."""
+    check_tensor_core_kernel(cl_device, h_q, h_kv, dk, dv, fused)
+
+
 def test_nan_in_q_stays_nan_and_merge_states_takes_bfloat16(cl_device):
     q, k, v = _bf16((1, 2, 3, 32), 13), _bf16((1, 2, 20, 32), 14), _bf16((1, 2, 20, 32), 15)
     q[0, 1, 2, 0] = float("nan")

@@ -225,6 +225,9 @@ BFLOAT16_CASES = [
     B("bf16-decode-rows-paged-split", "check_decode", kernel="decode_cpu.cl", paged=True, splits=3, n=40,
       dk=32, dv=16),
     # (not the few-row route: its default decode_cpu.cl tile is VEC=16, NO_UNINIT_CHECK_VEC16's case)
+    # decode_mma.cl emulated: the bf16 MMA's two P parts, GQA 20 (two work-groups per KV head), DK != DV
+    B("bf16-decode-mma-emulated", "check_tensor_core_kernel", h_q=20, h_kv=1, dk=32, dv=64, fused=False,
+      lens=[1, 40], splits=[1, 3]),
     B("bf16-q4_0-prefill-and-decodes", "check_quantized", fmt="q4_0", n=40, n_q=3, layouts=["rows"]),
 ]
 

@@ -284,9 +284,10 @@ def split_defaults(params: dict, tensor_cores: bool) -> dict:
 
 def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
     """Whether decode_mma.cl's real path applies: an NVIDIA device of compute capability 8.0+
-    (mma.sync.m16n8k16 with f16 inputs, inline PTX), an fp16 cache, DK a multiple of 32 up to 256
-    (a quantized K: 32, 64, 128 or 256) and DV 64 or 128 (16-byte row slices per work-item, the
-    accumulator in registers). Any GQA group: 16 query heads per work-group."""
+    (mma.sync.m16n8k16 with f16 or bf16 inputs, inline PTX), an fp16 cache or an unquantized bf16
+    one, DK a multiple of 32 up to 256 (a quantized K: 32, 64, 128 or 256) and DV 64 or 128 (16-byte
+    row slices per work-item, the accumulator in registers). Any GQA group: 16 query heads per
+    work-group."""
     if not handle.is_nvidia or not _mma_shape_ok(prob):
         return False
     try:
@@ -296,14 +297,16 @@ def tensor_cores_ok(handle: DeviceHandle, prob: "DecodeProblem") -> bool:
 
 
 # what _mma_shape_ok takes, in words (DecodeKernel's errors)
-_MMA_SHAPES = "an fp16 cache, DK a multiple of 32 up to 256 (a quantized K: 32, 64, 128 or 256) and DV 64 or 128"
+_MMA_SHAPES = ("an fp16 cache or an unquantized bf16 one, DK a multiple of 32 up to 256 (a quantized K: 32, 64, "
+               "128 or 256) and DV 64 or 128")
 
 
 def _mma_shape_ok(prob: "DecodeProblem") -> bool:
     # a work-item reads a quarter of a K row: a quantized one must be whole ggml blocks or one
     # block's aligned part (DK / 4 of 8, 16, 32 or 64 dims), else decode.cl reads it
     k_ok = prob.dk in (32, 64, 128, 256) if prob.k_fmt else prob.dk % 32 == 0 and prob.dk <= 256
-    return prob.dtype == "float16" and k_ok and prob.dv in (64, 128)
+    dtype_ok = prob.dtype == "float16" or (prob.dtype == "bfloat16" and not (prob.k_fmt or prob.v_fmt))
+    return dtype_ok and k_ok and prob.dv in (64, 128)
 
 
 def mma_tiles(group: int) -> int:
@@ -460,8 +463,9 @@ def workspace_shapes(prob: DecodeProblem, num_splits: int) -> tuple:
 
 
 # The arguments of flash_decode and flash_decode_split (decode_common.h: DECODE_PARAMS), in order:
-# (name, OpenCL C type, meaning). store_t is float, or half when STORE_HALF; raw_t, one 16-byte
-# chunk, is float4, or uint4 holding 8 halves. DecodeKernel.__call__ passes them in this order.
+# (name, OpenCL C type, meaning). store_t is float, half (STORE_HALF) or ushort (STORE_BF16's bits);
+# raw_t, one 16-byte chunk, is float4, or uint4 holding 8 16-bit values. DecodeKernel.__call__ passes
+# them in this order.
 _KV_STRIDES = ("in 16-byte chunks (elements / 4 for float, / 8 for half); rows start 16-byte aligned "
                "(a quantized cache, K_QUANT / V_QUANT: in bytes)")
 ARGS = (
@@ -593,7 +597,7 @@ class DecodeKernel:
         self.built_decode = self.built  # the program of flash_decode and flash_decode_split
         self.wg = work_group_size(params, prob.group, prob.dk, prob.dv, prob.dtype)
         if self.tensor_cores:
-            mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "STORE_HALF": 1,
+            mma_defines = {"HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, **storage_defines(prob.dtype),
                            "PAGED": prob.paged, "MMA_WARPS": mma_warps,
                            "MMA_EMULATE": self.tensor_cores == "emulate", **self.variant_flags, **quant_defines(prob)}
             self.built_decode = build(handle, "decode_mma.cl", mma_defines, kernel=KERNEL, verbose=verbose,

@@ -342,7 +342,7 @@ def test_tensor_cores_fused_merge_variants(cl_device):
 
 
 def test_tensor_cores_split_choice():
-    """decode_mma.cl's split rule (2 resident work-groups per SM, >= 512 keys per split) on an
+    """decode_mma.cl's split rule (2 resident work-groups per SM, >= 256 keys per split) on an
     H100 / H200 (132 SMs). Lengths on the host (equal here): the count that fills the device
     once, the best forced count both cards measured on the reference shapes and (B, 32/8, ctx)
     at B = 2, 4, 8 (ties within 4%). Device tables: at most 4096 keys a split, which splits the
@@ -353,7 +353,8 @@ def test_tensor_cores_split_choice():
 
     def pick(b, h_q, h_kv, ctx, **kw):
         return choose_num_splits(132, b * h_kv * cl_decode.mma_tiles(h_q // h_kv), ctx,
-                                 waves=cl_decode.MMA_WAVES, min_keys=cl_decode.MMA_MIN_KEYS_PER_SPLIT, **kw)
+                                 waves=cl_decode.MMA_WAVES, min_keys=cl_decode.MMA_MIN_KEYS_PER_SPLIT,
+                                 short_keys=cl_decode.MMA_SHORT_SPLIT_KEYS, **kw)
 
     host = [pick(*s, keys_per_split=None, mean_ctx=s[3]) for s in shapes]
     assert host == [1, 1, 4, 1, 4, 4, 8, 32, 32, 4, 8, 16]
@@ -363,6 +364,11 @@ def test_tensor_cores_split_choice():
     # sequence of 128k keys and seven of 1k, and for one of 32k and seven of 4k
     assert pick(8, 32, 8, 131072, keys_per_split=None, mean_ctx=(131072 + 7 * 1024) / 8) == 32
     assert pick(8, 32, 8, 32768, keys_per_split=None, mean_ctx=(32768 + 7 * 4096) / 8) == 16
+    # short contexts (and windows: their keys seen): at least 256 keys a split, and splits under
+    # 512 keys one work-group an SM at most; the H200's best forced counts, or within 10% of them
+    short = [(1, 32, 8, 1024), (1, 32, 8, 2048), (1, 32, 8, 4096), (1, 32, 8, 8192), (4, 32, 8, 1024),
+             (1, 32, 32, 1024), (2, 32, 8, 2048), (1, 16, 8, 4096), (1, 32, 4, 2048), (1, 32, 8, 256)]
+    assert [pick(*s, keys_per_split=None, mean_ctx=s[3]) for s in short] == [4, 8, 16, 16, 4, 4, 8, 16, 8, 1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -123,7 +123,7 @@ def _fullest_last_wave(slots: int, batch_heads: int, max_splits: int) -> int:
 def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves: int = WAVES,
                       keys_per_split: int = KEYS_PER_SPLIT, min_keys: int = MIN_KEYS_PER_SPLIT,
                       max_splits: int = MAX_SPLITS, params: dict | None = None,
-                      mean_ctx: float | None = None) -> int:
+                      mean_ctx: float | None = None, short_keys: int = 0) -> int:
     """The split-k count when the caller does not force one.
 
     Decode is bandwidth bound, so the whole device must be reading, and each work-group must have
@@ -135,6 +135,10 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
     * bound the work of one work-group: a split covers about ``keys_per_split`` (512) keys —
       ``pow2_floor(n_ctx / keys_per_split)`` — so long contexts split even when B·H_kv already
       fills the device (a 2k-key work-group is one long serial chain of loads).
+
+    Splits of fewer than ``short_keys`` keys (0: no such bound) number at most one work-group per
+    compute unit: where each split is short, its fixed cost (prologue, state, merge) outweighs
+    a second wave of parallelism.
 
     A split keeps at least ``min_keys`` (256) keys (its partial state and merge share stay small
     next to 128 KiB of K/V) and there are at most ``max_splits`` (64); powers of two, as every
@@ -165,6 +169,8 @@ def choose_num_splits(compute_units: int, batch_heads: int, n_ctx: int, *, waves
         fill = _pow2_floor(slots // max(1, batch_heads)) if slots >= max(1, batch_heads) else 1
         work = _pow2_floor(n_ctx // keys_per_split) if n_ctx >= keys_per_split else 1
         want = max(fill, work)
+    if short_keys and n_ctx < want * short_keys:
+        want = min(want, _pow2_floor(max(1, compute_units // max(1, batch_heads))))
     cap = _pow2_floor(max(1, min(max_splits, n_ctx // min_keys)))
     return int(max(1, min(want, cap)))
 
@@ -252,16 +258,17 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
 
 MMA_WARPS = 4  # warps per work-group of decode_mma.cl
 # choose_num_splits for decode_mma.cl: 158-253 registers per work-item fit 2 work-groups per SM
-# (not decode.cl's 4); a split keeps >= 512 keys (its prologue and merge outweigh the parallelism
-# below); lengths on the host balance the splits, device tables split past 4096 keys a split:
-# docs/notes/opencl-decode-nvidia.md.
+# (not decode.cl's 4); a split keeps >= 256 keys, and splits under 512 keys take one work-group an
+# SM at most (short contexts and windows: the merge outweighs the parallelism); lengths on the host
+# balance the splits, device tables split past 4096 keys a split: docs/notes/opencl-decode-nvidia.md.
 MMA_WAVES = 2
 # decode_mma.cl's split-k in one launch (flash_decode_fused: the last work-group of a head tile
 # merges) instead of the split kernel and flash_decode_merge: 1-33% less time, most on short
 # decodes, where a launch is a large share (docs/notes/opencl-decode-nvidia.md)
 FUSED_MERGE = True
 MMA_KEYS_PER_SPLIT = 4096
-MMA_MIN_KEYS_PER_SPLIT = 512
+MMA_MIN_KEYS_PER_SPLIT = 256
+MMA_SHORT_SPLIT_KEYS = 512
 
 
 # choose_num_splits for decode_cpu.cl (CPUs): one work-group per compute unit and a split every
@@ -276,7 +283,8 @@ def split_defaults(params: dict, tensor_cores: bool) -> dict:
     with ``params``: decode_mma.cl's, decode_cpu.cl's or decode.cl's; a configuration's
     SPLIT_WAVES / SPLIT_KEYS replace them."""
     if tensor_cores:
-        return {"waves": MMA_WAVES, "keys_per_split": MMA_KEYS_PER_SPLIT, "min_keys": MMA_MIN_KEYS_PER_SPLIT}
+        return {"waves": MMA_WAVES, "keys_per_split": MMA_KEYS_PER_SPLIT, "min_keys": MMA_MIN_KEYS_PER_SPLIT,
+                "short_keys": MMA_SHORT_SPLIT_KEYS}
     if is_rows(params):
         return {"waves": ROWS_WAVES, "keys_per_split": ROWS_KEYS_PER_SPLIT, "min_keys": MIN_KEYS_PER_SPLIT}
     return {"waves": WAVES, "keys_per_split": KEYS_PER_SPLIT, "min_keys": MIN_KEYS_PER_SPLIT}

@@ -34,7 +34,6 @@ gives that time and its ratio to the quantized call without them.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -43,7 +42,7 @@ import pyopencl.array as cla
 
 from .. import quant, reference
 from . import shapes
-from .bench_prefill import conditions, rows_as_dicts  # noqa: F401  (re-exported for the CLI)
+from .bench_prefill import conditions, cpu_peer_dtype, median_wall_ms, rows_as_dicts  # noqa: F401  (CLI)
 from ..opencl.decode import (DecodeKernel, DecodeProblem, DecodeVariants, choose_params, is_rows, layout_params,
                              mean_keys_seen, quantized_to_device)
 from ..variants import Variants
@@ -185,7 +184,7 @@ def _cpu_peer(q, k, v, table, ctx: int, scale: float, repeats: int, copies: int,
     except ImportError:
         return {}
     b, h_q, d = q.shape
-    on = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    on = cpu_peer_dtype(torch, dtype)
     rows = lambda x: x[table].reshape(b, -1, *x.shape[2:])[:, :ctx].transpose(0, 2, 1, 3)  # noqa: E731
     kc, vc = (np.ascontiguousarray(rows(x), dtype=np.float32) for x in (k, v))
     sets = [[torch.from_numpy(x.copy()).to(on) for x in (kc, vc)] for _ in range(copies)]
@@ -196,12 +195,7 @@ def _cpu_peer(q, k, v, table, ctx: int, scale: float, repeats: int, copies: int,
         f(qt, *sets[0], **kw)
     except TypeError:  # a torch without enable_gqa
         return {}
-    times = []
-    for i in range(repeats * copies):
-        t0 = time.perf_counter()
-        f(qt, *sets[i % copies], **kw)
-        times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
+    ms = median_wall_ms(lambda i: f(qt, *sets[i % copies], **kw), repeats * copies)
     return dict(peer=f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads) on contiguous "
                      f"{str(on).removeprefix('torch.')} copies of the cache", peer_ms=ms,
                 wall_ms=flashcl_ms, peer_speedup=ms / flashcl_ms)
@@ -397,12 +391,8 @@ def bench_decode(handle: DeviceHandle, shapes, *, dtype: str = "float16", block_
             del qsets
         peer_fields = {}
         if handle.is_cpu:  # the peer's time is wall clock: so is flashcl's here, launch to wait
-            walls = []
-            for i in range(repeats * copies):
-                t0 = time.perf_counter()
-                run(auto)(i % copies)[-1].wait()
-                walls.append((time.perf_counter() - t0) * 1e3)
-            peer_fields = _cpu_peer(q, k, v, table, ctx, scale, repeats, copies, statistics.median(walls), dtype)
+            wall = median_wall_ms(lambda i: run(auto)(i % copies)[-1].wait(), repeats * copies)
+            peer_fields = _cpu_peer(q, k, v, table, ctx, scale, repeats, copies, wall, dtype)
         row = DecodeRow(
             shape=f"({b},{h_q}/{h_kv},{ctx},{head_dim})", dtype=dtype, block_size=block_size,
             block_order=block_order,

@@ -149,23 +149,29 @@ def _check(q, k, v, out, causal, scale, var: Variants | None) -> float:
     return reference.rel_err(out[:1, :g, -rows:], ref)
 
 
+def cpu_peer_dtype(torch, dtype: str):
+    """The dtype torch's CPU SDPA runs in beside a ``dtype`` run: bfloat16 for bfloat16 (as a
+    bfloat16 model calls it), float32 otherwise (its float16 CPU path is no peer a user picks)."""
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+
 def _torch_cpu_sdpa(q, k, v, causal, scale, repeats, dtype: str):
-    """torch's CPU SDPA on float32 copies (bfloat16 ones for a bfloat16 run), median ms a call."""
+    """torch's CPU SDPA on copies in cpu_peer_dtype, median ms a call."""
     try:
         import torch
     except ImportError:
         return None
-    on = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    on = cpu_peer_dtype(torch, dtype)
     qt, kt, vt = (torch.from_numpy(np.asarray(x, np.float32)).to(on) for x in (q, k, v))
     kw = {"is_causal": causal, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
     if causal and q.shape[2] != k.shape[2]:
         return None  # SDPA's is_causal is top-left aligned; only square causal is comparable
     f = torch.nn.functional.scaled_dot_product_attention
     f(qt, kt, vt, **kw)
-    return _median_wall_ms(lambda i: f(qt, kt, vt, **kw), repeats)
+    return median_wall_ms(lambda i: f(qt, kt, vt, **kw), repeats)
 
 
-def _median_wall_ms(call, repeats: int) -> float:
+def median_wall_ms(call, repeats: int) -> float:
     """The median wall clock of ``call(i)`` (a whole call, to its result) over ``repeats`` calls."""
     times = []
     for i in range(repeats):
@@ -268,9 +274,9 @@ def bench_prefill(handle: DeviceHandle, shapes, *, dtype: str = "float16", repea
                 import torch
 
                 row.peer = (f"torch {torch.__version__} CPU SDPA ({torch.get_num_threads()} threads, "
-                            f"{'bfloat16' if dtype == 'bfloat16' else 'float32'})")
+                            f"{str(cpu_peer_dtype(torch, dtype)).removeprefix('torch.')})")
                 row.peer_gflops = prob.flops / (peer_ms * 1e-3) / 1e9
-                row.wall_ms = _median_wall_ms(lambda i: (runs["plain"](i), handle.queue.finish()),
+                row.wall_ms = median_wall_ms(lambda i: (runs["plain"](i), handle.queue.finish()),
                                               max(3, repeats // 2))
                 row.ratio = peer_ms / row.wall_ms
         rows.append(row)

@@ -11,6 +11,7 @@ TRITON_INTERPRET=1, which must be set before triton compiles anything, hence her
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 
@@ -99,6 +100,9 @@ def pytest_generate_tests(metafunc):
 def triton_device():
     if not (_HAS_TORCH and _HAS_TRITON):
         pytest.skip("torch and triton are not installed (pip install .[cuda])")
+    # the backend loaded, so that torch.ops.flashcl.* exist in a test that runs alone
+    importlib.import_module("flashcl.triton.decode")
+    importlib.import_module("flashcl.triton.prefill")
     return "cuda" if _cuda_available() else "cpu"
 
 

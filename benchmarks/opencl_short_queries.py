@@ -2,10 +2,13 @@
 verification, a chunk through a cache), next to flashcl.decode of one row, inputs in device memory.
 
     python benchmarks/opencl_short_queries.py --device 0:0 [--n-kv 32768] [--window LEFT] [--padding P] [--rounds 5]
+        [--paged]
 
 (1, 32/8, N_q, N_kv, 128) (``--head-dim 256``: Gemma's), fp16 (``--dtype float32`` for
 decode.cl's path on NVIDIA), causal; with ``--padding``, a bool mask (1, 1, N_q, N_kv) hides the
 first P keys (a left-padded sequence's) from the rows, and the decode takes ``key_start`` P.
+``--paged``: also flashcl.decode of the same rows (q (1, 32, N_q, D)) on the cache as pages of 16
+in random order, the speculative verification a paged cache takes.
 Two times a call, medians over the rounds (the cases interleaved in each): "wall", ``--calls``
 calls back to back then the queue's finish, host and device overlapping as an application's loop
 overlaps them; "device", from the first kernel's start to the last one's end (OpenCL profiling
@@ -65,6 +68,16 @@ def per_call_ms(call, queue, calls: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / calls
 
 
+def paged(queue, x: np.ndarray, rng, page: int = 16) -> tuple:
+    """A contiguous (1, H_kv, N, D) cache as pages of ``page`` tokens in random order, on the
+    device: (pages, table)."""
+    _, h_kv, n, d = x.shape
+    order = rng.permutation(n // page)
+    pages = np.empty((n // page, page, h_kv, d), x.dtype)
+    pages[order] = x[0].reshape(h_kv, n // page, page, d).transpose(1, 2, 0, 3)
+    return cla.to_device(queue, pages), cla.to_device(queue, order[None].astype(np.int32))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="0:0")
@@ -75,12 +88,17 @@ def main() -> None:
     ap.add_argument("--padding", type=int, default=None, help="a bool mask hides the first P keys")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--paged", action="store_true", help="also flashcl.decode of the rows on a paged cache")
     args = ap.parse_args()
     queue = get_device(args.device).queue
     rng = np.random.default_rng(0)
     n_kv, dt, D = args.n_kv, np.dtype(args.dtype), args.head_dim
-    k, v = (cla.to_device(queue, rng.standard_normal((1, H_KV, n_kv, D)).astype(dt)) for _ in range(2))
+    k_host, v_host = (rng.standard_normal((1, H_KV, n_kv, D)).astype(dt) for _ in range(2))
+    k, v = cla.to_device(queue, k_host), cla.to_device(queue, v_host)
+    if args.paged:
+        (pk, table), (pv, _) = (paged(queue, x, np.random.default_rng(1)) for x in (k_host, v_host))
     kw = {"window": (args.window, 0)} if args.window is not None else {}
+    lens = cla.to_device(queue, np.array([n_kv], np.int32))
     cases = {}
     for n_q in ROWS:
         q = cla.to_device(queue, rng.standard_normal((1, H_Q, n_q, D)).astype(dt))
@@ -89,9 +107,11 @@ def main() -> None:
             mask["mask"] = cla.to_device(queue, np.broadcast_to(np.arange(n_kv) >= args.padding,
                                                                 (1, 1, n_q, n_kv)).copy())
         cases[f"prefill N_q={n_q}"] = lambda q=q, mask=mask: flashcl.prefill(q, k, v, causal=True, **kw, **mask)
+        if args.paged and args.padding is None:
+            cases[f"paged decode N_q={n_q}"] = lambda q=q: flashcl.decode(
+                q, pk, pv, block_table=table, context_lens=lens, **kw)
     # decode of the last row: the same cache as a contiguous (B, H_kv, N_max, D) one
     q1 = cla.to_device(queue, rng.standard_normal((1, H_Q, D)).astype(dt))
-    lens = cla.to_device(queue, np.array([n_kv], np.int32))
     start = {}
     if args.padding is not None:
         start["key_start"] = cla.to_device(queue, np.array([args.padding], np.int32))
@@ -109,7 +129,7 @@ def main() -> None:
           f"{'' if args.padding is None else f', the first {args.padding} keys masked'}; ms a call, median of {args.rounds} rounds [min-max]")
     for name in cases:
         w, d = wall[name], device[name]
-        print(f"{name:>18}: wall {statistics.median(w):.4f} [{min(w):.4f}-{max(w):.4f}]  "
+        print(f"{name:>22}: wall {statistics.median(w):.4f} [{min(w):.4f}-{max(w):.4f}]  "
               f"device {statistics.median(d):.4f} [{min(d):.4f}-{max(d):.4f}]")
 
 

@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--paged", action="store_true", help="also flashcl.decode of the rows on a paged cache")
     args = ap.parse_args()
+    if args.paged and (args.padding is not None or args.n_kv % 16):
+        ap.error("--paged: N_kv a multiple of the 16-token page, and no --padding (decode takes key_start)")
     queue = get_device(args.device).queue
     rng = np.random.default_rng(0)
     n_kv, dt, D = args.n_kv, np.dtype(args.dtype), args.head_dim
@@ -107,7 +109,7 @@ def main() -> None:
             mask["mask"] = cla.to_device(queue, np.broadcast_to(np.arange(n_kv) >= args.padding,
                                                                 (1, 1, n_q, n_kv)).copy())
         cases[f"prefill N_q={n_q}"] = lambda q=q, mask=mask: flashcl.prefill(q, k, v, causal=True, **kw, **mask)
-        if args.paged and args.padding is None:
+        if args.paged:
             cases[f"paged decode N_q={n_q}"] = lambda q=q: flashcl.decode(
                 q, pk, pv, block_table=table, context_lens=lens, **kw)
     # decode of the last row: the same cache as a contiguous (B, H_kv, N_max, D) one

@@ -7,7 +7,9 @@
  * in memory: at (1, 32/8, 1k, 128) fp32 decode.cl took 6.4 ms on two cores where torch's CPU
  * attention took 1.0 ms (docs/notes/pocl-decode.md). Here one work-item serves one
  * (sequence, KV head, split) and its whole GQA group: it reads each K/V row once, whole, in
- * vector types the CPU compiler maps to SIMD registers, and no value crosses a work-item.
+ * vector types the CPU compiler maps to SIMD registers, and no value crosses a work-item. A group
+ * of more heads (query rows count as heads) than one work-item keeps in L1 is served GROUP_TILE
+ * heads a work-group, each tile reading the rows again.
  *
  * Per tile of BLOCK_N keys: the scores of every head of the group for each key (one pass over the
  * key's row), the variants' changes, one online-softmax step per head (one rescale a tile), then
@@ -32,6 +34,13 @@
 
 #ifndef VEC
 #define VEC 8             // floats per vector operation: 4, 8 or 16 (dividing both head dims)
+#endif
+#ifndef GROUP_TILE
+#define GROUP_TILE GROUP  // query heads of the group (GQA heads x query rows) one work-item serves
+#endif
+#define GROUP_TILES ((GROUP + GROUP_TILE - 1) / GROUP_TILE)  // work-groups per KV head
+#if GROUP_TILE < 1 || GROUP_TILE > GROUP
+#error "GROUP_TILE must be in 1..GROUP"
 #endif
 
 #if STORE_HALF
@@ -188,36 +197,41 @@ FLASHCL_SOFTCAP_FN(floatT, softcap_tile, native_exp2, native_recip)  /* softcap_
 #endif
 #endif
 
+/* query head of tile head h: padding heads past the group's end read the last head's */
+#define HEAD(h) (head0 + min((h), heads - 1))
+
 static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const bool partial)
 {
     const int split = get_group_id(0);
-    const int kv_head = get_group_id(1);
+    const int kv_head = get_group_id(1) / GROUP_TILES;
     const int batch = get_group_id(2);
-    const int head0 = kv_head * GROUP;
+    const int tile = get_group_id(1) % GROUP_TILES;
+    const int head0 = kv_head * GROUP + tile * GROUP_TILE;
+    const int heads = min(GROUP_TILE, GROUP - tile * GROUP_TILE);  /* the last tile's may be fewer */
 
     DECODE_SPAN(BLOCK_N)  /* k0, k1, n_used, ctx_ok, bt_row, k_base, v_base, k_rel, v_rel */
 
     /* q pre-scaled into the log2 domain; the empty state, or NaN for a bad context length */
-    floatV qv[GROUP][CK], acc[GROUP][CV];
-    float m[GROUP], l[GROUP], slope[GROUP];
-    for (int h = 0; h < GROUP; ++h) {
-        __global const store_t *q_row = q + q_off + batch * q_sb + (head0 + h) * q_sh;
+    floatV qv[GROUP_TILE][CK], acc[GROUP_TILE][CV];
+    float m[GROUP_TILE], l[GROUP_TILE], slope[GROUP_TILE];
+    for (int h = 0; h < GROUP_TILE; ++h) {  /* padding heads (h >= heads): the last head's, not stored */
+        __global const store_t *q_row = q + q_off + batch * q_sb + HEAD(h) * q_sh;
         for (int c = 0; c < CK; ++c)
             qv[h][c] = LOADV(q_row, c) * scale_log2;
         for (int c = 0; c < CV; ++c)
             acc[h][c] = (floatV)(ctx_ok ? 0.0f : NAN);
         m[h] = -INFINITY;
         l[h] = ctx_ok ? 0.0f : NAN;
-        slope[h] = ALIBI_SLOPE_LOG2(batch, head0 + h);
+        slope[h] = ALIBI_SLOPE_LOG2(batch, HEAD(h));
     }
 
     for (int t0 = k0; t0 < k1; t0 += BLOCK_N) {
         const int nt = min(BLOCK_N, k1 - t0);
-        float s[GROUP][BLOCK_N];
+        float s[GROUP_TILE][BLOCK_N];
         for (int u = 0; u < nt; ++u) {
             const int key = t0 + u;
-            floatV dot[GROUP];
-            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+            floatV dot[GROUP_TILE];
+            FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                 dot[h] = (floatV)(0.0f);
             const K_ROW_T row = K_ROW(key);
 #if PREFETCH
@@ -230,15 +244,15 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
 #endif
             FLASHCL_UNROLL for (int c = 0; c < CK; ++c) {
                 const floatV kf = K_VEC(row, c);
-                FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+                FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                     dot[h] = fma(qv[h][c], kf, dot[h]);
             }
-            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                 s[h][u] = HSUM_V(dot[h]);
         }
 #if SOFTCAP || ALIBI
         /* the variants that change a score, in SCORE_VARIANTS' order: softcap, then ALiBi */
-        for (int h = 0; h < GROUP; ++h) {
+        for (int h = 0; h < GROUP_TILE; ++h) {
 #if SOFTCAP && TILE_VECTOR
             if (nt == BLOCK_N)
                 STORE_TILE(softcap_tile(LOAD_TILE(s[h]), SOFTCAP_ARGS), s[h]);
@@ -247,19 +261,19 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
                 for (int u = 0; u < nt; ++u)
                     s[h][u] = SOFTCAP_SCORE(s[h][u]);
             for (int u = 0; u < nt; ++u)
-                s[h][u] = ALIBI_SCORE(s[h][u], slope[h], ROW_POS(h, n_used) - (t0 + u));
+                s[h][u] = ALIBI_SCORE(s[h][u], slope[h], ROW_POS(HEAD(h), n_used) - (t0 + u));
         }
 #endif
         const bool rows_differ = ROWS_DIFFER(t0, nt, n_used);
         if (rows_differ)
-            for (int h = 0; h < GROUP; ++h)
+            for (int h = 0; h < GROUP_TILE; ++h)
                 for (int u = 0; u < nt; ++u)
-                    s[h][u] = ROW_VISIBLE(batch, head0 + h, t0 + u, n_used)
-                              ? s[h][u] + MASK_ADD(batch, head0 + h, t0 + u) : -INFINITY;
+                    s[h][u] = ROW_VISIBLE(batch, HEAD(h), t0 + u, n_used)
+                              ? s[h][u] + MASK_ADD(batch, HEAD(h), t0 + u) : -INFINITY;
         /* one online-softmax step per head: the rescale of acc to the tile's max (alpha), then
          * p = 2^(s - m) in place of the scores */
-        float alpha[GROUP];
-        for (int h = 0; h < GROUP; ++h) {
+        float alpha[GROUP_TILE];
+        for (int h = 0; h < GROUP_TILE; ++h) {
             float tile_max = -INFINITY;
             for (int u = 0; u < nt; ++u)
                 tile_max = fmax(tile_max, s[h][u]);
@@ -285,27 +299,27 @@ static inline void decode_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, const 
         for (int u = 0; u < nt; ++u)
             vrow[u] = V_ROW(t0 + u);
         for (int c = 0; c < CV; ++c) {
-            floatV a[GROUP];
-            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+            floatV a[GROUP_TILE];
+            FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                 a[h] = acc[h][c] * alpha[h];
             for (int u = 0; u < nt; ++u) {
                 const floatV vf = V_VEC(vrow[u], c);
                 if (rows_differ) {  /* a key a row does not see adds nothing, even a V of inf */
-                    FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
-                        if (ROW_VISIBLE(batch, head0 + h, t0 + u, n_used))
+                    FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
+                        if (ROW_VISIBLE(batch, HEAD(h), t0 + u, n_used))
                             a[h] = fma((floatV)(s[h][u]), vf, a[h]);
                 } else {
-                    FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+                    FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                         a[h] = fma((floatV)(s[h][u]), vf, a[h]);
                 }
             }
-            FLASHCL_UNROLL for (int h = 0; h < GROUP; ++h)
+            FLASHCL_UNROLL for (int h = 0; h < GROUP_TILE; ++h)
                 acc[h][c] = a[h];
         }
     }
 
     /* the sink joins as one more key of value zero (here, or in split 0's state only) */
-    for (int h = 0; h < GROUP; ++h) {
+    for (int h = 0; h < heads; ++h) {
         const int head = head0 + h;
         const float sink = SINK_LOG2(head, !partial || split == 0);
         const float m_all = fmax(m[h], sink);

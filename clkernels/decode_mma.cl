@@ -32,10 +32,11 @@
  *                 blocks of P; one movmatrix.trans each makes them P^T's B fragments.
  *
  * Numerics as decode.cl: fp16 products exact in fp32, fp32 accumulation, scores in log2 units
- * (the scale is applied to S in fp32, q stays exact fp16), P rounded to fp16 for the second MMA
- * (as every tensor-core flash attention does). A bfloat16 cache (STORE_BF16, plain rows) takes the
- * bf16 MMA, P as two bf16 parts (hi + lo: 16 significant bits, past fp16's 11) in two MMAs. Keys past the split's end score -inf and read the
- * row of its last key (a visible row: P = 0 times finite values, and no zero-fill or branch per
+ * (the scale is applied to S in fp32, q stays exact), P rounded to fp16 for the second MMA (as
+ * every tensor-core flash attention does). A bfloat16 cache (STORE_BF16, plain rows) takes the
+ * bf16 MMA with P as two bf16 parts (hi + lo: 16 significant bits, past fp16's 11) in two MMAs,
+ * so that out is the oracle rounded to bf16 as decode.cl's is. Keys past the split's end score
+ * -inf and read the row of its last key (a visible row: P = 0 times finite values, and no zero-fill or branch per
  * row in the loop), and the tables are checked as in decode.cl (decode_common.h): a
  * context length outside [0, capacity] or a used block id outside [0, num_blocks) reads nothing
  * out of bounds and gives the sequence NaN out and lse.
@@ -55,7 +56,7 @@
  * speed. Every loop that contains them has the same trip count on the whole work-group (barriers).
  */
 
-#include "common.h"   /* HEAD_DK, HEAD_DV, STORE_HALF, lse_of_state */
+#include "common.h"   /* HEAD_DK, HEAD_DV, STORE_HALF, STORE_BF16, lse_of_state */
 #ifndef GROUP
 #error "GROUP (query heads per KV head, H_q / H_kv) must be defined by the host"
 #endif
@@ -679,11 +680,9 @@ static inline void decode_mma_body(DECODE_PARAMS VARIANT_PARAMS QUANT_PARAMS, co
                     qb[h][s][0], qb[h][s][1]);
         }
 
-        /* online softmax per head: its 16 keys are on the 8 lanes of one c (3 shuffles for the
-         * max); each lane keeps its own share of the sum (added up once, at the end). P^T's B
-         * fragments (pb[h][0]: keys 2c, 2c+1 of head g + 8h; pb[h][1]: keys 8+2c, 9+2c) are the
-         * transposes of the 8 x 8 blocks whose rows (keys) the lanes hold. bf16: pb holds P's
-         * high parts, p_lo the rest (p - hi is exact in fp32), each rounded to bf16. */
+        /* online softmax per head: its 16 keys on the 8 lanes of one c (3 shuffles for the max),
+         * each lane's share of the sum added up at the end. P^T's B fragments (pb[h][0]: keys 2c,
+         * 2c+1 of head g + 8h; [1]: 8+2c, 9+2c) transpose the lanes' 8 x 8 blocks; bf16: p_lo too */
         uint pb[NH][2];
 #if STORE_BF16
         uint p_lo[NH][2];

@@ -514,9 +514,9 @@ def _knob_option(ctx, param, values) -> dict:
                    "the contiguous plain call.")
 @click.option("--kernel", type=click.Choice(["auto", "decode.cl", "decode_cpu.cl"]), default="auto",
               show_default=True,
-              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16 or bfloat16, decode_cpu.cl on CPUs, else "
-                   "decode.cl), decode.cl everywhere (the kernel Adreno and GPU float32 calls run) or "
-                   "decode_cpu.cl everywhere.")
+              help="OpenCL: auto (decode_mma.cl on NVIDIA sm_80+ with float16 or unquantized bfloat16, "
+                   "decode_cpu.cl on CPUs, else decode.cl), decode.cl everywhere (the kernel Adreno and GPU "
+                   "float32 calls run) or decode_cpu.cl everywhere.")
 @click.option("--knob", "knobs", multiple=True, callback=_knob_option,
               help="Triton: a launch knob every flashcl call of the run takes, the float16 baseline included, "
                    "KEY=VALUE (repeatable; values are integers, true, false or none), e.g. "

@@ -11,7 +11,6 @@ TRITON_INTERPRET=1, which must be set before triton compiles anything, hence her
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import os
 

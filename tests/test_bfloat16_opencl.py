@@ -185,11 +185,54 @@ def check_tensor_core_kernel(device, h_q: int, h_kv: int, dk: int, dv: int, fuse
         np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-5, atol=1e-5, err_msg=what)
 
 
+def test_tensor_core_kernel_takes_plain_bfloat16_only():
+    """decode_mma.cl reads bfloat16 rows as they are stored; its dequantization builds fp16 words,
+    so a quantized cache under bfloat16 q stays with decode.cl (which rounds its values to bf16)."""
+    from flashcl.opencl.decode import DecodeProblem, _mma_shape_ok
+
+    assert _mma_shape_ok(DecodeProblem(2, 8, 2, 128, 128, True, "bfloat16"))
+    for k_fmt, v_fmt in (("q8_0", None), (None, "int8"), ("q4_0", "q4_0")):
+        assert not _mma_shape_ok(DecodeProblem(2, 8, 2, 128, 128, True, "bfloat16", k_fmt, v_fmt))
+        assert _mma_shape_ok(DecodeProblem(2, 8, 2, 128, 128, True, "float16", k_fmt, v_fmt))
+
+
 @pytest.mark.parametrize("h_q,h_kv,dk,dv", MMA_CASES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_tensor_core_kernel(cl_device, h_q, h_kv, dk, dv, fused):
     """1-key sequences, more splits than keys, partial n-tiles, two work-groups per KV head."""
     check_tensor_core_kernel(cl_device, h_q, h_kv, dk, dv, fused)
+
+
+def test_tensor_core_kernel_rows_hide_nonfinite_v(cl_device):
+    """decode_mma.cl on bfloat16 with causal query rows (QUERY_ROWS: 4 rows of 4 heads): a V of inf
+    and of NaN at keys only the later rows see reach none of the earlier rows (K NaN there too),
+    and a V of 3e37 in those tiles is a value, not hidden (bf16's exponent bits). Emulated off NVIDIA."""
+    import pyopencl.array as cla
+
+    from flashcl.opencl.arrays import from_stored
+    from flashcl.opencl.decode import DecodeKernel, DecodeProblem, DecodeVariants, choose_params, tensor_cores_ok
+    from flashcl.opencl.runtime import get_device
+
+    h = get_device(cl_device)
+    n, n_q, dk = 40, 4, 64
+    prob = DecodeProblem(1, 4 * n_q, 1, dk, dk, False, "bfloat16")
+    mode = True if tensor_cores_ok(h, prob) else "emulate"
+    var = DecodeVariants.of(None, prob, query_rows=n_q)
+    kern = DecodeKernel(h, prob, choose_params(h, prob).params, tensor_cores=mode, variant_flags=var.flags())
+    q, k, v = _bf16((1, 4, n_q, dk), 30, 2.0), _bf16((1, 1, n, dk), 31), _bf16((1, 1, n, dk), 32)
+    v[0, 0, -3, 9] = 3e37  # finite, though fp16's exponent bits are all set in its bf16 bits
+    kp, vp = k.clone(), v.clone()
+    vp[0, 0, -1, 5], vp[0, 0, -2, 7], kp[0, 0, -1, 3] = float("inf"), float("nan"), float("nan")
+    bits = [cla.to_device(h.queue, x.view(torch.int16).numpy().view(np.uint16)) for x in (q.reshape(1, -1, dk), kp, vp)]
+    lens = cla.to_device(h.queue, np.array([n], np.int32))
+    out, lse = cla.empty(h.queue, (1, 4 * n_q, dk), np.uint16), cla.empty(h.queue, (1, 4 * n_q), np.float32)
+    for splits in (1, 3):
+        kern(*bits, out, lse, lens, lens, dk ** -0.5, splits, variants=var)[-1].wait()
+        got = torch.from_numpy(from_stored(out.get(), "bfloat16").reshape(1, 4, n_q, dk)).to(torch.bfloat16)
+        ref = reference.decode_attention(_f64(q), _f64(k), _f64(v), context_lens=np.array([n]))
+        what = f"decode_mma.cl ({mode}) bfloat16 rows, splits={splits}"
+        assert_rounded_oracle(got[:, :, : n_q - 2], ref[:, :, : n_q - 2], what)  # rows that see neither key
+        assert bool(got[:, :, n_q - 1].float().isnan().any()), f"{what}: the last row sees the NaN"
 
 
 def test_nan_in_q_stays_nan_and_merge_states_takes_bfloat16(cl_device):

@@ -59,6 +59,24 @@ def test_rows_are_their_tokens_decoded_alone_opencl(cl_device, n_q, splits):
     check_out_and_lse(out, lse, alone, alone_lse, "float32", f"rows {n_q} against one at a time", lse_rtol=1e-5)
 
 
+@pytest.mark.parametrize("group,n_q,h_kv", [(7, 7, 2), (52, 1, 1)])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_groups_past_one_work_item_opencl(cl_device, group, n_q, h_kv, splits):
+    """decode_cpu.cl (forced on any device) serves a group of more query heads (GQA heads x rows)
+    than one work-item keeps, ROWS_GROUP_TILE, in even tiles, the last padded: 49 rows as 25 + 24
+    for each of 2 KV heads, an MQA group of 52 heads as 26 + 26; every variant, as the oracle."""
+    from flashcl.opencl.decode import ROWS_GROUP_TILE, rows_tiles
+
+    assert group * n_q > ROWS_GROUP_TILE and rows_tiles(group * n_q) == 2
+    q, k, v, table, lens, variants = _case(n_q, group=group, h_kv=h_kv)
+    rows_layout = {"VARIANT": "rows", "BLOCK_N": 16, "VEC": 8, "MERGE_WG": 64}
+    out, lse = flashcl.decode(q if n_q > 1 else q[:, :, 0], k, v, block_table=table, context_lens=lens,
+                              num_splits=splits, return_lse=True, device=cl_device, params=rows_layout, **variants)
+    ref, ref_lse = reference.decode_attention(q if n_q > 1 else q[:, :, 0], np.nan_to_num(k), np.nan_to_num(v),
+                                              block_table=table, context_lens=lens, return_lse=True, **variants)
+    check_out_and_lse(out, lse, ref, ref_lse, "float32", f"group {group} x {n_q} rows", lse_rtol=1e-5)
+
+
 @pytest.mark.parametrize("n_q", [1, 4])
 def test_rows_are_their_tokens_decoded_alone_triton(triton_device, n_q):
     torch = pytest.importorskip("torch")

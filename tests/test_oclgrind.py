@@ -179,6 +179,9 @@ DECODE_CASES = [
     D("rows-contig-mha-vec16-f16", b=2, h_q=2, h_kv=2, dk=64, dv=32, n_max=37, lens=None,
       dtype="float16", splits=[1, 5], VARIANT="rows", BLOCK_N=5, VEC=16, MERGE_WG=32,
       env=NO_UNINIT_CHECK_VEC16),
+    # decode_cpu.cl's group tiles: GQA groups of 49 heads as 25 + 24 (a padding head), 2 KV heads
+    D("rows-paged-gqa49-tiles-f32", b=2, h_q=98, h_kv=2, dk=16, dv=16, lens=[5, 20], block_size=4,
+      dtype="float32", splits=[1, 3], VARIANT="rows", BLOCK_N=4, VEC=4, MERGE_WG=16),
 ]
 
 
@@ -224,10 +227,10 @@ BFLOAT16_CASES = [
       dv=16),
     B("bf16-decode-rows-paged-split", "check_decode", kernel="decode_cpu.cl", paged=True, splits=3, n=40,
       dk=32, dv=16),
-    # (not the few-row route: its default decode_cpu.cl tile is VEC=16, NO_UNINIT_CHECK_VEC16's case)
     # decode_mma.cl emulated: the bf16 MMA's two P parts, GQA 20 (two work-groups per KV head), DK != DV
     B("bf16-decode-mma-emulated", "check_tensor_core_kernel", h_q=20, h_kv=1, dk=32, dv=64, fused=False,
       lens=[1, 40], splits=[1, 3]),
+    # (not the few-row route: its default decode_cpu.cl tile is VEC=16, NO_UNINIT_CHECK_VEC16's case)
     B("bf16-q4_0-prefill-and-decodes", "check_quantized", fmt="q4_0", n=40, n_q=3, layouts=["rows"]),
 ]
 

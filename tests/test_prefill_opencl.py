@@ -313,7 +313,7 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
     group_rows, head_dim = cl_prefill.decode_limits(get_device(cl_device))
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
                                             (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32),
-                                            (1, 8, 2, 16, 70, 64, 64),  # 64 rows a KV head: GPUs only
+                                            (1, 8, 2, 16, 70, 64, 64),  # 64 rows a KV head
                                             (1, 4, 2, 3, 40, 256, 256)]:  # GPUs only
         q, k, v = _inputs(rng, b, h_q, h_kv, n_q, n_kv, dk, dv, dtype)
         slopes = rng.uniform(0.05, 0.5, (b, h_q)).astype(np.float32)

@@ -2,19 +2,20 @@
 layout), clkernels/decode_cpu.cl (CPUs, the "rows" layout) and clkernels/decode_mma.cl (NVIDIA
 tensor cores); decode.cl's merge combines the split states of all three.
 
-One work-group per (sequence, KV head, split) serves the whole GQA group; ``num_splits == 1`` is a
-single pass that writes the normalized output itself, more splits write float32 partial states
-that ``flash_decode_merge`` combines exactly. The split count, when not forced, comes from
+One work-group per (sequence, KV head, split) serves the whole GQA group (a larger one takes
+several: decode_mma.cl 16 query heads each, decode_cpu.cl up to ROWS_GROUP_TILE); ``num_splits ==
+1`` is a single pass that writes the normalized output itself, more splits write float32 partial
+states that ``flash_decode_merge`` combines exactly. The split count, when not forced, comes from
 :func:`choose_num_splits` (``DecodeKernel.auto_splits``).
 
-On NVIDIA devices of compute capability 8.0+ with an fp16 cache (``tensor_cores_ok``) the two
-decode kernels come from decode_mma.cl: both products on mma.sync (inline PTX), keys as the
-MMAs' rows and query heads as their columns, ~26 warp instructions per key of an fp16 cache
-instead of ~115, so the SMs no longer run out of issue slots before HBM runs out of bandwidth;
-split-k runs there in one launch (flash_decode_fused: the last work-group merges). decode.cl
-serves the other GPUs and fp32 caches; decode_cpu.cl, one work-item reading whole rows in SIMD
-vectors, serves CPUs (docs/notes/pocl-decode.md). What was measured for both, and every variant that
-lost: docs/notes/opencl-decode-nvidia.md.
+On NVIDIA devices of compute capability 8.0+ with an fp16 or unquantized bf16 cache
+(``tensor_cores_ok``) the two decode kernels come from decode_mma.cl: both products on mma.sync
+(inline PTX), keys as the MMAs' rows and query heads as their columns, ~26 warp instructions per key
+of an fp16 cache instead of ~115, so the SMs no longer run out of issue slots before HBM runs out of
+bandwidth; split-k runs there in one launch (flash_decode_fused: the last work-group merges).
+decode.cl serves the other GPUs and fp32 caches; decode_cpu.cl, one work-item reading whole rows in
+SIMD vectors, serves CPUs (docs/notes/pocl-decode.md). What was measured for both, and every variant
+that lost: docs/notes/opencl-decode-nvidia.md.
 
 Attention variants (window, softcap, sinks, ALiBi: :class:`DecodeVariants`) and quantized caches
 (q8_0, q4_0, int8 QuantizedTensors: ``DecodeProblem.k_fmt`` / ``v_fmt``) are -D flags of both
@@ -257,10 +258,9 @@ def row_shuffle_ok(handle: DeviceHandle, params: dict, group: int, dk: int, dv: 
 
 
 MMA_WARPS = 4  # warps per work-group of decode_mma.cl
-# choose_num_splits for decode_mma.cl: 158-253 registers per work-item fit 2 work-groups per SM
-# (not decode.cl's 4); a split keeps >= 256 keys, and splits under 512 keys take one work-group an
-# SM at most (short contexts and windows: the merge outweighs the parallelism); lengths on the host
-# balance the splits, device tables split past 4096 keys a split: docs/notes/opencl-decode-nvidia.md.
+# choose_num_splits for decode_mma.cl: 2 work-groups an SM (158-253 registers a work-item), >= 256
+# keys a split, splits under 512 keys one work-group an SM at most; host lengths balance the splits,
+# device tables split past 4096 keys a split (docs/notes/opencl-decode-nvidia.md, "Short splits")
 MMA_WAVES = 2
 # decode_mma.cl's split-k in one launch (flash_decode_fused: the last work-group of a head tile
 # merges) instead of the split kernel and flash_decode_merge: 1-33% less time, most on short
@@ -313,7 +313,7 @@ def _mma_shape_ok(prob: "DecodeProblem") -> bool:
     # a work-item reads a quarter of a K row: a quantized one must be whole ggml blocks or one
     # block's aligned part (DK / 4 of 8, 16, 32 or 64 dims), else decode.cl reads it
     k_ok = prob.dk in (32, 64, 128, 256) if prob.k_fmt else prob.dk % 32 == 0 and prob.dk <= 256
-    dtype_ok = prob.dtype == "float16" or (prob.dtype == "bfloat16" and not (prob.k_fmt or prob.v_fmt))
+    dtype_ok = prob.dtype == "float16" or (prob.dtype == "bfloat16" and not prob.quantized)
     return dtype_ok and k_ok and prob.dv in (64, 128)
 
 
@@ -444,10 +444,32 @@ def merge_defines(prob: DecodeProblem, params: dict, *, unroll_merge: bool = Tru
             "MERGE_WG": params["MERGE_WG"], "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": 1, "HEAD_TILE": 1}
 
 
+# decode_cpu.cl: the most query heads of a group (GQA heads x query rows) one work-item serves, a
+# larger group in even tiles of at most this many (PoCL: 64 in one work-item took 3x 32's time;
+# docs/notes/pocl-decode.md, "Query rows as a decode")
+ROWS_GROUP_TILE = 48
+
+
+def rows_tiles(group: int) -> int:
+    """Work-groups of decode_cpu.cl per KV head."""
+    return -(-group // ROWS_GROUP_TILE)
+
+
+def rows_group_tile(group: int) -> int:
+    """Query heads of the group one decode_cpu.cl work-item serves: even tiles, the last padded."""
+    return -(-group // rows_tiles(group))
+
+
+def head_tiles(group: int, tensor_cores, rows: bool) -> int:
+    """Work-groups per KV head along grid dimension 1: decode_mma.cl's and decode_cpu.cl's tiles
+    of a large group, else 1."""
+    return mma_tiles(group) if tensor_cores else rows_tiles(group) if rows else 1
+
+
 def rows_defines(prob: DecodeProblem, params: dict, variant_flags=None) -> dict:
     """The ``-D`` defines of decode_cpu.cl (the "rows" layout)."""
     return {
-        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group,
+        "HEAD_DK": prob.dk, "HEAD_DV": prob.dv, "GROUP": prob.group, "GROUP_TILE": rows_group_tile(prob.group),
         **storage_defines(prob.dtype), "PAGED": prob.paged,
         "BLOCK_N": params["BLOCK_N"], "VEC": params["VEC"], **(variant_flags or {}), **quant_defines(prob),
     }
@@ -625,8 +647,7 @@ class DecodeKernel:
                             else bool(fused_merge))
         if self.tensor_cores:
             self.kernels["flash_decode_fused"] = self.built_decode.kernel("flash_decode_fused")
-        # work-groups per KV head along grid dimension 1 (decode_mma.cl splits large groups)
-        self.head_tiles = mma_tiles(prob.group) if self.tensor_cores else 1
+        self.head_tiles = head_tiles(prob.group, self.tensor_cores, self.rows)
         for name, need in (("flash_decode", self.wg), ("flash_decode_merge", params["MERGE_WG"]),
                            *((("flash_decode_fused", self.wg),) if self.tensor_cores else ())):
             kwg = int(self.kernels[name].get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE,

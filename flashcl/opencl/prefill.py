@@ -12,7 +12,7 @@ import pyopencl.array as cla
 from .. import tuning
 from ..quant import BLOCK_BYTES, QuantizedTensor, dtype_name
 from ..reference import causal_mask, window_mask
-from ..variants import DECODE_ROWS, Variants, mask_block_map, mask_visible
+from ..variants import DECODE_GROUP_ROWS, DECODE_ROWS, Variants, mask_block_map, mask_visible
 from .arrays import (HostBuffer, attach_events, check_fits, elem_strides, handle_for_inputs, host_buffer,
                      host_result, host_to_device, host_view, launch_and_read, native_host, nbytes, row_bytes,
                      storage_defines, storage_dtype, to_device_4d, wait_for_inputs, QUANT_CODES)
@@ -414,9 +414,9 @@ def mask_first_keys(mask: np.ndarray, b: int) -> np.ndarray:
 
 
 # Rows of a KV head's group (GQA group x N_q <= DECODE_ROWS) and head dim a prefill runs as a decode
-# up to: a CPU's what decode_cpu.cl keeps in registers as measured; a GPU's four of decode_mma.cl's
-# 16-row work-groups and the head dims its decode kernels take
-DECODE_LIMITS = {"cpu": (48, 128), "gpu": (64, 256)}
+# up to: every row decode takes (decode_cpu.cl and decode_mma.cl tile larger groups); a CPU's head
+# dims as measured, a GPU's those its decode kernels take
+DECODE_LIMITS = {"cpu": (DECODE_GROUP_ROWS, 128), "gpu": (DECODE_GROUP_ROWS, 256)}
 
 
 def decode_limits(handle: DeviceHandle) -> tuple[int, int]:

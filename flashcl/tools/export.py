@@ -647,7 +647,7 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
                      f"not from a measurement. Tune on the device (flashcl tune --device {target.profile.name}) "
                      f"and export again for measured tiles")
     if target.handle is not None and target.handle.is_nvidia:
-        notes.append("decode_mma.cl (NVIDIA tensor cores, fp16) is not exported: flashcl runs it on sm_80+ "
+        notes.append("decode_mma.cl (NVIDIA tensor cores) is not exported: flashcl runs it on sm_80+ "
                      "where this export's decode.cl is the portable path")
     if target.is_cpu:
         notes.append("decode_cpu.cl (flashcl's decode on CPU devices) is not exported: this export's decode.cl "

@@ -25,7 +25,7 @@ kernel's end at the split count the split rule gives it. The split rule's consta
 SPLIT_KEYS) are host parameters: a configuration's tiles are built once and timed at each
 distinct split count the candidate constants give on this device and problem, the constants
 nearest the defaults standing for each count (one problem cannot tell the others apart). Where
-decode_mma.cl runs (NVIDIA sm_80+, fp16), ROWS, UNROLL and HEAD_TILE do not apply and stay at the
+decode_mma.cl runs (NVIDIA sm_80+, fp16 and bf16), ROWS, UNROLL and HEAD_TILE do not apply and stay at the
 default; MERGE_WG and the split rule are swept.
 
 **Model mode.** When the named device is not attached (``--device adreno`` on a laptop or in
@@ -312,7 +312,7 @@ def decode_splits(compute_units: int, shape, params: dict, tensor_cores: bool) -
     from ..opencl import decode as cd
 
     b, h_q, h_kv, ctx, d = shape
-    heads = b * h_kv * (cd.mma_tiles(h_q // h_kv) if tensor_cores else 1)
+    heads = b * h_kv * cd.head_tiles(h_q // h_kv, tensor_cores, cd.is_rows(params) and not tensor_cores)
     return cd.choose_num_splits(compute_units, heads, ctx, params=params, **cd.split_defaults(params, tensor_cores))
 
 

@@ -521,6 +521,21 @@ DECODE_MERGE_WG = 256  # the merge kernel's work-group (see _decode_defaults)
 ROWS_SPLIT_WAVES = 1
 ROWS_SPLIT_KEYS = 16384
 
+# decode_cpu.cl: the most query heads of a group (GQA heads x query rows) one work-item serves, a
+# larger group in even tiles of at most this many (PoCL: 64 in one work-item took 3x 32's time;
+# docs/notes/pocl-decode.md, "Query rows as a decode")
+ROWS_GROUP_TILE = 48
+
+
+def rows_tiles(group: int) -> int:
+    """Work-groups of decode_cpu.cl per KV head."""
+    return -(-group // ROWS_GROUP_TILE)
+
+
+def rows_group_tile(group: int) -> int:
+    """Query heads of the group one decode_cpu.cl work-item serves: even tiles, the last padded."""
+    return -(-group // rows_tiles(group))
+
 
 def storage_bytes(dtype: str) -> int:
     """Bytes of an element as the kernels store it: 2 for float16 and bfloat16, 4 for float32."""
@@ -571,7 +586,7 @@ def _decode_private_floats(p: dict, dims: Dims) -> int:
     per head, m and l per head, one K/V vector, ~24 scalars; q and acc of the group are arrays a
     CPU keeps in L1 (PoCL: on the stack)."""
     if is_rows(p):
-        return dims.group * (p["BLOCK_N"] + p["VEC"] + 2) + p["VEC"] + 24
+        return rows_group_tile(dims.group) * (p["BLOCK_N"] + p["VEC"] + 2) + p["VEC"] + 24
     w, ht, u = chunk_elems(dims.dtype), p["HEAD_TILE"], p["UNROLL"]
     return 2 * ht * w + 2 * ht + u * (4 * 4 + 2 * w) + 24
 

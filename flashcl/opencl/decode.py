@@ -33,6 +33,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
+from ..tuning import ROWS_GROUP_TILE, rows_group_tile, rows_tiles  # noqa: F401  (ROWS_GROUP_TILE: tests)
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
 from ..tables import check_tables, host_ints as _host_ints
 from ..variants import window_bounds
@@ -444,20 +445,6 @@ def merge_defines(prob: DecodeProblem, params: dict, *, unroll_merge: bool = Tru
             "MERGE_WG": params["MERGE_WG"], "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": 1, "HEAD_TILE": 1}
 
 
-# decode_cpu.cl: the most query heads of a group (GQA heads x query rows) one work-item serves, a
-# larger group in even tiles of at most this many (PoCL: 64 in one work-item took 3x 32's time;
-# docs/notes/pocl-decode.md, "Query rows as a decode")
-ROWS_GROUP_TILE = 48
-
-
-def rows_tiles(group: int) -> int:
-    """Work-groups of decode_cpu.cl per KV head."""
-    return -(-group // ROWS_GROUP_TILE)
-
-
-def rows_group_tile(group: int) -> int:
-    """Query heads of the group one decode_cpu.cl work-item serves: even tiles, the last padded."""
-    return -(-group // rows_tiles(group))
 
 
 def head_tiles(group: int, tensor_cores, rows: bool) -> int:

@@ -63,13 +63,14 @@ def decode_calls(draw, backend: str) -> dict:
                          min_size=b, max_size=b))
     return {
         "dtype": draw(st.sampled_from(dtypes)), "k_fmt": k_fmt, "v_fmt": v_fmt, "dk": dk, "dv": dv,
-        "h_kv": draw(st.sampled_from((1, 2))), "group": draw(st.sampled_from((1, 2, 4, 8))),
+        "h_kv": draw(st.sampled_from((1, 2))), "group": draw(st.sampled_from((1, 2, 4, 7, 8))),
         "block_size": block_size, "lens": lens,
         "window": draw(st.one_of(st.none(), st.tuples(st.integers(0, 40), st.sampled_from((0, -1))))),
         "softcap": draw(st.one_of(st.none(), st.floats(0.5, 30.0))),
         "sinks": draw(st.booleans()), "alibi": draw(st.sampled_from((None, "head", "batch"))),
         "key_start": draw(st.booleans()), "num_splits": draw(st.sampled_from((None, 1, 2, 3, 5))),
-        "n_q": draw(st.sampled_from((None, 1, 3, 4))),  # None: q (B, H_q, DK); else its last n_q rows
+        # None: q (B, H_q, DK); else its last n_q rows (7 x 7 and 8 x 7: decode_cpu.cl's group tiles)
+        "n_q": draw(st.sampled_from((None, 1, 3, 4, 7))),
         "q_scale": draw(st.sampled_from((1.0, 4.0))), "seed": draw(st.integers(0, 2**31 - 1)),
     }
 

@@ -312,7 +312,7 @@ def decode_splits(compute_units: int, shape, params: dict, tensor_cores: bool) -
     from ..opencl import decode as cd
 
     b, h_q, h_kv, ctx, d = shape
-    heads = b * h_kv * cd.head_tiles(h_q // h_kv, tensor_cores, cd.is_rows(params) and not tensor_cores)
+    heads = b * h_kv * cd.head_tiles(h_q // h_kv, tensor_cores, cd.is_rows(params))
     return cd.choose_num_splits(compute_units, heads, ctx, params=params, **cd.split_defaults(params, tensor_cores))
 
 

@@ -558,16 +558,12 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, block_table: Optional[Ar
         scale = 1.0 / math.sqrt(geo["DK"])
     variants = _variants(b=geo["B"], h_q=geo["H_q"], n_q=None, n_kv=None, window=window,
                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-    if len(q.shape) == 4:  # rows: each query head's rows are heads of its group (QUERY_ROWS)
-        rows, row_variants, row_geo = _as_rows(q, variants, geo)
-        result = _decode_on(chosen, rows, k_cache, v_cache, geo=row_geo, block_table=block_table,
-                            context_lens=context_lens, scale=scale, num_splits=num_splits, device=device,
-                            params=params, return_lse=return_lse, variants=row_variants, key_start=key_start,
-                            query_rows=geo["N_q"])
-        return _of_rows(result, geo, return_lse)
-    return _decode_on(chosen, q, k_cache, v_cache, geo=geo, block_table=block_table, context_lens=context_lens,
-                      scale=scale, num_splits=num_splits, device=device, params=params, return_lse=return_lse,
-                      variants=variants, key_start=key_start)
+    rows = len(q.shape) == 4  # each query head's rows run as heads of its group (QUERY_ROWS)
+    q_run, variants_run, geo_run = _as_rows(q, variants, geo) if rows else (q, variants, geo)
+    result = _decode_on(chosen, q_run, k_cache, v_cache, geo=geo_run, block_table=block_table,
+                        context_lens=context_lens, scale=scale, num_splits=num_splits, device=device, params=params,
+                        return_lse=return_lse, variants=variants_run, key_start=key_start, query_rows=geo["N_q"])
+    return _of_rows(result, geo, return_lse) if rows else result
 
 
 def _decode_on(chosen: str, q, k_cache, v_cache, *, geo: dict, block_table, context_lens, scale: float,

@@ -10,6 +10,7 @@ import pytest
 from flashcl import reference, tuning
 from flashcl.opencl.prefill import PrefillKernel, PrefillProblem, choose_params
 from flashcl.opencl.runtime import get_device
+from flashcl.variants import DECODE_GROUP_ROWS
 
 from ._check import assert_close, naive_attention
 
@@ -310,7 +311,7 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
                         lambda *a, **kw: routes.append(kw["shapes"][0][2]) or real(*a, **kw))
     rng = np.random.default_rng(11)
     sinks = rng.standard_normal(8).astype(np.float32)
-    group_rows, head_dim = cl_prefill.decode_limits(get_device(cl_device))
+    head_dim = cl_prefill.decode_head_dim(get_device(cl_device))
     for b, h_q, h_kv, n_q, n_kv, dk, dv in [(2, 8, 2, 2, 90, 64, 64), (1, 8, 8, 16, 40, 32, 48),
                                             (3, 8, 1, 5, 5, 64, 64), (1, 8, 4, 7, 3, 32, 32),
                                             (1, 8, 2, 16, 70, 64, 64),  # 64 rows a KV head
@@ -323,7 +324,7 @@ def test_few_query_rows_run_as_decode(cl_device, monkeypatch, dtype):
             routes.clear()
             out, lse = flashcl.prefill(q, k, v, return_lse=True, device=cl_device, **kw)
             ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
-            takes = h_q // h_kv * n_q <= group_rows and max(dk, dv) <= head_dim
+            takes = h_q // h_kv * n_q <= DECODE_GROUP_ROWS and max(dk, dv) <= head_dim
             assert routes == ([n_q] if takes else []), (n_q, sorted(kw), routes)
             assert_close(out, ref_out, dtype, f"({b},{h_q}/{h_kv},{n_q},{n_kv}) {sorted(kw)}")
             seen = np.isfinite(ref_lse)

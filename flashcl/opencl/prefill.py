@@ -413,15 +413,14 @@ def mask_first_keys(mask: np.ndarray, b: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(first, (b,)), dtype=np.int32)
 
 
-# Rows of a KV head's group (GQA group x N_q <= DECODE_ROWS) and head dim a prefill runs as a decode
-# up to: every row decode takes (decode_cpu.cl and decode_mma.cl tile larger groups); a CPU's head
-# dims as measured, a GPU's those its decode kernels take
-DECODE_LIMITS = {"cpu": (DECODE_GROUP_ROWS, 128), "gpu": (DECODE_GROUP_ROWS, 256)}
+# The largest head dim a prefill of several rows runs as a decode: a CPU's as measured, a GPU's
+# what its decode kernels take (the rows: every count decode takes, DECODE_ROWS, DECODE_GROUP_ROWS)
+DECODE_HEAD_DIMS = {"cpu": 128, "gpu": 256}
 
 
-def decode_limits(handle: DeviceHandle) -> tuple[int, int]:
-    """(rows of a KV head's group, head dim): the most a prefill runs as a decode on this device."""
-    return DECODE_LIMITS["cpu" if handle.is_cpu else "gpu"]
+def decode_head_dim(handle: DeviceHandle) -> int:
+    """The largest head dim a prefill of several rows runs as a decode on this device."""
+    return DECODE_HEAD_DIMS["cpu" if handle.is_cpu else "gpu"]
 
 
 def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, params, k, v, variants) -> bool:
@@ -430,7 +429,7 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
     split over the keys, where the prefill kernels give each query head's few rows one work-group
     that streams every key alone (docs/notes/pocl-prefill.md; on GPUs
     docs/notes/opencl-decode-nvidia.md, "Few query rows as a decode"). One row takes every
-    variant; more rows (decode_limits) a window or ALiBi only when causal (QUERY_ROWS puts each
+    variant; more rows (DECODE_ROWS, DECODE_GROUP_ROWS, decode_head_dim) a window or ALiBi only when causal (QUERY_ROWS puts each
     row at its own position), on a CPU only where the decode runs decode_cpu.cl. A mask the caller
     turns into first keys (mask_key_start) or, on causal rows, reads per row (ROW_MASK). The tiles
     chosen by flashcl, quantized K/V only as 4-D caches."""
@@ -438,8 +437,8 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
         return False
     if prob.n_q == 1:
         return True
-    group_rows, head_dim = decode_limits(handle)
-    if prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > group_rows or max(prob.dk, prob.dv) > head_dim:
+    if (prob.n_q > DECODE_ROWS or prob.h_q // prob.h_kv * prob.n_q > DECODE_GROUP_ROWS
+            or max(prob.dk, prob.dv) > decode_head_dim(handle)):
         return False
     if variants is not None and not prob.causal and (variants.window is not None
                                                      or variants.alibi_slopes is not None):

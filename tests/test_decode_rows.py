@@ -126,3 +126,89 @@ def test_rows_beyond_the_limits_are_errors(cl_device):
                        device=cl_device)
     with pytest.raises(ValueError, match=r"expected \(B, H_q, DK\) or \(B, H_q, N_q, DK\)"):
         flashcl.decode(q[..., None], k, v, block_table=table, context_lens=lens, device=cl_device)
+
+
+# --------------------------------------------------------------------------- the Gluon GQA kernel
+
+def _gluon_rows_case(torch, fmt: str, n_q: int, group: int, kind: str, poison: str, bs: int, seed: int):
+    """Rows over a paged (B, 2 KV heads, d = 128) cache of ``fmt`` ("" float16): the launch's
+    operands (q's rows as heads, sinks and slopes per row), the oracle, and which sequences' last
+    row sees a key. ``poison``: "V" puts inf in V at each sequence's last key (int8: its row
+    scale), which only the last row sees."""
+    rng = np.random.default_rng(seed)
+    h_kv, d = 2, 128
+    h_q = h_kv * group
+    lens = np.array([n_q - 1, 1, 130, 700], np.int32)  # rows before the first key; a tile's edge
+    per_seq = -(-int(lens.max()) // bs)
+    table = rng.permutation(4 * per_seq + 1)[: 4 * per_seq].reshape(4, per_seq).astype(np.int32)
+    k, v = (torch.from_numpy(rng.standard_normal((4 * per_seq + 1, bs, h_kv, d))).half() for _ in range(2))
+    k_cache = flashcl.quantize(k.cuda(), fmt) if fmt else k.cuda()
+    v_cache = flashcl.quantize(v.cuda(), fmt) if fmt else v.cuda()
+    q = rng.standard_normal((4, h_q, n_q, d)).astype(np.float16)
+    var = {"window": (40, 0), "softcap": 8.0, "sinks": rng.standard_normal(h_q).astype(np.float32),
+           "alibi_slopes": rng.uniform(0, 0.2, (4, h_q)).astype(np.float32)} if kind == "variants" else {}
+    if kind == "key_start":
+        var["key_start"] = np.array([0, 1, 67, 650], np.int32)
+    ref, ref_lse = reference.decode_attention(q, k_cache if fmt else k.numpy(), v_cache if fmt else v.numpy(),
+                                              block_table=table, context_lens=lens, return_lse=True, **var)
+    if poison == "V":
+        last = [(table[i, (n - 1) // bs], (n - 1) % bs) for i, n in enumerate(lens) if n > 0]
+        for page, pos in last:
+            if fmt == "int8":
+                v_cache.scales[page, pos] = float("inf")
+            else:
+                v_cache[page, pos] = float("inf")
+    run = {"q": torch.from_numpy(q).cuda().reshape(4, h_q * n_q, d), "k": k_cache, "v": v_cache,
+           "table": torch.from_numpy(table).cuda(), "lens": torch.from_numpy(lens).cuda(),
+           "window_left": var["window"][0] if "window" in var else -1, "softcap": var.get("softcap", 0.0),
+           "sinks": None if "sinks" not in var else torch.from_numpy(var["sinks"]).repeat_interleave(n_q).cuda(),
+           "alibi_slopes": None if "alibi_slopes" not in var
+           else torch.from_numpy(var["alibi_slopes"]).repeat_interleave(n_q, dim=1).cuda(),
+           "key_start": None if "key_start" not in var else torch.from_numpy(var["key_start"]).cuda()}
+    seen_last = lens > np.maximum(var.get("key_start", 0), 0)  # the sequences whose last row sees a key
+    return run, ref, ref_lse, seen_last
+
+
+def _gluon_rows_launch(torch, run, fmt, n_q, splits, gluon):
+    from flashcl.triton import decode as triton_decode
+
+    k, v = run["k"], run["v"]
+    out, lse = triton_decode._launch(
+        run["q"], k.data if fmt else k, v.data if fmt else v, run["table"], run["lens"], 128 ** -0.5, splits,
+        config={"gluon_gqa": gluon}, k_scales=k.scales if fmt else None, v_scales=v.scales if fmt else None,
+        k_format=fmt, v_format=fmt, window_left=run["window_left"], softcap=run["softcap"], sinks=run["sinks"],
+        alibi_slopes=run["alibi_slopes"], key_start=run["key_start"], query_rows=n_q)
+    b, heads, dv = out.shape
+    return (out.float().cpu().numpy().reshape(b, heads // n_q, n_q, dv),
+            lse.cpu().numpy().reshape(b, heads // n_q, n_q))
+
+
+@pytest.mark.parametrize("fmt", ["", "q8_0", "q4_0", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("n_q,group,bs", [(2, 4, 16), (4, 4, 1), (3, 1, 64), (2, 8, 16)])  # 8 / 16 / 3 / 16 columns
+@pytest.mark.parametrize("kind", ["plain", "variants", "key_start"])
+def test_rows_on_the_gluon_gqa_kernel(fmt, n_q, group, bs, kind):
+    """The Gluon GQA kernel (forced) with query rows as columns (8, 16 and 3 a KV head, MHA's rows
+    too): each row's causal cut, window and ALiBi distance, rows before the first key, 1, 3 and 16
+    splits, against the oracle and the dot path; inf in V at the last key (int8: its row scale)
+    reaches the last row only."""
+    torch = pytest.importorskip("torch")
+    from flashcl.triton import decode_gluon
+
+    if not (torch.cuda.is_available() and decode_gluon.available()):
+        pytest.skip("needs CUDA and Gluon")
+    if fmt == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 on the Gluon GQA kernel: sm_89+")
+    for poison in ("", "V") if fmt in ("", "int8") else ("",):
+        run, ref, ref_lse, seen_last = _gluon_rows_case(torch, fmt, n_q, group, kind, poison, bs, seed=n_q * group)
+        for splits in (1, 3, 16):
+            what = f"{fmt or 'fp16'} rows {n_q} group {group} {kind} poison {poison or 'none'} splits {splits}"
+            out, lse = _gluon_rows_launch(torch, run, fmt, n_q, splits, True)
+            if poison:  # the last row of a sequence that has keys sees the inf; the others do not
+                assert not np.isfinite(out[seen_last, :, -1]).any(), what
+                out, lse, want, want_lse = out[:, :, :-1], lse[:, :, :-1], ref[:, :, :-1], ref_lse[:, :, :-1]
+            else:
+                want, want_lse = ref, ref_lse
+            check_out_and_lse(out, lse, want, want_lse, "float16", what, lse_rtol=1e-3)
+            if not poison:
+                dot, _ = _gluon_rows_launch(torch, run, fmt, n_q, splits, False)
+                assert np.allclose(out, dot, rtol=2e-2, atol=2e-3), what

@@ -41,10 +41,10 @@ normalizer once: in the single pass, else as the merge's starting state (both me
 key_start[b]: the partition cuts [the later of that key and the window's first, length) as a
 window's does. The Gluon GQA kernel takes them the same way, except that its splits cut [the
 first key, length) unrounded (it looks up each row's page); the Gluon MHA kernel takes none, and
-the plan runs such launches on this kernel (decode_plan.VARIANTS). ``QUERY_ROWS`` (the dot path
-only; prefill's route for few query rows, prefill._rows_as_decode) makes head h causal row
+the plan runs such launches on this kernel (decode_plan.VARIANTS). ``QUERY_ROWS`` (a decode's
+rows; prefill's route for few query rows, prefill._rows_as_decode) makes head h causal row
 h % QUERY_ROWS of its sequence's last positions, with its own causal cut, window and ALiBi
-distances.
+distances; the Gluon GQA kernel takes them the same way (its columns), a row mask only this one.
 
 Quantized caches (flashcl.quant: q8_0, q4_0, int8, fp8_e4m3; K and V each in its own format or
 plain): the op takes a QuantizedTensor's data in place of the cache, its format and scales; the
@@ -1103,13 +1103,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         key_start = key_start.contiguous()  # and key_start[b] likewise
     problem = problem_of(q, k_cache, v_cache, block_table, window_left, softcap, sinks, alibi_slopes,
                          (k_format, v_format), key_start, query_rows, row_mask is not None)
-    if not paged and plan is None and config is None and query_rows == 1 and row_mask is None:
+    if not paged and plan is None and config is None and row_mask is None:
         # a contiguous cache goes to the Gluon GQA kernel as pages where that kernel takes them
         facts = facts if facts is not None else facts_of(q.device)
         launched = _launch_as_pages(q, k_cache, v_cache, context_lens, scale, num_splits, facts, problem,
                                     window_left=window_left, softcap=softcap, sinks=sinks,
                                     alibi_slopes=alibi_slopes, k_scales=k_scales, v_scales=v_scales,
-                                    k_format=k_format, v_format=v_format, key_start=key_start)
+                                    k_format=k_format, v_format=v_format, key_start=key_start,
+                                    query_rows=query_rows)
         if launched is not None:
             return launched
     flags = set(problem.variants)
@@ -1204,7 +1205,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 sort_pages=plan.sort_pages, k_format=k_format, v_format=v_format,
                                 k_scales=scale_args[0], v_scales=scale_args[1],
                                 window_left=problem.window_left, sinks=sinks, alibi_slopes=alibi_slopes,
-                                key_start=key_start,
+                                key_start=key_start, query_rows=query_rows,
                                 softcap_log2=var_values[1] if "softcap" in flags else 0.0,
                                 max_registers=plan.gqa_registers)
     else:

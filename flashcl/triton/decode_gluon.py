@@ -344,7 +344,7 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
                evict_first: bool = True, num_splits: int = 1, partials=None, sort_pages: bool = True,
                k_format: str = "", v_format: str = "", k_scales=None, v_scales=None, window_left: int = -1,
                softcap_log2: float = 0.0, sinks=None, alibi_slopes=None, max_registers: int = 0,
-               key_start=None) -> None:
+               key_start=None, query_rows: int = 1) -> None:
     """GQA decode (groups up to 16, head dim 128) over a paged cache whose offsets fit 32 bits,
     one program per (KV head, sequence, split) of 4 warps: out/lse with one split; with more, the
     unnormalized states into ``partials`` (part_m, part_l, part_acc in decode's split layout, for
@@ -358,7 +358,9 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     split: joined here; more: the reduce kernel's), ``alibi_slopes`` (B, H_q), unit head stride,
     ``key_start`` int32 (B,) (decode's: its splits cut [the first key, length)); with a window,
     ALiBi or a key start, which read a key's position, the pages keep their order (no sort).
-    ``max_registers``: a register cap for the build (the plan's gqa_registers), 0 for none."""
+    ``max_registers``: a register cap for the build (the plan's gqa_registers), 0 for none.
+    ``query_rows`` > 1: q's heads are each query head's causal rows (decode's QUERY_ROWS), the
+    group counting them."""
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -369,9 +371,10 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     s_pm = (part_m.stride(0), part_m.stride(1), part_m.stride(2)) if split else (0, 0, 0)
     s_pa = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2)) if split else (0, 0, 0)
     window = window_left >= 0
-    # the page sort visits keys out of place: not with the variants that read a key's position
+    # the page sort visits keys out of place: not with what reads a key's position (the variants, rows)
     keys, order = _page_order(block_table, k_cache.shape[1], num_splits, 16 * warps, h_kv * b * num_splits,
-                              sort_pages and not window and alibi_slopes is None and key_start is None, lse)
+                              sort_pages and not window and alibi_slopes is None and key_start is None
+                              and query_rows == 1, lse)
     k_cache, v_cache = _as_words(k_cache, k_format), _as_words(v_cache, v_format)
     k_sc, s_ks = k_scales or (lse, (0, 0, 0))
     v_sc, s_vs = v_scales or (lse, (0, 0, 0))
@@ -395,7 +398,8 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *s_pm, *s_pa, *s_ks, *s_vs,
         0 if alibi_slopes is None else alibi_slopes.stride(0),
         WINDOW=window, SOFTCAP=softcap_log2 > 0, SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
-        KEY_START=key_start is not None, GROUP=group, PAGE=k_cache.shape[1], EVICT="evict_first" if evict_first else "", SPLIT=split,
+        KEY_START=key_start is not None, GROUP=group, QUERY_ROWS=query_rows, PAGE=k_cache.shape[1],
+        EVICT="evict_first" if evict_first else "", SPLIT=split,
         SORT_N=keys, K_FMT=k_format, V_FMT=v_format, AHEAD=gqa_tiles_ahead(k_format, v_format),
         MMA=mma, KL=kl, VL=vl, KF=k_layout, VF=v_layout, K4=k_units, V4=v_units, QL=q_layout, CL=merge,
         num_warps=warps, **({"maxnreg": max_registers} if max_registers else {}))
@@ -834,6 +838,18 @@ if gluon is not None:
         _cta_barrier()
         return order - lo // PAGE
 
+    @gluon.jit
+    def _hide_unseen_nonfinite(p, v, seen, MMA: gl.constexpr):
+        """P^T [W, 16 keys, R rows] and V [W, 16 keys, D] of a tile whose rows see different keys,
+        as decode's _hide_unseen_nonfinite: 0 x a V of inf or NaN must not reach a row that does not
+        see its key. Such a V row becomes 0, and the rows that see it get P = NaN there; the P of a
+        key a row does not see is 0 (not 0 x an int8 row scale of inf)."""
+        v_ok = gl.abs(v.to(gl.float32)) < float("inf")
+        bad = gl.max(gl.where(v_ok, 0, 1), 2)
+        bad = gl.expand_dims(gl.convert_layout(bad, gl.SliceLayout(2, MMA)), 2)
+        p = gl.where(seen, gl.where(bad != 0, float("nan"), p), 0.0)
+        return p, gl.where(v_ok, v, 0.0).to(v.dtype)
+
     @gluon.jit(do_not_specialize=["num_splits", "num_blocks", "window_left"])
     def _gqa_decode(Q, K, V, BlockTable, ContextLens, Out, Lse, PartM, PartL, PartAcc, Order, KScales, VScales,
                     Sinks, Slopes, KeyStart, qk_scale_log2, max_blocks, num_splits, num_blocks, window_left,
@@ -844,7 +860,8 @@ if gluon is not None:
                     stride_pmb, stride_pmh, stride_pms, stride_pab, stride_pah, stride_pas,
                     stride_ksblk, stride_kspos, stride_ksh, stride_vsblk, stride_vspos, stride_vsh, stride_slb,
                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr, ALIBI: gl.constexpr,
-                    KEY_START: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, EVICT: gl.constexpr, SPLIT: gl.constexpr,
+                    KEY_START: gl.constexpr, GROUP: gl.constexpr, QUERY_ROWS: gl.constexpr, PAGE: gl.constexpr,
+                    EVICT: gl.constexpr, SPLIT: gl.constexpr,
                     SORT_N: gl.constexpr, K_FMT: gl.constexpr, V_FMT: gl.constexpr, AHEAD: gl.constexpr,
                     MMA: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
                     K4: gl.constexpr, V4: gl.constexpr, QL: gl.constexpr, CL: gl.constexpr):
@@ -876,7 +893,10 @@ if gluon is not None:
         The variants (WINDOW, SOFTCAP, ALIBI, SINKS, KEY_START) as decode's kernel applies them,
         with its functions: the softcap and ALiBi on each warp's scores (score_variants), the sink
         once in the single pass (join_sink; with splits, the reduce kernel's); the splits of a
-        window or a key start begin at the first key."""
+        window or a key start begin at the first key. QUERY_ROWS > 1: column c is causal row
+        c % QUERY_ROWS of its head, at position length - QUERY_ROWS + c % QUERY_ROWS, with its own
+        cut, window and ALiBi distances; a tile whose rows see different keys hides V's inf and NaN
+        from the rows that do not see them."""
         W: gl.constexpr = gl.num_warps()
         D: gl.constexpr = 128
         BLOCK_N: gl.constexpr = 16 * W
@@ -896,17 +916,18 @@ if gluon is not None:
         # window's at most window_left + 1 keys whatever the length, a key start's the rest of its
         # sequence, from the first key on (a row's page is looked up per token)
         LATE_START: gl.constexpr = WINDOW or KEY_START
-        gl.static_assert(not ((LATE_START or ALIBI) and SORT_N > 0), "the page sort moves keys: no positional variant")
+        gl.static_assert(not ((LATE_START or ALIBI or QUERY_ROWS > 1) and SORT_N > 0),
+                         "the page sort moves keys: no positional variant, no query rows")
         if LATE_START:
             n_ctx, lens_ok = _context_len(ContextLens, pid_b, max_blocks * PAGE)
             if KEY_START:  # at most the window's keys where both are on
                 first_key = gl.minimum(gl.maximum(gl.load(KeyStart + pid_b), 0), n_ctx)
                 if WINDOW:
-                    first_key = gl.maximum(first_key, n_ctx - 1 - window_left)
+                    first_key = gl.maximum(first_key, n_ctx - QUERY_ROWS - window_left)
                 span = n_ctx - first_key
-            else:
-                first_key = gl.maximum(n_ctx - 1 - window_left, 0)
-                span = gl.minimum(max_blocks * PAGE, window_left + 1)
+            else:  # the first row's window
+                first_key = gl.maximum(n_ctx - QUERY_ROWS - window_left, 0)
+                span = gl.minimum(max_blocks * PAGE, window_left + QUERY_ROWS)
             chunk = gl.cdiv(gl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
             lo = first_key + pid_s * chunk
         else:
@@ -991,6 +1012,16 @@ if gluon is not None:
                              other=0.0) * LOG2E
         else:
             slopes = 0.0
+        split_a = lo  # the tiles [lo, split_a) and [split_b, hi) are those whose rows see different keys
+        split_b = hi
+        if QUERY_ROWS > 1:  # column c is row c % QUERY_ROWS of its head, at its own position
+            row_pos = n_ctx - QUERY_ROWS + _vec3(R, 2, MMA) % QUERY_ROWS
+            # the first tile with a key after the first row's (or a slot past the end), and with
+            # a window the first whose keys the last row's window holds
+            split_b = gl.minimum(lo + gl.maximum(n_ctx - QUERY_ROWS + 1 - lo, 0) // BLOCK_N * BLOCK_N, hi)
+            if WINDOW:
+                split_a = gl.minimum(lo + gl.cdiv(gl.maximum(n_ctx - 1 - window_left - lo, 0), BLOCK_N) * BLOCK_N, hi)
+                split_b = gl.maximum(split_a, split_b)
         m_i = gl.full([W, R], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([W, R], gl.float32, ROWS)
         acc = gl.zeros([W, D, R], gl.float32, MMA)  # O^T
@@ -1008,75 +1039,94 @@ if gluon is not None:
                 stride_vpos, PAGE, EVICT, K4, V4, K_FMT, V_FMT)
             page_k = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_k, last) // PAGE)  # the third tile's
             page_v = gl.load(bt + gl.minimum(2 * BLOCK_N + tok_v, last) // PAGE)
-        for start in range(lo, hi, BLOCK_N):
-            k = k_next
-            v = v_next
-            if K_GGML:
-                k_tail = kt_next
-            if V_GGML:
-                v_tail = vt_next
-                v_d = vd_next
-            if ROW_SCALES:
-                ks = ks_next
-                vs = vs_next
-            # the tile AHEAD tiles on into registers while this one is computed (L1::evict_first:
-            # see decode._KNOBS, kv_evict_first); rows past the end read the last token's row
-            # (real, no mask; their scores are -inf); the block table one tile further ahead
-            t_k = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_k, last)
-            t_v = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_v, last)
-            page_k, used = _safe_pages(page_k, last_block)
-            top = gl.maximum(top, used)
-            page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
-            kn, ktn, vn, vtn, vdn = _gqa_tile(k_base, v_base, page_k, page_v, t_k, t_v, col_k, col_v, stride_kblk,
-                                              stride_kpos, stride_vblk, stride_vpos, PAGE, EVICT, K4, V4, K_FMT,
-                                              V_FMT)
-            if AHEAD == 2:
-                k_next, kt_next, v_next, vt_next, vd_next = k_next2, kt_next2, v_next2, vt_next2, vd_next2
-                k_next2, kt_next2, v_next2, vt_next2, vd_next2 = kn, ktn, vn, vtn, vdn
+        # with query rows, the tiles whose rows see different keys (a window's first ones, the last
+        # rows' keys) run in their own loops (phases 0 and 2), which hide V's inf and NaN from the rows
+        # that do not see them: a branch in one loop cost 18-35% (quantized-decode.md, "Query rows")
+        for phase in gl.static_range(0 if QUERY_ROWS > 1 and WINDOW else 1, 3 if QUERY_ROWS > 1 else 2):
+            if phase == 0:
+                tiles_lo, tiles_hi = lo, split_a
+            elif phase == 1:
+                tiles_lo, tiles_hi = split_a, split_b
             else:
-                k_next, kt_next, v_next, vt_next, vd_next = kn, ktn, vn, vtn, vdn
-            page_k = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_k, last) // PAGE)
-            page_v = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_v, last) // PAGE)
-            if ROW_SCALES:
-                t_s = gl.minimum(start - lo + BLOCK_N + tok_s, last)
-                page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
-                ks_next = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos, stride_ksh,
-                                      K_FMT == "int8")
-                vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos, stride_vsh,
-                                      V_FMT == "int8")
-                page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
-            if K_GGML:
-                k = _ggml_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True, K_FMT)
-            elif K_FMT != "":
-                k = _words_to_f16(k, K_FMT, KF)
-            if V_GGML:
-                v = _ggml_values(v, v_tail, v_d, v_sel[0], v_sel[1], v_sel[2], VF, False, V_FMT)
-            elif V_FMT != "":
-                v = _words_to_f16(v, V_FMT, VF)
+                tiles_lo, tiles_hi = split_b, hi
+            for start in range(tiles_lo, tiles_hi, BLOCK_N):
+                k = k_next
+                v = v_next
+                if K_GGML:
+                    k_tail = kt_next
+                if V_GGML:
+                    v_tail = vt_next
+                    v_d = vd_next
+                if ROW_SCALES:
+                    ks = ks_next
+                    vs = vs_next
+                # the tile AHEAD tiles on into registers while this one is computed (L1::evict_first:
+                # see decode._KNOBS, kv_evict_first); rows past the end read the last token's row
+                # (real, no mask; their scores are -inf); the block table one tile further ahead
+                t_k = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_k, last)
+                t_v = gl.minimum(start - lo + AHEAD * BLOCK_N + tok_v, last)
+                page_k, used = _safe_pages(page_k, last_block)
+                top = gl.maximum(top, used)
+                page_v = gl.minimum(page_v.to(gl.uint32), last_block).to(gl.int32)
+                kn, ktn, vn, vtn, vdn = _gqa_tile(k_base, v_base, page_k, page_v, t_k, t_v, col_k, col_v, stride_kblk,
+                                                  stride_kpos, stride_vblk, stride_vpos, PAGE, EVICT, K4, V4, K_FMT,
+                                                  V_FMT)
+                if AHEAD == 2:
+                    k_next, kt_next, v_next, vt_next, vd_next = k_next2, kt_next2, v_next2, vt_next2, vd_next2
+                    k_next2, kt_next2, v_next2, vt_next2, vd_next2 = kn, ktn, vn, vtn, vdn
+                else:
+                    k_next, kt_next, v_next, vt_next, vd_next = kn, ktn, vn, vtn, vdn
+                page_k = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_k, last) // PAGE)
+                page_v = gl.load(bt + gl.minimum(start - lo + (AHEAD + 1) * BLOCK_N + tok_v, last) // PAGE)
+                if ROW_SCALES:
+                    t_s = gl.minimum(start - lo + BLOCK_N + tok_s, last)
+                    page_s = gl.minimum(page_s.to(gl.uint32), last_block).to(gl.int32)
+                    ks_next = _row_scales(KScales, pid_h, page_s, t_s % PAGE, None, stride_ksblk, stride_kspos,
+                                          stride_ksh, K_FMT == "int8")
+                    vs_next = _row_scales(VScales, pid_h, page_s, t_s % PAGE, None, stride_vsblk, stride_vspos,
+                                          stride_vsh, V_FMT == "int8")
+                    page_s = gl.load(bt + gl.minimum(start - lo + 2 * BLOCK_N + tok_s, last) // PAGE)
+                if K_GGML:
+                    k = _ggml_values(k, k_tail, 0.0, k_sel[0], k_sel[1], k_sel[2], KF, True, K_FMT)
+                elif K_FMT != "":
+                    k = _words_to_f16(k, K_FMT, KF)
+                if V_GGML:
+                    v = _ggml_values(v, v_tail, v_d, v_sel[0], v_sel[1], v_sel[2], VF, False, V_FMT)
+                elif V_FMT != "":
+                    v = _words_to_f16(v, V_FMT, VF)
 
-            # K [W, 16, (c, s, h, e)] -> the A operand [W, 16, (s, h, c, e)]
-            ka = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
-            ka = gl.convert_layout(gl.reshape(ka, [W, 16, D]), A_L, assert_trivial=True)
-            s = mma_v2(ka, q, gl.zeros([W, 16, R], gl.float32, MMA)) * qk_scale_log2  # S^T: keys x rows
-            key = start + key_s
-            if K_FMT == "int8":
-                s = s * ks
-            s = score_variants(s, slopes, n_ctx - 1 - key, softcap_log2, SOFTCAP, ALIBI)
-            s = gl.where(key < hi, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            if V_FMT == "int8":
-                p = p * vs
-            pb = gl.convert_layout(p.to(PV_T), B_L)  # P^T, the B operand: lanes exchange its rows
-            # V [W, 16, (g, t, h)] -> the A operand V^T [W, (t, h, g), 16]
-            va = gl.permute(gl.reshape(v, [W, 16, 8, 8, 2]), [0, 3, 4, 2, 1])
-            va = gl.convert_layout(gl.reshape(va, [W, D, 16]), A_L, assert_trivial=True)
-            acc = acc * gl.expand_dims(alpha, 1)
-            acc = mma_v2(va, pb, acc)
+                # K [W, 16, (c, s, h, e)] -> the A operand [W, 16, (s, h, c, e)]
+                ka = gl.permute(gl.reshape(k, [W, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5])
+                ka = gl.convert_layout(gl.reshape(ka, [W, 16, D]), A_L, assert_trivial=True)
+                s = mma_v2(ka, q, gl.zeros([W, 16, R], gl.float32, MMA)) * qk_scale_log2  # S^T: keys x rows
+                key = start + key_s
+                if K_FMT == "int8":
+                    s = s * ks
+                if QUERY_ROWS > 1:  # each row's causal cut, window and distances
+                    s = score_variants(s, slopes, row_pos - key, softcap_log2, SOFTCAP, ALIBI)
+                    seen = (key < hi) & (key <= row_pos)
+                    if WINDOW:
+                        seen = seen & (key >= row_pos - window_left)
+                    s = gl.where(seen, s, float("-inf"))
+                else:
+                    s = score_variants(s, slopes, n_ctx - 1 - key, softcap_log2, SOFTCAP, ALIBI)
+                    s = gl.where(key < hi, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                if V_FMT == "int8":
+                    p = p * vs
+                if phase != 1:
+                    p, v = _hide_unseen_nonfinite(p, v, seen, MMA)
+                pb = gl.convert_layout(p.to(PV_T), B_L)  # P^T, the B operand: lanes exchange its rows
+                # V [W, 16, (g, t, h)] -> the A operand V^T [W, (t, h, g), 16]
+                va = gl.permute(gl.reshape(v, [W, 16, 8, 8, 2]), [0, 3, 4, 2, 1])
+                va = gl.convert_layout(gl.reshape(va, [W, D, 16]), A_L, assert_trivial=True)
+                acc = acc * gl.expand_dims(alpha, 1)
+                acc = mma_v2(va, pb, acc)
 
         tables_ok = (gl.max(gl.max(gl.max(top, 2), 1), 0) <= last_block) & lens_ok
         # the warps' states through shared memory behind one barrier

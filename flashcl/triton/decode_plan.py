@@ -64,7 +64,7 @@ class DecodeProblem:
     window_left: int = -1
     kv_formats: tuple = ("", "")  # K's and V's quantized formats (flashcl.quant), "" for plain
     q_dtype: str = "float16"  # q's torch dtype name: the GQA kernel reads quantized caches for fp16 / bf16 q
-    query_rows: int = 1  # > 1: the heads are causal query rows (the dot path's QUERY_ROWS)
+    query_rows: int = 1  # > 1: the heads are causal query rows (the kernels' QUERY_ROWS)
     row_mask: bool = False  # the rows' own mask (prefill's; the dot path's ROW_MASK)
 
     @property
@@ -601,9 +601,9 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         raise ValueError(f"unknown quantized K/V formats {sorted(bad)}; expected one of {QUANTIZED}")
     # decode_gluon's GQA kernel reads GQA_QUANTIZED caches and takes every variant; its MHA kernel
     # reads plain caches and takes no variant (mha_facts)
-    if not gqa_reads(p.kv_formats, p.q_dtype, facts) or p.rows_differ:  # query rows: the dot path's
+    if not gqa_reads(p.kv_formats, p.q_dtype, facts) or p.row_mask:  # a row mask: the dot path's
         facts = replace(facts, gluon=False)
-    mha_facts = replace(facts, gluon=False) if p.variants else facts
+    mha_facts = replace(facts, gluon=False) if p.variants or p.rows_differ else facts
     n_ctx = p.n_ctx_seen  # the keys a program streams drive the split count and the tile
     group = p.h_q // p.h_kv
     paged = p.page_size > 0

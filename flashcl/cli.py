@@ -946,10 +946,13 @@ def _export_variants_option(ctx, param, value):
                    f"kernels). Repeatable: each combination gets sources of its own. Default: none.")
 @click.option("--kv-format", type=click.Choice(_EXPORT_KV_FORMATS), default=None,
               help="K and V caches quantized in this format (default: plain, the dtype's rows).")
+@click.option("--decode-rows", type=int, default=1, show_default=True,
+              help="Query rows a decode sequence, causal among themselves (speculative verification): "
+                   "q (B, H_q, N_q, DK).")
 @click.option("--require-device", is_flag=True, help="Fail (exit 3) instead of model mode when the device "
                                                       "is not attached.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def export_kernels(device, out, shapes, dtype, variants, kv_format, require_device, as_json):
+def export_kernels(device, out, shapes, dtype, variants, kv_format, decode_rows, require_device, as_json):
     """Kernel sources with the tuned defines fixed, manifest.json and a C example, for C/C++ apps."""
     from .tools import export as ex
 
@@ -957,7 +960,8 @@ def export_kernels(device, out, shapes, dtype, variants, kv_format, require_devi
     try:
         res = ex.export(out, device=device, prefill_shapes=shapes["prefill"] or None,
                         decode_shapes=shapes["decode"] or None, dtype=dtype, command=command,
-                        require_device=require_device, variants=variants, kv_format=kv_format)
+                        require_device=require_device, variants=variants, kv_format=kv_format,
+                        decode_rows=decode_rows)
     except OSError as exc:
         _fail(f"cannot write the export ({exc}); choose another --out", EXIT_USAGE)
     t = res.target

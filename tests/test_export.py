@@ -372,6 +372,50 @@ def test_export_dk_ne_dv(cpu_device, tmp_path, toolchain, kv_format):
     assert_example_passes(out, toolchain, m)
 
 
+@pytest.mark.parametrize("dtype, combos, kv_format, rows", [
+    ("float32", [ALL, "none"], None, 3),      # every decode variant with the rows, and the rows alone
+    ("float16", [], "q8_0", 2),
+    ("float32", ["window,key_start"], "int8", 16),  # a group of 4 x 16 rows: DECODE_GROUP_ROWS
+], ids=["variants", "q8_0", "int8-16-rows"])
+def test_export_decode_rows_run(dtype, combos, kv_format, rows, cpu_device, tmp_path, toolchain):
+    """--decode-rows N exports decode.cl with QUERY_ROWS = N (q (B, H_q, N, DK) run as heads): the
+    classes, file names and the manifest's kernels say so, and example.c checks every row at its
+    own position (causal cut, window, ALiBi distance) against its reference; a build with the
+    rows left out fails it."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", dtype, "--shape", PREFILL, "--shape", DECODE,
+                  "--decode-rows", str(rows), *(a for c in combos for a in ("--variants", c)),
+                  *(["--kv-format", kv_format] if kv_format else []))
+    decodes = [s for s in m["sources"] if "flash_decode" in s["kernels"]]
+    assert decodes and all(s["problem"]["rows"] == rows and s["problem"]["group"] == 4 and f"-rows{rows}-"
+                           in s["file"] for s in decodes)
+    assert all("prefill" not in s["file"] or "rows" not in s["problem"] for s in m["sources"])
+    for k in m["kernels"]:
+        if k["name"] in ("flash_decode", "flash_decode_split"):
+            assert k["defines"]["QUERY_ROWS"] == rows and k["defines"]["GROUP"] == 4 * rows
+            assert f"passed as (B, H_q * {rows}, DK)" in k["query_rows"]
+            assert {"window_left", "softcap_log2", "sinks", "alibi_slopes"} <= {a["name"] for a in k["args"]}
+            assert all(s["N_q"] == rows for s in (ln["shape"] for ln in k["launches"]))
+    proc = assert_example_passes(out, toolchain, m)
+    assert all(f" rows {rows} " in ln for ln in proc.stdout.splitlines() if ln.startswith("decode")), proc.stdout
+    first = out / decodes[0]["file"]
+    text = first.read_text()
+    first.write_text(text.replace(f"\n#define QUERY_ROWS {rows}\n", "\n#define QUERY_ROWS 1\n", 1))
+    proc, checks = run_example(out, toolchain)
+    assert proc.returncode != 0 and "every check within tolerance" not in proc.stdout, proc.stdout
+
+
+def test_export_refuses_decode_rows_past_the_limits(tmp_path):
+    """Rows a sequence outside 1..DECODE_ROWS, or more than DECODE_GROUP_ROWS rows a KV head with
+    the group's heads, are usage errors (exit 2) before anything is written."""
+    out = tmp_path / "x"
+    for rows, named in ((0, "1 to 16 query rows"), (17, "1 to 16 query rows"), (9, "72 rows per KV head")):
+        r = run("export", "--device", "adreno", "--out", str(out), "--shape", PREFILL,
+                "--shape", "decode:1,16,2,256,64", "--decode-rows", str(rows))
+        assert r.exit_code == 2 and named in r.stderr, (rows, r.stderr)
+    assert not out.exists()
+
+
 def test_the_example_catches_a_variant_or_format_left_out(cpu_device, tmp_path, toolchain):
     """Each variant and the format are checked for real: a source built with one of them off (its
     define flipped), or K/V packed with the q4_0 nibbles swapped, fails; the others stay right."""

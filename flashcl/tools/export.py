@@ -53,6 +53,7 @@ from ..opencl import prefill as pre
 from ..opencl.arrays import QUANT_CODES
 from ..profiles import DeviceProfile, find_profile
 from ..reference import TOLERANCE
+from ..variants import DECODE_GROUP_ROWS, DECODE_ROWS
 from . import shapes as shape_sets
 from .tuner import TunerError, resolve_target
 
@@ -253,7 +254,8 @@ class Source:
         p = self.problem
         what = (f"{p['dtype']}, DK={p['dk']}, DV={p['dv']}, "
                 + (("causal" if p["causal"] else "non-causal") if self.kernel == "prefill"
-                   else f"GQA group {p['group']}, {'paged' if p['paged'] else 'contiguous'} cache")
+                   else f"GQA group {p['group']}, {'paged' if p['paged'] else 'contiguous'} cache"
+                   + (f", {p['rows']} query rows a sequence" if p.get("rows", 1) > 1 else ""))
                 + "".join(f", {x}" for x in p.get("variants", ()))
                 + (f", {p['kv_format']} K/V cache" if p.get("kv_format") else ""))
         prov = (self.choice.entry or {}).get("provenance")
@@ -286,16 +288,17 @@ def _file_stem(src: Source) -> str:
     if src.kernel == "prefill":
         stem += ("-causal" if p["causal"] else "") + ("-tiles" if src.origin == "prefill_tiles.cl" else "")
     else:
-        stem += f"-g{p['group']}" + ("-paged" if p["paged"] else "")
+        rows = f"-rows{p['rows']}" if p.get("rows", 1) > 1 else ""
+        stem += f"-g{p['group']}{rows}" + ("-paged" if p["paged"] else "")
     return stem + "".join(f"-{x}" for x in p.get("variants", ())) + (f"-{p['kv_format']}" if p.get("kv_format") else "")
 
 
 def decode_arg_spec(problem: dict) -> tuple:
     """flash_decode's arguments for an exported decode class: DECODE_PARAMS, then VARIANT_PARAMS
-    in builds with a variant on (with key_start last in its builds), then QUANT_PARAMS in builds
-    that read an int8 cache."""
+    in builds with a variant or query rows on (with key_start last in its builds), then
+    QUANT_PARAMS in builds that read an int8 cache."""
     variants = problem.get("variants", ())
-    return (dec.ARGS + (dec.VARIANT_ARGS if variants else ())
+    return (dec.ARGS + (dec.VARIANT_ARGS if variants or problem.get("rows", 1) > 1 else ())
             + (dec.KEY_START_ARGS if "key_start" in variants else ())
             + (dec.QUANT_ARGS if problem.get("kv_format") == "int8" else ()))
 
@@ -366,6 +369,15 @@ def _kernel_entries(src: Source, target: Target) -> list[dict]:
                      "grid_formula": "one work-group per (split, KV head, sequence); each serves the KV head's "
                                      "whole GQA group of query heads",
                      "num_splits": split_note}
+    rows = src.problem.get("rows", 1)
+    if rows > 1:
+        decode_common["query_rows"] = (
+            f"{rows} query rows a sequence, causal among themselves: q (B, H_q, {rows}, DK) C-contiguous is "
+            f"passed as (B, H_q * {rows}, DK), so every H_q of these arguments and grids is H_q * {rows}: "
+            f"kernel head h is row h % {rows} of query head h / {rows}, at position ctx - {rows} + h % {rows} "
+            f"(a row before the first key sees none); out, lse and the partials likewise (out (B, H_q, {rows}, "
+            f"DV)); sinks (H_q * {rows},) and alibi_slopes (B, H_q * {rows}) hold each query head's value "
+            f"{rows} times; the variant arguments are always passed (those of a variant that is off are never read)")
     return [
         {"name": "flash_decode", **decode_common, "global_size": [f"{wg}", "H_kv", "B"],
          "runs": "alone when num_splits == 1 (pass num_splits = 1): writes out and lse",
@@ -405,14 +417,16 @@ class Result:
 
 def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes=None,
            dtype: str = "float16", command: str = "flashcl export", require_device: bool = False,
-           check_build: bool = True, variants=(), kv_format: str | None = None) -> Result:
+           check_build: bool = True, variants=(), kv_format: str | None = None, decode_rows: int = 1) -> Result:
     """Write the export of ``prefill_shapes`` (B, H_q, H_kv, N, d, causal) and ``decode_shapes``
     (B, H_q, H_kv, ctx, d) into the folder ``out``, d the head dim of q, K and V or a pair (DK, DV);
     None means the reference shapes. On an
     attached device each source is also built as written (``check_build``). ``variants``: one
     combination of VARIANTS' names, or a list of combinations (an empty one is the plain
     kernels), each exported in sources of its own; ``kv_format`` (one of KV_FORMATS) stores K and
-    V in every source. None of them gives the plain export."""
+    V in every source; ``decode_rows`` > 1: each decode sequence's last query rows, causal among
+    themselves (speculative verification; decode.cl's QUERY_ROWS). None of them gives the plain
+    export."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: flashcl export writes float32 and float16 kernels, got {dtype!r}")
     prefill_shapes = DEFAULT_PREFILL if prefill_shapes is None else tuple(prefill_shapes)
@@ -420,6 +434,7 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
     if not prefill_shapes or not decode_shapes:
         raise ValueError("export needs at least one prefill and one decode shape (the example runs both)")
     combos = check_combinations(variants)
+    check_decode_rows(decode_rows, [hq // hkv for _, hq, hkv, *_ in decode_shapes])
     check_kv_format(kv_format, dtype, [x for s in prefill_shapes + decode_shapes for x in _head_dims(s[4])])
     # combinations that differ only in a variant one kernel lacks share that kernel's sources
     prefill_combos = list(dict.fromkeys(_prefill_variants(c) for c in combos))
@@ -446,15 +461,18 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
 
     for combo, (b, hq, hkv, ctx, d) in ((c, s) for c in decode_combos for s in decode_shapes):
         dk, dv = _head_dims(d)
-        prob = dec.DecodeProblem(b, hq, hkv, dk, dv, True, dtype, kv_format, kv_format)
+        # the rows run as heads of their KV head's group (QUERY_ROWS), as flashcl.decode runs them
+        prob = dec.DecodeProblem(b, hq * decode_rows, hkv, dk, dv, True, dtype, kv_format, kv_format)
         choice = choose(target, "decode", prob, ctx)
         shuffle = (target.handle is not None  # NVIDIA inline PTX: only where the device is known
                    and dec.row_shuffle_ok(target.handle, choice.params, prob.group, dk, dv, dtype))
+        flags = {x.upper(): 1 for x in combo} | ({"QUERY_ROWS": decode_rows} if decode_rows > 1 else {})
         defines = dec.program_defines(prob, choice.params, row_shuffle=shuffle, unroll_merge=not target.is_cpu,
-                                      variant_flags={x.upper(): 1 for x in combo})
+                                      variant_flags=flags)
         wg = dec.work_group_size(choice.params, prob.group, dk, dv, dtype)
+        rows = {"rows": decode_rows} if decode_rows > 1 else {}
         src = _source(sources, "decode", "decode.cl", ("flash_decode", "flash_decode_split", "flash_decode_merge"),
-                      {"dtype": dtype, "dk": dk, "dv": dv, "group": prob.group, "paged": True,
+                      {"dtype": dtype, "dk": dk, "dv": dv, "group": hq // hkv, **rows, "paged": True,
                        **_class_extras(combo, kv_format)}, choice, defines, wg)
         cus = target.compute_units
         splits = dec.choose_num_splits(cus, b * hkv, ctx, params=choice.params) if cus else None
@@ -468,7 +486,8 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
             launch["flash_decode_merge"] = {"num_splits": splits, "global_size": list(mg), "local_size": list(ml)}
         # auto_splits: flashcl's split count for the shape (None in model mode: it depends on the
         # device's compute units)
-        src.shapes.append(({"B": b, "H_q": hq, "H_kv": hkv, "ctx": ctx, "auto_splits": splits}, launch))
+        src.shapes.append(({"B": b, "H_q": hq, "H_kv": hkv, "ctx": ctx, **({"N_q": decode_rows} if rows else {}),
+                            "auto_splits": splits}, launch))
 
     srcs = list(sources.values())
     _name_files(srcs)
@@ -512,6 +531,16 @@ def check_combinations(variants) -> list[tuple]:
     variants = list(variants or ())
     combos = [variants] if all(isinstance(x, str) for x in variants) else variants
     return list(dict.fromkeys(check_variants(c) for c in combos))
+
+
+def check_decode_rows(rows, groups) -> None:
+    """Query rows a decode sequence: 1 to DECODE_ROWS, at most DECODE_GROUP_ROWS a KV head with its
+    group's heads (``groups``: each decode shape's H_q / H_kv), as flashcl.decode takes them."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= DECODE_ROWS:
+        raise ValueError(f"decode rows: 1 to {DECODE_ROWS} query rows a sequence, got {rows!r}")
+    if rows * max(groups, default=1) > DECODE_GROUP_ROWS:
+        raise ValueError(f"decode rows: {rows} rows x a group of {max(groups)} query heads is "
+                         f"{rows * max(groups)} rows per KV head; a decode takes at most {DECODE_GROUP_ROWS}")
 
 
 def _prefill_variants(combo: tuple) -> tuple:
@@ -667,7 +696,8 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
         "kernels": kernels,
         "semantics": {
             "layout": "SDPA order: q (B, H_q, N_q, DK), k (B, H_kv, N_kv, DK), v (B, H_kv, N_kv, DV); "
-                      "decode: q (B, H_q, DK), paged caches (num_blocks, block_size, H_kv, D) as vLLM's",
+                      "decode: q (B, H_q, DK) (or (B, H_q, N_q, DK): a class's \"rows\", see a decode "
+                      "kernel's \"query_rows\"), paged caches (num_blocks, block_size, H_kv, D) as vLLM's",
             "causal": "bottom-right aligned: query i sees key j iff j <= i + N_kv - N_q",
             "empty_row": "a row that sees no key returns zeros and lse = -inf",
             "accumulation": "float32; float16 data is read with vload_half (no cl_khr_fp16 needed)",
@@ -695,10 +725,9 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
                               "decode_defines": {x.upper(): 1 for x in _decode_variants(c)},
                               "example": {"prefill": p.file, "decode": d.file}}
                              for c, (p, d) in zip(combos, picks)],
-            "decode_note": "decode takes no mask (one query row per sequence); its variant arguments "
-                           "(window_left, softcap_log2, sinks, alibi_slopes) follow o_sh only in builds "
-                           "with a variant on, and all four are passed then; key_start follows them in "
-                           "KEY_START builds",
+            "decode_note": "decode takes no mask; its variant arguments (window_left, softcap_log2, "
+                           "sinks, alibi_slopes) follow o_sh only in builds with a variant (or query rows) "
+                           "on, and all four are passed then; key_start follows them in KEY_START builds",
             "prefill_note": "the prefill kernels take every variant argument in every build; those of a "
                             "variant that is off are never read (pass any buffer / any value); key_start "
                             "is decode's alone (prefill takes a mask)",
@@ -754,7 +783,8 @@ def _example_config(srcs: list, picks: list, combos: list) -> str:
     used = sum(-(-c // ed["BLOCK_SIZE"]) for c in ed["CTX"])
     lines = [
         f"/* example_config.h: written by flashcl {__version__} export; what example.c builds and runs.",
-        " * The shapes may be changed to any of the class (DK, DV, causal, dtype; decode: GROUP). */",
+        " * The shapes may be changed to any of the class (DK, DV, causal, dtype; decode: GROUP, its query",
+        " * heads times ROWS). */",
         f'#define EX_FLASHCL_VERSION "{__version__}"',
         f"#define EX_NUM_SOURCES {len(files)}",
         "static const char *const EX_SOURCES[EX_NUM_SOURCES] = {" + ", ".join(f'"{f}"' for f in files) + "};",
@@ -783,6 +813,7 @@ def _example_config(srcs: list, picks: list, combos: list) -> str:
         f"#define EX_DECODE_DK {dd['HEAD_DK']}",
         f"#define EX_DECODE_DV {dd['HEAD_DV']}",
         f"#define EX_DECODE_GROUP {dd['GROUP']}",
+        f"#define EX_DECODE_ROWS {d.problem.get('rows', 1)}",
         f"#define EX_DECODE_WG {d.work_group}",
         f"#define EX_DECODE_MERGE_WG {d.params['MERGE_WG']}",
         f"#define EX_DECODE_TOLERANCE {TOLERANCE[d.problem['dtype']]:g}",
@@ -898,10 +929,10 @@ typedef struct {
 #define EX_KV_FORMAT_NAME "plain"
 #endif
 
-/* decode.cl takes its variant arguments only in builds with a variant on (it has no mask) */
+/* decode.cl takes its variant arguments only in builds with a variant or query rows on (it has no mask) */
 static int decode_variants(const combo_t *c)
 {
-    return c->window || c->softcap || c->sinks || c->alibi || c->key_start;
+    return c->window || c->softcap || c->sinks || c->alibi || c->key_start || EX_DECODE_ROWS > 1;
 }
 
 /* the factor on q: with a softcap, scores large enough for it to matter */
@@ -1420,6 +1451,16 @@ static float *alibi_slopes(int b, int hq)
     return x;
 }
 
+/* each of the n values of x `rows` times over (decode rows: a query head's rows share its sink and slope) */
+static float *per_row(float *x, int n, int rows)
+{
+    float *y = xmalloc((size_t)n * rows * sizeof(float));
+    for (int i = 0; i < n * rows; ++i)
+        y[i] = x[i / rows];
+    free(x);
+    return y;
+}
+
 /* ---- prefill ----------------------------------------------------------------------------------- */
 enum { P_NQ = EX_PREFILL_N_Q, P_NKV = EX_PREFILL_N_KV };
 
@@ -1602,16 +1643,18 @@ static int run_prefill(const env_t *e, const combo_t *c)
 }
 
 /* ---- paged decode ------------------------------------------------------------------------------ */
-/* whether the query of a sequence of n keys (at p = n - 1) whose first key is `start` sees key j */
-static int decode_sees(const combo_t *c, int n, int start, int j)
+/* whether the query at position p of a sequence of n keys whose first key is `start` sees key j
+ * (p = n - 1; with query rows, row r of R sits at n - R + r) */
+static int decode_sees(const combo_t *c, int n, int start, int p, int j)
 {
-    return j < n && (!c->window || j >= n - 1 - EX_DECODE_WINDOW_LEFT) && (!c->key_start || j >= start);
+    return j < n && j <= p && (!c->window || j >= p - EX_DECODE_WINDOW_LEFT) && (!c->key_start || j >= start);
 }
 
 static int run_decode(const env_t *e, const combo_t *c, int splits)
 {
-    enum { B = EX_DECODE_B, HKV = EX_DECODE_H_KV, G = EX_DECODE_GROUP, HQ = G * HKV, DK = EX_DECODE_DK,
-           DV = EX_DECODE_DV, BS = EX_DECODE_BLOCK_SIZE, NB = EX_DECODE_NUM_BLOCKS };
+    /* G: the kernel's heads per KV head, its query heads times their R rows (each row runs as a head) */
+    enum { B = EX_DECODE_B, HKV = EX_DECODE_H_KV, G = EX_DECODE_GROUP, HQ = G * HKV, R = EX_DECODE_ROWS,
+           DK = EX_DECODE_DK, DV = EX_DECODE_DV, BS = EX_DECODE_BLOCK_SIZE, NB = EX_DECODE_NUM_BLOCKS };
     const int half = EX_DECODE_HALF, fmt = EX_KV_FORMAT, vw = half ? 8 : 4; /* vw: elements per 16-byte chunk */
     const int ctx[B] = EX_DECODE_CTX, starts[B] = EX_DECODE_KEY_START;
     const double scale = 1.0 / sqrt((double)DK);
@@ -1645,8 +1688,9 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     uint8_t seen[NB * BS] = {0};
     for (int b = 0; b < B; ++b)
         for (int j = 0; j < ctx[b]; ++j)
-            if (decode_sees(c, ctx[b], starts[b], j))
-                seen[table[b * max_blocks + j / BS] * BS + j % BS] = 1;
+            for (int r = 0; r < R; ++r)
+                if (decode_sees(c, ctx[b], starts[b], ctx[b] - R + r, j))
+                    seen[table[b * max_blocks + j / BS] * BS + j % BS] = 1;
     for (int slot = 0; slot < NB * BS; ++slot)
         for (int h = 0; !seen[slot] && h < HKV; ++h) {
             poison_row(&kc, (size_t)slot * HKV + h);
@@ -1656,8 +1700,8 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     float *lse = xmalloc((size_t)B * HQ * sizeof(float));
     for (int i = 0; i < B * HQ; ++i)
         lse[i] = NAN;
-    float *sinks = c->sinks ? sink_logits(HQ, q_gain(c)) : NULL;
-    float *slopes = c->alibi ? alibi_slopes(B, HQ) : NULL;
+    float *sinks = c->sinks ? per_row(sink_logits(HQ / R, q_gain(c)), HQ / R, R) : NULL;
+    float *slopes = c->alibi ? per_row(alibi_slopes(B, HQ / R), B * HQ / R, R) : NULL;
 
     cl_mem bq = buffer(e, bytes_of(&q), q.raw), bk = buffer(e, bytes_of(&kc), kc.raw);
     cl_mem bv = buffer(e, bytes_of(&vc), vc.raw), bo = buffer(e, bytes_of(&out), out.raw);
@@ -1766,19 +1810,20 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     const double **vrow = xmalloc((size_t)(max_ctx + 1) * sizeof(double *));
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < HQ; ++h) {
+            const int p = ctx[b] - R + h % R; /* the row's position */
             for (int j = 0; j < ctx[b]; ++j) {
                 const size_t row = (size_t)table[b * max_blocks + j / BS] * BS + j % BS;
                 krow[j] = kc.val + (row * HKV + h / G) * DK;
                 vrow[j] = vc.val + (row * HKV + h / G) * DV;
-                bias[j] = !decode_sees(c, ctx[b], starts[b], j) ? -INFINITY
-                          : slopes ? -(double)slopes[b * HQ + h] * (ctx[b] - 1 - j) : 0.0;
+                bias[j] = !decode_sees(c, ctx[b], starts[b], p, j) ? -INFINITY
+                          : slopes ? -(double)slopes[b * HQ + h] * (p - j) : 0.0;
             }
             const size_t r = (size_t)b * HQ + h;
             ref_lse[r] = attend(q.val + r * DK, DK, DV, ctx[b], krow, vrow, bias, scale,
                                 c->softcap ? EX_SOFTCAP_VALUE : 0.0, sinks ? sinks[h] : -INFINITY, s, ref + r * DV);
         }
     printf("decode  %s: %s paged B=%d H_q=%d H_kv=%d ctx=", EX_SOURCES[c->decode_source],
-           half ? "float16" : "float32", B, HQ, HKV);
+           half ? "float16" : "float32", B, HQ / R, HKV);
     for (int b = 0; b < B; ++b)
         printf(b ? ",%d" : "%d", ctx[b]);
     if (c->window)
@@ -1791,6 +1836,8 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
         for (int b = 0; b < B; ++b)
             printf(b ? ",%d" : "%d", starts[b]);
     }
+    if (R > 1)
+        printf(" rows %d", R);
     if (fmt)
         printf(" %s K/V", EX_KV_FORMAT_NAME);
     printf(" block_size=%d, %d split%s", BS, splits, splits > 1 ? "s + merge" : "");

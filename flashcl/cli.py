@@ -938,7 +938,8 @@ def _export_variants_option(ctx, param, value):
               help="Folder to write: new, empty, or a previous export (whose files are replaced).")
 @click.option("--shape", "shapes", multiple=True, callback=_export_shapes_option,
               help=f"{_EXPORT_SHAPE} (repeatable); a kernel given none gets the reference shapes.")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=DEFAULT_DTYPE, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=DEFAULT_DTYPE,
+              show_default=True)
 @click.option("--variants", multiple=True, callback=_export_variants_option, metavar="NAMES",
               help=f"A combination of attention variants to export, comma-separated: any of "
                    f"{', '.join(_EXPORT_VARIANTS)} (mask: prefill only, a bool mask; key_start: decode "

@@ -129,7 +129,7 @@ def _spec_of(kernel: str, problem: dict | None = None):
 def check_manifest(out: Path, m: dict, *, dtype: str, mode: str):
     assert m["flashcl"] == __version__ and m["format"] == 1 and m["build_options"] == ""
     assert m["target"]["mode"] == mode and m["target"]["modeled"] == (mode == "modeled")
-    store, raw = ("half", "uint4") if dtype == "float16" else ("float", "float4")
+    store, raw = {"float16": ("half", "uint4"), "bfloat16": ("ushort", "uint4")}.get(dtype, ("float", "float4"))
     for s in m["sources"]:
         text = (out / s["file"]).read_text()
         assert hashlib.sha256(text.encode()).hexdigest() == s["sha256"]
@@ -137,6 +137,7 @@ def check_manifest(out: Path, m: dict, *, dtype: str, mode: str):
         assert text.startswith(f"/* flashcl {__version__}: clkernels/") and "  from: " in text
         assert not re.search(r'^\s*#\s*include', text, re.MULTILINE)
         assert f"#define STORE_HALF {int(dtype == 'float16')}\n" in text
+        assert f"#define STORE_BF16 {int(dtype == 'bfloat16')}\n" in text
     assert {k["name"] for k in m["kernels"]} == KERNELS
     for k in m["kernels"]:
         text = (out / k["file"]).read_text()
@@ -403,6 +404,27 @@ def test_export_decode_rows_run(dtype, combos, kv_format, rows, cpu_device, tmp_
     first.write_text(text.replace(f"\n#define QUERY_ROWS {rows}\n", "\n#define QUERY_ROWS 1\n", 1))
     proc, checks = run_example(out, toolchain)
     assert proc.returncode != 0 and "every check within tolerance" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("combos, kv_format", [([ALL, "none"], None), (["window,sinks"], "q8_0"), ([], "int8")],
+                         ids=["variants", "q8_0", "int8"])
+def test_export_bfloat16_runs(combos, kv_format, cpu_device, tmp_path, toolchain):
+    """--dtype bfloat16 exports the STORE_BF16 builds (q, K, V and out as their 16 bits, ushort in
+    the manifest): the example stores its inputs in bfloat16 (round to nearest even) and checks
+    them within bfloat16's tolerance; a source read as float16 instead fails it."""
+    out = tmp_path / "export"
+    _, m = export(out, "--device", cpu_device, "--dtype", "bfloat16", "--shape", PREFILL, "--shape", DECODE,
+                  *(a for c in combos for a in ("--variants", c)), *(["--kv-format", kv_format] if kv_format else []))
+    check_manifest(out, m, dtype="bfloat16", mode="measured")
+    assert m["semantics"]["tolerance"]["bfloat16"] == TOLERANCE["bfloat16"]
+    proc = assert_example_passes(out, toolchain, m)
+    assert all(": bfloat16 " in ln for ln in proc.stdout.splitlines() if ln.startswith(("prefill", "decode")))
+    decode = out / next(s["file"] for s in m["sources"] if "flash_decode" in s["kernels"])
+    text = decode.read_text()
+    decode.write_text(text.replace("\n#define STORE_HALF 0\n#define STORE_BF16 1\n",
+                                   "\n#define STORE_HALF 1\n#define STORE_BF16 0\n", 1))
+    proc, _ = run_example(out, toolchain)
+    assert proc.returncode == 1 and "FAILED" in proc.stdout, proc.stdout
 
 
 def test_export_refuses_decode_rows_past_the_limits(tmp_path):

@@ -247,8 +247,8 @@ class Source:
     shapes: list = field(default_factory=list)   # [(shape dict, launches dict)]
 
     @property
-    def store_t(self) -> str:
-        return "half" if self.problem["dtype"] == "float16" else "float"
+    def store_t(self) -> str:  # bfloat16: its bits (STORE_BF16)
+        return {"float16": "half", "bfloat16": "ushort"}.get(self.problem["dtype"], "float")
 
     def text(self, target: Target, command: str, date: str) -> str:
         p = self.problem
@@ -317,7 +317,7 @@ _KV_ADDRESSING = re.compile(r"^[kv]_(off|sb|sh|sn)$")
 
 
 def _args(spec, src: Source) -> list[dict]:
-    raw_t = "uint4" if src.store_t == "half" else "float4"
+    raw_t = "float4" if src.store_t == "float" else "uint4"
     quantized = bool(src.problem.get("kv_format"))
 
     def meaning_of(name: str, meaning: str) -> str:  # a quantized cache is addressed in bytes
@@ -427,8 +427,8 @@ def export(out, *, device: str | None = None, prefill_shapes=None, decode_shapes
     V in every source; ``decode_rows`` > 1: each decode sequence's last query rows, causal among
     themselves (speculative verification; decode.cl's QUERY_ROWS). None of them gives the plain
     export."""
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype: flashcl export writes float32 and float16 kernels, got {dtype!r}")
+    if dtype not in _STORE_KINDS:
+        raise ValueError(f"dtype: flashcl export writes float32, float16 and bfloat16 kernels, got {dtype!r}")
     prefill_shapes = DEFAULT_PREFILL if prefill_shapes is None else tuple(prefill_shapes)
     decode_shapes = DEFAULT_DECODE if decode_shapes is None else tuple(decode_shapes)
     if not prefill_shapes or not decode_shapes:
@@ -700,8 +700,9 @@ def _manifest(target: Target, srcs: list, texts: dict, command: str, date: str, 
                       "kernel's \"query_rows\"), paged caches (num_blocks, block_size, H_kv, D) as vLLM's",
             "causal": "bottom-right aligned: query i sees key j iff j <= i + N_kv - N_q",
             "empty_row": "a row that sees no key returns zeros and lse = -inf",
-            "accumulation": "float32; float16 data is read with vload_half (no cl_khr_fp16 needed)",
-            "tolerance": {k: TOLERANCE[k] for k in ("float32", "float16")},
+            "accumulation": "float32; float16 data is read with vload_half (no cl_khr_fp16 needed), bfloat16 "
+                            "data as its 16 bits (ushort), widened by a shift",
+            "tolerance": {k: TOLERANCE[k] for k in _STORE_KINDS},
         },
         "example": {"files": list(EXAMPLE_FILES), "run": "./run_example.sh",
                     "prefill": {"file": pick_p.file, **EXAMPLE_PREFILL},
@@ -775,6 +776,9 @@ def _variant_sections(combos: list, kv_format: str | None, picks: list) -> dict:
     return out
 
 
+_STORE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # example.c's F32, F16, BF16
+
+
 def _example_config(srcs: list, picks: list, combos: list) -> str:
     files = [s.file for s in srcs]
     p, d = picks[0]
@@ -792,7 +796,7 @@ def _example_config(srcs: list, picks: list, combos: list) -> str:
         f"/* prefill: {p.file}, kernel {p.entries[0]} (manifest.json) */",
         f"#define EX_PREFILL_SOURCE {files.index(p.file)}",
         f'#define EX_PREFILL_KERNEL "{p.entries[0]}"',
-        f"#define EX_PREFILL_HALF {int(pd['STORE_HALF'])}",
+        f"#define EX_PREFILL_STORE {_STORE_KINDS[p.problem['dtype']]}",
         f"#define EX_PREFILL_DK {pd['HEAD_DK']}",
         f"#define EX_PREFILL_DV {pd['HEAD_DV']}",
         f"#define EX_PREFILL_CAUSAL {int(pd['IS_CAUSAL'])}",
@@ -809,7 +813,7 @@ def _example_config(srcs: list, picks: list, combos: list) -> str:
         "",
         f"/* paged decode: {d.file}, kernels flash_decode, flash_decode_split, flash_decode_merge */",
         f"#define EX_DECODE_SOURCE {files.index(d.file)}",
-        f"#define EX_DECODE_HALF {int(dd['STORE_HALF'])}",
+        f"#define EX_DECODE_STORE {_STORE_KINDS[d.problem['dtype']]}",
         f"#define EX_DECODE_DK {dd['HEAD_DK']}",
         f"#define EX_DECODE_DV {dd['HEAD_DV']}",
         f"#define EX_DECODE_GROUP {dd['GROUP']}",
@@ -1004,49 +1008,70 @@ static float float_from_half(uint16_t h)
     return (float)((h & 0x8000u) ? -v : v);
 }
 
+/* ---- bfloat16 <-> float (round to nearest even; the top 16 bits of a float32) ---------------- */
+static uint16_t bf16_from_float(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static float float_from_bf16(uint16_t h)
+{
+    const uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
 /* ---- a tensor as the device stores it and its values in double ------------------------------
  * fmt 0: float32 or binary16 elements; a K/V cache may be quantized instead (kv_formats.h codes):
  * rows of `dim` values as q8_0 / q4_0 ggml blocks (fp16 d, then the quants) or int8 with one
  * float32 scale per row (`scales`). val holds the values the device reads, exactly. */
 enum { PLAIN = 0, Q8_0 = 1, Q4_0 = 2, INT8 = 3 };
+enum { F32 = 0, F16 = 1, BF16 = 2 }; /* a tensor's storage: EX_*_STORE */
+
+static const char *store_name(int store) { return store == F16 ? "float16" : store == BF16 ? "bfloat16" : "float32"; }
 
 typedef struct {
     size_t n;
-    int half, fmt, dim;
+    int store, fmt, dim;
     double *val;   /* the stored values, exactly (dequantized for a quantized cache) */
     void *raw;     /* the bytes copied to and from the device */
     float *scales; /* int8: one per row */
 } tensor_t;
 
-static size_t row_bytes(int fmt, int dim, int half)
+static size_t row_bytes(int fmt, int dim, int store)
 {
-    return fmt == PLAIN ? (size_t)dim * (half ? 2 : 4) : fmt == INT8 ? (size_t)dim
+    return fmt == PLAIN ? (size_t)dim * (store ? 2 : 4) : fmt == INT8 ? (size_t)dim
                                                                       : (size_t)dim / 32 * (fmt == Q8_0 ? 34 : 18);
 }
 
-static size_t bytes_of(const tensor_t *t) { return t->n / t->dim * row_bytes(t->fmt, t->dim, t->half); }
+static size_t bytes_of(const tensor_t *t) { return t->n / t->dim * row_bytes(t->fmt, t->dim, t->store); }
 
-static tensor_t kv_tensor(size_t n, int dim, int half, int fmt)
+static tensor_t kv_tensor(size_t n, int dim, int store, int fmt)
 {
     tensor_t t;
     t.n = n;
-    t.half = half;
+    t.store = store;
     t.fmt = fmt;
     t.dim = dim;
     t.val = xmalloc(n * sizeof(double));
-    t.raw = xmalloc(n / dim * row_bytes(fmt, dim, half));
+    t.raw = xmalloc(n / dim * row_bytes(fmt, dim, store));
     t.scales = fmt == INT8 ? xmalloc(n / dim * sizeof(float)) : NULL;
     return t;
 }
 
-static tensor_t tensor(size_t n, int half) { return kv_tensor(n, 1, half, PLAIN); }
+static tensor_t tensor(size_t n, int store) { return kv_tensor(n, 1, store, PLAIN); }
 
 static void tensor_set(tensor_t *t, size_t i, double x) /* fmt 0 */
 {
-    if (t->half) {
-        const uint16_t h = half_from_float((float)x);
+    if (t->store != F32) {
+        const uint16_t h = t->store == F16 ? half_from_float((float)x) : bf16_from_float((float)x);
         ((uint16_t *)t->raw)[i] = h;
-        t->val[i] = float_from_half(h);
+        t->val[i] = t->store == F16 ? float_from_half(h) : float_from_bf16(h);
     } else {
         const float f = (float)x;
         ((float *)t->raw)[i] = f;
@@ -1154,8 +1179,11 @@ static void poison_row(tensor_t *t, size_t r)
 
 static void tensor_unpack(tensor_t *t) /* after a read-back (fmt 0) */
 {
-    for (size_t i = 0; i < t->n; ++i)
-        t->val[i] = t->half ? float_from_half(((uint16_t *)t->raw)[i]) : ((float *)t->raw)[i];
+    for (size_t i = 0; i < t->n; ++i) {
+        const uint16_t h = t->store != F32 ? ((uint16_t *)t->raw)[i] : 0;
+        t->val[i] = t->store == F16 ? float_from_half(h) : t->store == BF16 ? float_from_bf16(h)
+                                                                              : ((float *)t->raw)[i];
+    }
 }
 
 static void tensor_free(tensor_t *t)
@@ -1479,11 +1507,11 @@ static int run_prefill(const env_t *e, const combo_t *c)
 {
     enum { B = EX_PREFILL_B, HQ = EX_PREFILL_H_Q, HKV = EX_PREFILL_H_KV, NQ = EX_PREFILL_N_Q,
            NKV = EX_PREFILL_N_KV, DK = EX_PREFILL_DK, DV = EX_PREFILL_DV, G = HQ / HKV };
-    const int half = EX_PREFILL_HALF, fmt = EX_KV_FORMAT;
+    const int store = EX_PREFILL_STORE, fmt = EX_KV_FORMAT;
     const double scale = 1.0 / sqrt((double)DK);
-    tensor_t q = tensor((size_t)B * HQ * NQ * DK, half), out = tensor((size_t)B * HQ * NQ * DV, half);
-    tensor_t k = kv_tensor((size_t)B * HKV * NKV * DK, DK, half, fmt);
-    tensor_t v = kv_tensor((size_t)B * HKV * NKV * DV, DV, half, fmt);
+    tensor_t q = tensor((size_t)B * HQ * NQ * DK, store), out = tensor((size_t)B * HQ * NQ * DV, store);
+    tensor_t k = kv_tensor((size_t)B * HKV * NKV * DK, DK, store, fmt);
+    tensor_t v = kv_tensor((size_t)B * HKV * NKV * DV, DV, store, fmt);
     const size_t n_rows = (size_t)B * HQ * NQ;
     float *lse = xmalloc(n_rows * sizeof(float));
     tensor_random(&q, q_gain(c));
@@ -1550,7 +1578,7 @@ static int run_prefill(const env_t *e, const combo_t *c)
      * stay in the device's global-memory cache (manifest.json) */
     cl_ulong cache = 0;
     clGetDeviceInfo(e->dev, CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof cache, &cache, NULL);
-    cl_ulong kv_heads = cache / ((cl_ulong)NKV * (row_bytes(fmt, DK, half) + row_bytes(fmt, DV, half)));
+    cl_ulong kv_heads = cache / ((cl_ulong)NKV * (row_bytes(fmt, DK, store) + row_bytes(fmt, DV, store)));
     cl_ulong section = (kv_heads < 1 ? 1 : kv_heads) * G;
     if (section > (cl_ulong)B * HQ)
         section = (cl_ulong)B * HQ;
@@ -1570,7 +1598,7 @@ static int run_prefill(const env_t *e, const combo_t *c)
     arg_float(&a, (cl_float)(scale * LOG2E));
     /* offset, batch, head and row strides: q, k, v, out (contiguous here); in elements, and in
      * bytes for a quantized K/V (a row of row_bytes) */
-    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, half) : DK, v_row = fmt ? row_bytes(fmt, DV, half) : DV;
+    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, store) : DK, v_row = fmt ? row_bytes(fmt, DV, store) : DV;
     const cl_ulong strides[4][3] = {{(cl_ulong)HQ * NQ * DK, (cl_ulong)NQ * DK, DK},
                                     {HKV * NKV * k_row, NKV * k_row, k_row},
                                     {HKV * NKV * v_row, NKV * v_row, v_row},
@@ -1621,7 +1649,7 @@ static int run_prefill(const env_t *e, const combo_t *c)
                                     c->softcap ? EX_SOFTCAP_VALUE : 0.0, sinks ? sinks[h] : -INFINITY, s, ref + r * DV);
             }
     printf("prefill %s: %s B=%d H_q=%d H_kv=%d N_q=%d N_kv=%d %s", EX_SOURCES[c->prefill_source],
-           half ? "float16" : "float32", B, HQ, HKV, NQ, NKV, EX_PREFILL_CAUSAL ? "causal" : "non-causal");
+           store_name(store), B, HQ, HKV, NQ, NKV, EX_PREFILL_CAUSAL ? "causal" : "non-causal");
     if (c->window)
         printf(" window (%d,%d)", EX_WINDOW_LEFT, EX_WINDOW_RIGHT);
     if (c->softcap)
@@ -1655,7 +1683,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     /* G: the kernel's heads per KV head, its query heads times their R rows (each row runs as a head) */
     enum { B = EX_DECODE_B, HKV = EX_DECODE_H_KV, G = EX_DECODE_GROUP, HQ = G * HKV, R = EX_DECODE_ROWS,
            DK = EX_DECODE_DK, DV = EX_DECODE_DV, BS = EX_DECODE_BLOCK_SIZE, NB = EX_DECODE_NUM_BLOCKS };
-    const int half = EX_DECODE_HALF, fmt = EX_KV_FORMAT, vw = half ? 8 : 4; /* vw: elements per 16-byte chunk */
+    const int store = EX_DECODE_STORE, fmt = EX_KV_FORMAT, vw = store ? 8 : 4; /* vw: elements per 16-byte chunk */
     const int ctx[B] = EX_DECODE_CTX, starts[B] = EX_DECODE_KEY_START;
     const double scale = 1.0 / sqrt((double)DK);
     int max_blocks = 0, shift = 0;
@@ -1677,9 +1705,9 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
         for (int i = 0; i < max_blocks; ++i)
             table[b * max_blocks + i] = i < (ctx[b] + BS - 1) / BS ? perm[used++] : -1;
 
-    tensor_t q = tensor((size_t)B * HQ * DK, half), out = tensor((size_t)B * HQ * DV, half);
-    tensor_t kc = kv_tensor((size_t)NB * BS * HKV * DK, DK, half, fmt);
-    tensor_t vc = kv_tensor((size_t)NB * BS * HKV * DV, DV, half, fmt);
+    tensor_t q = tensor((size_t)B * HQ * DK, store), out = tensor((size_t)B * HQ * DV, store);
+    tensor_t kc = kv_tensor((size_t)NB * BS * HKV * DK, DK, store, fmt);
+    tensor_t vc = kv_tensor((size_t)NB * BS * HKV * DV, DV, store, fmt);
     tensor_random(&q, q_gain(c));
     tensor_random(&kc, 1.0);
     tensor_random(&vc, 1.0);
@@ -1746,8 +1774,8 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
     arg_ulong(&a, DK);
     /* K, V caches (num_blocks, block_size, H_kv, D): offset, block, head and slot strides in
      * 16-byte chunks, or in bytes for a quantized cache (rows of row_bytes) */
-    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, half) : (cl_ulong)DK / vw;
-    const cl_ulong v_row = fmt ? row_bytes(fmt, DV, half) : (cl_ulong)DV / vw;
+    const cl_ulong k_row = fmt ? row_bytes(fmt, DK, store) : (cl_ulong)DK / vw;
+    const cl_ulong v_row = fmt ? row_bytes(fmt, DV, store) : (cl_ulong)DV / vw;
     arg_ulong(&a, 0);
     arg_ulong(&a, BS * HKV * k_row);
     arg_ulong(&a, k_row);
@@ -1823,7 +1851,7 @@ static int run_decode(const env_t *e, const combo_t *c, int splits)
                                 c->softcap ? EX_SOFTCAP_VALUE : 0.0, sinks ? sinks[h] : -INFINITY, s, ref + r * DV);
         }
     printf("decode  %s: %s paged B=%d H_q=%d H_kv=%d ctx=", EX_SOURCES[c->decode_source],
-           half ? "float16" : "float32", B, HQ / R, HKV);
+           store_name(store), B, HQ / R, HKV);
     for (int b = 0; b < B; ++b)
         printf(b ? ",%d" : "%d", ctx[b]);
     if (c->window)

@@ -44,7 +44,7 @@
 #endif
 #ifndef QUERY_ROWS
 #define QUERY_ROWS 1      // > 1: head h is row h % QUERY_ROWS of causal rows ending at the last key
-#endif                    //   (prefill's few-row route; not exported)
+#endif                    //   (a decode's rows, prefill's few-row route; export --decode-rows)
 #ifndef ROW_MASK
 #define ROW_MASK 0        // the rows' own mask (prefill's few-row route; not exported): 1 bool
 #endif                    //   (uchar), 2 additive (float), [Bm][Hm][QUERY_ROWS][N_kv] by strides

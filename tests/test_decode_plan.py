@@ -515,3 +515,6 @@ def test_query_rows_gluon_gqa_rule():
     assert kernel(32, 32, 2, "q8_0") == kernel(32, 16, 4, "q4_0") == "gluon_gqa"  # MHA and GQA 2
     assert kernel(32, 8, 4) == kernel(32, 8, 4, "q8_0") == "dot"
     assert kernel(32, 8, 2, "q8_0", row_mask=True) == "dot"
+    assert kernel(32, 32, 2) == "dot"  # fp16 MHA rows: a group of 2, not the rule's (nor the MHA kernels')
+    one_row = replace(problem(1, 32, 8, 32768), row_mask=True)
+    assert plan(one_row, H200) == plan(replace(one_row, query_rows=1), H200) and plan(one_row, H200).kernel == "dot"

@@ -532,7 +532,8 @@ ARGS = (
 # KEY_START_PARAM last in KEY_START builds, then decode.cl QUANT_PARAMS); a quantized K or V
 # cache also takes its offset and strides in bytes.
 VARIANT_ARGS = (
-    ("window_left", "const int", "WINDOW: the query at p = ctx - 1 sees keys [p - window_left, ctx)"),
+    ("window_left", "const int", "WINDOW: the query at p = ctx - 1 (QUERY_ROWS: row r at ctx - QUERY_ROWS + r) "
+                                 "sees keys [p - window_left, p]"),
     ("softcap_log2", "const float", "SOFTCAP: the softcap times log2(e)"),
     ("sinks", "__global const float *", "SINKS: (H_q,) sink logits, natural log; else any buffer"),
     ("alibi_slopes", "__global const float *", "ALIBI: (B, H_q) slopes; else any buffer"),

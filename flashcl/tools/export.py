@@ -388,7 +388,8 @@ def _kernel_entries(src: Source, target: Target) -> list[dict]:
                        "part_acc": "float32 (B, H_q, num_splits, DV)"},
          "launches": [{"shape": s, **launch["flash_decode_split"]} for s, launch in src.shapes
                       if launch["flash_decode_split"]]},
-        {"name": "flash_decode_merge", **common, "args": _args(dec.MERGE_ARGS, src), "work_dim": 2,
+        {"name": "flash_decode_merge", **common, **({"query_rows": decode_common["query_rows"]} if rows > 1 else {}),
+         "args": _args(dec.MERGE_ARGS, src), "work_dim": 2,
          "local_size": [mwg, 1], "work_group_formula": "MERGE_WG",
          "global_size": [f"{mwg} * H_q", "B"], "grid_formula": "one work-group per (query head, sequence)",
          "runs": "after flash_decode_split when num_splits > 1",

@@ -364,6 +364,8 @@ def launch_gqa(q, k_cache, v_cache, block_table, context_lens, out, lse, qk_scal
     b, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
+    if group % query_rows:
+        raise ValueError(f"query rows: a group of {group} heads is not whole query heads of {query_rows} rows")
     warps = 4
     mma, k_layout, v_layout, q_layout, merge = _gqa_layouts(warps, 8 if group <= 8 else 16)
     split = num_splits > 1

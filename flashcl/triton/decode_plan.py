@@ -73,7 +73,7 @@ class DecodeProblem:
 
     @property
     def rows_differ(self) -> bool:
-        """Whether the heads are a prefill's rows that see different keys (the dot path's)."""
+        """Whether the heads are query rows that see different keys (the kernels' QUERY_ROWS, ROW_MASK)."""
         return self.query_rows > 1 or self.row_mask
 
     @property
@@ -614,7 +614,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         raise KeyError(f"unknown decode config keys {sorted(unknown)}")
     check_knobs({k: v for k, v in (config or {}).items() if k in _KNOBS})
     if p.quantized or p.rows_differ:
-        # quantized K/V: the dot path, whose loads dequantize (QUANTIZED); query rows: its QUERY_ROWS
+        # quantized K/V and query rows: not the MHA loop (the dot path's loads dequantize, QUANTIZED)
         cfg.update(mha_fma=False)
     sms = facts.sms
     programs = p.b * p.h_kv  # per split

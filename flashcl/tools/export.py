@@ -255,7 +255,7 @@ class Source:
         what = (f"{p['dtype']}, DK={p['dk']}, DV={p['dv']}, "
                 + (("causal" if p["causal"] else "non-causal") if self.kernel == "prefill"
                    else f"GQA group {p['group']}, {'paged' if p['paged'] else 'contiguous'} cache"
-                   + (f", {p['rows']} query rows a sequence" if p.get("rows", 1) > 1 else ""))
+                   + (f", {_rows(p)} query rows a sequence" if _rows(p) > 1 else ""))
                 + "".join(f", {x}" for x in p.get("variants", ()))
                 + (f", {p['kv_format']} K/V cache" if p.get("kv_format") else ""))
         prov = (self.choice.entry or {}).get("provenance")
@@ -282,14 +282,18 @@ class Source:
                 + inline_includes(self.origin))
 
 
+def _rows(problem: dict) -> int:
+    """A decode class's query rows a sequence (1 unless exported with decode_rows)."""
+    return problem.get("rows", 1)
+
+
 def _file_stem(src: Source) -> str:
     p = src.problem
     stem = f"{src.kernel}-{p['dtype']}-dk{p['dk']}-dv{p['dv']}"
     if src.kernel == "prefill":
         stem += ("-causal" if p["causal"] else "") + ("-tiles" if src.origin == "prefill_tiles.cl" else "")
     else:
-        rows = f"-rows{p['rows']}" if p.get("rows", 1) > 1 else ""
-        stem += f"-g{p['group']}{rows}" + ("-paged" if p["paged"] else "")
+        stem += f"-g{p['group']}" + (f"-rows{_rows(p)}" if _rows(p) > 1 else "") + ("-paged" if p["paged"] else "")
     return stem + "".join(f"-{x}" for x in p.get("variants", ())) + (f"-{p['kv_format']}" if p.get("kv_format") else "")
 
 
@@ -298,7 +302,7 @@ def decode_arg_spec(problem: dict) -> tuple:
     in builds with a variant or query rows on (with key_start last in its builds), then
     QUANT_PARAMS in builds that read an int8 cache."""
     variants = problem.get("variants", ())
-    return (dec.ARGS + (dec.VARIANT_ARGS if variants or problem.get("rows", 1) > 1 else ())
+    return (dec.ARGS + (dec.VARIANT_ARGS if variants or _rows(problem) > 1 else ())
             + (dec.KEY_START_ARGS if "key_start" in variants else ())
             + (dec.QUANT_ARGS if problem.get("kv_format") == "int8" else ()))
 
@@ -369,15 +373,17 @@ def _kernel_entries(src: Source, target: Target) -> list[dict]:
                      "grid_formula": "one work-group per (split, KV head, sequence); each serves the KV head's "
                                      "whole GQA group of query heads",
                      "num_splits": split_note}
-    rows = src.problem.get("rows", 1)
+    rows = _rows(src.problem)
+    rows_note = {}
     if rows > 1:
-        decode_common["query_rows"] = (
+        rows_note["query_rows"] = (
             f"{rows} query rows a sequence, causal among themselves: q (B, H_q, {rows}, DK) C-contiguous is "
             f"passed as (B, H_q * {rows}, DK), so every H_q of these arguments and grids is H_q * {rows}: "
             f"kernel head h is row h % {rows} of query head h / {rows}, at position ctx - {rows} + h % {rows} "
             f"(a row before the first key sees none); out, lse and the partials likewise (out (B, H_q, {rows}, "
             f"DV)); sinks (H_q * {rows},) and alibi_slopes (B, H_q * {rows}) hold each query head's value "
             f"{rows} times; the variant arguments are always passed (those of a variant that is off are never read)")
+        decode_common.update(rows_note)
     return [
         {"name": "flash_decode", **decode_common, "global_size": [f"{wg}", "H_kv", "B"],
          "runs": "alone when num_splits == 1 (pass num_splits = 1): writes out and lse",
@@ -388,8 +394,7 @@ def _kernel_entries(src: Source, target: Target) -> list[dict]:
                        "part_acc": "float32 (B, H_q, num_splits, DV)"},
          "launches": [{"shape": s, **launch["flash_decode_split"]} for s, launch in src.shapes
                       if launch["flash_decode_split"]]},
-        {"name": "flash_decode_merge", **common, **({"query_rows": decode_common["query_rows"]} if rows > 1 else {}),
-         "args": _args(dec.MERGE_ARGS, src), "work_dim": 2,
+        {"name": "flash_decode_merge", **common, **rows_note, "args": _args(dec.MERGE_ARGS, src), "work_dim": 2,
          "local_size": [mwg, 1], "work_group_formula": "MERGE_WG",
          "global_size": [f"{mwg} * H_q", "B"], "grid_formula": "one work-group per (query head, sequence)",
          "runs": "after flash_decode_split when num_splits > 1",

@@ -101,6 +101,44 @@ def test_rows_are_their_tokens_decoded_alone_triton(triton_device, n_q):
     check_out_and_lse(out, lse, alone, alone_lse, "float32", f"rows {n_q} against one at a time", lse_rtol=1e-5)
 
 
+def _rows_with_inf_at_the_last_key(n_q: int):
+    """_case's rows (no variants) with V = inf at each sequence's last key, which only its last row
+    sees, and the oracle of the finite cache: the other rows must match it, the last row's out is
+    not finite, and its lse is the oracle's (lse is the scores', V plays no part)."""
+    q, k, v, table, lens, _ = _case(n_q, bs=16)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    ref, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens, return_lse=True)
+    for b, n in enumerate(lens):
+        if n > 0:
+            v[table[b, (n - 1) // 16], (n - 1) % 16] = np.inf
+    return q, k, v, table, lens, ref, ref_lse
+
+
+def _check_inf_at_the_last_key(out, lse, ref, ref_lse, lens, what):
+    check_out_and_lse(out[:, :, :-1], lse[:, :, :-1], ref[:, :, :-1], ref_lse[:, :, :-1], "float32", what, 1e-5)
+    seen = lens > 0
+    assert not np.isfinite(out[seen, :, -1]).any(), what
+    assert np.allclose(lse[:, :, -1], ref_lse[:, :, -1], rtol=1e-5), f"{what}: the last row's lse"
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_inf_in_v_seen_by_one_row_keeps_every_lse_opencl(cl_device, splits):
+    q, k, v, table, lens, ref, ref_lse = _rows_with_inf_at_the_last_key(4)
+    out, lse = flashcl.decode(q, k, v, block_table=table, context_lens=lens, num_splits=splits, return_lse=True,
+                              device=cl_device)
+    _check_inf_at_the_last_key(out, lse, ref, ref_lse, lens, f"{cl_device} splits {splits}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_inf_in_v_seen_by_one_row_keeps_every_lse_triton(triton_device, splits):
+    torch = pytest.importorskip("torch")
+    q, k, v, table, lens, ref, ref_lse = _rows_with_inf_at_the_last_key(4)
+    t = [torch.from_numpy(x).to(triton_device) for x in (q, k, v, table, lens)]
+    out, lse = flashcl.decode(t[0], t[1], t[2], block_table=t[3], context_lens=t[4], num_splits=splits,
+                              return_lse=True, backend="triton")
+    _check_inf_at_the_last_key(out.cpu().numpy(), lse.cpu().numpy(), ref, ref_lse, lens, f"triton splits {splits}")
+
+
 def test_rows_on_pyopencl_arrays_stay_on_the_device(cl_device):
     import pyopencl.array as cla
 

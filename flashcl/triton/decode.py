@@ -441,6 +441,7 @@ def _decode_kernel(
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)  # the scores' alone: a V of inf or NaN leaves lse as it is
                 # only tiles with a key one row sees and another does not (or, loads unmasked, a
                 # slot past the end) hide inf/NaN V (_hide_unseen_nonfinite); an additive mask's
                 # tile checks every tile (in its layout the gate cost more: triton-prefill.md)
@@ -468,7 +469,7 @@ def _decode_kernel(
                     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+                l_i = l_i * alpha + tl.sum(p, 1)
             if STORED:  # d of rows past the end may be anything: 0 (their p is 0)
                 acc, acc_tail = ggml_stored.accumulate(acc, acc_tail, alpha, p, tl.where(valid[None, :], d_v, 0.0),
                                                        v.to(v_type), v_tail.to(q.dtype), V_PARTS, UPCAST_DOT,

@@ -250,3 +250,47 @@ def test_rows_on_the_gluon_gqa_kernel(fmt, n_q, group, bs, kind):
             if not poison:
                 dot, _ = _gluon_rows_launch(torch, run, fmt, n_q, splits, False)
                 assert np.allclose(out, dot, rtol=2e-2, atol=2e-3), what
+
+
+@pytest.mark.parametrize("kernel", ["dot", "gluon"])
+def test_rows_window_edges_hide_what_each_row_does_not_see(kernel):
+    """Four rows a head under a window of 200 over contexts shorter than the rows, inside the
+    window, and long (700: a split runs the window's first tiles, the tiles every row sees, and
+    the last rows' tiles), 1, 3 and 16 splits, the Gluon GQA kernel forced or the dot path: inf in
+    V at row 0's first window key and at the last key reaches row 0 and row 3 only; the rows
+    between match the oracle, and every lse does (V plays no part in it)."""
+    torch = pytest.importorskip("torch")
+    from flashcl.triton import decode as triton_decode
+    from flashcl.triton import decode_gluon
+
+    gpu = torch.cuda.is_available()
+    if kernel == "gluon" and not (gpu and decode_gluon.available()):
+        pytest.skip("the Gluon GQA kernel needs CUDA and Gluon")
+    device, n_q, left, bs = ("cuda" if gpu else "cpu"), 4, 200, 16
+    rng = np.random.default_rng(5)
+    lens = np.array([3, 150, 700], np.int32)
+    per_seq = -(-int(lens.max()) // bs)
+    table = rng.permutation(3 * per_seq + 1)[: 3 * per_seq].reshape(3, per_seq).astype(np.int32)
+    k, v = (rng.standard_normal((3 * per_seq + 1, bs, 2, 128)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((3, 8, n_q, 128)).astype(np.float16)
+    ref, ref_lse = reference.decode_attention(q, k, v, block_table=table, context_lens=lens, window=(left, 0),
+                                              return_lse=True)
+    bad = np.zeros((3, n_q), bool)  # the rows that see an inf
+    for b, n in enumerate(lens):
+        for key, row in ((n - n_q - left, 0), (n - 1, n_q - 1)):  # seen by that row alone
+            if key >= 0 and n - n_q + row >= 0:
+                v[table[b, key // bs], key % bs] = np.inf
+                bad[b, row] = True
+    assert bad[2, 0] and bad[:, -1].all() and not bad[:, 1:-1].any()
+    t = {n: torch.from_numpy(x).to(device) for n, x in (("k", k), ("v", v), ("table", table), ("lens", lens))}
+    qd = torch.from_numpy(q).to(device).reshape(3, 8 * n_q, 128)
+    for splits in (1, 3, 16):
+        out, lse = triton_decode._launch(qd, t["k"], t["v"], t["table"], t["lens"], 128 ** -0.5, splits,
+                                         config={"gluon_gqa": kernel == "gluon"}, window_left=left, query_rows=n_q)
+        out = out.float().cpu().numpy().reshape(3, 8, n_q, 128)
+        lse = lse.cpu().numpy().reshape(3, 8, n_q)
+        what = f"{kernel} splits {splits}"
+        assert not np.isfinite(out.transpose(0, 2, 1, 3)[bad]).any(), what
+        good = ~bad[:, None, :].repeat(8, axis=1)
+        check_out_and_lse(out[good], lse[good], ref[good], ref_lse[good], "float16", what, 1e-3)
+        check_out_and_lse(np.zeros(1), lse, np.zeros(1), ref_lse, "float16", what + " lse", 1e-3)

@@ -65,7 +65,7 @@ def test_groups_past_one_work_item_opencl(cl_device, group, n_q, h_kv, splits):
     """decode_cpu.cl (forced on any device) serves a group of more query heads (GQA heads x rows)
     than one work-item keeps, ROWS_GROUP_TILE, in even tiles, the last padded: 49 rows as 25 + 24
     for each of 2 KV heads, an MQA group of 52 heads as 26 + 26; every variant, as the oracle."""
-    from flashcl.opencl.decode import ROWS_GROUP_TILE, rows_tiles
+    from flashcl.tuning import ROWS_GROUP_TILE, rows_tiles
 
     assert group * n_q > ROWS_GROUP_TILE and rows_tiles(group * n_q) == 2
     q, k, v, table, lens, variants = _case(n_q, group=group, h_kv=h_kv)

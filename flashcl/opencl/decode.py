@@ -33,7 +33,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .. import tuning
-from ..tuning import ROWS_GROUP_TILE, rows_group_tile, rows_tiles  # noqa: F401  (ROWS_GROUP_TILE: tests)
+from ..tuning import rows_group_tile, rows_tiles
 from ..quant import BLOCK_BYTES, QK, QuantizedTensor, dtype_name
 from ..tables import check_tables, host_ints as _host_ints
 from ..variants import window_bounds
@@ -443,8 +443,6 @@ def merge_defines(prob: DecodeProblem, params: dict, *, unroll_merge: bool = Tru
     head dim and storage and on MERGE_WG only."""
     return {"HEAD_DK": prob.dv, "HEAD_DV": prob.dv, "GROUP": 1, **storage_defines(prob.dtype),
             "MERGE_WG": params["MERGE_WG"], "UNROLL_MERGE": unroll_merge, "MERGE_ONLY": 1, "HEAD_TILE": 1}
-
-
 
 
 def head_tiles(group: int, tensor_cores, rows: bool) -> int:

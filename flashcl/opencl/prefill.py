@@ -429,10 +429,10 @@ def _runs_as_decode(handle: DeviceHandle, prob: "PrefillProblem", rank: int, par
     split over the keys, where the prefill kernels give each query head's few rows one work-group
     that streams every key alone (docs/notes/pocl-prefill.md; on GPUs
     docs/notes/opencl-decode-nvidia.md, "Few query rows as a decode"). One row takes every
-    variant; more rows (DECODE_ROWS, DECODE_GROUP_ROWS, decode_head_dim) a window or ALiBi only when causal (QUERY_ROWS puts each
-    row at its own position), on a CPU only where the decode runs decode_cpu.cl. A mask the caller
-    turns into first keys (mask_key_start) or, on causal rows, reads per row (ROW_MASK). The tiles
-    chosen by flashcl, quantized K/V only as 4-D caches."""
+    variant; more rows (DECODE_ROWS, DECODE_GROUP_ROWS, decode_head_dim) a window or ALiBi only
+    when causal (QUERY_ROWS puts each row at its own position), on a CPU only where the decode
+    runs decode_cpu.cl. A mask the caller turns into first keys (mask_key_start) or, on causal
+    rows, reads per row (ROW_MASK). The tiles chosen by flashcl, quantized K/V only as 4-D caches."""
     if not (params is None and (rank == 4 or not any(isinstance(x, QuantizedTensor) for x in (k, v)))):
         return False
     if prob.n_q == 1:

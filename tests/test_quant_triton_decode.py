@@ -149,7 +149,7 @@ def test_words(triton_device, fmt, d, block_size, paged, poison):
     c = _case(triton_device, "float16", b=3, h_q=4, h_kv=2, lens=[0, 37, 2 * block_size + 70], d=d, paged=paged,
               block_size=block_size, k_fmt=fmt, v_fmt=fmt, seed=d + block_size)
     cvt_asm = triton_decode._cvt_asm(c["q"], (fmt, fmt))
-    words = triton_decode.ggml_stored.takes if fmt == "q4_0" else (
+    words = (lambda data, fmt, d: triton_decode.ggml_stored.row_words_aligned(data) >= 1) if fmt == "q4_0" else (
         lambda data, fmt, d: triton_decode._reads_words(data, fmt, d, cvt_asm))
     assert all(words(c[x].data, fmt, d) for x in ("k", "v"))
     for ns in (1, 2, 5):
@@ -304,10 +304,27 @@ def test_gluon_gqa_bf16_q(triton_device, k_fmt, v_fmt, splits, poison, gqa_calls
     _check(out, lse, c, f"gluon gqa bf16 q {formats} splits={splits}")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "q4_0"])
+@pytest.fixture
+def dot_launches(monkeypatch):
+    """The quantized-cache flags of every launch of the dot path's kernel."""
+    kernel = triton_decode._decode_kernel
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append({n: meta.get(n, False) for n in ("STORED", "K_PARTS", "V_PARTS")})
+                return kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    return launches
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "q4_0", "q8_0"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_float32_q_in_bf16_parts(triton_device, fmt, splits, poison):
-    """float32 q against int8, fp8 and q4_0 (stored order: d = 128, paged) K and V: bf16 tiles,
+def test_float32_q_in_bf16_parts(triton_device, fmt, splits, poison, dot_launches):
+    """float32 q against int8, fp8, q4_0 and q8_0 (stored order: d = 128, paged) K and V: bf16 tiles,
     q and p as three bf16 parts (quant_words.dot), exact over float32's range short of its top:
     rows of magnitudes 2^-100 to 2^100 in one group, a row of zeros, a row with values 2^-20 of
     its largest."""
@@ -324,6 +341,8 @@ def test_float32_q_in_bf16_parts(triton_device, fmt, splits, poison):
     c["ref"], c["ref_lse"] = reference.decode_attention(_np(q), c["k"], c["v"], **ref_kw)
     out, lse = _run(c, splits)
     _check(out, lse, c, f"float32 q {fmt} splits={splits}")
+    stored = fmt in ("q4_0", "q8_0")
+    assert dot_launches == [{"STORED": stored, "K_PARTS": True, "V_PARTS": True}]
 
 
 _DOTS_PROBE = """
@@ -503,11 +522,14 @@ def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:
     return (x * 10.0 ** torch.linspace(lo, hi, nb, dtype=torch.float64)[:, None] * keep).reshape(shape)
 
 
-@pytest.mark.parametrize("h_q,h_kv,dk,dv", [(16, 2, 64, 128), (4, 4, 128, 64), (8, 2, 256, 256)])
-def test_q4_0_stored_order_scales(triton_device, h_q, h_kv, dk, dv, poison):
-    """q4_0 read in stored order (ggml_stored): K blocks whose magnitudes differ by 1e4 with q
-    scaled against them, V blocks of 1e-4 to 1e-3 (p * d below fp16's normal range: the stacked
-    p's exponent shift), all-zero blocks; GQA 8 and MHA (group rows padded per block), DK != DV."""
+@pytest.mark.parametrize("fmt,dtype,h_q,h_kv,dk,dv", [
+    ("q4_0", "float16", 16, 2, 64, 128), ("q4_0", "float16", 4, 4, 128, 64), ("q4_0", "float16", 8, 2, 256, 256),
+    ("q8_0", "float32", 16, 2, 128, 128), ("q8_0", "float32", 4, 4, 128, 128)])
+def test_ggml_stored_order_scales(triton_device, fmt, dtype, h_q, h_kv, dk, dv, poison):
+    """q4_0 (fp16 q) and q8_0 (float32 q, d = 128) read in stored order (ggml_stored): K blocks
+    whose magnitudes differ by 1e4 with q scaled against them, V blocks of 1e-4 to 1e-3 (p * d
+    below fp16's normal range: the stacked p's exponent shift), all-zero blocks; GQA 8 and MHA
+    (group rows padded per block), DK != DV; each head dim's tail (the last block's values past it)."""
     gen = torch.Generator().manual_seed(dk + dv + h_q)
     lens = [150, 1, 97]
     n = max(lens)
@@ -515,22 +537,25 @@ def test_q4_0_stored_order_scales(triton_device, h_q, h_kv, dk, dv, poison):
     v = _blocks_apart(gen, (3, h_kv, n, dv), -4.0, -3.0)
     q = torch.randn((3, h_q, dk), generator=gen, dtype=torch.float64)
     q = q * torch.repeat_interleave(10.0 ** -torch.linspace(-2.0, 2.0, dk // 32, dtype=torch.float64), 32)
-    kq, vq = (flashcl.quantize(x.to(torch.float16).to(triton_device), "q4_0") for x in (k, v))
-    assert triton_decode.ggml_stored.takes(kq.data, "q4_0", dk) and triton_decode.ggml_stored.takes(vq.data, "q4_0", dv)
-    qd = q.to(torch.float16)
+    tdt = getattr(torch, dtype)
+    kq, vq = (flashcl.quantize(x.to(tdt).to(triton_device), fmt) for x in (k, v))
+    shapes = dp.DecodeProblem(3, h_q, h_kv, dk, dv, n, tdt.itemsize, 0, kv_formats=(fmt, fmt), q_dtype=dtype)
+    assert dp.stored_order(shapes) and all(triton_decode.ggml_stored.row_words_aligned(x.data) for x in (kq, vq))
+    qd = q.to(tdt)
     ref_out, ref_lse = reference.decode_attention(_np(qd), kq, vq, context_lens=np.array(lens), scale=dk ** -0.5,
                                                   return_lse=True)
-    c = {"ref": ref_out, "ref_lse": ref_lse, "dtype": "float16"}
+    c = {"ref": ref_out, "ref_lse": ref_lse, "dtype": dtype}
     for ns in (1, 3):
         out, lse = flashcl.decode(qd.to(triton_device), kq, vq, context_lens=torch.tensor(lens, dtype=torch.int32,
                                   device=triton_device), num_splits=ns, backend="triton", return_lse=True)
-        _check(out, lse, c, f"q4_0 stored h={h_q}/{h_kv} d={dk}/{dv} splits={ns}")
+        _check(out, lse, c, f"{fmt} stored h={h_q}/{h_kv} d={dk}/{dv} splits={ns}")
 
 
 def test_q4_0_large_groups_take_the_byte_path(triton_device, poison):
     """A GQA group too large to stack per block (16 query heads per KV head at d = 128: 64 stacked
     rows) is read by the byte gather, with the same result; 8 at d = 64 (16 rows) is stacked."""
-    assert not triton_decode.ggml_stored.fits(16, 128, 128) and triton_decode.ggml_stored.fits(8, 64, 64)
+    group = dp.DecodeProblem(2, 16, 1, 128, 128, 70, 2, 16, kv_formats=("q4_0", "q4_0"))
+    assert not dp.stored_order(group) and dp.stored_order(dataclasses.replace(group, h_q=8, dk=64, dv=64))
     c = _case(triton_device, "float16", b=2, h_q=16, h_kv=1, lens=[70, 9], d=128, k_fmt="q4_0", v_fmt="q4_0",
               seed=31)
     for ns in (1, 3):
@@ -548,7 +573,7 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
         data = buf[2:].view(qt.data.shape)
         data.copy_(qt.data)
         shifted.append(dataclasses.replace(qt, data=data, scales=data[..., :2].view(torch.float16)[..., 0]))
-    assert not triton_decode.ggml_stored.takes(shifted[0].data, "q4_0", 64)
+    assert not triton_decode.ggml_stored.row_words_aligned(shifted[0].data)
     c["k"], c["v"] = shifted
     out, lse = _run(c, 2)
     _check(out, lse, c, "q4_0 at a 2-byte offset")
@@ -609,6 +634,27 @@ def test_plan_routes_quantized_caches():
         assert (mixed.block_n, mixed.num_warps) == tiles["q8_0"]
     with pytest.raises(ValueError, match="quantized"):
         dp.plan(replace(gqa, kv_formats=("q5_1", "")), facts)
+
+
+def test_plan_q8_0_under_float32_q():
+    """float32 q on a q8_0 cache (both sides q8_0 or q4_0, head dim 128, a group that stacks) reads
+    it in stored order: 128 rows on 4 warps, 2 stages, two programs per SM. A group too large
+    to stack, query rows, a plain side, head dims 64 (slower that way) or 256 (not measured), fp16
+    q or the knob off keep the gather's tile."""
+    from dataclasses import replace
+
+    facts = dp.DeviceFacts(sms=132, smem_per_block=227 * 1024, capability=(9, 0), gluon=True)
+    f32 = dp.DecodeProblem(1, 32, 8, 128, 128, 32768, 4, 16, kv_formats=("q8_0", "q8_0"), q_dtype="float32")
+    for problem in (f32, replace(f32, kv_formats=("q8_0", "q4_0")), replace(f32, kv_formats=("q4_0", "q8_0"))):
+        p = dp.plan(problem, facts)
+        assert p.stored_order and (p.kernel, p.block_n, p.num_warps, p.num_stages, p.num_splits) == (
+            "dot", 128, 4, 2, 33), problem
+    for problem, config in ((replace(f32, h_q=128), {}), (replace(f32, query_rows=2), {}),
+                            (replace(f32, kv_formats=("q8_0", "")), {}), (replace(f32, dk=64, dv=64), {}),
+                            (replace(f32, dk=256, dv=256), {}), (f32, {"ggml_stored": False}),
+                            (replace(f32, q_dtype="float16", elt_bytes=2), {"gluon_gqa": False})):
+        p = dp.plan(problem, facts, config)
+        assert not p.stored_order and (p.block_n, p.num_warps) == (64, 2), (problem, config)
 
 
 def test_plan_takes_gluon_for_quantized_short_contexts():

@@ -53,11 +53,12 @@ fp8 values exactly in q's type with their scale applied per key to the scores (K
 int8 and fp8 rows on 4-byte boundaries are read as 32-bit words (_load_words: pipelined loads, no
 byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4_0 K and V with
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
-(ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs.
-With float32 q, int8 / fp8 / stored q4_0 tiles stay bf16 (their values exactly) and q and p
-enter the dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps
-quantized caches off the MHA loop (decode_plan.QUANTIZED); where it gives the Gluon GQA kernel a
-launch, that kernel also reads every format with fp16 q (decode_plan.GQA_QUANTIZED).
+(ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs,
+in stored order under float32 q at head dim 128 (decode_plan.stored_order). With float32 q,
+int8 / fp8 / stored q4_0 and q8_0 tiles stay bf16 (their values exactly) and q and p enter the
+dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps quantized caches
+off the MHA loop (decode_plan.QUANTIZED); where it gives the Gluon GQA kernel a launch, that
+kernel also reads every format with fp16 q (decode_plan.GQA_QUANTIZED).
 docs/notes/quantized-decode.md has the measurements.
 
 The launch plan (which kernel, tile, split count and merge) is ``decode_plan.plan`` of the shapes
@@ -172,10 +173,10 @@ def _decode_kernel(
     # int8 / fp8 K / V read as aligned 32-bit words (_load_words); CVT_ASM: quantized bytes become
     # fp16 through PTX byte permutes (quant_words), not per-element casts
     K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
-    # float32 q against int8 / fp8 / q4_0 (stored order) K or V: their tiles in bf16, q or p in
+    # float32 q against int8 / fp8 / stored q4_0 and q8_0 K or V: their tiles in bf16, q or p in
     # three bf16 parts (quant_words.dot)
     K_PARTS: tl.constexpr = False, V_PARTS: tl.constexpr = False,
-    # q4_0 K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
+    # ggml K and V read in stored order, their blocks on stacked rows (ggml_stored; BLOCK_G is then
     # the group's rows per block); TAIL_K / TAIL_V: the positions of a row past its head dim;
     # STORED_ALIGN: the 32-bit words every row starts on (the loads' width)
     STORED: tl.constexpr = False, TAIL_K: tl.constexpr = 16, TAIL_V: tl.constexpr = 16,
@@ -300,7 +301,7 @@ def _decode_kernel(
         # Q tile: the whole group; padding rows are zeros and are never stored
         if STORED:  # stacked per K block, in stored order; acc stacked per V block
             q, q_tail = ggml_stored.load_q(Q + pid_b.to(tl.int64) * stride_qb + heads * stride_qh, mask_g,
-                                           stride_qd, DK, TAIL_K)
+                                           stride_qd, DK, TAIL_K, K_FMT)
             acc = tl.zeros([DV // 32 * BLOCK_G, DV], dtype=tl.float32)
             acc_tail = tl.zeros([BLOCK_G, BLOCK_N, TAIL_V], dtype=tl.float32)
         else:
@@ -395,10 +396,10 @@ def _decode_kernel(
                 # rows from the caches' starts (aligned), not from this head's (136 bytes at d = 128)
                 row_k = row_k + pid_h * stride_kh
                 row_v = row_v + pid_h * stride_vh
-                k, k_tail = ggml_stored.tile(K, row_k, rows_ok, DK, TAIL_K, CVT_ASM, STORED_ALIGN)
-                d_k = ggml_stored.scales(K, row_k, rows_ok, DK // 32)
-                v, v_tail = ggml_stored.tile(V, row_v, rows_ok, DV, TAIL_V, CVT_ASM, STORED_ALIGN)
-                d_v = ggml_stored.scales(V, row_v, rows_ok, DV // 32)
+                k, k_tail = ggml_stored.tile(K, row_k, rows_ok, DK, TAIL_K, CVT_ASM, STORED_ALIGN, K_FMT)
+                d_k = ggml_stored.scales(K, row_k, rows_ok, DK // 32, K_FMT)
+                v, v_tail = ggml_stored.tile(V, row_v, rows_ok, DV, TAIL_V, CVT_ASM, STORED_ALIGN, V_FMT)
+                d_v = ggml_stored.scales(V, row_v, rows_ok, DV // 32, V_FMT)
                 s = ggml_stored.scores(q, q_tail, k.to(k_type), k_tail.to(q.dtype), d_k, BLOCK_G, K_PARTS,
                                        UPCAST_DOT, DOT_PRECISION) * qk_scale_log2
             else:
@@ -494,7 +495,7 @@ def _decode_kernel(
         tl.store(PartL + pm_off, l_i, mask=mask_g)
         if STORED:
             ggml_stored.store(PartAcc + pid_b.to(tl.int64) * stride_pab + heads * stride_pah + pid_s * stride_pas,
-                              mask_g, stride_pad, acc, tl.sum(acc_tail, 1), DV, TAIL_V)
+                              mask_g, stride_pad, acc, tl.sum(acc_tail, 1), DV, TAIL_V, V_FMT)
         else:
             pa_ptrs = (PartAcc + pid_b.to(tl.int64) * stride_pab + heads[:, None] * stride_pah
                        + pid_s * stride_pas + offs_dv[None, :] * stride_pad)
@@ -532,7 +533,7 @@ def _decode_kernel(
         if STORED:
             l_rows = ggml_stored.stack(l_safe, DV // 32)[:, None]
             ggml_stored.store(Out + pid_b.to(tl.int64) * stride_ob + heads * stride_oh, mask_g, stride_od,
-                              acc / l_rows, tl.sum(acc_tail, 1) / l_safe[:, None], DV, TAIL_V)
+                              acc / l_rows, tl.sum(acc_tail, 1) / l_safe[:, None], DV, TAIL_V, V_FMT)
         else:
             out = acc / l_safe[:, None]
             o_ptrs = Out + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
@@ -1179,18 +1180,18 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
     quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm}
-    # q4_0 in stored order stacks the group's rows per block: one query row each (not a prefill's rows)
-    if (plan.config["ggml_stored"] and not problem.rows_differ and ggml_stored.takes(k_cache, k_format, dk)
-            and ggml_stored.takes(v_cache, v_format, dv) and ggml_stored.fits(group, dk, dv)):
-        block_g = ggml_stored.group_rows(group, dk, dv)
-        quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk), TAIL_V=ggml_stored.tail_positions(dv),
-                     STORED_ALIGN=min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache)))
+    # ggml caches in stored order (decode_plan.stored_order) where their rows lie on 4-byte boundaries
+    stored_align = min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache)) if plan.stored_order else 0
+    if stored_align >= 1:
+        block_g = decode_plan.stacked_rows(group, dk, dv)
+        quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk, k_format),
+                     TAIL_V=ggml_stored.tail_positions(dv, v_format), STORED_ALIGN=stored_align)
     else:
         quant.update(K_WORDS=_reads_words(k_cache, k_format, dk, cvt_asm),
                      V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))
     # float32 q against values that bf16 holds exactly: 16-bit tiles, q and p in parts (quant_words.dot)
-    exact = ("int8", "fp8_e4m3", "q4_0") if quant.get("STORED") else ("int8", "fp8_e4m3")
-    parts = q.dtype == torch.float32 and FLOAT32_DOTS == "tf32x3"
+    exact = ("int8", "fp8_e4m3", "q4_0", "q8_0") if quant.get("STORED") else ("int8", "fp8_e4m3")
+    parts = decode_plan.q_in_parts(problem.q_dtype)
     quant.update(K_PARTS=parts and k_format in exact, V_PARTS=parts and v_format in exact)
     scale_args = [_scale_operand(sc, fmt, paged, lse) for sc, fmt in ((k_scales, k_format), (v_scales, v_format))]
     if plan.kernel in ("gluon_mha", "gluon_gqa") and decode_gluon.operands_fit(q, k_cache, v_cache, block_table,
@@ -1280,8 +1281,9 @@ def _reads_words(data: torch.Tensor, fmt: str, d: int, cvt_asm: bool) -> bool:
     """Whether the kernel reads this int8 or fp8 cache as 32-bit words (_load_words): head dims 16
     or more that are their own padded size, unit stride, every row on a 4-byte boundary, the words
     turned into fp16 through byte permutes (``cvt_asm``; under the interpreter the same words
-    take per-element casts). q4_0 has its own word path (ggml_stored); q8_0 keeps the byte-pair
-    gather: its words measured slower both ways (docs/notes/quantized-decode.md)."""
+    take per-element casts). q4_0 has its own word path (ggml_stored), and q8_0 under float32 q;
+    otherwise q8_0 keeps the byte-pair gather: its words measured slower both ways
+    (docs/notes/quantized-decode.md)."""
     if fmt not in ("int8", "fp8_e4m3") or d != _next_pow2(d) or d < 16 or data.stride(-1) != 1:
         return False
     if not (cvt_asm or interpreting()):

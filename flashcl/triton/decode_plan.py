@@ -22,7 +22,7 @@ import types
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from . import interpreting
+from . import FLOAT32_DOTS, interpreting
 
 # --------------------------------------------------------------------------- the records
 
@@ -133,6 +133,7 @@ class DecodePlan:
     evict_first: bool   # the Gluon kernels' K/V loads marked L1::evict_first
     sort_pages: bool    # the Gluon kernels sort long splits' pages
     gqa_registers: int  # the Gluon GQA kernel's register cap (gqa_registers), 0: none
+    stored_order: bool  # the dot path reads ggml K and V in stored order where their rows allow
     config: Mapping = field(hash=False)
 
     @property
@@ -226,7 +227,8 @@ _KNOBS = {
     "gqa_programs_per_sm": None,
     # the Gluon kernels visit the pages of splits of 256 to 1024 pages in address order
     "sort_pages": True,
-    # q4_0 K and V read in stored order where their rows allow (ggml_stored); off: the byte gather
+    # q4_0 (and q8_0 under float32 q) K and V read in stored order where their rows allow
+    # (ggml_stored); off: the byte gather
     "ggml_stored": True,
 }
 _TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
@@ -410,18 +412,64 @@ _ROWS_FOUR_WARPS = 64  # padded group rows from which a quantized few-row launch
 _QUANT_ROWS_TILE = {"BLOCK_N": 64, "num_warps": 4}
 
 
-def _dequant_programs_per_sm(problem: DecodeProblem) -> int:
-    """The programs per SM a quantized split launch aims at: 4 (1 plain). One program dequantizing
-    its tiles does not stream enough for its SM; four on the small tiles beat two on the larger
-    (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 / 293; q4_0 79 / 272
-    against 126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33 splits 34.4 / 109.1):
-    docs/notes/quantized-decode.md."""
+# q8_0 under float32 q, in stored order: 128 rows on 4 warps, 2 stages, two programs per SM (H200,
+# (1, 32/8, 32k / 128k): 91 / 329 us against 127 / 453 on the 64-row 2-warp tile at four per SM)
+_Q8_0_STORED_TILE = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+
+
+def q_in_parts(q_dtype: str) -> bool:
+    """Whether q enters the dots against quantized values as three bf16 parts (quant_words.dot):
+    float32 q with tf32x3 dots."""
+    return q_dtype == "float32" and FLOAT32_DOTS == "tf32x3"
+
+
+# Stacked rows (blocks x group rows) the stored-order path takes: at 16 (d = 128, groups to 4) the
+# sm_90 compile spills nothing; at 32 it spills 320-928 bytes (not timed); at 64 and more it spills
+# kilobytes and needs up to 120 KB of shared memory, past sm_89's 99 KB: those take the byte gather.
+MAX_STACKED_ROWS = 32
+
+
+def stacked_rows(group: int, dk: int, dv: int) -> int:
+    """Rows of one stacked block in stored order (ggml_stored; the kernel's BLOCK_G): the group
+    padded so that blocks x rows >= 16 (tl.dot's least)."""
+    rows = 1 << max(0, group - 1).bit_length()
+    return max(rows, 16 // (min(dk, dv) // 32))
+
+
+def stored_order(problem: DecodeProblem, on: bool = True) -> bool:
+    """Whether the dot path reads K and V in stored order (ggml_stored) where their rows lie on
+    4-byte boundaries: q4_0 of head dim 64, 128 or 256, or q8_0 of head dim 128 under float32 q
+    (q_in_parts: its values exact in bf16), on both sides; one query row a head; at most
+    MAX_STACKED_ROWS stacked rows. ``on``: the ggml_stored knob. (q8_0 at d = 64 ran 1.3x slower
+    this way than by its gather; 256 is not measured.)"""
+    p = problem
+    parts = q_in_parts(p.q_dtype)
+
+    def takes(fmt: str, d: int) -> bool:
+        return (fmt == "q4_0" and d in (64, 128, 256)) or (fmt == "q8_0" and parts and d == 128)
+
+    return (on and not p.rows_differ and takes(p.kv_formats[0], p.dk) and takes(p.kv_formats[1], p.dv)
+            and stacked_rows(p.h_q // p.h_kv, p.dk, p.dv) * max(p.dk, p.dv) // 32 <= MAX_STACKED_ROWS)
+
+
+def _dequant_programs_per_sm(problem: DecodeProblem, stored: bool) -> int:
+    """The programs per SM a quantized split launch aims at: 4, 2 on _Q8_0_STORED_TILE (1 plain).
+    One program dequantizing its tiles does not stream enough for its SM; four on the small tiles
+    beat two on the larger (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 /
+    293; q4_0 79 / 272 against 126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33
+    splits 34.4 / 109.1): docs/notes/quantized-decode.md."""
+    if _dequant_tile(problem, stored) is _Q8_0_STORED_TILE:
+        return 2
     return 4 if problem.quantized else 1
 
 
-def _dequant_tile(problem: DecodeProblem) -> Optional[dict]:
-    """The tile of a quantized launch: a ggml cache's (q8_0's where both kinds are there), else
-    _WORD_TILE for int8 / fp8 (_dequant_programs_per_sm); None plain."""
+def _dequant_tile(problem: DecodeProblem, stored: bool) -> Optional[dict]:
+    """The tile of a quantized launch: _Q8_0_STORED_TILE for q8_0 in stored order, a ggml cache's
+    (q8_0's where both kinds are there), else _WORD_TILE for int8 / fp8 (_dequant_programs_per_sm);
+    None plain."""
+    p = problem
+    if stored and "q8_0" in p.kv_formats and max(p.dk, p.dv) <= 128:  # with q4_0 at 256: not measured
+        return _Q8_0_STORED_TILE
     formats = {f for f in problem.kv_formats if f}
     for fmt in _GGML_TILES:
         if fmt in formats:
@@ -621,9 +669,10 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     min_tiles = _MIN_TILES_PER_SPLIT if p.window_left < 0 else _MIN_TILES_PER_WINDOW_SPLIT
     auto_splits = choose_num_splits(sms, programs, n_ctx, cfg["BLOCK_N"], min_tiles)
     tile_forced = bool(set(config or {}) & set(_TILE_KEYS))
-    dequant_tile = None if tile_forced else _dequant_tile(p)
+    stored = stored_order(p, cfg["ggml_stored"])
+    dequant_tile = None if tile_forced else _dequant_tile(p, stored)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
-    per_sm = _dequant_programs_per_sm(p)
+    per_sm = _dequant_programs_per_sm(p, stored)
     # two programs per SM at a power of two for query rows (prefill's few-row route) and for a
     # contiguous cache's 2-warp tile whose splits are too short for the long tile: 32 splits of
     # (1, 32/8, 32k) ran 14-17% faster than 16, 33 as slowly as 16 (triton-prefill.md, decode-h100.md)
@@ -732,5 +781,5 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         merge_stages=int(cfg["merge_stages"]), block_gm=_next_pow2(group),
         reduce_heads=reduce_heads, reduce_chunk=reduce_chunk,
         evict_first=bool(cfg["kv_evict_first"]), sort_pages=bool(cfg["sort_pages"]),
-        gqa_registers=gqa_registers(need) if gluon_gqa else 0,
+        gqa_registers=gqa_registers(need) if gluon_gqa else 0, stored_order=kernel == "dot" and stored,
         config=types.MappingProxyType(cfg))

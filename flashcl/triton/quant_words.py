@@ -2,8 +2,8 @@
 quantized row turned into fp16 through PTX byte permutes where q is fp16 on a GPU, or into float32
 through shifts and casts elsewhere (the interpreter, other q types). Shared by the decode's word
 tiles (decode._load_words), the ggml block gathers of the decode and the prefill (ggml_blocks),
-the decode's q4_0 stored-order tiles (ggml_stored) and the Gluon GQA kernel's words and ggml
-windows (decode_gluon: word_to_f16x2_ptx)."""
+the decode's stored-order q4_0 and q8_0 tiles (ggml_stored) and the Gluon GQA kernel's words
+and ggml windows (decode_gluon: word_to_f16x2_ptx)."""
 
 from __future__ import annotations
 

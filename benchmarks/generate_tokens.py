@@ -2,20 +2,23 @@
 against transformers' eager and SDPA attention in the same process: milliseconds per new token.
 
     python benchmarks/generate_tokens.py [--device cpu|cuda] [--dtype D] [--layers 8] [--prompt 256]
-        [--new 32] [--padded-batch B]
+        [--new 32] [--padded-batch B] [--kv-format q8_0|q4_0|int8]
 
 cpu: torch CPU tensors, attention on flashcl's OpenCL device ($FLASHCL_DEVICE, else its
 default); cuda: the Triton kernels. float32 on the CPU, float16 on CUDA unless --dtype says
 otherwise (float32, float16 or bfloat16); nothing is downloaded.
 Each implementation generates once to warm up, then three times; the median is printed.
 ``--padded-batch B``: B prompts at once, sequence i left-padded by i * prompt / (2 B) tokens (its
-attention mask hides them: what batched generation of prompts of unequal lengths does). Run it
+attention mask hides them: what batched generation of prompts of unequal lengths does).
+``--kv-format FMT``: flashcl also with its quantized cache (integrations.transformers.quantized_cache),
+and the K/V bytes each cache holds at the end. Run it
 from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md and pocl-prefill.md cite it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -33,14 +36,17 @@ def model_for(layers: int, device: str, dtype: torch.dtype) -> transformers.Llam
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def ms_per_token(model, ids, new: int, device: str, attention_mask=None) -> float:
+def ms_per_token(model, ids, new: int, device: str, attention_mask=None, cache=None) -> float:
+    """Median ms a new token over three generations (one more first, to warm up); ``cache``: a
+    function making the cache each generation starts with (None: transformers' default)."""
     def run():
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
+        kwargs = {} if cache is None else {"past_key_values": cache()}
         with torch.no_grad():
             model.generate(ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+                           do_sample=False, pad_token_id=0, **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t) / new
@@ -58,6 +64,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new", type=int, default=32, help="new tokens")
     ap.add_argument("--padded-batch", type=int, default=0, help="B left-padded prompts at once (0: one prompt)")
+    ap.add_argument("--kv-format", choices=fcl_hf.CACHE_FORMATS, help="also flashcl on its quantized cache")
     opt = ap.parse_args()
     dtype = getattr(torch, opt.dtype or ("float16" if opt.device == "cuda" else "float32"))
     model = model_for(opt.layers, opt.device, dtype)
@@ -71,10 +78,30 @@ def main() -> None:
     print(f"# Llama, {opt.layers} layers, 8/2 heads of 64, prompt {opt.prompt}, {opt.new} new tokens, {opt.device}, "
           f"{str(dtype).removeprefix('torch.')}"
           + (f", {batch} left-padded prompts" if opt.padded_batch else ""))
-    for name in (fcl_hf.register(), "sdpa", "eager"):
+    runs = [(name, name, None) for name in (fcl_hf.register(), "sdpa", "eager")]
+    if opt.kv_format:
+        quantized = functools.partial(fcl_hf.quantized_cache, opt.kv_format)
+        runs.insert(1, (f"{fcl_hf.NAME} {opt.kv_format}", fcl_hf.register(), quantized))
+    for label, name, cache in runs:
         model.set_attn_implementation(name)
-        ms = ms_per_token(model, ids, opt.new, opt.device, mask if opt.padded_batch else None)
-        print(f"{name:6s} {ms:8.2f} ms a token", flush=True)
+        ms = ms_per_token(model, ids, opt.new, opt.device, mask if opt.padded_batch else None, cache)
+        print(f"{label:11s} {ms:8.2f} ms a token", flush=True)
+    if opt.kv_format:
+        with torch.no_grad():
+            model.set_attn_implementation(fcl_hf.register())
+            for label, cache in (("plain", transformers.DynamicCache()), (opt.kv_format, quantized())):
+                model.generate(ids, attention_mask=mask, max_new_tokens=opt.new, min_new_tokens=opt.new,
+                               do_sample=False, pad_token_id=0, past_key_values=cache)
+                print(f"K/V cache {label}: {_cache_bytes(cache) / 1e6:.2f} MB")
+
+
+def _cache_bytes(cache) -> int:
+    """The bytes of K and V a cache's layers hold (a QuantizedTensor's data and int8 scales)."""
+    def size(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return size(x.data) + (size(x.scales) if x.fmt == "int8" else 0)  # ggml scales lie in the data
+    return sum(size(layer.keys) + size(layer.values) for layer in cache.layers)
 
 
 if __name__ == "__main__":

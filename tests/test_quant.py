@@ -262,10 +262,13 @@ def test_ggml_bytes_match_a_scalar_transliteration(fmt, kind_name):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_torch_ops_give_the_numpy_bytes(fmt, dtype):
-    """The torch path (the one CUDA tensors take) against the NumPy path, byte for byte."""
+    """The torch path (the one CUDA tensors take; CPU tensors quantize through NumPy) against the
+    NumPy path, byte for byte."""
     hard = _hard_blocks(400, seed=7) if dtype != torch.float16 else _kv((400, QK), seed=8)
     x = torch.from_numpy(hard.reshape(50, 4, 64)).to(dtype)
-    got, want = flashcl.quantize(x, fmt), flashcl.quantize(x.float().numpy(), fmt)
+    got = flashcl.quant._quantize(x, fmt, str(dtype).removeprefix("torch."), torch_ops=True)
+    want = flashcl.quantize(x.float().numpy(), fmt)
+    assert torch.equal(flashcl.quantize(x, fmt).data.view(torch.uint8), got.data.view(torch.uint8))
     np.testing.assert_array_equal(_host(got.data), _host(want.data))
     np.testing.assert_array_equal(_host(got.scales), _host(want.scales))
     back = flashcl.dequantize(got)
@@ -485,3 +488,26 @@ def test_reference_decode_on_a_dequantized_paged_cache():
     exact = ref.decode_attention(q, k, v, block_table=bt, context_lens=lens)
     quant = ref.decode_attention(q, flashcl.dequantize(kq), flashcl.dequantize(vq), block_table=bt, context_lens=lens)
     assert ref.rel_err(quant, exact) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
+def test_append_and_first_tokens_are_the_quantized_slices(fmt):
+    """append_tokens gives the bytes of quantizing the whole grown tensor (scales per block or
+    row: the cached tokens keep theirs), first_tokens those of the first n; the ggml scales stay
+    views of the data. fp8_e4m3, other shapes and another dtype are refused."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 3, 11, 64) * torch.logspace(-2, 2, 11)[:, None]
+    grown = flashcl.quant.append_tokens(flashcl.quantize(x[:, :, :7], fmt), x[:, :, 7:])
+    whole = flashcl.quantize(x, fmt)
+    for got, want in ((grown, whole), (flashcl.quant.first_tokens(whole, 5), flashcl.quantize(x[:, :, :5], fmt))):
+        check_layout(got, "got")
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
+        if fmt != "int8":
+            assert got.scales.data_ptr() == got.data.data_ptr()
+    with pytest.raises(ValueError, match="one scale per tensor"):
+        flashcl.quant.append_tokens(flashcl.quantize(x, "fp8_e4m3"), x)
+    with pytest.raises(ValueError, match="does not extend"):
+        flashcl.quant.append_tokens(whole, x[:, :2])
+    with pytest.raises(TypeError, match="float32"):
+        flashcl.quant.append_tokens(whole, x.half())

@@ -27,34 +27,34 @@ _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
 _ALTERNATING = ["sliding_attention", "full_attention"]
 
 
-def _llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON))
+def _llama(**extra):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_COMMON, **extra}))
 
 
-def _qwen3():
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON))
+def _qwen3(**extra):
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**_COMMON, **extra}))
 
 
-def _mistral():
-    return transformers.MistralForCausalLM(transformers.MistralConfig(**_COMMON, sliding_window=WINDOW))
+def _mistral(**extra):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**{**_COMMON, **extra}, sliding_window=WINDOW))
 
 
-def _gemma2():
+def _gemma2(**extra):
     # A softcap near the scores' size, so that it changes them.
-    cfg = transformers.Gemma2Config(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+    cfg = transformers.Gemma2Config(**{**_COMMON, **extra}, sliding_window=WINDOW, layer_types=_ALTERNATING,
                                     attn_logit_softcapping=0.5, query_pre_attn_scalar=16)
     return transformers.Gemma2ForCausalLM(cfg)
 
 
-def _gemma3():
-    cfg = transformers.Gemma3TextConfig(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING,
+def _gemma3(**extra):
+    cfg = transformers.Gemma3TextConfig(**{**_COMMON, **extra}, sliding_window=WINDOW, layer_types=_ALTERNATING,
                                         query_pre_attn_scalar=16)
     return transformers.Gemma3ForCausalLM(cfg)
 
 
-def _gpt_oss():
+def _gpt_oss(**extra):
     # max_position_embeddings = YaRN's factor x its original length, as the real model has them
-    cfg = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 32, "max_position_embeddings": 131072},
+    cfg = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 32, "max_position_embeddings": 131072, **extra},
                                     sliding_window=WINDOW,
                                     layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2)
     model = transformers.GptOssForCausalLM(cfg)
@@ -98,9 +98,9 @@ def flashcl_calls(monkeypatch):
     return calls
 
 
-def _build(family: str, implementation: str, device: str):
+def _build(family: str, implementation: str, device: str, **config):
     torch.manual_seed(0)
-    model = MODELS[family]()
+    model = MODELS[family](**config)
     model.set_attn_implementation(implementation)
     return model.eval().to(device)
 
@@ -192,6 +192,57 @@ def test_chunked_prefill_through_the_cache_matches_eager(family, torch_device, f
     real = mask[:, cut:].bool().cpu()
     err = rel_err(logits[1].cpu()[real].numpy(), logits[0].cpu()[real].numpy())
     assert err <= TOL, f"{family}: second-chunk logits differ from eager by {err:.2e}"
+
+
+def _values_cache(fmt: str):
+    """A transformers cache of the values a quantized cache of ``fmt`` holds, dequantized: what
+    eager attention must see to match flashcl's attention reading the quantized cache."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class Layer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            k, v = (flashcl.dequantize(flashcl.quantize(x.contiguous(), fmt)) for x in (key_states, value_states))
+            return super().update(k, v, *args, **kwargs)
+
+    return Cache(layer_class_to_replicate=Layer)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
+@pytest.mark.parametrize("family, fmt", [("llama", "q8_0"), ("llama", "q4_0"), ("llama", "int8"),
+                                         ("gemma2", "q8_0"), ("gpt_oss", "q4_0")])
+def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, torch_device, flashcl_calls):
+    """quantized_cache(fmt) on a left-padded batch (head dim 32, ggml's block): flashcl reads the
+    quantized K/V in place and matches eager attention over the same values dequantized, token for
+    token and in every step's logits; the cache holds QuantizedTensors of every token."""
+    ids, mask = _padded_batch(torch_device)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                  pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    cache = fcl_hf.quantized_cache(fmt)
+    with torch.no_grad():
+        want = _build(family, "eager", torch_device, head_dim=32).generate(
+            ids, past_key_values=_values_cache(fmt), **kwargs)
+        got = _build(family, fcl_hf.register(), torch_device, head_dim=32).generate(
+            ids, past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences.cpu(), want.sequences.cpu()), f"{family} {fmt}"
+    err = max(rel_err(g.cpu().numpy(), w.cpu().numpy()) for g, w in zip(got.logits, want.logits))
+    assert err <= TOL, f"{family} {fmt}: logits differ from eager on the dequantized values by {err:.2e}"
+    steps = [kw for name, kw in flashcl_calls if name == "decode"]
+    assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
+    keys = cache.layers[0].keys
+    assert isinstance(keys, flashcl.QuantizedTensor) and keys.fmt == fmt
+    assert keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], max(LENGTHS) + NEW_TOKENS - 1, 32)
+
+
+def test_quantized_cache_refuses_what_it_cannot_hold():
+    """fp8_e4m3 (one scale per tensor) and unknown formats are refused when the cache is made;
+    beam search's reordering is refused by name."""
+    for fmt in ("fp8_e4m3", "q5_1"):
+        with pytest.raises(ValueError, match="quantized_cache: expected one of"):
+            fcl_hf.quantized_cache(fmt)
+    cache = fcl_hf.quantized_cache("int8")
+    cache.update(torch.ones(1, 2, 3, 16), torch.ones(1, 2, 3, 16), 0)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
 
 
 def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):

@@ -17,6 +17,11 @@ sequence a suffix of its keys (a left-padded batch) runs as ``flashcl.decode`` w
 sequence's first key (``key_start``), which never reads the padding. Softcap (Gemma 2) and sinks
 (gpt-oss's ``s_aux``) map to flashcl's variants; GQA runs without repeating K/V.
 
+``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
+(``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
+``generate(..., past_key_values=quantized_cache("q8_0"))``. A q8_0 cache of a float32 model holds
+34 bytes per 32 values instead of 128; the attention sees exactly the dequantized values.
+
 Only models whose attention goes through transformers' attention interface run flashcl.
 transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl
 and misread the SDPA-style mask registered with it: ``check(model)`` raises for them.
@@ -24,11 +29,12 @@ and misread the SDPA-style mask registered with it: ``check(model)`` raises for 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
-from .. import api
+from .. import api, quant
 
 # transformers sends any implementation whose name contains "flash" to its flash-attention loader.
 NAME = "fcl"
@@ -70,6 +76,70 @@ def _calls_interface(model) -> bool:
     methods = (inspect.unwrap(fn) for cls in {type(m) for m in model.modules()}
                for fn in vars(cls).values() if callable(fn))
     return any("ALL_ATTENTION_FUNCTIONS" in fn.__code__.co_names for fn in methods if hasattr(fn, "__code__"))
+
+
+# The formats a growing cache takes: fp8_e4m3's one scale per tensor cannot take new tokens.
+CACHE_FORMATS = ("q8_0", "q4_0", "int8")
+
+
+def quantized_cache(fmt: str = "q8_0"):
+    """A transformers ``Cache`` whose layers keep K and V as ``flashcl.QuantizedTensor`` (format
+    ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and appended
+    (``flashcl.quant.append_tokens``). Only flashcl's attention (``register()``) reads it: other
+    implementations take tensors. Every layer keeps its whole history (a sliding-window layer's
+    mask still limits what it attends); beam search and cropping are not supported."""
+    if fmt not in CACHE_FORMATS:
+        raise ValueError(f"quantized_cache: expected one of {CACHE_FORMATS}, got {fmt!r}")
+    return _cache_classes()[0](fmt)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_classes():
+    """(QuantizedKVCache, QuantizedKVLayer): built on first use, transformers being optional."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class QuantizedKVLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values are QuantizedTensors, grown by append_tokens."""
+
+        is_croppable = False
+
+        def __init__(self, fmt: str):
+            super().__init__()
+            self.fmt = fmt
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.keys is None:
+                self.keys, self.values = (quant.quantize(x.contiguous(), self.fmt) for x in (key_states, value_states))
+            else:
+                self.keys = quant.append_tokens(self.keys, key_states)
+                self.values = quant.append_tokens(self.values, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return 0 if self.keys is None else self.keys.shape[-2]
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise NotImplementedError("flashcl's quantized cache does not reorder its entries (beam search)")
+
+    class QuantizedKVCache(Cache):
+        """transformers' Cache over QuantizedKVLayers of one format (quantized_cache)."""
+
+        def __init__(self, fmt: str):
+            super().__init__(layer_class_to_replicate=functools.partial(QuantizedKVLayer, fmt))
+            self.fmt = fmt
+
+    return QuantizedKVCache, QuantizedKVLayer
+
+
+def _first_keys(x, n: int):
+    """Keys (or values) ``x`` (B, H_kv, N, D), a tensor or a QuantizedTensor, cut to their first ``n``."""
+    return quant.first_tokens(x, n) if isinstance(x, quant.QuantizedTensor) else x[:, :, :n]
 
 
 @dataclass(frozen=True)
@@ -193,7 +263,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if causal and n_q > n_kv:
             raise ValueError(f"causal attention without a mask needs N_q <= N_kv, got {n_q} > {n_kv}")
         if causal and n_q < n_kv:
-            key, value, n_kv = key[:, :, :n_q], value[:, :, :n_q], n_q
+            key, value, n_kv = _first_keys(key, n_q), _first_keys(value, n_q), n_q
         plan = Plan(causal=causal, window=None, mask=None)
     else:
         plan = _cached_plan(attention_mask, n_q, n_kv)
@@ -208,6 +278,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         out = api.decode(query[:, :, 0], key, value, key_start=starts, context_lens=lens, **variants)[:, :, None]
     else:
         if plan.keys is not None:
-            key, value = key[:, :, :plan.keys], value[:, :, :plan.keys]
+            key, value = _first_keys(key, plan.keys), _first_keys(value, plan.keys)
         out = api.prefill(query, key, value, causal=plan.causal, mask=plan.mask, **variants)
     return out.transpose(1, 2).contiguous(), None

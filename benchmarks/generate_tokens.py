@@ -11,8 +11,8 @@ Each implementation generates once to warm up, then three times; the median is p
 ``--padded-batch B``: B prompts at once, sequence i left-padded by i * prompt / (2 B) tokens (its
 attention mask hides them: what batched generation of prompts of unequal lengths does).
 ``--kv-format FMT``: flashcl also with its quantized cache (integrations.transformers.quantized_cache),
-and the K/V bytes each cache holds at the end. Run it
-from two trees (PYTHONPATH) to compare them. docs/notes/opencl-host.md and pocl-prefill.md cite it.
+and the K/V bytes each cache holds at the end. Run it from two trees (PYTHONPATH) to compare
+them. docs/notes/opencl-host.md and pocl-prefill.md cite it.
 """
 
 from __future__ import annotations

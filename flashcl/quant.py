@@ -19,7 +19,8 @@ Where the math runs follows the input's kind, and data/scales come back in that 
 - numpy: NumPy on the host.
 - torch: CUDA tensors in torch ops on their device, the same bytes as NumPy (one quantizer body
   serves both, through ``_NumpyOps``/``_TorchOps``), nothing syncing with the host; CPU tensors
-  in NumPy's ops on the same memory (fewer microseconds a call), data/scales back as torch.
+  in NumPy's ops (fewer microseconds a call; float32 ones on their own memory), data/scales
+  back as torch.
 - pyopencl Array: NumPy on the host, data/scales uploaded to the input's queue (OpenCL's float
   division need not be correctly rounded, so a device quantizer would not give ggml's bytes on
   every device). ggml scales are then a strided view of ``data``: read them through ``data``.
@@ -311,7 +312,9 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
         _check_ggml_range(xf, data, fmt, logical)
     if on_host:
         import torch
-        data, scales = torch.from_numpy(data), None if scales is None else torch.from_numpy(scales)
+        # an empty array's strides are 0 in NumPy: copied into torch's own (the ggml scales view data)
+        data, scales = (None if a is None else torch.from_numpy(a) if a.size else torch.from_numpy(a).clone(
+            memory_format=torch.contiguous_format) for a in (data, scales))
     if _is_cl(x):
         import pyopencl.array as cla
         data = cla.to_device(x.queue, data)
@@ -502,12 +505,12 @@ def append_tokens(qt: QuantizedTensor, x) -> QuantizedTensor:
         raise TypeError(f"append_tokens takes a torch cache and torch tokens, got {kind_of(qt.data)} and {kind_of(x)}")
     if len(x.shape) != len(qt.shape) or x.shape[:-2] != qt.shape[:-2] or x.shape[-1] != qt.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)} does not extend a cache of shape {qt.shape} along its tokens (-2)")
-    if dtype_name(x) != dtype_name(qt):
-        raise TypeError(f"x: the cache holds {dtype_name(qt)} values (quantized from {dtype_name(qt)}); "
-                        f"got {dtype_name(x)}")
+    if dtype_name(x) != dtype_name(qt) or x.device != qt.data.device:
+        raise TypeError(f"x: the cache was quantized from {dtype_name(qt)} on {qt.data.device}; got "
+                        f"{dtype_name(x)} on {x.device}")
     import torch
 
-    new = _quantize(x.to(qt.data.device), qt.fmt, dtype_name(qt))
+    new = _quantize(x, qt.fmt, dtype_name(qt))
     axis = len(qt.shape) - 2  # the token axis of data and of int8's scales alike
     data = torch.cat([qt.data, new.data], axis)
     scales = _ggml_scales(data) if qt.fmt in BLOCK_BYTES else torch.cat([qt.scales, new.scales], axis)
@@ -516,10 +519,18 @@ def append_tokens(qt: QuantizedTensor, x) -> QuantizedTensor:
 
 
 def first_tokens(qt: QuantizedTensor, n: int) -> QuantizedTensor:
-    """A contiguous torch cache's first ``n`` tokens (..., n, D), copied."""
+    """A contiguous torch cache's first ``n`` tokens (..., n, D), copied (fp8_e4m3 keeps its
+    tensor's scale)."""
+    if not _is_torch(qt.data):
+        raise TypeError(f"first_tokens takes a torch cache, got {kind_of(qt.data)}")
+    if len(qt.shape) < 2 or not 0 <= n <= qt.shape[-2]:
+        raise ValueError(f"first_tokens: {n} of a cache of shape {qt.shape} (tokens on axis -2)")
     axis = len(qt.shape) - 2
     data = qt.data.narrow(axis, 0, n).contiguous()
-    scales = _ggml_scales(data) if qt.fmt in BLOCK_BYTES else qt.scales.narrow(axis, 0, n).contiguous()
+    if qt.fmt in BLOCK_BYTES:
+        scales = _ggml_scales(data)
+    else:
+        scales = qt.scales if qt.fmt == "fp8_e4m3" else qt.scales.narrow(axis, 0, n).contiguous()
     return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (n, qt.shape[-1]), qt.dtype)
 
 

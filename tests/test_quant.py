@@ -511,3 +511,18 @@ def test_append_and_first_tokens_are_the_quantized_slices(fmt):
         flashcl.quant.append_tokens(whole, x[:, :2])
     with pytest.raises(TypeError, match="float32"):
         flashcl.quant.append_tokens(whole, x.half())
+    with pytest.raises(ValueError, match="first_tokens: 12"):
+        flashcl.quant.first_tokens(whole, 12)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
+def test_empty_torch_tensors_quantize_and_append(fmt):
+    """No tokens quantize to empty parts with torch's own strides (the ggml scales a view of them),
+    and appending no tokens leaves the cache's bytes."""
+    torch = pytest.importorskip("torch")
+    empty = flashcl.quantize(torch.randn(2, 3, 0, 64), fmt)
+    check_layout(empty, "empty")
+    assert empty.data.is_contiguous() and empty.shape == (2, 3, 0, 64)
+    qt = flashcl.quantize(torch.randn(2, 3, 4, 64), fmt)
+    same = flashcl.quant.append_tokens(qt, torch.randn(2, 3, 0, 64))
+    assert same.shape == qt.shape and torch.equal(same.data, qt.data)

@@ -140,7 +140,7 @@ def test_quantized_with_variants(triton_device, poison):
 @pytest.mark.parametrize("d,block_size,paged", [(128, 16, True), (256, 1, True), (128, 16, False), (64, 32, True),
                                                  (64, 256, True)])
 @pytest.mark.parametrize("fmt", ("q4_0", "int8", "fp8_e4m3"))
-def test_words(triton_device, fmt, d, block_size, paged, poison):
+def test_words(triton_device, fmt, d, block_size, paged, poison, dot_launches):
     """Caches read as 32-bit words (head dims 64 / 128 / 256; int8 and fp8 where q is fp16, q4_0
     in stored order): every column back in its place, in out and in the split partials; whole
     pages, tiles inside a page (256-token blocks) and contiguous rows; rows past the end; a window
@@ -155,6 +155,8 @@ def test_words(triton_device, fmt, d, block_size, paged, poison):
     for ns in (1, 2, 5):
         out, lse = _run(c, ns)
         _check(out, lse, c, f"{fmt} words d={d} paged={paged} splits={ns}")
+    # where the dot path runs it (not the Gluon GQA kernel), q4_0 is read in stored order
+    assert all(launch["STORED"] == (fmt == "q4_0") for launch in dot_launches), dot_launches
     w = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[90, 17], d=d, paged=paged, block_size=block_size,
               k_fmt=fmt, v_fmt=fmt, seed=d + 1, window=(block_size + 3, 0))
     out, lse = _run(w, 3)
@@ -302,6 +304,22 @@ def test_gluon_gqa_bf16_q(triton_device, k_fmt, v_fmt, splits, poison, gqa_calls
     out, lse = _forced_gqa(c, formats, splits)
     assert gqa_calls == [formats] and out.dtype == torch.bfloat16
     _check(out, lse, c, f"gluon gqa bf16 q {formats} splits={splits}")
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt,dk,dv", [("q8_0", "q4_0", 128, 128), ("q4_0", "q8_0", 64, 128),
+                                               ("q8_0", "q4_0", 128, 256)])
+def test_float32_q_on_mixed_ggml_caches(triton_device, k_fmt, v_fmt, dk, dv, poison, dot_launches):
+    """float32 q on q8_0 K with q4_0 V and the reverse, head dims apart, with a window, softcap,
+    sinks and ALiBi: both sides in stored order, each with its own block size and tail."""
+    gen = torch.Generator().manual_seed(dk + dv)
+    var = {"window": (70, 0), "softcap": 5.0, "sinks": torch.randn((8,), generator=gen),
+           "alibi_slopes": torch.rand((2, 8), generator=gen) * 0.2}
+    c = _case(triton_device, "float32", b=2, h_q=8, h_kv=2, lens=[150, 33], d=dk, dv=dv, k_fmt=k_fmt, v_fmt=v_fmt,
+              seed=dk, **var)
+    for ns in (1, 3):
+        out, lse = _run(c, ns)
+        _check(out, lse, c, f"float32 q K {k_fmt} V {v_fmt} d={dk}/{dv} splits={ns}")
+    assert dot_launches and all(launch["STORED"] for launch in dot_launches), dot_launches
 
 
 @pytest.fixture
@@ -525,7 +543,7 @@ def _blocks_apart(gen, shape, lo: float, hi: float) -> torch.Tensor:
 @pytest.mark.parametrize("fmt,dtype,h_q,h_kv,dk,dv", [
     ("q4_0", "float16", 16, 2, 64, 128), ("q4_0", "float16", 4, 4, 128, 64), ("q4_0", "float16", 8, 2, 256, 256),
     ("q8_0", "float32", 16, 2, 128, 128), ("q8_0", "float32", 4, 4, 128, 128)])
-def test_ggml_stored_order_scales(triton_device, fmt, dtype, h_q, h_kv, dk, dv, poison):
+def test_ggml_stored_order_scales(triton_device, fmt, dtype, h_q, h_kv, dk, dv, poison, dot_launches):
     """q4_0 (fp16 q) and q8_0 (float32 q, d = 128) read in stored order (ggml_stored): K blocks
     whose magnitudes differ by 1e4 with q scaled against them, V blocks of 1e-4 to 1e-3 (p * d
     below fp16's normal range: the stacked p's exponent shift), all-zero blocks; GQA 8 and MHA
@@ -549,6 +567,7 @@ def test_ggml_stored_order_scales(triton_device, fmt, dtype, h_q, h_kv, dk, dv, 
         out, lse = flashcl.decode(qd.to(triton_device), kq, vq, context_lens=torch.tensor(lens, dtype=torch.int32,
                                   device=triton_device), num_splits=ns, backend="triton", return_lse=True)
         _check(out, lse, c, f"{fmt} stored h={h_q}/{h_kv} d={dk}/{dv} splits={ns}")
+    assert all(launch["STORED"] for launch in dot_launches), dot_launches  # where the dot path runs
 
 
 def test_q4_0_large_groups_take_the_byte_path(triton_device, poison):
@@ -563,10 +582,11 @@ def test_q4_0_large_groups_take_the_byte_path(triton_device, poison):
         _check(out, lse, c, f"q4_0 group 16 splits={ns}")
 
 
-def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
-    """A q4_0 cache whose rows are not on 4-byte boundaries (data at a 2-byte offset) is read by
-    the byte gather instead of as words, with the same result."""
-    c = _case(triton_device, "float16", b=2, h_q=4, h_kv=2, lens=[45, 20], d=64, k_fmt="q4_0", v_fmt="q4_0", seed=21)
+@pytest.mark.parametrize("fmt,dtype,d", [("q4_0", "float16", 64), ("q8_0", "float32", 128)])
+def test_ggml_unaligned_rows_take_the_byte_path(triton_device, fmt, dtype, d, poison, dot_launches):
+    """A q4_0 or q8_0 cache whose rows are not on 4-byte boundaries (data at a 2-byte offset) is
+    planned and read by the byte gather instead of in stored order, with the same result."""
+    c = _case(triton_device, dtype, b=2, h_q=4, h_kv=2, lens=[45, 20], d=d, k_fmt=fmt, v_fmt=fmt, seed=21)
     shifted = []
     for qt in (c["k"], c["v"]):
         buf = torch.empty(qt.data.numel() + 2, dtype=torch.uint8, device=qt.data.device)
@@ -576,7 +596,8 @@ def test_q4_0_unaligned_rows_take_the_byte_path(triton_device, poison):
     assert not triton_decode.ggml_stored.row_words_aligned(shifted[0].data)
     c["k"], c["v"] = shifted
     out, lse = _run(c, 2)
-    _check(out, lse, c, "q4_0 at a 2-byte offset")
+    _check(out, lse, c, f"{fmt} at a 2-byte offset")
+    assert all(not launch["STORED"] for launch in dot_launches), dot_launches
 
 
 def test_plan_routes_quantized_caches():

@@ -235,14 +235,20 @@ def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, tor
 
 def test_quantized_cache_refuses_what_it_cannot_hold():
     """fp8_e4m3 (one scale per tensor) and unknown formats are refused when the cache is made;
-    beam search's reordering is refused by name."""
+    beam search, cropping, batch reshaping and a hybrid model's linear-attention states are
+    refused by name, not by a failure inside a QuantizedTensor."""
     for fmt in ("fp8_e4m3", "q5_1"):
         with pytest.raises(ValueError, match="quantized_cache: expected one of"):
             fcl_hf.quantized_cache(fmt)
     cache = fcl_hf.quantized_cache("int8")
     cache.update(torch.ones(1, 2, 3, 16), torch.ones(1, 2, 3, 16), 0)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
+    refused = {"beam search": lambda: cache.reorder_cache(torch.tensor([0])),
+               "cropping": lambda: cache.crop(2), "reshaping its batch": lambda: cache.batch_repeat_interleave(2)}
+    if hasattr(transformers.cache_utils.Cache, "get_conv_state"):
+        refused["linear-attention"] = lambda: cache.get_conv_state(0)
+    for what, call in refused.items():
+        with pytest.raises(NotImplementedError, match=what):
+            call()
 
 
 def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):

@@ -19,8 +19,10 @@ sequence's first key (``key_start``), which never reads the padding. Softcap (Ge
 
 ``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
 (``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
-``generate(..., past_key_values=quantized_cache("q8_0"))``. A q8_0 cache of a float32 model holds
-34 bytes per 32 values instead of 128; the attention sees exactly the dequantized values.
+``generate(..., past_key_values=quantized_cache("q8_0"))``. A q8_0 cache holds 34 bytes per 32
+values (float32: 128); the attention sees the values ``flashcl.dequantize`` gives, within the
+exceptions of docs/quantized-formats.md. Its sliding-window layers keep their whole history
+(transformers' own cache keeps the window's), so a model of mostly windowed layers may hold more.
 
 Only models whose attention goes through transformers' attention interface run flashcl.
 transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl
@@ -87,10 +89,24 @@ def quantized_cache(fmt: str = "q8_0"):
     ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and appended
     (``flashcl.quant.append_tokens``). Only flashcl's attention (``register()``) reads it: other
     implementations take tensors. Every layer keeps its whole history (a sliding-window layer's
-    mask still limits what it attends); beam search and cropping are not supported."""
+    mask still limits what it attends). transformers 5 (tested: 5.17, 5.24); attention layers only
+    (not a model's linear-attention or state-space layers); no beam search, cropping (assisted
+    decoding) or batch reshaping: each raises NotImplementedError."""
+    import transformers
+
     if fmt not in CACHE_FORMATS:
         raise ValueError(f"quantized_cache: expected one of {CACHE_FORMATS}, got {fmt!r}")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise RuntimeError(f"quantized_cache needs transformers 5 or later (its Cache layers), got "
+                           f"{transformers.__version__}")
     return _cache_classes()[0](fmt)
+
+
+def _refused(what: str):
+    """A cache method that raises NotImplementedError naming ``what`` the quantized cache lacks."""
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"flashcl's quantized cache does not support {what}")
+    return method
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +131,7 @@ def _cache_classes():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if self.keys is None:
-                self.keys, self.values = (quant.quantize(x.contiguous(), self.fmt) for x in (key_states, value_states))
+                self.keys, self.values = (quant.quantize(x, self.fmt) for x in (key_states, value_states))
             else:
                 self.keys = quant.append_tokens(self.keys, key_states)
                 self.values = quant.append_tokens(self.values, value_states)
@@ -124,8 +140,9 @@ def _cache_classes():
         def get_seq_length(self) -> int:
             return 0 if self.keys is None else self.keys.shape[-2]
 
-        def reorder_cache(self, beam_idx) -> None:
-            raise NotImplementedError("flashcl's quantized cache does not reorder its entries (beam search)")
+        reorder_cache = _refused("reordering its entries (beam search)")
+        crop = _refused("cropping (assisted decoding)")
+        batch_repeat_interleave = batch_select_indices = _refused("reshaping its batch")
 
     class QuantizedKVCache(Cache):
         """transformers' Cache over QuantizedKVLayers of one format (quantized_cache)."""
@@ -134,6 +151,11 @@ def _cache_classes():
             super().__init__(layer_class_to_replicate=functools.partial(QuantizedKVLayer, fmt))
             self.fmt = fmt
 
+    # a hybrid model's linear-attention / state-space layers, or a sparse indexer, keep other states
+    for name in ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
+                 "has_previous_state", "update_indexer"):
+        if hasattr(Cache, name):
+            setattr(QuantizedKVCache, name, _refused("a model's linear-attention or indexer layers"))
     return QuantizedKVCache, QuantizedKVLayer
 
 

@@ -54,7 +54,7 @@ int8 and fp8 rows on 4-byte boundaries are read as 32-bit words (_load_words: pi
 byte gather) turned into fp16 by byte permutes (quant_words) where q is fp16. q4_0 K and V with
 such rows are read in stored order, their blocks' scales applied on stacked rows of the dots
 (ggml_stored; BLOCK_G is then the group's rows per block). q8_0 reads its values as byte pairs,
-in stored order under float32 q at head dim 128 (decode_plan.stored_order). With float32 q,
+or in stored order under float32 q at head dim 128 (decode_plan.stored_order). With float32 q,
 int8 / fp8 / stored q4_0 and q8_0 tiles stay bf16 (their values exactly) and q and p enter the
 dots as three bf16 parts (K_PARTS / V_PARTS, quant_words.dot). The plan keeps quantized caches
 off the MHA loop (decode_plan.QUANTIZED); where it gives the Gluon GQA kernel a launch, that
@@ -1071,10 +1071,12 @@ def problem_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     window_left = window_left if 0 <= window_left < n_ctx_bound - 1 else -1
     flags = {"window": window_left >= 0, "softcap": softcap > 0, "sinks": sinks is not None,
              "alibi": alibi_slopes is not None, "key_start": key_start is not None}
+    ggml = all(f in _GGML for f in kv_formats)
+    row_words = min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache)) if ggml else 1
     return DecodeProblem(b, h_q, h_kv, dk, _head_dim(v_cache, kv_formats[1]), n_ctx_bound, q.element_size(),
                          page_size, max(_max_offset(k_cache), _max_offset(v_cache)),
                          tuple(sorted(name for name, on in flags.items() if on)), window_left, tuple(kv_formats),
-                         str(q.dtype).removeprefix("torch."), query_rows, row_mask)
+                         str(q.dtype).removeprefix("torch."), query_rows, row_mask, row_words)
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -1180,12 +1182,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cvt_asm = _cvt_asm(q, (k_format, v_format))
     block_g = plan.block_g
     quant = {"K_FMT": k_format, "V_FMT": v_format, "CVT_ASM": cvt_asm}
-    # ggml caches in stored order (decode_plan.stored_order) where their rows lie on 4-byte boundaries
-    stored_align = min(ggml_stored.row_words_aligned(c) for c in (k_cache, v_cache)) if plan.stored_order else 0
-    if stored_align >= 1:
+    if plan.stored_order:  # ggml caches in stored order (decode_plan.stored_order: rows aligned)
         block_g = decode_plan.stacked_rows(group, dk, dv)
         quant.update(STORED=True, TAIL_K=ggml_stored.tail_positions(dk, k_format),
-                     TAIL_V=ggml_stored.tail_positions(dv, v_format), STORED_ALIGN=stored_align)
+                     TAIL_V=ggml_stored.tail_positions(dv, v_format), STORED_ALIGN=problem.ggml_row_words)
     else:
         quant.update(K_WORDS=_reads_words(k_cache, k_format, dk, cvt_asm),
                      V_WORDS=_reads_words(v_cache, v_format, dv, cvt_asm))

@@ -66,6 +66,9 @@ class DecodeProblem:
     q_dtype: str = "float16"  # q's torch dtype name: the GQA kernel reads quantized caches for fp16 / bf16 q
     query_rows: int = 1  # > 1: the heads are causal query rows (the kernels' QUERY_ROWS)
     row_mask: bool = False  # the rows' own mask (prefill's; the dot path's ROW_MASK)
+    # the 32-bit words every row of ggml K and V starts on (4, 2, 1; 0: off a 4-byte boundary):
+    # stored order needs one (stored_order), its loads take that width
+    ggml_row_words: int = 1
 
     @property
     def quantized(self) -> bool:
@@ -133,7 +136,7 @@ class DecodePlan:
     evict_first: bool   # the Gluon kernels' K/V loads marked L1::evict_first
     sort_pages: bool    # the Gluon kernels sort long splits' pages
     gqa_registers: int  # the Gluon GQA kernel's register cap (gqa_registers), 0: none
-    stored_order: bool  # the dot path reads ggml K and V in stored order where their rows allow
+    stored_order: bool  # the dot path, where it runs, reads ggml K and V in stored order (rows allowing)
     config: Mapping = field(hash=False)
 
     @property
@@ -144,8 +147,9 @@ class DecodePlan:
     def serves(self, problem: DecodeProblem) -> bool:
         """Whether this plan may launch ``problem``: the same shapes, and 32-bit offsets only where
         its caches allow them (a plan made for larger caches is safe)."""
-        same = replace(self.problem, max_offset=problem.max_offset) == problem
-        return same and (not self.offs32 or problem.max_offset < _OFFS32_LIMIT)
+        same = replace(self.problem, max_offset=problem.max_offset, ggml_row_words=problem.ggml_row_words) == problem
+        return (same and (not self.offs32 or problem.max_offset < _OFFS32_LIMIT)
+                and (not self.stored_order or problem.ggml_row_words >= 1))
 
 
 # --------------------------------------------------------------------------- the device's facts
@@ -402,8 +406,8 @@ def _two_programs_per_sm(group: int, block_n: int, block_dk: int, block_dv: int,
 
 
 # Quantized caches: programs per SM their split launches aim at (_dequant_programs_per_sm), and
-# their tiles (_dequant_tile). Dequantizing programs are latency bound, every format: more,
-# smaller programs hide it (int8 / fp8 read as words, q8_0 as byte pairs, q4_0 in stored order).
+# their tiles (_dequant_tile). Dequantizing programs are latency bound: more, smaller programs hide
+# it (int8 / fp8 read as words, q8_0 as byte pairs or stored order, q4_0 in stored order).
 _WORD_TILE = {"BLOCK_N": 64, "num_warps": 2}
 _GGML_TILES = {"q8_0": _WORD_TILE, "q4_0": {"BLOCK_N": 32, "num_warps": 2}}
 
@@ -437,28 +441,30 @@ def stacked_rows(group: int, dk: int, dv: int) -> int:
 
 
 def stored_order(problem: DecodeProblem, on: bool = True) -> bool:
-    """Whether the dot path reads K and V in stored order (ggml_stored) where their rows lie on
-    4-byte boundaries: q4_0 of head dim 64, 128 or 256, or q8_0 of head dim 128 under float32 q
-    (q_in_parts: its values exact in bf16), on both sides; one query row a head; at most
-    MAX_STACKED_ROWS stacked rows. ``on``: the ggml_stored knob. (q8_0 at d = 64 ran 1.3x slower
-    this way than by its gather; 256 is not measured.)"""
+    """Whether the dot path reads K and V in stored order (ggml_stored): q4_0 of head dim 64, 128
+    or 256, or q8_0 of head dim 128 under float32 q (q_in_parts: its values exact in bf16), on
+    both sides; rows on 4-byte boundaries; one query row a head; at most MAX_STACKED_ROWS stacked
+    rows. ``on``: the ggml_stored knob. (q8_0 at d = 64 ran 1.3x slower this way than by its
+    gather; 256 is not measured.)"""
     p = problem
     parts = q_in_parts(p.q_dtype)
 
     def takes(fmt: str, d: int) -> bool:
         return (fmt == "q4_0" and d in (64, 128, 256)) or (fmt == "q8_0" and parts and d == 128)
 
-    return (on and not p.rows_differ and takes(p.kv_formats[0], p.dk) and takes(p.kv_formats[1], p.dv)
+    return (on and not p.rows_differ and p.ggml_row_words >= 1 and takes(p.kv_formats[0], p.dk)
+            and takes(p.kv_formats[1], p.dv)
             and stacked_rows(p.h_q // p.h_kv, p.dk, p.dv) * max(p.dk, p.dv) // 32 <= MAX_STACKED_ROWS)
 
 
-def _dequant_programs_per_sm(problem: DecodeProblem, stored: bool) -> int:
-    """The programs per SM a quantized split launch aims at: 4, 2 on _Q8_0_STORED_TILE (1 plain).
+def _dequant_programs_per_sm(problem: DecodeProblem, tile: Optional[dict]) -> int:
+    """The programs per SM a quantized split launch aims at on its ``tile`` (_dequant_tile; None
+    where the config sets it): 4, 2 on _Q8_0_STORED_TILE (1 plain).
     One program dequantizing its tiles does not stream enough for its SM; four on the small tiles
     beat two on the larger (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 /
     293; q4_0 79 / 272 against 126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33
     splits 34.4 / 109.1): docs/notes/quantized-decode.md."""
-    if _dequant_tile(problem, stored) is _Q8_0_STORED_TILE:
+    if tile is _Q8_0_STORED_TILE:
         return 2
     return 4 if problem.quantized else 1
 
@@ -672,7 +678,7 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
     stored = stored_order(p, cfg["ggml_stored"])
     dequant_tile = None if tile_forced else _dequant_tile(p, stored)
     rows = dequant_tile["BLOCK_N"] if dequant_tile else cfg["BLOCK_N"]
-    per_sm = _dequant_programs_per_sm(p, stored)
+    per_sm = _dequant_programs_per_sm(p, dequant_tile)
     # two programs per SM at a power of two for query rows (prefill's few-row route) and for a
     # contiguous cache's 2-warp tile whose splits are too short for the long tile: 32 splits of
     # (1, 32/8, 32k) ran 14-17% faster than 16, 33 as slowly as 16 (triton-prefill.md, decode-h100.md)
@@ -781,5 +787,5 @@ def plan(problem: DecodeProblem, facts: DeviceFacts, config: Optional[Mapping] =
         merge_stages=int(cfg["merge_stages"]), block_gm=_next_pow2(group),
         reduce_heads=reduce_heads, reduce_chunk=reduce_chunk,
         evict_first=bool(cfg["kv_evict_first"]), sort_pages=bool(cfg["sort_pages"]),
-        gqa_registers=gqa_registers(need) if gluon_gqa else 0, stored_order=kernel == "dot" and stored,
+        gqa_registers=gqa_registers(need) if gluon_gqa else 0, stored_order=stored,
         config=types.MappingProxyType(cfg))

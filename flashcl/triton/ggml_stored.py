@@ -24,11 +24,10 @@ would leave the normal range for small d.
 
 Rows must lie on 4-byte boundaries, the head dim be 64, 128 or 256 (rows of whole words) and
 the stacked rows few enough (``decode_plan.stored_order``); other caches take
-``decode._load_quant``'s gather. With
-fp16 or bf16 q, q8_0 measured slower this way than by its byte-pair gather
-(docs/notes/quantized-decode.md, "Stored order"); with float32 q, whose dots take the values in
-bf16, stored order keeps them exact where the gather's value x d would not be ("float32 q";
-head dim 128 only).
+``decode._load_quant``'s gather. With fp16 or bf16 q, q8_0 measured slower this way than by its
+byte-pair gather (docs/notes/quantized-decode.md, "Stored order"); with float32 q, whose dots
+take the values in bf16, stored order keeps them exact where the gather's value x d would not be
+("float32 q"; head dim 128 only).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def row_words_aligned(data) -> int:
 
 def tail_positions(d: int, fmt: str) -> int:
     """Positions of a stored row past its head dim: 2 bytes a block, 4 q4_0 nibbles or 2 q8_0 bytes."""
-    return (d // 32) * (4 if fmt == "q4_0" else 2)
+    return (d // 32) * {"q4_0": 4, "q8_0": 2}[fmt]
 
 
 @triton.jit
@@ -62,6 +61,7 @@ def columns(pos, D: tl.constexpr, FMT: tl.constexpr):
     """(block, head-dim column) of stored-order positions ``pos`` of a row of head dim D: q4_0's
     position 8 w + 2 k + h is nibble h (high: value + 16) of byte k of word w, q8_0's position is
     its byte; column -1 for d's."""
+    tl.static_assert((FMT == "q4_0") or (FMT == "q8_0"), "stored order: q4_0 or q8_0")
     BYTES: tl.constexpr = _Q4_0_BYTES if FMT == "q4_0" else _Q8_0_BYTES
     if FMT == "q4_0":
         byte = (pos // 8) * 4 + (pos % 8) // 2

@@ -1,5 +1,5 @@
 """Quantized KV formats: quantize, dequantize, write new tokens into a quantized paged cache
-(quantize_into) or append them to a contiguous one (append_tokens).
+(quantize_into) or add them to a contiguous one (append_tokens; with_room and write_tokens).
 
 Every format quantizes along the last (head) dim, so contiguous (B, H_kv, N, D) caches and paged
 (num_blocks, block_size, H_kv, D) caches both work, as does any other leading shape.
@@ -498,9 +498,7 @@ def append_tokens(qt: QuantizedTensor, x) -> QuantizedTensor:
     What a growing cache does each step (a paged cache writes in place: quantize_into). Scales
     are per block of 32 (q8_0, q4_0) or per row (int8), so the cached tokens keep their bytes;
     fp8_e4m3's one scale per tensor cannot take new tokens and is refused."""
-    if qt.fmt == "fp8_e4m3":
-        raise ValueError("fp8_e4m3 has one scale per tensor: appending tokens would require "
-                         "requantizing the whole cache; use int8, q8_0 or q4_0")
+    _refuse_new_fp8_tokens(qt)
     if not (_is_torch(qt.data) and _is_torch(x)):
         raise TypeError(f"append_tokens takes a torch cache and torch tokens, got {kind_of(qt.data)} and {kind_of(x)}")
     if len(x.shape) != len(qt.shape) or x.shape[:-2] != qt.shape[:-2] or x.shape[-1] != qt.shape[-1]:
@@ -518,20 +516,63 @@ def append_tokens(qt: QuantizedTensor, x) -> QuantizedTensor:
     return QuantizedTensor(data, scales, qt.fmt, shape, qt.dtype)
 
 
-def first_tokens(qt: QuantizedTensor, n: int) -> QuantizedTensor:
-    """A contiguous torch cache's first ``n`` tokens (..., n, D), copied (fp8_e4m3 keeps its
-    tensor's scale)."""
+def _refuse_new_fp8_tokens(qt: QuantizedTensor) -> None:
+    if qt.fmt == "fp8_e4m3":
+        raise ValueError("fp8_e4m3 has one scale per tensor: new tokens would require requantizing "
+                         "the whole cache; use int8, q8_0 or q4_0")
+
+
+def first_tokens(qt: QuantizedTensor, n: int, copy: bool = True) -> QuantizedTensor:
+    """A contiguous torch cache's first ``n`` tokens (..., n, D): copied, or with ``copy`` false
+    a view of the cache's memory (fp8_e4m3 keeps its tensor's scale)."""
     if not _is_torch(qt.data):
         raise TypeError(f"first_tokens takes a torch cache, got {kind_of(qt.data)}")
     if len(qt.shape) < 2 or not 0 <= n <= qt.shape[-2]:
         raise ValueError(f"first_tokens: {n} of a cache of shape {qt.shape} (tokens on axis -2)")
     axis = len(qt.shape) - 2
-    data = qt.data.narrow(axis, 0, n).contiguous()
+    data = qt.data.narrow(axis, 0, n)
+    data = data.contiguous() if copy else data
     if qt.fmt in BLOCK_BYTES:
         scales = _ggml_scales(data)
+    elif qt.fmt == "fp8_e4m3":
+        scales = qt.scales
     else:
-        scales = qt.scales if qt.fmt == "fp8_e4m3" else qt.scales.narrow(axis, 0, n).contiguous()
+        scales = qt.scales.narrow(axis, 0, n)
+        scales = scales.contiguous() if copy else scales
     return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (n, qt.shape[-1]), qt.dtype)
+
+
+def with_room(qt: QuantizedTensor, capacity: int) -> QuantizedTensor:
+    """A contiguous torch cache of ``capacity`` tokens (..., capacity, D) whose first hold ``qt``'s
+    and the rest zeros (write_tokens fills them)."""
+    import torch
+
+    _refuse_new_fp8_tokens(qt)
+    axis = len(qt.shape) - 2
+    n = qt.shape[-2]
+    if capacity < n:
+        raise ValueError(f"with_room: {capacity} tokens cannot hold the cache's {n}")
+
+    def grown(a):
+        out = torch.zeros(a.shape[:axis] + (capacity,) + a.shape[axis + 1:], dtype=a.dtype, device=a.device)
+        out.narrow(axis, 0, n).copy_(a)
+        return out
+
+    data = grown(qt.data)
+    scales = _ggml_scales(data) if qt.fmt in BLOCK_BYTES else grown(qt.scales)
+    return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (capacity, qt.shape[-1]), qt.dtype)
+
+
+def write_tokens(qt: QuantizedTensor, at: int, new: QuantizedTensor) -> None:
+    """Write the tokens of ``new`` (..., T, D), quantized in ``qt``'s format, at tokens [at, at + T)
+    of a contiguous torch cache ``qt`` (..., C, D), in place (the ggml scales come with the data)."""
+    axis = len(qt.shape) - 2
+    t = new.shape[-2]
+    if new.fmt != qt.fmt or new.shape[:-2] != qt.shape[:-2] or not 0 <= at <= qt.shape[-2] - t:
+        raise ValueError(f"write_tokens: {new.fmt} {new.shape} at token {at} of a {qt.fmt} cache {qt.shape}")
+    qt.data.narrow(axis, at, t).copy_(new.data)
+    if qt.fmt == "int8":
+        qt.scales.narrow(axis, at, t).copy_(new.scales)
 
 
 # --------------------------------------------------------------------------- validation

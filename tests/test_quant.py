@@ -516,6 +516,27 @@ def test_append_and_first_tokens_are_the_quantized_slices(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
+def test_a_buffer_with_room_takes_tokens_in_place(fmt):
+    """with_room keeps a cache's tokens and zeros after them; write_tokens puts newly quantized
+    tokens there in place; first_tokens without a copy views them: the bytes of quantizing the
+    whole tensor, the ggml scales still views of the buffer's data."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 3, 11, 64)
+    buf = flashcl.quant.with_room(flashcl.quantize(x[:, :, :4], fmt), 16)
+    assert buf.shape == (2, 3, 16, 64) and not buf.data.narrow(2, 4, 12).any()
+    flashcl.quant.write_tokens(buf, 4, flashcl.quantize(x[:, :, 4:], fmt))
+    view = flashcl.quant.first_tokens(buf, 11, copy=False)
+    want = flashcl.quantize(x, fmt)
+    check_layout(view, "view")
+    assert view.data.data_ptr() == buf.data.data_ptr()
+    assert torch.equal(view.data, want.data) and torch.equal(view.scales, want.scales)
+    with pytest.raises(ValueError, match="write_tokens"):
+        flashcl.quant.write_tokens(buf, 14, flashcl.quantize(x[:, :, :4], fmt))
+    with pytest.raises(ValueError, match="cannot hold"):
+        flashcl.quant.with_room(want, 5)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
 def test_empty_torch_tensors_quantize_and_append(fmt):
     """No tokens quantize to empty parts with torch's own strides (the ggml scales a view of them),
     and appending no tokens leaves the cache's bytes."""

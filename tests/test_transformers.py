@@ -228,6 +228,7 @@ def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, tor
     assert err <= TOL, f"{family} {fmt}: logits differ from eager on the dequantized values by {err:.2e}"
     steps = [kw for name, kw in flashcl_calls if name == "decode"]
     assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
+    assert all(kw["context_lens"] is not None for kw in steps)  # the buffers read in place, to their length
     keys = cache.layers[0].keys
     assert isinstance(keys, flashcl.QuantizedTensor) and keys.fmt == fmt
     assert keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], max(LENGTHS) + NEW_TOKENS - 1, 32)

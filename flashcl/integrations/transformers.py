@@ -20,9 +20,10 @@ sequence's first key (``key_start``), which never reads the padding. Softcap (Ge
 ``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
 (``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
 ``generate(..., past_key_values=quantized_cache("q8_0"))``. A q8_0 cache holds 34 bytes per 32
-values (float32: 128); the attention sees the values ``flashcl.dequantize`` gives, within the
-exceptions of docs/quantized-formats.md. Its sliding-window layers keep their whole history
-(transformers' own cache keeps the window's), so a model of mostly windowed layers may hold more.
+values (float32: 128), its buffers up to a quarter more; the attention sees the values
+``flashcl.dequantize`` gives, within the exceptions of docs/quantized-formats.md. Its
+sliding-window layers keep their whole history (transformers' own cache keeps the window's), so
+a model of mostly windowed layers may hold more.
 
 Only models whose attention goes through transformers' attention interface run flashcl.
 transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl
@@ -86,12 +87,13 @@ CACHE_FORMATS = ("q8_0", "q4_0", "int8")
 
 def quantized_cache(fmt: str = "q8_0"):
     """A transformers ``Cache`` whose layers keep K and V as ``flashcl.QuantizedTensor`` (format
-    ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and appended
-    (``flashcl.quant.append_tokens``). Only flashcl's attention (``register()``) reads it: other
-    implementations take tensors. Every layer keeps its whole history (a sliding-window layer's
-    mask still limits what it attends). transformers 5 (tested: 5.17, 5.24); attention layers only
-    (not a model's linear-attention or state-space layers); no beam search, cropping (assisted
-    decoding) or batch reshaping: each raises NotImplementedError."""
+    ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and written into buffers
+    with room for more (``flashcl.quant.write_tokens``), which decode reads in place up to their
+    length. Only flashcl's attention (``register()``) reads it: other implementations take
+    tensors. Every layer keeps its whole history (a sliding-window layer's mask still limits what
+    it attends). transformers 5 (tested: 5.17, 5.24); attention layers only (not a model's
+    linear-attention or state-space layers); no beam search, cropping (assisted decoding) or
+    batch reshaping: each raises NotImplementedError."""
     import transformers
 
     if fmt not in CACHE_FORMATS:
@@ -115,13 +117,15 @@ def _cache_classes():
     from transformers.cache_utils import Cache, DynamicLayer
 
     class QuantizedKVLayer(DynamicLayer):
-        """A DynamicLayer whose keys and values are QuantizedTensors, grown by append_tokens."""
+        """A DynamicLayer whose keys and values are CachedTokens: each step's tokens quantized and
+        written into buffers with room for more (grown by a quarter, so a step copies no history)."""
 
         is_croppable = False
 
         def __init__(self, fmt: str):
             super().__init__()
             self.fmt = fmt
+            self._buffers = None
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.device = key_states.device
@@ -130,15 +134,23 @@ def _cache_classes():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            if self.keys is None:
-                self.keys, self.values = (quant.quantize(x, self.fmt) for x in (key_states, value_states))
-            else:
-                self.keys = quant.append_tokens(self.keys, key_states)
-                self.values = quant.append_tokens(self.values, value_states)
+            n = self.get_seq_length()
+            new = [quant.quantize(x, self.fmt) for x in (key_states, value_states)]
+            end = n + new[0].shape[-2]
+            if self._buffers is None or end > self._buffers[0].shape[-2]:
+                held = [quant.first_tokens(b, n, copy=False) for b in (self._buffers or new)]
+                self._buffers = [quant.with_room(b, end + max(end, _ROOM) // 4) for b in held]
+            for buf, tokens in zip(self._buffers, new):
+                quant.write_tokens(buf, n, tokens)
+            self.keys, self.values = (CachedTokens.of(buf, end) for buf in self._buffers)
             return self.keys, self.values
 
         def get_seq_length(self) -> int:
             return 0 if self.keys is None else self.keys.shape[-2]
+
+        def reset(self) -> None:
+            self._buffers = None
+            super().reset()
 
         reorder_cache = _refused("reordering its entries (beam search)")
         crop = _refused("cropping (assisted decoding)")
@@ -157,6 +169,24 @@ def _cache_classes():
         if hasattr(Cache, name):
             setattr(QuantizedKVCache, name, _refused("a model's linear-attention or indexer layers"))
     return QuantizedKVCache, QuantizedKVLayer
+
+
+# Tokens a layer's buffers grow by at least (a quarter of what they hold, past this)
+_ROOM = 256
+
+
+@dataclass(frozen=True)
+class CachedTokens(quant.QuantizedTensor):
+    """The first shape[-2] tokens of ``buffer`` (a QuantizedTensor with room for more), viewed:
+    what a quantized cache's layer hands the attention, which decodes on the buffer itself up to
+    the context length rather than copying the tokens out."""
+
+    buffer: Any = None
+
+    @classmethod
+    def of(cls, buffer: quant.QuantizedTensor, n: int) -> "CachedTokens":
+        view = quant.first_tokens(buffer, n, copy=False)
+        return cls(view.data, view.scales, view.fmt, view.shape, view.dtype, buffer)
 
 
 def _first_keys(x, n: int):
@@ -291,15 +321,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         plan = _cached_plan(attention_mask, n_q, n_kv)
 
     variants = {"scale": scaling, "window": plan.window, "softcap": softcap, "sinks": s_aux}
+    in_buffer = isinstance(key, CachedTokens) and isinstance(value, CachedTokens)
     if n_q == 1 and plan.mask is None:
-        starts, lens = plan.key_start, None
+        starts, lens, keys = plan.key_start, None, plan.keys
         if starts is not None:
             starts = starts.expand(query.shape[0]).contiguous()  # a mask of batch 1 serves every row
-        if plan.keys is not None:  # the cache's leading keys, read in place
-            lens = torch.full((query.shape[0],), plan.keys, dtype=torch.int32, device=query.device)
+        if in_buffer:  # the quantized cache's buffers, read up to the keys in place
+            key, value, keys = key.buffer, value.buffer, n_kv if keys is None else keys
+        if keys is not None:  # the cache's leading keys, read in place
+            lens = torch.full((query.shape[0],), keys, dtype=torch.int32, device=query.device)
         out = api.decode(query[:, :, 0], key, value, key_start=starts, context_lens=lens, **variants)[:, :, None]
     else:
-        if plan.keys is not None:
-            key, value = _first_keys(key, plan.keys), _first_keys(value, plan.keys)
+        if plan.keys is not None or in_buffer:  # contiguous copies of the tokens the rows see
+            keys = n_kv if plan.keys is None else plan.keys
+            key, value = _first_keys(key, keys), _first_keys(value, keys)
         out = api.prefill(query, key, value, causal=plan.causal, mask=plan.mask, **variants)
     return out.transpose(1, 2).contiguous(), None

@@ -1,5 +1,5 @@
 """Quantized KV formats: quantize, dequantize, write new tokens into a quantized paged cache
-(quantize_into) or add them to a contiguous one (append_tokens; with_room and write_tokens).
+(quantize_into) or into a contiguous one with room for them (with_room, write_tokens).
 
 Every format quantizes along the last (head) dim, so contiguous (B, H_kv, N, D) caches and paged
 (num_blocks, block_size, H_kv, D) caches both work, as does any other leading shape.
@@ -492,30 +492,6 @@ def quantize_into(qt: QuantizedTensor, block_ids, slots, x) -> None:
         _scatter_rows(qt.scales, block_ids, slots, new.scales)
 
 
-def append_tokens(qt: QuantizedTensor, x) -> QuantizedTensor:
-    """A contiguous torch cache ``qt`` (..., N, D) with ``x`` (..., T, D) quantized in its format
-    and appended along the token axis: (..., N + T, D), new data and scales (``qt`` unchanged).
-    What a growing cache does each step (a paged cache writes in place: quantize_into). Scales
-    are per block of 32 (q8_0, q4_0) or per row (int8), so the cached tokens keep their bytes;
-    fp8_e4m3's one scale per tensor cannot take new tokens and is refused."""
-    _refuse_new_fp8_tokens(qt)
-    if not (_is_torch(qt.data) and _is_torch(x)):
-        raise TypeError(f"append_tokens takes a torch cache and torch tokens, got {kind_of(qt.data)} and {kind_of(x)}")
-    if len(x.shape) != len(qt.shape) or x.shape[:-2] != qt.shape[:-2] or x.shape[-1] != qt.shape[-1]:
-        raise ValueError(f"x {tuple(x.shape)} does not extend a cache of shape {qt.shape} along its tokens (-2)")
-    if dtype_name(x) != dtype_name(qt) or x.device != qt.data.device:
-        raise TypeError(f"x: the cache was quantized from {dtype_name(qt)} on {qt.data.device}; got "
-                        f"{dtype_name(x)} on {x.device}")
-    import torch
-
-    new = _quantize(x, qt.fmt, dtype_name(qt))
-    axis = len(qt.shape) - 2  # the token axis of data and of int8's scales alike
-    data = torch.cat([qt.data, new.data], axis)
-    scales = _ggml_scales(data) if qt.fmt in BLOCK_BYTES else torch.cat([qt.scales, new.scales], axis)
-    shape = qt.shape[:-2] + (qt.shape[-2] + int(x.shape[-2]), qt.shape[-1])
-    return QuantizedTensor(data, scales, qt.fmt, shape, qt.dtype)
-
-
 def _refuse_new_fp8_tokens(qt: QuantizedTensor) -> None:
     if qt.fmt == "fp8_e4m3":
         raise ValueError("fp8_e4m3 has one scale per tensor: new tokens would require requantizing "
@@ -563,13 +539,23 @@ def with_room(qt: QuantizedTensor, capacity: int) -> QuantizedTensor:
     return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (capacity, qt.shape[-1]), qt.dtype)
 
 
-def write_tokens(qt: QuantizedTensor, at: int, new: QuantizedTensor) -> None:
-    """Write the tokens of ``new`` (..., T, D), quantized in ``qt``'s format, at tokens [at, at + T)
-    of a contiguous torch cache ``qt`` (..., C, D), in place (the ggml scales come with the data)."""
-    axis = len(qt.shape) - 2
-    t = new.shape[-2]
-    if new.fmt != qt.fmt or new.shape[:-2] != qt.shape[:-2] or not 0 <= at <= qt.shape[-2] - t:
-        raise ValueError(f"write_tokens: {new.fmt} {new.shape} at token {at} of a {qt.fmt} cache {qt.shape}")
+def write_tokens(qt: QuantizedTensor, at: int, x) -> None:
+    """Quantize ``x`` (..., T, D) in ``qt``'s format and write it at tokens [at, at + T) of a
+    contiguous torch cache ``qt`` (..., C, D), in place: what a growing cache does each step (a
+    paged one: quantize_into). Scales are per block of 32 (q8_0, q4_0) or per row (int8), so the
+    other tokens keep their bytes; fp8_e4m3's one scale per tensor is refused."""
+    _refuse_new_fp8_tokens(qt)
+    if not (_is_torch(qt.data) and _is_torch(x)):
+        raise TypeError(f"write_tokens takes a torch cache and torch tokens, got {kind_of(qt.data)} and {kind_of(x)}")
+    t = int(x.shape[-2]) if len(x.shape) >= 2 else -1
+    if len(x.shape) != len(qt.shape) or x.shape[:-2] != qt.shape[:-2] or x.shape[-1] != qt.shape[-1] \
+            or not 0 <= at <= qt.shape[-2] - t:
+        raise ValueError(f"write_tokens: x {tuple(x.shape)} at token {at} of a cache of shape {qt.shape}")
+    if dtype_name(x) != dtype_name(qt) or x.device != qt.data.device:
+        raise TypeError(f"x: the cache was quantized from {dtype_name(qt)} on {qt.data.device}; got "
+                        f"{dtype_name(x)} on {x.device}")
+    new = _quantize(x, qt.fmt, dtype_name(qt))
+    axis = len(qt.shape) - 2  # the token axis of data and of int8's scales alike
     qt.data.narrow(axis, at, t).copy_(new.data)
     if qt.fmt == "int8":
         qt.scales.narrow(axis, at, t).copy_(new.scales)

@@ -491,59 +491,47 @@ def test_reference_decode_on_a_dequantized_paged_cache():
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
-def test_append_and_first_tokens_are_the_quantized_slices(fmt):
-    """append_tokens gives the bytes of quantizing the whole grown tensor (scales per block or
-    row: the cached tokens keep theirs), first_tokens those of the first n; the ggml scales stay
-    views of the data. fp8_e4m3, other shapes and another dtype are refused."""
+def test_tokens_written_into_room_are_the_quantized_whole(fmt):
+    """with_room keeps a cache's tokens and zeros after them; write_tokens quantizes new tokens
+    into them in place, giving the bytes of quantizing the whole tensor (scales per block or row:
+    the cached tokens keep theirs); first_tokens copies or views the first n, the ggml scales
+    staying views of the data. fp8_e4m3, other shapes, dtypes and ranges are refused."""
     torch = pytest.importorskip("torch")
     x = torch.randn(2, 3, 11, 64) * torch.logspace(-2, 2, 11)[:, None]
-    grown = flashcl.quant.append_tokens(flashcl.quantize(x[:, :, :7], fmt), x[:, :, 7:])
+    buf = flashcl.quant.with_room(flashcl.quantize(x[:, :, :4], fmt), 16)
+    assert buf.shape == (2, 3, 16, 64) and not buf.data.narrow(2, 4, 12).any()
+    flashcl.quant.write_tokens(buf, 4, x[:, :, 4:])
     whole = flashcl.quantize(x, fmt)
-    for got, want in ((grown, whole), (flashcl.quant.first_tokens(whole, 5), flashcl.quantize(x[:, :, :5], fmt))):
+    view = flashcl.quant.first_tokens(buf, 11, copy=False)
+    assert view.data.data_ptr() == buf.data.data_ptr()
+    for got, want in ((view, whole), (flashcl.quant.first_tokens(whole, 5), flashcl.quantize(x[:, :, :5], fmt))):
         check_layout(got, "got")
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
         if fmt != "int8":
             assert got.scales.data_ptr() == got.data.data_ptr()
     with pytest.raises(ValueError, match="one scale per tensor"):
-        flashcl.quant.append_tokens(flashcl.quantize(x, "fp8_e4m3"), x)
-    with pytest.raises(ValueError, match="does not extend"):
-        flashcl.quant.append_tokens(whole, x[:, :2])
+        flashcl.quant.write_tokens(flashcl.quantize(x, "fp8_e4m3"), 0, x)
+    for at, tokens in ((14, x[:, :, :4]), (0, x[:, :2])):
+        with pytest.raises(ValueError, match="write_tokens"):
+            flashcl.quant.write_tokens(buf, at, tokens)
     with pytest.raises(TypeError, match="float32"):
-        flashcl.quant.append_tokens(whole, x.half())
+        flashcl.quant.write_tokens(buf, 11, x[:, :, :1].half())
+    with pytest.raises(ValueError, match="cannot hold"):
+        flashcl.quant.with_room(whole, 5)
     with pytest.raises(ValueError, match="first_tokens: 12"):
         flashcl.quant.first_tokens(whole, 12)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
-def test_a_buffer_with_room_takes_tokens_in_place(fmt):
-    """with_room keeps a cache's tokens and zeros after them; write_tokens puts newly quantized
-    tokens there in place; first_tokens without a copy views them: the bytes of quantizing the
-    whole tensor, the ggml scales still views of the buffer's data."""
-    torch = pytest.importorskip("torch")
-    x = torch.randn(2, 3, 11, 64)
-    buf = flashcl.quant.with_room(flashcl.quantize(x[:, :, :4], fmt), 16)
-    assert buf.shape == (2, 3, 16, 64) and not buf.data.narrow(2, 4, 12).any()
-    flashcl.quant.write_tokens(buf, 4, flashcl.quantize(x[:, :, 4:], fmt))
-    view = flashcl.quant.first_tokens(buf, 11, copy=False)
-    want = flashcl.quantize(x, fmt)
-    check_layout(view, "view")
-    assert view.data.data_ptr() == buf.data.data_ptr()
-    assert torch.equal(view.data, want.data) and torch.equal(view.scales, want.scales)
-    with pytest.raises(ValueError, match="write_tokens"):
-        flashcl.quant.write_tokens(buf, 14, flashcl.quantize(x[:, :, :4], fmt))
-    with pytest.raises(ValueError, match="cannot hold"):
-        flashcl.quant.with_room(want, 5)
-
-
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
-def test_empty_torch_tensors_quantize_and_append(fmt):
+def test_empty_torch_tensors_quantize_and_write(fmt):
     """No tokens quantize to empty parts with torch's own strides (the ggml scales a view of them),
-    and appending no tokens leaves the cache's bytes."""
+    and writing no tokens leaves the cache's bytes."""
     torch = pytest.importorskip("torch")
     empty = flashcl.quantize(torch.randn(2, 3, 0, 64), fmt)
     check_layout(empty, "empty")
     assert empty.data.is_contiguous() and empty.shape == (2, 3, 0, 64)
     qt = flashcl.quantize(torch.randn(2, 3, 4, 64), fmt)
-    same = flashcl.quant.append_tokens(qt, torch.randn(2, 3, 0, 64))
-    assert same.shape == qt.shape and torch.equal(same.data, qt.data)
+    before = qt.data.clone()
+    flashcl.quant.write_tokens(qt, 4, torch.randn(2, 3, 0, 64))
+    assert torch.equal(qt.data, before)

@@ -134,14 +134,16 @@ def _cache_classes():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n = self.get_seq_length()
-            new = [quant.quantize(x, self.fmt) for x in (key_states, value_states)]
-            end = n + new[0].shape[-2]
-            if self._buffers is None or end > self._buffers[0].shape[-2]:
-                held = [quant.first_tokens(b, n, copy=False) for b in (self._buffers or new)]
-                self._buffers = [quant.with_room(b, end + max(end, _ROOM) // 4) for b in held]
-            for buf, tokens in zip(self._buffers, new):
-                quant.write_tokens(buf, n, tokens)
+            states, n = (key_states, value_states), self.get_seq_length()
+            end = n + key_states.shape[-2]
+            room = end + max(end, _ROOM) // 4
+            if self._buffers is None:
+                self._buffers = [quant.with_room(quant.quantize(x, self.fmt), room) for x in states]
+            else:
+                if end > self._buffers[0].shape[-2]:
+                    self._buffers = [quant.with_room(quant.first_tokens(b, n, copy=False), room) for b in self._buffers]
+                for buf, x in zip(self._buffers, states):
+                    quant.write_tokens(buf, n, x)
             self.keys, self.values = (CachedTokens.of(buf, end) for buf in self._buffers)
             return self.keys, self.values
 

@@ -145,8 +145,9 @@ class DecodePlan:
         return self.kernel in ("mha_fma", "gluon_mha")
 
     def serves(self, problem: DecodeProblem) -> bool:
-        """Whether this plan may launch ``problem``: the same shapes, and 32-bit offsets only where
-        its caches allow them (a plan made for larger caches is safe)."""
+        """Whether this plan may launch ``problem``: the same shapes, 32-bit offsets only where its
+        caches allow them (a plan made for larger caches is safe), stored order only on rows that
+        lie on 4-byte boundaries."""
         same = replace(self.problem, max_offset=problem.max_offset, ggml_row_words=problem.ggml_row_words) == problem
         return (same and (not self.offs32 or problem.max_offset < _OFFS32_LIMIT)
                 and (not self.stored_order or problem.ggml_row_words >= 1))
@@ -459,11 +460,11 @@ def stored_order(problem: DecodeProblem, on: bool = True) -> bool:
 
 def _dequant_programs_per_sm(problem: DecodeProblem, tile: Optional[dict]) -> int:
     """The programs per SM a quantized split launch aims at on its ``tile`` (_dequant_tile; None
-    where the config sets it): 4, 2 on _Q8_0_STORED_TILE (1 plain).
-    One program dequantizing its tiles does not stream enough for its SM; four on the small tiles
-    beat two on the larger (H200, (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 /
-    293; q4_0 79 / 272 against 126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33
-    splits 34.4 / 109.1): docs/notes/quantized-decode.md."""
+    where the config sets it): 4, 2 on _Q8_0_STORED_TILE (1 plain). One program dequantizing its
+    tiles does not stream enough for its SM; four on the small tiles beat two on the larger (H200,
+    (1, 32/8, 32k / 128k): q8_0 on 66 splits 52 / 177 us, on 33 81 / 293; q4_0 79 / 272 against
+    126 / 458; int8 34.2 / 101.4 against 128 rows on 4 warps and 33 splits 34.4 / 109.1):
+    docs/notes/quantized-decode.md."""
     if tile is _Q8_0_STORED_TILE:
         return 2
     return 4 if problem.quantized else 1

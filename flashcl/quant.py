@@ -311,10 +311,7 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
     if fmt in BLOCK_BYTES and not (_is_torch(data) and data.device.type != "cpu"):  # no device sync
         _check_ggml_range(xf, data, fmt, logical)
     if on_host:
-        import torch
-        # an empty array's strides are 0 in NumPy: copied into torch's own (the ggml scales view data)
-        data, scales = (None if a is None else torch.from_numpy(a) if a.size else torch.from_numpy(a).clone(
-            memory_format=torch.contiguous_format) for a in (data, scales))
+        data, scales = _as_torch(data), None if scales is None else _as_torch(scales)
     if _is_cl(x):
         import pyopencl.array as cla
         data = cla.to_device(x.queue, data)
@@ -323,6 +320,15 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
         scales = _ggml_scales(data)
     dtype = x.dtype if _is_torch(x) else np.dtype(x.dtype).newbyteorder("=")
     return QuantizedTensor(data, scales, fmt, tuple(int(s) for s in x.shape), dtype)
+
+
+def _as_torch(a: np.ndarray):
+    """A C-contiguous NumPy array as a torch CPU tensor on its memory; an empty one copied into
+    torch's own strides (NumPy gives it strides of 0, which the ggml scales' view refuses)."""
+    import torch
+
+    t = torch.from_numpy(a)
+    return t if a.size else t.clone(memory_format=torch.contiguous_format)
 
 
 def _contiguous(a):
@@ -547,10 +553,10 @@ def write_tokens(qt: QuantizedTensor, at: int, x) -> None:
     _refuse_new_fp8_tokens(qt)
     if not (_is_torch(qt.data) and _is_torch(x)):
         raise TypeError(f"write_tokens takes a torch cache and torch tokens, got {kind_of(qt.data)} and {kind_of(x)}")
-    t = int(x.shape[-2]) if len(x.shape) >= 2 else -1
-    if len(x.shape) != len(qt.shape) or x.shape[:-2] != qt.shape[:-2] or x.shape[-1] != qt.shape[-1] \
-            or not 0 <= at <= qt.shape[-2] - t:
+    fits = len(qt.shape) >= 2 and len(x.shape) == len(qt.shape) and tuple(x.shape[:-2]) == qt.shape[:-2]
+    if not (fits and x.shape[-1] == qt.shape[-1] and 0 <= at <= qt.shape[-2] - x.shape[-2]):
         raise ValueError(f"write_tokens: x {tuple(x.shape)} at token {at} of a cache of shape {qt.shape}")
+    t = int(x.shape[-2])
     if dtype_name(x) != dtype_name(qt) or x.device != qt.data.device:
         raise TypeError(f"x: the cache was quantized from {dtype_name(qt)} on {qt.data.device}; got "
                         f"{dtype_name(x)} on {x.device}")

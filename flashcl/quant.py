@@ -504,24 +504,40 @@ def _refuse_new_fp8_tokens(qt: QuantizedTensor) -> None:
                          "the whole cache; use int8, q8_0 or q4_0")
 
 
-def first_tokens(qt: QuantizedTensor, n: int, copy: bool = True) -> QuantizedTensor:
-    """A contiguous torch cache's first ``n`` tokens (..., n, D): copied, or with ``copy`` false
-    a view of the cache's memory (fp8_e4m3 keeps its tensor's scale)."""
+def tokens(qt: QuantizedTensor, start: int, stop: int, copy: bool = True) -> QuantizedTensor:
+    """Tokens [start, stop) of a contiguous torch cache (..., N, D): copied, or with ``copy``
+    false a view of the cache's memory (fp8_e4m3 keeps its tensor's scale)."""
     if not _is_torch(qt.data):
-        raise TypeError(f"first_tokens takes a torch cache, got {kind_of(qt.data)}")
-    if len(qt.shape) < 2 or not 0 <= n <= qt.shape[-2]:
-        raise ValueError(f"first_tokens: {n} of a cache of shape {qt.shape} (tokens on axis -2)")
-    axis = len(qt.shape) - 2
-    data = qt.data.narrow(axis, 0, n)
+        raise TypeError(f"tokens takes a torch cache, got {kind_of(qt.data)}")
+    if len(qt.shape) < 2 or not 0 <= start <= stop <= qt.shape[-2]:
+        raise ValueError(f"tokens: [{start}, {stop}) of a cache of shape {qt.shape} (tokens on axis -2)")
+    axis, n = len(qt.shape) - 2, stop - start
+    data = qt.data.narrow(axis, start, n)
     data = data.contiguous() if copy else data
     if qt.fmt in BLOCK_BYTES:
         scales = _ggml_scales(data)
     elif qt.fmt == "fp8_e4m3":
         scales = qt.scales
     else:
-        scales = qt.scales.narrow(axis, 0, n)
+        scales = qt.scales.narrow(axis, start, n)
         scales = scales.contiguous() if copy else scales
     return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (n, qt.shape[-1]), qt.dtype)
+
+
+def select_batch(qt: QuantizedTensor, index) -> QuantizedTensor:
+    """A torch cache's entries ``index`` (1-D int64, on its device) along its first axis, copied:
+    a contiguous (B, H_kv, N, D) cache's sequences, reordered, dropped or repeated (beam search,
+    a batch's selection)."""
+    if not _is_torch(qt.data):
+        raise TypeError(f"select_batch takes a torch cache, got {kind_of(qt.data)}")
+    data = qt.data.index_select(0, index)
+    if qt.fmt in BLOCK_BYTES:
+        scales = _ggml_scales(data)
+    elif qt.fmt == "fp8_e4m3":
+        scales = qt.scales
+    else:
+        scales = qt.scales.index_select(0, index)
+    return QuantizedTensor(data, scales, qt.fmt, (int(index.shape[0]),) + tuple(qt.shape[1:]), qt.dtype)
 
 
 def with_room(qt: QuantizedTensor, capacity: int) -> QuantizedTensor:

@@ -494,17 +494,23 @@ def test_reference_decode_on_a_dequantized_paged_cache():
 def test_tokens_written_into_room_are_the_quantized_whole(fmt):
     """with_room keeps a cache's tokens and zeros after them; write_tokens quantizes new tokens
     into them in place, giving the bytes of quantizing the whole tensor (scales per block or row:
-    the cached tokens keep theirs); first_tokens copies or views the first n, the ggml scales
-    staying views of the data. fp8_e4m3, other shapes, dtypes and ranges are refused."""
+    the cached tokens keep theirs); tokens copies or views a range of them, select_batch a batch's
+    sequences, the ggml scales staying views of the data. fp8_e4m3, other shapes, dtypes and
+    ranges are refused."""
     torch = pytest.importorskip("torch")
     x = torch.randn(2, 3, 11, 64) * torch.logspace(-2, 2, 11)[:, None]
     buf = flashcl.quant.with_room(flashcl.quantize(x[:, :, :4], fmt), 16)
     assert buf.shape == (2, 3, 16, 64) and not buf.data.narrow(2, 4, 12).any()
     flashcl.quant.write_tokens(buf, 4, x[:, :, 4:])
     whole = flashcl.quantize(x, fmt)
-    view = flashcl.quant.first_tokens(buf, 11, copy=False)
+    view = flashcl.quant.tokens(buf, 0, 11, copy=False)
+    middle = flashcl.quant.tokens(buf, 3, 9, copy=False)
     assert view.data.data_ptr() == buf.data.data_ptr()
-    for got, want in ((view, whole), (flashcl.quant.first_tokens(whole, 5), flashcl.quantize(x[:, :, :5], fmt))):
+    assert middle.data.untyped_storage().data_ptr() == buf.data.data_ptr()
+    beams = torch.tensor([1, 1, 0])
+    for got, want in ((view, whole), (flashcl.quant.tokens(whole, 0, 5), flashcl.quantize(x[:, :, :5], fmt)),
+                      (middle, flashcl.quantize(x[:, :, 3:9], fmt)),
+                      (flashcl.quant.select_batch(middle, beams), flashcl.quantize(x[beams, :, 3:9], fmt))):
         check_layout(got, "got")
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
@@ -519,8 +525,9 @@ def test_tokens_written_into_room_are_the_quantized_whole(fmt):
         flashcl.quant.write_tokens(buf, 11, x[:, :, :1].half())
     with pytest.raises(ValueError, match="cannot hold"):
         flashcl.quant.with_room(whole, 5)
-    with pytest.raises(ValueError, match="first_tokens: 12"):
-        flashcl.quant.first_tokens(whole, 12)
+    for start, stop in ((0, 12), (6, 5), (-1, 3)):
+        with pytest.raises(ValueError, match=r"tokens: \[" + str(start)):
+            flashcl.quant.tokens(whole, start, stop)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -208,48 +210,146 @@ def _values_cache(fmt: str):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
-@pytest.mark.parametrize("family, fmt", [("llama", "q8_0"), ("llama", "q4_0"), ("llama", "int8"),
-                                         ("gemma2", "q8_0"), ("gpt_oss", "q4_0")])
-def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, torch_device, flashcl_calls):
+@pytest.mark.parametrize("family, fmt, by_config", [
+    ("llama", "q8_0", False), ("llama", "q4_0", False), ("llama", "int8", False), ("gemma2", "q8_0", False),
+    ("gemma2", "q8_0", True), ("gpt_oss", "q4_0", True), ("mistral", "int8", True)])
+def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, by_config, torch_device, flashcl_calls):
     """quantized_cache(fmt) on a left-padded batch (head dim 32, ggml's block): flashcl reads the
     quantized K/V in place and matches eager attention over the same values dequantized, token for
-    token and in every step's logits; the cache holds QuantizedTensors of every token."""
+    token and in every step's logits. The cache holds QuantizedTensors of every token, or, built
+    from the model's config, only the window's on a sliding layer."""
     ids, mask = _padded_batch(torch_device)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                   pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
-    cache = fcl_hf.quantized_cache(fmt)
+    model = _build(family, fcl_hf.register(), torch_device, head_dim=32)
+    cache = fcl_hf.quantized_cache(fmt, model.config if by_config else None)
     with torch.no_grad():
         want = _build(family, "eager", torch_device, head_dim=32).generate(
             ids, past_key_values=_values_cache(fmt), **kwargs)
-        got = _build(family, fcl_hf.register(), torch_device, head_dim=32).generate(
-            ids, past_key_values=cache, **kwargs)
+        got = model.generate(ids, past_key_values=cache, **kwargs)
     assert torch.equal(got.sequences.cpu(), want.sequences.cpu()), f"{family} {fmt}"
     err = max(rel_err(g.cpu().numpy(), w.cpu().numpy()) for g, w in zip(got.logits, want.logits))
     assert err <= TOL, f"{family} {fmt}: logits differ from eager on the dequantized values by {err:.2e}"
     steps = [kw for name, kw in flashcl_calls if name == "decode"]
     assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
     assert all(kw["context_lens"] is not None for kw in steps)  # the buffers read in place, to their length
-    keys = cache.layers[0].keys
-    assert isinstance(keys, flashcl.QuantizedTensor) and keys.fmt == fmt
-    assert keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], max(LENGTHS) + NEW_TOKENS - 1, 32)
+    tokens = max(LENGTHS) + NEW_TOKENS - 1
+    for layer in cache.layers:
+        assert isinstance(layer.keys, flashcl.QuantizedTensor) and layer.keys.fmt == fmt
+        held = WINDOW - 1 if by_config and layer.is_sliding else tokens
+        assert layer.keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], held, 32)
+    assert by_config == any(layer.is_sliding for layer in cache.layers) or family == "llama"
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
+@pytest.mark.filterwarnings("ignore:A custom logits processor:UserWarning")
+@pytest.mark.parametrize("search", ["beams", "assisted"])
+def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_device, flashcl_calls):
+    """Beam search (the cache's sequences reordered each step) and assisted decoding (drafted
+    tokens verified, the rejected ones cropped, past the sliding layer's window) through a
+    quantized cache built from Gemma 2's config: token for token as eager attention over the
+    same values dequantized."""
+    ids, mask = _padded_batch(torch_device)
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    if search == "beams":
+        kwargs.update(attention_mask=mask, num_beams=3)
+    else:  # assisted generation takes one sequence; the assistant drafts a fixed 5 tokens a step
+        ids = ids[:1]
+        torch.manual_seed(5)
+        assistant = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_COMMON, "num_hidden_layers": 1}))
+        assistant.generation_config.update(num_assistant_tokens=5, num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
+        kwargs.update(assistant_model=assistant.eval().to(torch_device))
+    model = _build("gemma2", fcl_hf.register(), torch_device, head_dim=32)
+    with torch.no_grad():
+        want = _build("gemma2", "eager", torch_device, head_dim=32).generate(
+            ids, past_key_values=_values_cache("q8_0"), **kwargs)
+        got = model.generate(ids, past_key_values=fcl_hf.quantized_cache("q8_0", model.config), **kwargs)
+    assert torch.equal(got.cpu(), want.cpu()), f"{search}:\n flashcl {got.tolist()}\n eager   {want.tolist()}"
+    assert any(name == "decode" for name, _ in flashcl_calls)
 
 
 def test_quantized_cache_refuses_what_it_cannot_hold():
-    """fp8_e4m3 (one scale per tensor) and unknown formats are refused when the cache is made;
-    beam search, cropping, batch reshaping and a hybrid model's linear-attention states are
-    refused by name, not by a failure inside a QuantizedTensor."""
+    """fp8_e4m3 (one scale per tensor), unknown formats and configs with layers other than
+    attention are refused when the cache is made; a hybrid model's linear-attention states by
+    name, not by a failure inside a QuantizedTensor."""
     for fmt in ("fp8_e4m3", "q5_1"):
         with pytest.raises(ValueError, match="quantized_cache: expected one of"):
             fcl_hf.quantized_cache(fmt)
-    cache = fcl_hf.quantized_cache("int8")
-    cache.update(torch.ones(1, 2, 3, 16), torch.ones(1, 2, 3, 16), 0)
-    refused = {"beam search": lambda: cache.reorder_cache(torch.tensor([0])),
-               "cropping": lambda: cache.crop(2), "reshaping its batch": lambda: cache.batch_repeat_interleave(2)}
     if hasattr(transformers.cache_utils.Cache, "get_conv_state"):
-        refused["linear-attention"] = lambda: cache.get_conv_state(0)
-    for what, call in refused.items():
-        with pytest.raises(NotImplementedError, match=what):
-            call()
+        with pytest.raises(NotImplementedError, match="linear-attention"):
+            fcl_hf.quantized_cache("int8").get_conv_state(0)
+    hybrid = transformers.LlamaConfig(**_COMMON)
+    hybrid.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match="attention layers only"):
+        fcl_hf.quantized_cache("int8", hybrid)
+
+
+def _dequantized(states):
+    return tuple(flashcl.dequantize(flashcl.quant.tokens(x, 0, x.shape[-2])) for x in states)
+
+
+_CACHE_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("update"), st.sampled_from([1, 2, 5, 6, 7, 12, 300])),  # around the window; a long prompt
+    st.tuples(st.just("crop"), st.integers(-3, 0)),
+    st.tuples(st.just("record"), st.just(0)),
+    st.tuples(st.just("reorder"), st.integers(0, 5)),
+    st.tuples(st.just("select"), st.integers(0, 2)),
+    st.tuples(st.just("repeat"), st.integers(1, 2))), min_size=1, max_size=14)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int8"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=_CACHE_STEPS)
+def test_quantized_cache_acts_as_transformers_own_on_its_values(fmt, steps):
+    """Any run of updates (longer and shorter than the window), crops (assisted decoding's
+    rollback, past the window once recording), beam reorders and batch selections or repeats
+    leaves a quantized cache built from a Gemma 2 config (a sliding and a global layer) holding
+    what DynamicCache(config=) holds when fed the same values dequantized: the states each update
+    returns, every layer's keys and values, lengths and mask sizes, and the same errors."""
+    cfg = _gemma2(head_dim=32).config
+    ours, theirs = fcl_hf.quantized_cache(fmt, cfg), transformers.DynamicCache(config=cfg)
+    gen, batch = torch.Generator().manual_seed(len(steps)), 3
+    recorded = None  # tokens written since recording began: what a crop may take back
+    for op, arg in steps:
+        if op == "update":
+            for layer in range(2):
+                k, v = (torch.randn(batch, 2, arg, 32, generator=gen) for _ in range(2))
+                got = _dequantized(ours.update(k, v, layer))
+                want = theirs.update(*(flashcl.dequantize(flashcl.quantize(x, fmt)) for x in (k, v)), layer)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (op, arg, layer)
+            recorded = None if recorded is None else recorded + arg
+            continue
+        if not theirs.layers[0].is_initialized:
+            continue  # transformers' own layers take nothing before the first update
+        if op == "crop":
+            if -arg >= theirs.get_seq_length() or (recorded is not None and -arg > recorded):
+                continue  # transformers' own layers then lose track of their batch, or of their length
+            recorded = None if recorded is None else recorded + arg
+        if op == "record":
+            recorded = 0
+        kept = torch.arange(min(arg, batch - 1), batch)  # "select"'s sequences, as indices or (arg 2) a bool mask
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(arg))  # "reorder"'s beams
+        call = {"crop": lambda c: c.crop(arg), "record": lambda c: c.activate_past_recording(),
+                "reorder": lambda c: c.reorder_cache(order),
+                "select": lambda c: c.batch_select_indices(kept if arg < 2 else torch.isin(torch.arange(batch), kept)),
+                "repeat": lambda c: c.batch_repeat_interleave(arg)}[op]
+        outcomes = []
+        for cache in (ours, theirs):
+            try:
+                call(cache)
+                outcomes.append(None)
+            except RuntimeError as e:
+                outcomes.append(type(e))
+        assert outcomes[0] == outcomes[1], (op, arg, outcomes)
+        batch = {"select": batch - min(arg, batch - 1), "repeat": batch * arg}.get(op, batch)
+        for mine, real in zip(ours.layers, theirs.layers):
+            if real.is_initialized and real.keys.numel():
+                assert all(torch.equal(g, w) for g, w in zip(_dequantized((mine.keys, mine.values)),
+                                                              (real.keys, real.values))), (op, arg)
+    for layer in range(2):
+        assert ours.get_seq_length(layer) == theirs.get_seq_length(layer)
+        assert ours.get_mask_sizes(1, layer) == theirs.get_mask_sizes(1, layer)
 
 
 def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):

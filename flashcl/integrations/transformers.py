@@ -19,11 +19,10 @@ sequence's first key (``key_start``), which never reads the padding. Softcap (Ge
 
 ``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
 (``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
-``generate(..., past_key_values=quantized_cache("q8_0"))``. A q8_0 cache holds 34 bytes per 32
-values (float32: 128), its buffers up to a quarter more; the attention sees the values
-``flashcl.dequantize`` gives, within the exceptions of docs/quantized-formats.md. Its
-sliding-window layers keep their whole history (transformers' own cache keeps the window's), so
-a model of mostly windowed layers may hold more.
+``generate(..., past_key_values=quantized_cache("q8_0", model.config))``. A q8_0 cache holds 34
+bytes per 32 values (float32: 128), its buffers up to a quarter more; the attention sees the
+values ``flashcl.dequantize`` gives, within the exceptions of docs/quantized-formats.md. Given
+the config, sliding-window layers keep only their window's keys, as transformers' own cache.
 
 Only models whose attention goes through transformers' attention interface run flashcl.
 transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl
@@ -85,15 +84,18 @@ def _calls_interface(model) -> bool:
 CACHE_FORMATS = ("q8_0", "q4_0", "int8")
 
 
-def quantized_cache(fmt: str = "q8_0"):
+def quantized_cache(fmt: str = "q8_0", config=None):
     """A transformers ``Cache`` whose layers keep K and V as ``flashcl.QuantizedTensor`` (format
     ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and written into buffers
-    with room for more (``flashcl.quant.write_tokens``), which decode reads in place up to their
-    length. Only flashcl's attention (``register()``) reads it: other implementations take
-    tensors. Every layer keeps its whole history (a sliding-window layer's mask still limits what
-    it attends). transformers 5 (tested: 5.17, 5.24); attention layers only (not a model's
-    linear-attention or state-space layers); no beam search, cropping (assisted decoding) or
-    batch reshaping: each raises NotImplementedError."""
+    with room for more (``flashcl.quant.write_tokens``), which decode reads in place.
+
+    Given the model's ``config``, the layers follow its layer types as ``DynamicCache(config=)``'s
+    do: a sliding-window (or chunked) layer keeps only the keys its window can still reach.
+    Without it every layer keeps its whole history (the masks still limit what each attends).
+    Beam search, cropping (assisted decoding) and batch reshaping work as on transformers' own
+    cache. Only flashcl's attention (``register()``) reads it: other implementations take
+    tensors. transformers 5 (tested: 5.17, 5.24); attention layers only: a model's
+    linear-attention, state-space or KV-sharing layers raise NotImplementedError."""
     import transformers
 
     if fmt not in CACHE_FORMATS:
@@ -101,7 +103,21 @@ def quantized_cache(fmt: str = "q8_0"):
     if int(transformers.__version__.split(".")[0]) < 5:
         raise RuntimeError(f"quantized_cache needs transformers 5 or later (its Cache layers), got "
                            f"{transformers.__version__}")
-    return _cache_classes()[0](fmt)
+    cache_class, layer_class, window_class = _cache_classes()
+    if config is None:
+        return cache_class(fmt, layer_class_to_replicate=functools.partial(layer_class, fmt))
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = []
+    for plain in DynamicCache(config=config).layers:
+        if type(plain) is DynamicLayer:
+            layers.append(layer_class(fmt))
+        elif type(plain) is DynamicSlidingWindowLayer:
+            layers.append(window_class(fmt, plain.sliding_window))
+        else:
+            raise NotImplementedError(f"flashcl's quantized cache holds attention layers only; this model's "
+                                      f"config has {type(plain).__name__} layers")
+    return cache_class(fmt, layers=layers)
 
 
 def _refused(what: str):
@@ -113,19 +129,22 @@ def _refused(what: str):
 
 @functools.lru_cache(maxsize=None)
 def _cache_classes():
-    """(QuantizedKVCache, QuantizedKVLayer): built on first use, transformers being optional."""
+    """(QuantizedKVCache, QuantizedKVLayer, QuantizedWindowLayer): built on first use,
+    transformers being optional."""
+    import torch
     from transformers.cache_utils import Cache, DynamicLayer
 
     class QuantizedKVLayer(DynamicLayer):
         """A DynamicLayer whose keys and values are CachedTokens: each step's tokens quantized and
-        written into buffers with room for more (grown by a quarter, so a step copies no history)."""
+        written into buffers with room for more (a quarter more than they hold, so a step copies
+        no history). The layer holds the buffers' tokens [start, end); this one keeps them all."""
 
-        is_croppable = False
+        is_croppable = True
 
         def __init__(self, fmt: str):
             super().__init__()
             self.fmt = fmt
-            self._buffers = None
+            self._buffers, self._start, self._end = None, 0, 0
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.device = key_states.device
@@ -134,35 +153,121 @@ def _cache_classes():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            states, n = (key_states, value_states), self.get_seq_length()
-            end = n + key_states.shape[-2]
-            room = end + max(end, _ROOM) // 4
+            states, t = (key_states, value_states), key_states.shape[-2]
             if self._buffers is None:
-                self._buffers = [quant.with_room(quant.quantize(x, self.fmt), room) for x in states]
+                self._buffers = [quant.with_room(quant.quantize(x, self.fmt), _room(t)) for x in states]
             else:
-                if end > self._buffers[0].shape[-2]:
-                    self._buffers = [quant.with_room(quant.first_tokens(b, n, copy=False), room) for b in self._buffers]
+                if self._end + t > self._buffers[0].shape[-2]:
+                    self._move(self._end - self._start + t)
                 for buf, x in zip(self._buffers, states):
-                    quant.write_tokens(buf, n, x)
-            self.keys, self.values = (CachedTokens.of(buf, end) for buf in self._buffers)
+                    quant.write_tokens(buf, self._end, x)
+            self._end += t
+            return self._seen(t)
+
+        def _seen(self, t: int):
+            """The tokens this step's queries see (after ``t`` new ones), as (keys, values)."""
+            self._show()
             return self.keys, self.values
 
+        def _show(self) -> None:
+            """Point ``keys``/``values`` at the tokens held."""
+            self.keys, self.values = (CachedTokens.of(buf, self._start, self._end) for buf in self._buffers)
+
+        def _move(self, tokens: int) -> None:
+            """The tokens held to the front of new buffers with room for ``tokens``."""
+            self._buffers = [quant.with_room(quant.tokens(buf, self._start, self._end, copy=False), _room(tokens))
+                             for buf in self._buffers]
+            self._start, self._end = 0, self._end - self._start
+
         def get_seq_length(self) -> int:
-            return 0 if self.keys is None else self.keys.shape[-2]
+            return self._end
 
         def reset(self) -> None:
-            self._buffers = None
+            self._buffers, self._start, self._end = None, 0, 0
             super().reset()
 
-        reorder_cache = _refused("reordering its entries (beam search)")
-        crop = _refused("cropping (assisted decoding)")
-        batch_repeat_interleave = batch_select_indices = _refused("reshaping its batch")
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:  # transformers' own layers refuse the old absolute form too
+                raise ValueError(f"crop takes the negative number of tokens to remove, got {tokens_to_remove}")
+            if self._buffers is not None and tokens_to_remove:
+                self._end = max(self._start, self._end + tokens_to_remove)
+                self._show()
+
+        def reorder_cache(self, beam_idx) -> None:
+            self._take(beam_idx)
+
+        def batch_select_indices(self, indices) -> None:
+            indices = torch.as_tensor(indices)
+            self._take(indices.nonzero().reshape(-1) if indices.dtype == torch.bool else indices.reshape(-1))
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self._buffers is not None:
+                self._take(torch.arange(self._buffers[0].shape[0]).repeat_interleave(repeats))
+
+        def _take(self, index) -> None:
+            """Keep the sequences ``index`` of the batch, in that order (repeats allowed)."""
+            if self._buffers is not None:
+                index = index.to(device=self._buffers[0].data.device, dtype=torch.int64)
+                self._buffers = [quant.select_batch(buf, index) for buf in self._buffers]
+                self._show()
+
+    class QuantizedWindowLayer(QuantizedKVLayer):
+        """A sliding-window (or chunked) layer, as transformers' DynamicSlidingWindowLayer: it
+        keeps the last ``sliding_window - 1`` tokens, and a step's queries see those and the
+        step's own. ``activate_past_recording`` (assisted decoding) keeps the rest until the
+        next ``crop``, which can then roll back past the window."""
+
+        is_sliding = True
+
+        def __init__(self, fmt: str, sliding_window: int):
+            super().__init__(fmt)
+            self.sliding_window = sliding_window
+            self.cumulative_length = 0
+            self.record_past = False
+
+        def activate_past_recording(self) -> None:
+            self.record_past = True
+
+        def _seen(self, t: int):
+            self.cumulative_length += t
+            first = max(self._start, self._end - t - (self.sliding_window - 1))
+            seen = tuple(CachedTokens.of(buf, first, self._end) for buf in self._buffers)
+            self._keep_from(self._start if self.record_past else self._end - (self.sliding_window - 1))
+            return seen
+
+        def _keep_from(self, first: int) -> None:
+            """Hold the tokens from buffer index ``first`` on, and move them to smaller buffers
+            once theirs hold more than twice the room they need (after a long prompt)."""
+            self._start = max(self._start, first)
+            held = self._end - self._start
+            if self._buffers[0].shape[-2] > 2 * _room(held):
+                self._move(held)
+            self._show()
+
+        def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+            past = min(self.cumulative_length, self.sliding_window - 1)
+            return past + query_length, max(self.cumulative_length - self.sliding_window + 1, 0)
+
+        def get_seq_length(self) -> int:
+            return self.cumulative_length
+
+        def get_max_length(self) -> int:
+            return self.sliding_window
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if self.cumulative_length >= self.sliding_window and not self.record_past:
+                raise RuntimeError("crop: this sliding-window layer has dropped the tokens before its window; "
+                                   "call activate_past_recording() before the steps to be rolled back")
+            super().crop(tokens_to_remove)
+            if self._buffers is not None:
+                self.cumulative_length = max(self.cumulative_length + tokens_to_remove, 0)
+                self._keep_from(self._end - (self.sliding_window - 1))
 
     class QuantizedKVCache(Cache):
         """transformers' Cache over QuantizedKVLayers of one format (quantized_cache)."""
 
-        def __init__(self, fmt: str):
-            super().__init__(layer_class_to_replicate=functools.partial(QuantizedKVLayer, fmt))
+        def __init__(self, fmt: str, **layers):
+            super().__init__(**layers)
             self.fmt = fmt
 
     # a hybrid model's linear-attention / state-space layers, or a sparse indexer, keep other states
@@ -170,30 +275,36 @@ def _cache_classes():
                  "has_previous_state", "update_indexer"):
         if hasattr(Cache, name):
             setattr(QuantizedKVCache, name, _refused("a model's linear-attention or indexer layers"))
-    return QuantizedKVCache, QuantizedKVLayer
+    return QuantizedKVCache, QuantizedKVLayer, QuantizedWindowLayer
 
 
-# Tokens a layer's buffers grow by at least (a quarter of what they hold, past this)
+# A layer's buffers are made for a quarter more tokens than they must hold, and _ROOM // 4 at least.
 _ROOM = 256
+
+
+def _room(tokens: int) -> int:
+    """The tokens a layer's buffers are made for when they must hold ``tokens``."""
+    return tokens + max(tokens, _ROOM) // 4
 
 
 @dataclass(frozen=True)
 class CachedTokens(quant.QuantizedTensor):
-    """The first shape[-2] tokens of ``buffer`` (a QuantizedTensor with room for more), viewed:
-    what a quantized cache's layer hands the attention, which decodes on the buffer itself up to
-    the context length rather than copying the tokens out."""
+    """Tokens [start, start + shape[-2]) of ``buffer`` (a QuantizedTensor with room for more),
+    viewed: what a quantized cache's layer hands the attention, which decodes on the buffer
+    itself (from ``start`` to the end) rather than copying the tokens out."""
 
     buffer: Any = None
+    start: int = 0
 
     @classmethod
-    def of(cls, buffer: quant.QuantizedTensor, n: int) -> "CachedTokens":
-        view = quant.first_tokens(buffer, n, copy=False)
-        return cls(view.data, view.scales, view.fmt, view.shape, view.dtype, buffer)
+    def of(cls, buffer: quant.QuantizedTensor, start: int, stop: int) -> "CachedTokens":
+        view = quant.tokens(buffer, start, stop, copy=False)
+        return cls(view.data, view.scales, view.fmt, view.shape, view.dtype, buffer, start)
 
 
 def _first_keys(x, n: int):
     """Keys (or values) ``x`` (B, H_kv, N, D), a tensor or a QuantizedTensor, cut to their first ``n``."""
-    return quant.first_tokens(x, n) if isinstance(x, quant.QuantizedTensor) else x[:, :, :n]
+    return quant.tokens(x, 0, n) if isinstance(x, quant.QuantizedTensor) else x[:, :, :n]
 
 
 @dataclass(frozen=True)
@@ -328,8 +439,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         starts, lens, keys = plan.key_start, None, plan.keys
         if starts is not None:
             starts = starts.expand(query.shape[0]).contiguous()  # a mask of batch 1 serves every row
-        if in_buffer:  # the quantized cache's buffers, read up to the keys in place
-            key, value, keys = key.buffer, value.buffer, n_kv if keys is None else keys
+        if in_buffer:  # the quantized cache's buffers, read in place from its first key to its last
+            first = key.start
+            key, value, keys = key.buffer, value.buffer, first + (n_kv if keys is None else keys)
+            if first:
+                starts = (torch.full((query.shape[0],), first, dtype=torch.int32, device=query.device)
+                          if starts is None else starts + first)
         if keys is not None:  # the cache's leading keys, read in place
             lens = torch.full((query.shape[0],), keys, dtype=torch.int32, device=query.device)
         out = api.decode(query[:, :, 0], key, value, key_start=starts, context_lens=lens, **variants)[:, :, None]

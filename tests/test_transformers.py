@@ -315,9 +315,10 @@ def test_quantized_cache_acts_as_transformers_own_on_its_values(fmt, steps):
         if op == "update":
             for layer in range(2):
                 k, v = (torch.randn(batch, 2, arg, 32, generator=gen) for _ in range(2))
+                visible = theirs.get_mask_sizes(arg, layer)[0]  # 5.17's recording layers return more
                 got = _dequantized(ours.update(k, v, layer))
                 want = theirs.update(*(flashcl.dequantize(flashcl.quantize(x, fmt)) for x in (k, v)), layer)
-                assert all(torch.equal(g, w) for g, w in zip(got, want)), (op, arg, layer)
+                assert all(torch.equal(g, w[:, :, -visible:]) for g, w in zip(got, want)), (op, arg, layer)
             recorded = None if recorded is None else recorded + arg
             continue
         if not theirs.layers[0].is_initialized:

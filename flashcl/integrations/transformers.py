@@ -187,6 +187,7 @@ def _cache_classes():
             super().reset()
 
         def crop(self, tokens_to_remove: int) -> None:
+            tokens_to_remove = int(tokens_to_remove)  # generate() may pass a 0-d tensor
             if tokens_to_remove > 0:  # transformers' own layers refuse the old absolute form too
                 raise ValueError(f"crop takes the negative number of tokens to remove, got {tokens_to_remove}")
             if self._buffers is not None and tokens_to_remove:
@@ -260,7 +261,7 @@ def _cache_classes():
                                    "call activate_past_recording() before the steps to be rolled back")
             super().crop(tokens_to_remove)
             if self._buffers is not None:
-                self.cumulative_length = max(self.cumulative_length + tokens_to_remove, 0)
+                self.cumulative_length = max(self.cumulative_length + int(tokens_to_remove), 0)
                 self._keep_from(self._end - (self.sliding_window - 1))
 
     class QuantizedKVCache(Cache):

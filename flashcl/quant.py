@@ -17,10 +17,11 @@ byte for byte, all arithmetic in float32, so ``qt.data[row].tobytes()`` is ggml'
 
 Where the math runs follows the input's kind, and data/scales come back in that kind:
 - numpy: NumPy on the host.
-- torch: CUDA tensors in torch ops on their device, the same bytes as NumPy (one quantizer body
-  serves both, through ``_NumpyOps``/``_TorchOps``), nothing syncing with the host; CPU tensors
-  in NumPy's ops (fewer microseconds a call; float32 ones on their own memory), data/scales
-  back as torch.
+- torch: CUDA tensors (q8_0, q4_0, int8) in one Triton launch (flashcl/triton/quantize.py, the
+  same arithmetic), nothing syncing with the host; without Triton, and fp8_e4m3, in torch ops on
+  their device, the same bytes as NumPy (one quantizer body serves both, through
+  ``_NumpyOps``/``_TorchOps``). CPU tensors in NumPy's ops (fewer microseconds a call; float32
+  ones on their own memory), data/scales back as torch.
 - pyopencl Array: NumPy on the host, data/scales uploaded to the input's queue (OpenCL's float
   division need not be correctly rounded, so a device quantizer would not give ggml's bytes on
   every device). ggml scales are then a strided view of ``data``: read them through ``data``.
@@ -294,6 +295,8 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
         raise ValueError(f"quantize needs a head dim (the last) of at least 1, got shape {tuple(x.shape)}")
     if fmt == "fp8_e4m3":
         return _quantize_fp8(x)
+    if _triton_quantizer(x) is not None and not torch_ops and dtype_name(x) in _FLOAT_NAMES:
+        return _quantize_on_cuda(x, fmt)
     xf = _float32_of(x)
     on_host = _is_torch(xf) and xf.device.type == "cpu" and not torch_ops
     if on_host:
@@ -320,6 +323,35 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
         scales = _ggml_scales(data)
     dtype = x.dtype if _is_torch(x) else np.dtype(x.dtype).newbyteorder("=")
     return QuantizedTensor(data, scales, fmt, tuple(int(s) for s in x.shape), dtype)
+
+
+def _triton_quantizer(x):
+    """flashcl.triton.quantize for a CUDA tensor where Triton is installed (one launch, the same
+    bytes as torch's ops in ~15), else None."""
+    if not (_is_torch(x) and x.is_cuda):
+        return None
+    try:
+        from .triton import quantize
+    except ImportError:
+        return None
+    return quantize
+
+
+def _quantize_on_cuda(x, fmt: str) -> QuantizedTensor:
+    import torch
+
+    shape, d = tuple(int(s) for s in x.shape), int(x.shape[-1])
+    rows = x.detach().reshape(-1, 1, d)  # (..., D) as rows of one token each
+    if fmt == "int8":
+        data = torch.empty(shape, dtype=torch.int8, device=x.device)
+        scales = torch.empty(shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+        _triton_quantizer(x).quantize_rows(rows, fmt, data.view(-1, 1, d), scales.view(-1, 1, 1))
+    else:
+        _ggml_blocks(x)  # the head dim's check
+        data = torch.empty(shape[:-1] + (d // QK, BLOCK_BYTES[fmt]), dtype=torch.uint8, device=x.device)
+        _triton_quantizer(x).quantize_rows(rows, fmt, data.view(-1, 1, d // QK, BLOCK_BYTES[fmt]), None)
+        scales = _ggml_scales(data)
+    return QuantizedTensor(data, scales, fmt, shape, x.dtype)
 
 
 def _as_torch(a: np.ndarray):
@@ -576,6 +608,10 @@ def write_tokens(qt: QuantizedTensor, at: int, x) -> None:
     if dtype_name(x) != dtype_name(qt) or x.device != qt.data.device:
         raise TypeError(f"x: the cache was quantized from {dtype_name(qt)} on {qt.data.device}; got "
                         f"{dtype_name(x)} on {x.device}")
+    quantizer = _triton_quantizer(x)
+    if quantizer is not None and qt.data.is_contiguous() and (qt.fmt != "int8" or qt.scales.is_contiguous()):
+        quantizer.quantize_rows(x.detach(), qt.fmt, qt.data, qt.scales if qt.fmt == "int8" else None, at)
+        return
     new = _quantize(x, qt.fmt, dtype_name(qt))
     axis = len(qt.shape) - 2  # the token axis of data and of int8's scales alike
     qt.data.narrow(axis, at, t).copy_(new.data)

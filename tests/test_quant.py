@@ -282,9 +282,10 @@ def test_cuda_stays_on_device_with_the_numpy_bytes(fmt):
     x = torch.from_numpy(_hard_blocks(4000, seed=9).reshape(500, 4, 64))
     if fmt == "fp8_e4m3":
         x = torch.from_numpy(_kv((500, 4, 64), seed=10))
+    on_device = x.cuda()                                   # (a copy from pageable memory syncs)
     torch.cuda.set_sync_debug_mode("error")              # any host sync below raises
     try:
-        got = flashcl.quantize(x.cuda(), fmt)
+        got = flashcl.quantize(on_device, fmt)
         back = flashcl.dequantize(got)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -292,6 +293,35 @@ def test_cuda_stays_on_device_with_the_numpy_bytes(fmt):
     want = flashcl.quantize(x, fmt)
     assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(back.cpu(), flashcl.dequantize(want))
+
+
+@pytest.mark.parametrize("fmt, d", [("q8_0", 64), ("q8_0", 96), ("q4_0", 64), ("q4_0", 96), ("int8", 64),
+                                    ("int8", 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NumPy under the interpreter, on NaN
+def test_the_triton_quantizer_writes_the_numpy_bytes_into_room(fmt, d, dtype, triton_device):
+    """flashcl/triton/quantize.py (how CUDA tensors quantize, and write_tokens writes them) puts
+    tokens into a buffer's room with the bytes NumPy gives the whole tensor, the tokens around
+    them untouched; rows holding NaN or inf as torch's ops give them."""
+    from flashcl.triton.quantize import quantize_rows
+
+    n = 50 * 4 * d
+    hard = _hard_blocks(n // QK, seed=7) if dtype != torch.float16 else _kv((n // QK, QK), seed=8)
+    x = torch.from_numpy(hard.reshape(50, 4, d)).to(dtype)
+    want = flashcl.quantize(x, fmt)
+    buf = flashcl.quant.with_room(flashcl.quantize(x[:, :2].to(triton_device), fmt), 9)
+    quantize_rows(x[:, 2:].to(triton_device), fmt, buf.data, buf.scales if fmt == "int8" else None, at=5)
+    for (start, stop), (w_start, w_stop) in (((0, 2), (0, 2)), ((5, 7), (2, 4))):
+        got, expected = flashcl.quant.tokens(buf, start, stop), flashcl.quant.tokens(want, w_start, w_stop)
+        assert torch.equal(got.data.cpu().view(torch.uint8), expected.data.view(torch.uint8)), (start, stop)
+        assert torch.equal(got.scales.cpu(), expected.scales)
+    assert not flashcl.quant.tokens(buf, 2, 5).data.any() and not flashcl.quant.tokens(buf, 7, 9).data.any()
+    special = torch.randn(3, 2, d, generator=torch.Generator().manual_seed(3))
+    special[0, 0, 3], special[1, 1, d - 1], special[2, 0, :32] = float("nan"), float("inf"), 0.0
+    out = flashcl.quant.with_room(flashcl.quantize(special[:, :0].to(triton_device), fmt), 2)
+    quantize_rows(special.to(triton_device), fmt, out.data, out.scales if fmt == "int8" else None)
+    torch_ops = flashcl.quant._quantize(special, fmt, "float32", torch_ops=True)
+    assert torch.equal(out.data.cpu().view(torch.uint8), torch_ops.data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])

@@ -5,6 +5,8 @@ mask) reduction on its own, and the calls the integration refuses."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -196,36 +198,40 @@ def test_chunked_prefill_through_the_cache_matches_eager(family, torch_device, f
     assert err <= TOL, f"{family}: second-chunk logits differ from eager by {err:.2e}"
 
 
-def _values_cache(fmt: str):
-    """A transformers cache of the values a quantized cache of ``fmt`` holds, dequantized: what
-    eager attention must see to match flashcl's attention reading the quantized cache."""
+def _values_cache(fmt: str, value_fmt: Optional[str] = None):
+    """A transformers cache of the values a quantized cache of ``fmt`` (V: ``value_fmt``) holds,
+    dequantized: what eager attention must see to match flashcl's attention reading it."""
     from transformers.cache_utils import Cache, DynamicLayer
 
     class Layer(DynamicLayer):
         def update(self, key_states, value_states, *args, **kwargs):
-            k, v = (flashcl.dequantize(flashcl.quantize(x.contiguous(), fmt)) for x in (key_states, value_states))
+            k, v = (flashcl.dequantize(flashcl.quantize(x.contiguous(), f))
+                    for x, f in ((key_states, fmt), (value_states, value_fmt or fmt)))
             return super().update(k, v, *args, **kwargs)
 
     return Cache(layer_class_to_replicate=Layer)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
-@pytest.mark.parametrize("family, fmt, by_config", [
-    ("llama", "q8_0", False), ("llama", "q4_0", False), ("llama", "int8", False), ("gemma2", "q8_0", False),
-    ("gemma2", "q8_0", True), ("gpt_oss", "q4_0", True), ("mistral", "int8", True)])
-def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, by_config, torch_device, flashcl_calls):
+@pytest.mark.parametrize("family, fmt, value_fmt, by_config", [
+    ("llama", "q8_0", None, False), ("llama", "q4_0", None, False), ("llama", "int8", None, False),
+    ("llama", "q8_0", "q4_0", False), ("gemma2", "q8_0", None, False), ("gemma2", "q8_0", None, True),
+    ("gpt_oss", "q4_0", None, True), ("mistral", "int8", "q8_0", True)])
+def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, value_fmt, by_config, torch_device,
+                                                                 flashcl_calls):
     """quantized_cache(fmt) on a left-padded batch (head dim 32, ggml's block): flashcl reads the
     quantized K/V in place and matches eager attention over the same values dequantized, token for
-    token and in every step's logits. The cache holds QuantizedTensors of every token, or, built
-    from the model's config, only the window's on a sliding layer."""
+    token and in every step's logits. The cache holds QuantizedTensors of every token (V in
+    ``value_fmt`` where given), or, built from the model's config, only the window's on a sliding
+    layer."""
     ids, mask = _padded_batch(torch_device)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                   pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
     model = _build(family, fcl_hf.register(), torch_device, head_dim=32)
-    cache = fcl_hf.quantized_cache(fmt, model.config if by_config else None)
+    cache = fcl_hf.quantized_cache(fmt, model.config if by_config else None, value_fmt=value_fmt)
     with torch.no_grad():
         want = _build(family, "eager", torch_device, head_dim=32).generate(
-            ids, past_key_values=_values_cache(fmt), **kwargs)
+            ids, past_key_values=_values_cache(fmt, value_fmt), **kwargs)
         got = model.generate(ids, past_key_values=cache, **kwargs)
     assert torch.equal(got.sequences.cpu(), want.sequences.cpu()), f"{family} {fmt}"
     err = max(rel_err(g.cpu().numpy(), w.cpu().numpy()) for g, w in zip(got.logits, want.logits))
@@ -235,7 +241,7 @@ def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, by_
     assert all(kw["context_lens"] is not None for kw in steps)  # the buffers read in place, to their length
     tokens = max(LENGTHS) + NEW_TOKENS - 1
     for layer in cache.layers:
-        assert isinstance(layer.keys, flashcl.QuantizedTensor) and layer.keys.fmt == fmt
+        assert (layer.keys.fmt, layer.values.fmt) == (fmt, value_fmt or fmt)
         held = WINDOW - 1 if by_config and layer.is_sliding else tokens
         assert layer.keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], held, 32)
     assert by_config == any(layer.is_sliding for layer in cache.layers) or family == "llama"
@@ -274,8 +280,10 @@ def test_quantized_cache_refuses_what_it_cannot_hold():
     attention are refused when the cache is made; a hybrid model's linear-attention states by
     name, not by a failure inside a QuantizedTensor."""
     for fmt in ("fp8_e4m3", "q5_1"):
-        with pytest.raises(ValueError, match="quantized_cache: expected one of"):
+        with pytest.raises(ValueError, match="quantized_cache: fmt must be one of"):
             fcl_hf.quantized_cache(fmt)
+        with pytest.raises(ValueError, match="quantized_cache: value_fmt must be one of"):
+            fcl_hf.quantized_cache("q8_0", value_fmt=fmt)
     if hasattr(transformers.cache_utils.Cache, "get_conv_state"):
         with pytest.raises(NotImplementedError, match="linear-attention"):
             fcl_hf.quantized_cache("int8").get_conv_state(0)

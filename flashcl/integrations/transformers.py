@@ -84,10 +84,11 @@ def _calls_interface(model) -> bool:
 CACHE_FORMATS = ("q8_0", "q4_0", "int8")
 
 
-def quantized_cache(fmt: str = "q8_0", config=None):
+def quantized_cache(fmt: str = "q8_0", config=None, value_fmt: Optional[str] = None):
     """A transformers ``Cache`` whose layers keep K and V as ``flashcl.QuantizedTensor`` (format
-    ``fmt``, one of CACHE_FORMATS), each step's new tokens quantized and written into buffers
-    with room for more (``flashcl.quant.write_tokens``), which decode reads in place.
+    ``fmt``, one of CACHE_FORMATS; V in ``value_fmt`` where given, as llama.cpp's -ctk / -ctv),
+    each step's new tokens quantized and written into buffers with room for more
+    (``flashcl.quant.write_tokens``), which decode reads in place.
 
     Given the model's ``config``, the layers follow its layer types as ``DynamicCache(config=)``'s
     do: a sliding-window (or chunked) layer keeps only the keys its window can still reach.
@@ -98,26 +99,28 @@ def quantized_cache(fmt: str = "q8_0", config=None):
     linear-attention, state-space or KV-sharing layers raise NotImplementedError."""
     import transformers
 
-    if fmt not in CACHE_FORMATS:
-        raise ValueError(f"quantized_cache: expected one of {CACHE_FORMATS}, got {fmt!r}")
+    formats = (fmt, fmt if value_fmt is None else value_fmt)
+    for name, value in zip(("fmt", "value_fmt"), formats):
+        if value not in CACHE_FORMATS:
+            raise ValueError(f"quantized_cache: {name} must be one of {CACHE_FORMATS}, got {value!r}")
     if int(transformers.__version__.split(".")[0]) < 5:
         raise RuntimeError(f"quantized_cache needs transformers 5 or later (its Cache layers), got "
                            f"{transformers.__version__}")
     cache_class, layer_class, window_class = _cache_classes()
     if config is None:
-        return cache_class(fmt, layer_class_to_replicate=functools.partial(layer_class, fmt))
+        return cache_class(formats, layer_class_to_replicate=functools.partial(layer_class, formats))
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     layers = []
     for plain in DynamicCache(config=config).layers:
         if type(plain) is DynamicLayer:
-            layers.append(layer_class(fmt))
+            layers.append(layer_class(formats))
         elif type(plain) is DynamicSlidingWindowLayer:
-            layers.append(window_class(fmt, plain.sliding_window))
+            layers.append(window_class(formats, plain.sliding_window))
         else:
             raise NotImplementedError(f"flashcl's quantized cache holds attention layers only; this model's "
                                       f"config has {type(plain).__name__} layers")
-    return cache_class(fmt, layers=layers)
+    return cache_class(formats, layers=layers)
 
 
 def _refused(what: str):
@@ -141,9 +144,9 @@ def _cache_classes():
 
         is_croppable = True
 
-        def __init__(self, fmt: str):
+        def __init__(self, formats: Tuple[str, str]):
             super().__init__()
-            self.fmt = fmt
+            self.formats = formats  # of K and of V
             self._buffers, self._start, self._end = None, 0, 0
 
         def lazy_initialization(self, key_states, value_states) -> None:
@@ -155,7 +158,8 @@ def _cache_classes():
                 self.lazy_initialization(key_states, value_states)
             states, t = (key_states, value_states), key_states.shape[-2]
             if self._buffers is None:
-                self._buffers = [quant.with_room(quant.quantize(x, self.fmt), _room(t)) for x in states]
+                self._buffers = [quant.with_room(quant.quantize(x, fmt), _room(t))
+                                 for x, fmt in zip(states, self.formats)]
             else:
                 if self._end + t > self._buffers[0].shape[-2]:
                     self._move(self._end - self._start + t)
@@ -220,8 +224,8 @@ def _cache_classes():
 
         is_sliding = True
 
-        def __init__(self, fmt: str, sliding_window: int):
-            super().__init__(fmt)
+        def __init__(self, formats: Tuple[str, str], sliding_window: int):
+            super().__init__(formats)
             self.sliding_window = sliding_window
             self.cumulative_length = 0
             self.record_past = False
@@ -265,11 +269,11 @@ def _cache_classes():
                 self._keep_from(self._end - (self.sliding_window - 1))
 
     class QuantizedKVCache(Cache):
-        """transformers' Cache over QuantizedKVLayers of one format (quantized_cache)."""
+        """transformers' Cache over QuantizedKVLayers (quantized_cache)."""
 
-        def __init__(self, fmt: str, **layers):
+        def __init__(self, formats: Tuple[str, str], **layers):
             super().__init__(**layers)
-            self.fmt = fmt
+            self.formats = formats  # of K and of V
 
     # a hybrid model's linear-attention / state-space layers, or a sparse indexer, keep other states
     for name in ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",

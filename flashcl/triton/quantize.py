@@ -39,10 +39,10 @@ def _quantize_rows(x, data, scales, rows, tokens, capacity, at,
                    BB: tl.constexpr, ROWS: tl.constexpr):
     """Rows r of x (rows, D), each token r % tokens of a sequence r // tokens, quantized into row
     (r // tokens) * capacity + at + r % tokens of data (and int8's scales)."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = r < rows
-    out = ((r // tokens) * capacity + at + r % tokens).to(tl.int64)
-    src = r.to(tl.int64) * D
+    out = (r // tokens) * capacity + at + r % tokens
+    src = r * D
     if FMT == 2:
         c = tl.arange(0, DP)
         ok = live[:, None] & (c < D)[None, :]

@@ -29,6 +29,7 @@ Where the math runs follows the input's kind, and data/scales come back in that 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,8 +296,9 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
         raise ValueError(f"quantize needs a head dim (the last) of at least 1, got shape {tuple(x.shape)}")
     if fmt == "fp8_e4m3":
         return _quantize_fp8(x)
-    if _triton_quantizer(x) is not None and not torch_ops and dtype_name(x) in _FLOAT_NAMES:
-        return _quantize_on_cuda(x, fmt)
+    quantizer = None if torch_ops else _triton_quantizer(x)
+    if quantizer is not None and dtype_name(x) in _FLOAT_NAMES:
+        return _quantize_on_cuda(x, fmt, quantizer)
     xf = _float32_of(x)
     on_host = _is_torch(xf) and xf.device.type == "cpu" and not torch_ops
     if on_host:
@@ -328,8 +330,11 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
 def _triton_quantizer(x):
     """flashcl.triton.quantize for a CUDA tensor where Triton is installed (one launch, the same
     bytes as torch's ops in ~15), else None."""
-    if not (_is_torch(x) and x.is_cuda):
-        return None
+    return _triton_quantize_module() if _is_torch(x) and x.is_cuda else None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_quantize_module():
     try:
         from .triton import quantize
     except ImportError:
@@ -337,7 +342,7 @@ def _triton_quantizer(x):
     return quantize
 
 
-def _quantize_on_cuda(x, fmt: str) -> QuantizedTensor:
+def _quantize_on_cuda(x, fmt: str, quantizer) -> QuantizedTensor:
     import torch
 
     shape, d = tuple(int(s) for s in x.shape), int(x.shape[-1])
@@ -345,11 +350,11 @@ def _quantize_on_cuda(x, fmt: str) -> QuantizedTensor:
     if fmt == "int8":
         data = torch.empty(shape, dtype=torch.int8, device=x.device)
         scales = torch.empty(shape[:-1] + (1,), dtype=torch.float32, device=x.device)
-        _triton_quantizer(x).quantize_rows(rows, fmt, data.view(-1, 1, d), scales.view(-1, 1, 1))
+        quantizer.quantize_rows(rows, fmt, data.view(-1, 1, d), scales.view(-1, 1, 1))
     else:
         _ggml_blocks(x)  # the head dim's check
         data = torch.empty(shape[:-1] + (d // QK, BLOCK_BYTES[fmt]), dtype=torch.uint8, device=x.device)
-        _triton_quantizer(x).quantize_rows(rows, fmt, data.view(-1, 1, d // QK, BLOCK_BYTES[fmt]), None)
+        quantizer.quantize_rows(rows, fmt, data.view(-1, 1, d // QK, BLOCK_BYTES[fmt]), None)
         scales = _ggml_scales(data)
     return QuantizedTensor(data, scales, fmt, shape, x.dtype)
 
@@ -536,6 +541,16 @@ def _refuse_new_fp8_tokens(qt: QuantizedTensor) -> None:
                          "the whole cache; use int8, q8_0 or q4_0")
 
 
+def _over(qt: QuantizedTensor, data, rows, shape: tuple) -> QuantizedTensor:
+    """``qt``'s format over new ``data`` of ``shape``: the ggml scales viewed inside it, fp8's
+    tensor scale kept, int8's per-row scales ``rows(qt.scales)`` (the same rows data took)."""
+    if qt.fmt in BLOCK_BYTES:
+        scales = _ggml_scales(data)
+    else:
+        scales = qt.scales if qt.fmt == "fp8_e4m3" else rows(qt.scales)
+    return QuantizedTensor(data, scales, qt.fmt, shape, qt.dtype)
+
+
 def tokens(qt: QuantizedTensor, start: int, stop: int, copy: bool = True) -> QuantizedTensor:
     """Tokens [start, stop) of a contiguous torch cache (..., N, D): copied, or with ``copy``
     false a view of the cache's memory (fp8_e4m3 keeps its tensor's scale)."""
@@ -544,16 +559,12 @@ def tokens(qt: QuantizedTensor, start: int, stop: int, copy: bool = True) -> Qua
     if len(qt.shape) < 2 or not 0 <= start <= stop <= qt.shape[-2]:
         raise ValueError(f"tokens: [{start}, {stop}) of a cache of shape {qt.shape} (tokens on axis -2)")
     axis, n = len(qt.shape) - 2, stop - start
-    data = qt.data.narrow(axis, start, n)
-    data = data.contiguous() if copy else data
-    if qt.fmt in BLOCK_BYTES:
-        scales = _ggml_scales(data)
-    elif qt.fmt == "fp8_e4m3":
-        scales = qt.scales
-    else:
-        scales = qt.scales.narrow(axis, start, n)
-        scales = scales.contiguous() if copy else scales
-    return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (n, qt.shape[-1]), qt.dtype)
+
+    def cut(a):
+        a = a.narrow(axis, start, n)
+        return a.contiguous() if copy else a
+
+    return _over(qt, cut(qt.data), cut, qt.shape[:-2] + (n, qt.shape[-1]))
 
 
 def select_batch(qt: QuantizedTensor, index) -> QuantizedTensor:
@@ -562,14 +573,11 @@ def select_batch(qt: QuantizedTensor, index) -> QuantizedTensor:
     a batch's selection)."""
     if not _is_torch(qt.data):
         raise TypeError(f"select_batch takes a torch cache, got {kind_of(qt.data)}")
-    data = qt.data.index_select(0, index)
-    if qt.fmt in BLOCK_BYTES:
-        scales = _ggml_scales(data)
-    elif qt.fmt == "fp8_e4m3":
-        scales = qt.scales
-    else:
-        scales = qt.scales.index_select(0, index)
-    return QuantizedTensor(data, scales, qt.fmt, (int(index.shape[0]),) + tuple(qt.shape[1:]), qt.dtype)
+
+    def take(a):
+        return a.index_select(0, index)
+
+    return _over(qt, take(qt.data), take, (int(index.shape[0]),) + tuple(qt.shape[1:]))
 
 
 def with_room(qt: QuantizedTensor, capacity: int) -> QuantizedTensor:
@@ -588,9 +596,7 @@ def with_room(qt: QuantizedTensor, capacity: int) -> QuantizedTensor:
         out.narrow(axis, 0, n).copy_(a)
         return out
 
-    data = grown(qt.data)
-    scales = _ggml_scales(data) if qt.fmt in BLOCK_BYTES else grown(qt.scales)
-    return QuantizedTensor(data, scales, qt.fmt, qt.shape[:-2] + (capacity, qt.shape[-1]), qt.dtype)
+    return _over(qt, grown(qt.data), grown, qt.shape[:-2] + (capacity, qt.shape[-1]))
 
 
 def write_tokens(qt: QuantizedTensor, at: int, x) -> None:

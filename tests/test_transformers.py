@@ -109,12 +109,12 @@ def _build(family: str, implementation: str, device: str, **config):
     return model.eval().to(device)
 
 
-def _padded_batch(device: str):
+def _padded_batch(device: str, lengths=LENGTHS):
     gen = torch.Generator().manual_seed(1)
-    n = max(LENGTHS)
-    ids = torch.full((len(LENGTHS), n), PAD, dtype=torch.long)
-    mask = torch.zeros((len(LENGTHS), n), dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
+    n = max(lengths)
+    ids = torch.full((len(lengths), n), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), n), dtype=torch.long)
+    for row, length in enumerate(lengths):
         ids[row, n - length:] = torch.randint(1, _COMMON["vocab_size"], (length,), generator=gen)
         mask[row, n - length:] = 1
     return ids.to(device), mask.to(device)
@@ -213,18 +213,21 @@ def _values_cache(fmt: str, value_fmt: Optional[str] = None):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
-@pytest.mark.parametrize("family, fmt, value_fmt, by_config", [
-    ("llama", "q8_0", None, False), ("llama", "q4_0", None, False), ("llama", "int8", None, False),
-    ("llama", "q8_0", "q4_0", False), ("gemma2", "q8_0", None, False), ("gemma2", "q8_0", None, True),
-    ("gpt_oss", "q4_0", None, True), ("mistral", "int8", "q8_0", True)])
-def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, value_fmt, by_config, torch_device,
-                                                                 flashcl_calls):
+@pytest.mark.parametrize("family, fmt, value_fmt, by_config, lengths", [
+    ("llama", "q8_0", None, False, LENGTHS), ("llama", "q4_0", None, False, LENGTHS),
+    ("llama", "int8", None, False, LENGTHS), ("llama", "q8_0", "q4_0", False, LENGTHS),
+    ("gemma2", "q8_0", None, False, LENGTHS), ("gemma2", "q8_0", None, True, LENGTHS),
+    ("gemma2", "int8", None, True, (19, 3)), ("gpt_oss", "q4_0", None, True, LENGTHS),
+    ("mistral", "int8", "q8_0", True, LENGTHS)])
+def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, value_fmt, by_config, lengths,
+                                                                 torch_device, flashcl_calls):
     """quantized_cache(fmt) on a left-padded batch (head dim 32, ggml's block): flashcl reads the
     quantized K/V in place and matches eager attention over the same values dequantized, token for
     token and in every step's logits. The cache holds QuantizedTensors of every token (V in
     ``value_fmt`` where given), or, built from the model's config, only the window's on a sliding
-    layer."""
-    ids, mask = _padded_batch(torch_device)
+    layer; a row shorter than the window starts each sliding decode past its padding (key_start
+    within the window's buffer)."""
+    ids, mask = _padded_batch(torch_device, lengths)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                   pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
     model = _build(family, fcl_hf.register(), torch_device, head_dim=32)
@@ -239,18 +242,21 @@ def test_quantized_cache_generation_matches_eager_on_its_values(family, fmt, val
     steps = [kw for name, kw in flashcl_calls if name == "decode"]
     assert len(steps) == (NEW_TOKENS - 1) * _COMMON["num_hidden_layers"], flashcl_calls
     assert all(kw["context_lens"] is not None for kw in steps)  # the buffers read in place, to their length
-    tokens = max(LENGTHS) + NEW_TOKENS - 1
+    tokens = max(lengths) + NEW_TOKENS - 1
     for layer in cache.layers:
         assert (layer.keys.fmt, layer.values.fmt) == (fmt, value_fmt or fmt)
         held = WINDOW - 1 if by_config and layer.is_sliding else tokens
-        assert layer.keys.shape == (len(LENGTHS), _COMMON["num_key_value_heads"], held, 32)
+        assert layer.keys.shape == (len(lengths), _COMMON["num_key_value_heads"], held, 32)
+    if min(lengths) < WINDOW - 1:  # the sliding layers' first steps: row 1 starts after row 0, past 0
+        assert any(kw["key_start"] is not None and 0 < int(kw["key_start"][0]) < int(kw["key_start"][1])
+                   for kw in steps), steps
     assert by_config == any(layer.is_sliding for layer in cache.layers) or family == "llama"
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
 @pytest.mark.filterwarnings("ignore:A custom logits processor:UserWarning")
 @pytest.mark.parametrize("search", ["beams", "assisted"])
-def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_device, flashcl_calls):
+def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_device, flashcl_calls, monkeypatch):
     """Beam search (the cache's sequences reordered each step) and assisted decoding (drafted
     tokens verified, the rejected ones cropped, past the sliding layer's window) through a
     quantized cache built from Gemma 2's config: token for token as eager attention over the
@@ -266,6 +272,20 @@ def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_d
         assistant.generation_config.update(num_assistant_tokens=5, num_assistant_tokens_schedule="constant",
                                            assistant_confidence_threshold=0.0)
         kwargs.update(assistant_model=assistant.eval().to(torch_device))
+    window_layer = fcl_hf._cache_classes()[2]
+    calls = []  # (method, argument, whether the sliding layer was past its window)
+
+    def spy(method):
+        real = getattr(window_layer, method)
+
+        def wrapped(self, arg):
+            past = self.cumulative_length >= self.sliding_window
+            calls.append((method, int(arg) if method == "crop" else None, past))
+            return real(self, arg)
+        monkeypatch.setattr(window_layer, method, wrapped)
+
+    spy("crop")
+    spy("reorder_cache")
     model = _build("gemma2", fcl_hf.register(), torch_device, head_dim=32)
     with torch.no_grad():
         want = _build("gemma2", "eager", torch_device, head_dim=32).generate(
@@ -273,6 +293,10 @@ def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_d
         got = model.generate(ids, past_key_values=fcl_hf.quantized_cache("q8_0", model.config), **kwargs)
     assert torch.equal(got.cpu(), want.cpu()), f"{search}:\n flashcl {got.tolist()}\n eager   {want.tolist()}"
     assert any(name == "decode" for name, _ in flashcl_calls)
+    if search == "beams":
+        assert any(method == "reorder_cache" and past for method, _, past in calls), calls
+    else:  # drafts rejected and rolled back past the window
+        assert any(method == "crop" and arg < 0 and past for method, arg, past in calls), calls
 
 
 def test_quantized_cache_refuses_what_it_cannot_hold():
@@ -319,6 +343,12 @@ def test_quantized_cache_acts_as_transformers_own_on_its_values(fmt, steps):
     ours, theirs = fcl_hf.quantized_cache(fmt, cfg), transformers.DynamicCache(config=cfg)
     gen, batch = torch.Generator().manual_seed(len(steps)), 3
     recorded = None  # tokens written since recording began: what a crop may take back
+
+    def same_lengths(op, arg):
+        for layer in range(2):
+            assert ours.get_seq_length(layer) == theirs.get_seq_length(layer), (op, arg, layer)
+            assert ours.get_mask_sizes(1, layer) == theirs.get_mask_sizes(1, layer), (op, arg, layer)
+
     for op, arg in steps:
         if op == "update":
             for layer in range(2):
@@ -328,6 +358,7 @@ def test_quantized_cache_acts_as_transformers_own_on_its_values(fmt, steps):
                 want = theirs.update(*(flashcl.dequantize(flashcl.quantize(x, fmt)) for x in (k, v)), layer)
                 assert all(torch.equal(g, w[:, :, -visible:]) for g, w in zip(got, want)), (op, arg, layer)
             recorded = None if recorded is None else recorded + arg
+            same_lengths(op, arg)
             continue
         if not theirs.layers[0].is_initialized:
             continue  # transformers' own layers take nothing before the first update
@@ -356,9 +387,28 @@ def test_quantized_cache_acts_as_transformers_own_on_its_values(fmt, steps):
             if real.is_initialized and real.keys.numel():
                 assert all(torch.equal(g, w) for g, w in zip(_dequantized((mine.keys, mine.values)),
                                                               (real.keys, real.values))), (op, arg)
+        same_lengths(op, arg)
+
+
+def test_quantized_cache_resets_and_crops_to_a_length():
+    """reset() leaves layers that start again as new ones (transformers 5.17 zeroed K/V in place);
+    crop(n) with n > 0 keeps the first n tokens (5.17's older form), under and past the window."""
+    cfg = _gemma2(head_dim=32).config
+    cache, fresh = fcl_hf.quantized_cache("q8_0", cfg), fcl_hf.quantized_cache("q8_0", cfg)
+    k = torch.randn(2, 2, 9, 32)
     for layer in range(2):
-        assert ours.get_seq_length(layer) == theirs.get_seq_length(layer)
-        assert ours.get_mask_sizes(1, layer) == theirs.get_mask_sizes(1, layer)
+        cache.update(k, k, layer)
+    cache.reset()
+    for layer in range(2):
+        got, want = cache.update(k[:, :, :3], k[:, :, :3], layer), fresh.update(k[:, :, :3], k[:, :, :3], layer)
+        assert all(torch.equal(g.data, w.data) and g.shape == w.shape for g, w in zip(got, want))
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == 3
+    cache.crop(2)
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == 2 and cache.layers[1].keys.shape[-2] == 2
+    for layer in range(2):
+        cache.update(k, k, layer)
+    with pytest.raises(RuntimeError, match="crop by the negative number"):
+        cache.crop(4)  # the sliding layer is past its window
 
 
 def test_static_cache_generation_matches_eager(torch_device, flashcl_calls):

@@ -20,7 +20,8 @@ sequence's first key (``key_start``), which never reads the padding. Softcap (Ge
 ``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
 (``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
 ``generate(..., past_key_values=quantized_cache("q8_0", model.config))``. A q8_0 cache holds 34
-bytes per 32 values (float32: 128), its buffers up to a quarter more; the attention sees the
+bytes per 32 values (float32: 128), a full layer's buffers up to a quarter more (a sliding
+layer's, after a long prompt, up to twice the room its window needs); the attention sees the
 values ``flashcl.dequantize`` gives, within the exceptions of docs/quantized-formats.md. Given
 the config, sliding-window layers keep only their window's keys, as transformers' own cache.
 
@@ -95,8 +96,9 @@ def quantized_cache(fmt: str = "q8_0", config=None, value_fmt: Optional[str] = N
     Without it every layer keeps its whole history (the masks still limit what each attends).
     Beam search, cropping (assisted decoding) and batch reshaping work as on transformers' own
     cache. Only flashcl's attention (``register()``) reads it: other implementations take
-    tensors. transformers 5 (tested: 5.17, 5.24); attention layers only: a model's
-    linear-attention, state-space or KV-sharing layers raise NotImplementedError."""
+    tensors. transformers 5 (tested: 5.17, 5.24); attention layers only: a config whose layers
+    DynamicCache makes other than attention layers (linear-attention, state-space, sparse) raises
+    NotImplementedError."""
     import transformers
 
     formats = (fmt, fmt if value_fmt is None else value_fmt)
@@ -117,6 +119,8 @@ def quantized_cache(fmt: str = "q8_0", config=None, value_fmt: Optional[str] = N
             layers.append(layer_class(formats))
         elif type(plain) is DynamicSlidingWindowLayer:
             layers.append(window_class(formats, plain.sliding_window))
+        elif type(plain).__name__ == "DummyLayer":  # transformers 5.24's holder of no K/V (MoE, shared K/V)
+            layers.append(plain)
         else:
             raise NotImplementedError(f"flashcl's quantized cache holds attention layers only; this model's "
                                       f"config has {type(plain).__name__} layers")
@@ -166,14 +170,14 @@ def _cache_classes():
                 for buf, x in zip(self._buffers, states):
                     quant.write_tokens(buf, self._end, x)
             self._end += t
-            return self._seen(t)
+            return self._visible_after_write(t)
 
-        def _seen(self, t: int):
+        def _visible_after_write(self, t: int):
             """The tokens this step's queries see (after ``t`` new ones), as (keys, values)."""
-            self._show()
+            self._refresh_views()
             return self.keys, self.values
 
-        def _show(self) -> None:
+        def _refresh_views(self) -> None:
             """Point ``keys``/``values`` at the tokens held."""
             self.keys, self.values = (CachedTokens.of(buf, self._start, self._end) for buf in self._buffers)
 
@@ -187,16 +191,24 @@ def _cache_classes():
             return self._end
 
         def reset(self) -> None:
+            # dropped, not zeroed in place (transformers 5.17's reset zeroes keys it finds initialized)
             self._buffers, self._start, self._end = None, 0, 0
+            self.keys = self.values = None
+            self.is_initialized = False
             super().reset()
 
         def crop(self, tokens_to_remove: int) -> None:
-            tokens_to_remove = int(tokens_to_remove)  # generate() may pass a 0-d tensor
-            if tokens_to_remove > 0:  # transformers' own layers refuse the old absolute form too
-                raise ValueError(f"crop takes the negative number of tokens to remove, got {tokens_to_remove}")
+            """Drop the last -``tokens_to_remove`` tokens; a positive value is the length to keep
+            (transformers 5.17's older form, which 5.24 refuses)."""
+            tokens_to_remove = self._removed(tokens_to_remove)
             if self._buffers is not None and tokens_to_remove:
                 self._end = max(self._start, self._end + tokens_to_remove)
-                self._show()
+                self._refresh_views()
+
+        def _removed(self, tokens_to_remove) -> int:
+            """crop's argument as the negative number of tokens to drop (generate() may pass a 0-d tensor)."""
+            tokens_to_remove = int(tokens_to_remove)
+            return min(tokens_to_remove - self.get_seq_length(), 0) if tokens_to_remove > 0 else tokens_to_remove
 
         def reorder_cache(self, beam_idx) -> None:
             self._take(beam_idx)
@@ -214,7 +226,7 @@ def _cache_classes():
             if self._buffers is not None:
                 index = index.to(device=self._buffers[0].data.device, dtype=torch.int64)
                 self._buffers = [quant.select_batch(buf, index) for buf in self._buffers]
-                self._show()
+                self._refresh_views()
 
     class QuantizedWindowLayer(QuantizedKVLayer):
         """A sliding-window (or chunked) layer, as transformers' DynamicSlidingWindowLayer: it
@@ -233,7 +245,7 @@ def _cache_classes():
         def activate_past_recording(self) -> None:
             self.record_past = True
 
-        def _seen(self, t: int):
+        def _visible_after_write(self, t: int):
             self.cumulative_length += t
             first = max(self._start, self._end - t - (self.sliding_window - 1))
             seen = tuple(CachedTokens.of(buf, first, self._end) for buf in self._buffers)
@@ -247,7 +259,7 @@ def _cache_classes():
             held = self._end - self._start
             if self._buffers[0].shape[-2] > 2 * _room(held):
                 self._move(held)
-            self._show()
+            self._refresh_views()
 
         def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
             past = min(self.cumulative_length, self.sliding_window - 1)
@@ -260,12 +272,15 @@ def _cache_classes():
             return self.sliding_window
 
         def crop(self, tokens_to_remove: int) -> None:
-            if self.cumulative_length >= self.sliding_window and not self.record_past:
+            past = self.cumulative_length >= self.sliding_window
+            if past and (not self.record_past or int(tokens_to_remove) > 0):
                 raise RuntimeError("crop: this sliding-window layer has dropped the tokens before its window; "
-                                   "call activate_past_recording() before the steps to be rolled back")
+                                   "call activate_past_recording() before the steps to be rolled back, and "
+                                   "crop by the negative number of tokens to remove")
+            tokens_to_remove = self._removed(tokens_to_remove)
             super().crop(tokens_to_remove)
             if self._buffers is not None:
-                self.cumulative_length = max(self.cumulative_length + int(tokens_to_remove), 0)
+                self.cumulative_length = max(self.cumulative_length + tokens_to_remove, 0)
                 self._keep_from(self._end - (self.sliding_window - 1))
 
     class QuantizedKVCache(Cache):

@@ -4,14 +4,17 @@ formats), written where a cache's buffer wants them.
 torch's ops took ~15 launches per quantize, about 0.4 ms of host time a call, twice per layer
 and step in a quantized cache (docs/notes/opencl-host.md, "A quantized cache inside a model").
 The arithmetic is quant.py's, op for op in float32 with correctly rounded divisions and no fused
-multiply-adds, so the bytes are ggml's (and NumPy's) on every finite block; a block holding NaN
-gets d NaN and q 0, as torch's ops give it.
+multiply-adds, so the bytes are ggml's (and NumPy's) on every finite block but those whose largest
+magnitude is under ~4e-37 (1/d overflows; C's conversion of the quotient is undefined there, and
+every path dequantizes them to 0). A block holding NaN gets d NaN (NumPy's 0x7E00) and q 0.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from . import on_device_of
 
 _FORMATS = {"q8_0": 0, "q4_0": 1, "int8": 2}
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
@@ -27,7 +30,7 @@ def _round_half_away(v):
 
 @triton.jit
 def _store_d(data, at, d, mask):
-    """d as ggml's little-endian fp16, at byte offsets ``at`` (a NaN as torch's 0x7E00)."""
+    """d as ggml's little-endian fp16, at byte offsets ``at`` (a NaN as NumPy's 0x7E00)."""
     bits = tl.where(d != d, 0x7E00, d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32))
     tl.store(data + at, (bits & 0xFF).to(tl.uint8), mask=mask)
     tl.store(data + at + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=mask)
@@ -82,11 +85,12 @@ def _quantize_rows(x, data, scales, rows, tokens, capacity, at,
             h = tl.arange(0, 16)
             lo = tl.load(x + at_x + h[None, None, :], mask=ok, other=0.0).to(tl.float32)
             hi = tl.load(x + at_x + 16 + h[None, None, :], mask=ok, other=0.0).to(tl.float32)
+            # x*id + 8.5 lies in [0.5, 16.5] on a finite block (the truncation a floor); clipped
+            # before the conversion, as NumPy's, where 1/d overflows
             q_lo = lo * inv[:, :, None] + 8.5
             q_hi = hi * inv[:, :, None] + 8.5
-            # x*id + 8.5 lies in [0.5, 16.5] on a finite block, so the truncation is a floor
-            q_lo = tl.where(q_lo != q_lo, 0, tl.minimum(q_lo.to(tl.int32), 15))
-            q_hi = tl.where(q_hi != q_hi, 0, tl.minimum(q_hi.to(tl.int32), 15))
+            q_lo = tl.where(q_lo != q_lo, 0, tl.minimum(tl.maximum(q_lo, 0.0), 15.0).to(tl.int32))
+            q_hi = tl.where(q_hi != q_hi, 0, tl.minimum(tl.maximum(q_hi, 0.0), 15.0).to(tl.int32))
             tl.store(data + at_d[:, :, None] + 2 + h[None, None, :], (q_lo | (q_hi << 4)).to(tl.uint8), mask=ok)
         _store_d(data, at_d, d, blocks)
 
@@ -101,8 +105,9 @@ def quantize_rows(x, fmt: str, data, scales, at: int = 0) -> None:
     rows = x.numel() // d
     if rows == 0:
         return
-    nb = d // 32
-    _quantize_rows[(triton.cdiv(rows, _ROWS),)](
-        x, data, scales if scales is not None else data, rows, tokens, capacity, at,
-        FMT=_FORMATS[fmt], D=d, DP=triton.next_power_of_2(d), NB=max(nb, 1), NBP=triton.next_power_of_2(max(nb, 1)),
-        BB=_BLOCK_BYTES.get(fmt, 1), ROWS=_ROWS, enable_fp_fusion=False)
+    nb = max(d // 32, 1)
+    with on_device_of(x):
+        _quantize_rows[(triton.cdiv(rows, _ROWS),)](
+            x, data, scales if scales is not None else data, rows, tokens, capacity, at,
+            FMT=_FORMATS[fmt], D=d, DP=triton.next_power_of_2(d), NB=nb, NBP=triton.next_power_of_2(nb),
+            BB=_BLOCK_BYTES.get(fmt, 1), ROWS=_ROWS, enable_fp_fusion=False)

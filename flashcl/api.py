@@ -7,6 +7,7 @@ argument, what it received and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import quant
 from .quant import BLOCK_BYTES, QK, QuantizedTensor, check_layout
 from .quant import dtype_name as _dtype_name
 from .reference import MASK_HIDES_AT
@@ -168,6 +170,19 @@ def _check_quantized(kernel: str, backend: str, q, kv: dict) -> None:
         if x.fmt in BLOCK_BYTES and x.shape[-1] % QK:
             raise ValueError(f"{name}: {x.fmt} packs the head dim in blocks of {QK}; got {dim}={x.shape[-1]}")
         check_layout(x, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_quantizer():
+    """flashcl/triton/quantize.py, which quantizes CUDA tensors in one launch; None without Triton."""
+    try:
+        from .triton import quantize
+    except ImportError:
+        return None
+    return quantize
+
+
+quant.set_cuda_quantizer(_triton_quantizer)  # quant, below the backends, cannot import them
 
 
 # --------------------------------------------------------------------------- variants

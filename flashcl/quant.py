@@ -29,7 +29,6 @@ Where the math runs follows the input's kind, and data/scales come back in that 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,19 +326,24 @@ def _quantize(x, fmt: str, logical: str, torch_ops: bool = False) -> QuantizedTe
     return QuantizedTensor(data, scales, fmt, tuple(int(s) for s in x.shape), dtype)
 
 
+# How CUDA tensors quantize in one launch (flashcl/triton/quantize.py): a function returning that
+# module, or None where Triton is missing. The API layer installs it (set_cuda_quantizer), this
+# layer being below the backends; until then CUDA tensors quantize in torch's ops.
+_cuda_quantizer = None
+
+
+def set_cuda_quantizer(load) -> None:
+    """Install ``load`` (no arguments -> the Triton quantizer module or None) for CUDA tensors."""
+    global _cuda_quantizer
+    _cuda_quantizer = load
+
+
 def _triton_quantizer(x):
-    """flashcl.triton.quantize for a CUDA tensor where Triton is installed (one launch, the same
-    bytes as torch's ops in ~15), else None."""
-    return _triton_quantize_module() if _is_torch(x) and x.is_cuda else None
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_quantize_module():
-    try:
-        from .triton import quantize
-    except ImportError:
+    """The Triton quantizer for a CUDA tensor (one launch, the same bytes as torch's ops in ~15),
+    else None."""
+    if _cuda_quantizer is None or not (_is_torch(x) and x.is_cuda):
         return None
-    return quantize
+    return _cuda_quantizer()
 
 
 def _quantize_on_cuda(x, fmt: str, quantizer) -> QuantizedTensor:

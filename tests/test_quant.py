@@ -317,6 +317,11 @@ def test_the_triton_quantizer_writes_the_numpy_bytes_into_room(fmt, d, dtype, tr
         assert torch.equal(got.data.cpu().view(torch.uint8), expected.data.view(torch.uint8)), (start, stop)
         assert torch.equal(got.scales.cpu(), expected.scales)
     assert not flashcl.quant.tokens(buf, 2, 5).data.any() and not flashcl.quant.tokens(buf, 7, 9).data.any()
+    # a whole tensor as flashcl.quantize quantizes a CUDA one (here on the interpreter's CPU, too)
+    whole = flashcl.quant._quantize_on_cuda(x.to(triton_device), fmt, flashcl.quant._cuda_quantizer())
+    check_layout(whole, "whole")
+    assert torch.equal(whole.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(whole.scales.cpu(), want.scales) and whole.shape == want.shape and whole.dtype == dtype
     special = torch.randn(3, 2, d, generator=torch.Generator().manual_seed(3))
     special[0, 0, 3], special[1, 1, d - 1], special[2, 0, :32] = float("nan"), float("inf"), 0.0
     special = special.to(dtype)

@@ -299,6 +299,28 @@ def test_quantized_cache_under_beam_search_and_assisted_decoding(search, torch_d
         assert any(method == "crop" and arg < 0 and past for method, arg, past in calls), calls
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # renamed `cache` in 5.x
+def test_a_quantized_prompt_cache_copied_continues_as_a_fresh_one(flashcl_calls, cpu_device, monkeypatch):
+    """transformers' prompt reuse: a cache filled with a prompt, deep-copied (its views follow
+    their copied buffers) and handed to generate() twice, gives a fresh generation's tokens."""
+    import copy
+
+    monkeypatch.setenv("FLASHCL_DEVICE", cpu_device)
+    ids = _padded_batch("cpu")[0][:1]
+    model = _build("gemma2", fcl_hf.register(), "cpu", head_dim=32)
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    with torch.no_grad():
+        prompt = fcl_hf.quantized_cache("q8_0", model.config)
+        model(ids[:, :12], past_key_values=prompt)
+        copied = copy.deepcopy(prompt)
+        layer = copied.layers[1]
+        assert layer.keys.buffer is layer._buffers[0]
+        runs = [model.generate(ids, past_key_values=copy.deepcopy(prompt), **kwargs) for _ in range(2)]
+        fresh = model.generate(ids, past_key_values=fcl_hf.quantized_cache("q8_0", model.config), **kwargs)
+    assert all(torch.equal(run, fresh) for run in runs), (runs, fresh)
+    assert prompt.get_seq_length() == 12  # the copies grew, not the prompt's cache
+
+
 def test_quantized_cache_refuses_what_it_cannot_hold():
     """fp8_e4m3 (one scale per tensor), unknown formats and configs with layers other than
     attention are refused when the cache is made; a hybrid model's linear-attention states by

@@ -19,11 +19,12 @@ sequence's first key (``key_start``), which never reads the padding. Softcap (Ge
 
 ``quantized_cache(fmt)`` is a transformers cache that keeps each layer's K and V quantized
 (``flashcl.quantize``: q8_0, q4_0 or int8), which the attention reads in place: pass it to
-``generate(..., past_key_values=quantized_cache("q8_0", model.config))``. A q8_0 cache holds 34
-bytes per 32 values (float32: 128), a full layer's buffers up to a quarter more (a sliding
-layer's, after a long prompt, up to twice the room its window needs); the attention sees the
-values ``flashcl.dequantize`` gives, within the exceptions of docs/quantized-formats.md. Given
-the config, sliding-window layers keep only their window's keys, as transformers' own cache.
+``generate(..., past_key_values=quantized_cache("q8_0", model.config))`` (``cache=`` in the
+transformers releases that renamed it). A q8_0 cache holds 34 bytes per 32 values (float32:
+128), a full layer's buffers up to a quarter more (a sliding layer's, after a long prompt, up to
+twice the room its window needs); the attention sees the values ``flashcl.dequantize`` gives,
+within the exceptions of docs/quantized-formats.md. Given the config, sliding-window layers keep
+only their window's keys, as transformers' own cache.
 
 Only models whose attention goes through transformers' attention interface run flashcl.
 transformers accepts the name for the others too (Bloom, MPT, ...), which then never call flashcl

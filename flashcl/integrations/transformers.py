@@ -162,14 +162,13 @@ def _cache_classes():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             states, t = (key_states, value_states), key_states.shape[-2]
-            if self._buffers is None:
-                self._buffers = [quant.with_room(quant.quantize(x, fmt), _room(t))
+            if self._buffers is None:  # empty buffers of the states' format, shape, dtype and device
+                self._buffers = [quant.with_room(quant.quantize(x[..., :0, :], fmt), _room(t))
                                  for x, fmt in zip(states, self.formats)]
-            else:
-                if self._end + t > self._buffers[0].shape[-2]:
-                    self._move(self._end - self._start + t)
-                for buf, x in zip(self._buffers, states):
-                    quant.write_tokens(buf, self._end, x)
+            elif self._end + t > self._buffers[0].shape[-2]:
+                self._move(self._end - self._start + t)
+            for buf, x in zip(self._buffers, states):
+                quant.write_tokens(buf, self._end, x)
             self._end += t
             return self._visible_after_write(t)
 
